@@ -1,0 +1,51 @@
+"""A client of the coordinator's Generate API (used by ``specdec generate`` and the tests)."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+FINISH_REASONS = {coordinator_pb2.FINISH_REASON_STOP: "stop", coordinator_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass
+class Completion:
+    """A finished stream: generated ids, text, finish reason ("stop" / "length") and metrics."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    metrics: coordinator_pb2.RequestMetrics | None = None
+
+    def add(self, response: coordinator_pb2.GenerateResponse) -> None:
+        self.token_ids.extend(response.token_ids)
+        self.text += response.text
+        if response.finish_reason:
+            self.finish_reason = FINISH_REASONS[response.finish_reason]
+            self.metrics = response.metrics
+
+    def to_json(self) -> dict:
+        metrics = MessageToDict(
+            self.metrics or coordinator_pb2.RequestMetrics(),
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+        )
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason, "metrics": metrics}
+
+
+def stream(address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None) -> Iterator[coordinator_pb2.GenerateResponse]:
+    """Streams a Generate call. Raises grpc.RpcError with the coordinator's status on failure."""
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=timeout_s)
+
+
+def generate(address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None) -> Completion:
+    """Runs a Generate call to the end and returns the whole completion."""
+    completion = Completion()
+    for response in stream(address, request, timeout_s):
+        completion.add(response)
+    return completion

@@ -1,0 +1,63 @@
+"""Per-request speculative-decoding metrics, named as vLLM reports them (design brief)."""
+
+import time
+from dataclasses import dataclass, field
+
+from specdec.timing import ms_since
+from specdec.v1 import coordinator_pb2
+
+
+@dataclass
+class RoundRecord:
+    """One round: ``num_drafted`` tokens proposed (0 = a plain decode step), ``num_accepted`` of
+    them accepted; times in ms (draft and verify are the services' own compute times)."""
+
+    num_drafted: int
+    num_accepted: int
+    draft_ms: float
+    verify_ms: float
+    wall_ms: float
+
+
+@dataclass
+class MetricsRecorder:
+    start: float = field(default_factory=time.perf_counter)
+    num_prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    first_token_ms: float | None = None
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    def record_first_token(self) -> None:
+        if self.first_token_ms is None:
+            self.first_token_ms = ms_since(self.start)
+
+    def to_proto(self, num_generated: int, **identity) -> coordinator_pb2.RequestMetrics:
+        """``identity``: seed, drafter, num_speculative_tokens."""
+        spec = [r for r in self.rounds if r.num_drafted]
+        drafted = sum(r.num_drafted for r in spec)
+        accepted = sum(r.num_accepted for r in spec)
+        histogram = [0] * (max((r.num_drafted for r in spec), default=0) + 1)
+        for r in spec:
+            histogram[r.num_accepted] += 1
+        total_ms = ms_since(self.start)
+        draft_ms = sum(r.draft_ms for r in self.rounds)
+        verify_ms = sum(r.verify_ms for r in self.rounds)
+        return coordinator_pb2.RequestMetrics(
+            num_spec_steps=len(spec),
+            num_draft_tokens=drafted,
+            num_accepted_draft_tokens=accepted,
+            draft_acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_acceptance_length=1.0 + accepted / len(spec) if spec else 1.0,
+            acceptance_histogram=histogram if spec else [],
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=num_generated,
+            num_target_forwards=len(self.rounds),
+            tokens_per_second=num_generated / (total_ms / 1000.0) if total_ms else 0.0,
+            time_to_first_token_ms=self.first_token_ms or 0.0,
+            total_time_ms=total_ms,
+            prefill_time_ms=self.prefill_ms,
+            draft_time_ms=draft_ms,
+            verify_time_ms=verify_ms,
+            coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
+            **identity,
+        )

@@ -1,0 +1,114 @@
+"""Validation of a GenerateRequest into the parameters of one speculative session."""
+
+import secrets
+from dataclasses import dataclass
+
+from coordinator.settings import CoordinatorSettings
+from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.sampling import SamplingParams
+from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    num_speculative_tokens: int
+    drafter: str
+
+
+def _field(request, name: str, default):
+    return getattr(request, name) if request.HasField(name) else default
+
+
+def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]:
+    """Tokenizes the prompt: through the chat template (one user message for ``text``) with the
+    generation prompt added, or verbatim when ``raw_prompt`` is set. Raises InvalidArgument."""
+    kind = request.WhichOneof("prompt")
+    if kind == "chat":
+        if request.raw_prompt:
+            raise InvalidArgument("raw_prompt applies to a text prompt, not to chat messages")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    else:
+        messages = [{"role": "user", "content": request.text}]
+    if not any(m["content"].strip() for m in messages):
+        raise InvalidArgument("prompt is empty: set `text` or give `chat` at least one non-empty message")
+    if request.raw_prompt:
+        return tokenizer(request.text).input_ids
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(ids["input_ids"])
+
+
+def resolve(
+    request: coordinator_pb2.GenerateRequest,
+    settings: CoordinatorSettings,
+    tokenizer,
+    tokenizer_fingerprint: str,
+    verify_info: verify_pb2.VerifyServiceGetInfoResponse,
+    draft_info: draft_pb2.DraftServiceGetInfoResponse | None,
+) -> ResolvedRequest:
+    """Checks every field and fills in defaults.
+
+    Raises:
+        InvalidArgument: a field out of range (the message names it and the allowed range).
+        FailedPrecondition: the coordinator's tokenizer or the drafter's vocabulary differs from
+            the target's.
+    """
+    if tokenizer_fingerprint != verify_info.vocab_fingerprint:
+        raise FailedPrecondition(
+            f"the coordinator's tokenizer ({settings.tokenizer}) differs from the target's "
+            f"({verify_info.model}): start the coordinator with --tokenizer {verify_info.model}"
+        )
+    ids = prompt_ids(request, tokenizer)
+    window = verify_info.max_context_length
+    if len(ids) >= window:
+        raise InvalidArgument(
+            f"prompt has {len(ids)} tokens; the target's context window is {window}: shorten the prompt"
+        )
+    max_new = _field(request, "max_new_tokens", settings.default_max_new_tokens)
+    if not 1 <= max_new <= settings.max_new_tokens_limit:
+        raise InvalidArgument(f"max_new_tokens is {max_new}: it must lie in [1, {settings.max_new_tokens_limit}]")
+    if len(ids) + max_new > window:
+        raise InvalidArgument(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
+            f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
+        )
+    sampling = SamplingParams(
+        temperature=_field(request, "temperature", 0.0),
+        top_k=_field(request, "top_k", 0),
+        top_p=_field(request, "top_p", 1.0),
+        seed=_field(request, "seed", secrets.randbits(63)),
+    )
+    if not sampling.temperature >= 0:  # also catches NaN
+        raise InvalidArgument(f"temperature is {sampling.temperature}: it must be >= 0 (0 = greedy)")
+    if sampling.top_k < 0:
+        raise InvalidArgument(f"top_k is {sampling.top_k}: it must be >= 0 (0 = no top-k filter)")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(f"top_p is {sampling.top_p}: it must lie in (0, 1]")
+    k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
+    max_k = verify_info.max_num_speculative_tokens
+    if not 0 <= k <= max_k:
+        raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
+    drafter = request.drafter
+    if k > 0 or drafter:
+        drafter = _check_drafter(drafter, draft_info, verify_info)
+    return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter)
+
+
+def _check_drafter(name: str, draft_info, verify_info) -> str:
+    if draft_info is None:
+        raise Unavailable("the draft service is unreachable: retry, or use num_speculative_tokens 0")
+    name = name or draft_info.default_drafter
+    drafters = {d.name: d for d in draft_info.drafters}
+    if name not in drafters:
+        raise InvalidArgument(f"unknown drafter {name!r}: the draft service hosts {', '.join(drafters)}")
+    fingerprint = drafters[name].vocab_fingerprint
+    if fingerprint and fingerprint != verify_info.vocab_fingerprint:
+        raise FailedPrecondition(
+            f"drafter {name!r} ({drafters[name].model}) has a different vocabulary from the target "
+            f"({verify_info.model}): choose a draft model that shares the target's tokenizer, "
+            "or the ngram drafter"
+        )
+    return name

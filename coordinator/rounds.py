@@ -1,0 +1,113 @@
+"""The speculative round loop's state for one request: the committed token log and the sessions
+on the draft and verify services.
+
+Each round: the draft proposes K tokens (carrying the committed tokens it has not yet seen), the
+verify service accepts n of them and returns the next token, and the committed log grows by
+draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service. A
+service that answers NOT_FOUND (its session expired or it restarted) is prefilled again from the
+committed log and the call is retried once.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from coordinator.clients import ServiceClients
+from coordinator.metrics import RoundRecord
+from coordinator.request import ResolvedRequest
+from specdec.errors import NotFound
+from specdec.timing import ms_since
+from specdec.v1 import draft_pb2, verify_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SpeculativeSession:
+    def __init__(self, clients: ServiceClients, session_id: str, request: ResolvedRequest):
+        self.clients = clients
+        self.session_id = session_id
+        self.request = request
+        self.committed: list[int] = list(request.prompt_ids)
+        self.uses_draft = request.num_speculative_tokens > 0
+        self.draft_seen = 0  # length of the committed prefix the draft session has seen
+
+    async def prefill(self) -> None:
+        """Opens the session on the verify service (and the draft service when K > 0)."""
+        calls = [self._prefill_verify()]
+        if self.uses_draft:
+            calls.append(self._prefill_draft())
+        await asyncio.gather(*calls)
+
+    async def _prefill_verify(self) -> None:
+        request = verify_pb2.VerifyServicePrefillRequest(
+            session_id=self.session_id, token_ids=self.committed, sampling=self.request.sampling.to_proto()
+        )
+        await self.clients.call_verify("Prefill", request, self.clients.prefill_timeout_s)
+
+    async def _prefill_draft(self) -> None:
+        request = draft_pb2.DraftServicePrefillRequest(
+            session_id=self.session_id,
+            drafter=self.request.drafter,
+            token_ids=self.committed,
+            sampling=self.request.sampling.to_proto(),
+        )
+        await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
+        self.draft_seen = len(self.committed)
+
+    async def _rebuilding(self, call: Callable[[], Awaitable[T]], prefill: Callable[[], Awaitable[None]], where: str) -> T:
+        try:
+            return await call()
+        except NotFound:
+            log.warning("session %s lost on the %s service: prefilling it again", self.session_id, where)
+            await prefill()
+            return await call()
+
+    async def round(self, k: int) -> tuple[list[int], RoundRecord]:
+        """Runs one round with K = ``k`` (0 = plain decode). Returns the newly committed tokens and
+        the round's record."""
+        start = time.perf_counter()
+        draft_ms, proposal, distributions = 0.0, [], []
+        if k > 0:
+            proposed = await self._rebuilding(lambda: self._propose(k), self._prefill_draft, "draft")
+            proposal, distributions, draft_ms = list(proposed.token_ids), proposed.distributions, proposed.compute_ms
+        if proposal:
+            verified = await self._rebuilding(
+                lambda: self._verify(proposal, distributions), self._prefill_verify, "verify"
+            )
+            n, new, verify_ms = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id], verified.compute_ms
+        else:
+            decoded = await self._rebuilding(self._decode, self._prefill_verify, "verify")
+            n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
+        self.committed.extend(new)
+        return new, RoundRecord(len(proposal), n, draft_ms, verify_ms, ms_since(start))
+
+    async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
+        request = draft_pb2.ProposeRequest(
+            session_id=self.session_id,
+            appended_token_ids=self.committed[self.draft_seen :],
+            num_speculative_tokens=k,
+        )
+        response = await self.clients.call_draft("Propose", request)
+        self.draft_seen = len(self.committed)
+        return response
+
+    async def _verify(self, proposal: list[int], distributions) -> verify_pb2.VerifyResponse:
+        request = verify_pb2.VerifyRequest(
+            session_id=self.session_id, draft_token_ids=proposal, draft_distributions=distributions
+        )
+        return await self.clients.call_verify("Verify", request)
+
+    async def _decode(self) -> verify_pb2.DecodeResponse:
+        return await self.clients.call_verify("Decode", verify_pb2.DecodeRequest(session_id=self.session_id))
+
+    async def release(self) -> None:
+        """Releases both sessions; failures are logged (the services' idle timeout reclaims them)."""
+        calls = [self.clients.call_verify("Release", verify_pb2.VerifyServiceReleaseRequest(session_id=self.session_id))]
+        if self.uses_draft:
+            calls.append(self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=self.session_id)))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("releasing session %s failed: %s", self.session_id, result)

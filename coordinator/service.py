@@ -1,0 +1,136 @@
+"""The CoordinatorService gRPC servicer (public Generate API) and its entry point."""
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator
+
+from coordinator import request as request_validation
+from coordinator.clients import ServiceClients
+from coordinator.metrics import MetricsRecorder
+from coordinator.rounds import SpeculativeSession
+from coordinator.settings import CoordinatorSettings
+from coordinator.text import IncrementalDetokenizer
+from specdec.errors import SpecdecError, Unavailable
+from specdec.models import load_tokenizer
+from specdec.server import SHUTDOWN_GRACE_S, start_aio_server
+from specdec.timing import ms_since
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.vocab import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.clients = clients
+        self._background: set[asyncio.Task] = set()
+
+    async def Generate(self, request, context):
+        try:
+            async for response in self._generate(request):
+                yield response
+        except SpecdecError as err:
+            await context.abort(err.code, str(err))
+
+    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int]]:
+        verify_info = await self.clients.verify_info()
+        try:
+            draft_info = await self.clients.draft_info()
+        except Unavailable:
+            draft_info = None  # plain decode (K = 0) still works
+        return request_validation.resolve(
+            request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
+        ), verify_info.eos_token_ids
+
+    async def _generate(self, request) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        metrics = MetricsRecorder()
+        resolved, eos_ids = await self._resolve(request)
+        eos_ids = set(eos_ids)
+        metrics.num_prompt_tokens = len(resolved.prompt_ids)
+        session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved)
+        text = IncrementalDetokenizer(self.tokenizer, resolved.prompt_ids, resolved.stop)
+        generated: list[int] = []
+        finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
+        try:
+            await session.prefill()
+            metrics.prefill_ms = ms_since(metrics.start)
+            while not finish:
+                remaining = resolved.max_new_tokens - len(generated)
+                # A round commits up to K + 1 tokens: never draft past the budget.
+                new, record = await session.round(min(resolved.num_speculative_tokens, remaining - 1))
+                metrics.rounds.append(record)
+                kept, finish = self._commit(new, remaining, text, eos_ids)
+                generated.extend(kept)
+                metrics.record_first_token()
+                delta = text.take_delta(final=bool(finish))
+                if not finish:
+                    yield coordinator_pb2.GenerateResponse(token_ids=kept, text=delta)
+                    continue
+                yield coordinator_pb2.GenerateResponse(
+                    token_ids=kept,
+                    text=delta,
+                    finish_reason=finish,
+                    metrics=metrics.to_proto(
+                        len(generated),
+                        seed=resolved.sampling.seed,
+                        drafter=resolved.drafter,
+                        num_speculative_tokens=resolved.num_speculative_tokens,
+                    ),
+                )
+        finally:
+            self._in_background(session.release())
+
+    @staticmethod
+    def _commit(new, remaining, text, eos_ids) -> tuple[list[int], int]:
+        """Applies the stop conditions token by token; returns the tokens to emit and the finish
+        reason (UNSPECIFIED while generation goes on). EOS tokens are emitted, not decoded."""
+        kept = []
+        for token in new[:remaining]:
+            kept.append(token)
+            if token in eos_ids or text.add(token):
+                return kept, STOP
+        return kept, LENGTH if len(kept) == remaining else coordinator_pb2.FINISH_REASON_UNSPECIFIED
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def serve(
+    settings: CoordinatorSettings, ready: asyncio.Future | None = None, handle_signals: bool = True
+) -> None:
+    """Runs the coordinator until cancelled, or until SIGTERM / SIGINT (then in-flight requests
+    get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the bound port."""
+    tokenizer = load_tokenizer(settings.tokenizer)
+    clients = ServiceClients(
+        settings.draft_address, settings.verify_address, settings.rpc_timeout_s, settings.prefill_timeout_s
+    )
+    servicer = CoordinatorServicer(settings, tokenizer, clients)
+
+    def register(server):
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+        return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
+
+    server, port = await start_aio_server(register, settings.host, settings.port)
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop(SHUTDOWN_GRACE_S)))
+    if ready is not None:
+        ready.set_result(port)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(SHUTDOWN_GRACE_S)
+        await clients.close()
+
+
+def main(settings: CoordinatorSettings) -> None:
+    asyncio.run(serve(settings))

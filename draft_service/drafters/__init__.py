@@ -1,0 +1,1 @@
+"""Drafters behind one interface (:class:`draft_service.drafters.base.Drafter`)."""

@@ -1,0 +1,107 @@
+"""The drafter interface, and the proposal loop shared by model-based drafters."""
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kv import KVState
+from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
+from specdec.v1 import common_pb2
+from specdec.wire import encode_distributions
+
+
+@dataclass
+class Proposal:
+    """Draft tokens and the draft distributions q they were drawn from.
+
+    ``probs`` is ``[len(tokens), V]`` float32 for a model drafter under sampling; None means a
+    point mass on each token (greedy decoding, or a model-free drafter).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+    def distributions(self) -> list[common_pb2.TokenDistribution]:
+        if self.probs is not None:
+            return encode_distributions(self.probs)
+        return [common_pb2.TokenDistribution(token_ids=[t], probs=[1.0]) for t in self.tokens]
+
+
+class DraftSession(abc.ABC):
+    """One request's state on a drafter: the committed tokens and whatever cache serves them."""
+
+    def __init__(self, sampling: SamplingParams):
+        self.sampling = sampling
+        self.committed: list[int] = []
+
+    def prefill(self, committed: Sequence[int]) -> None:
+        self.committed = list(committed)
+
+    def sync(self, appended: Sequence[int]) -> None:
+        """Appends committed tokens; caches roll back lazily at the next proposal."""
+        self.committed.extend(appended)
+
+    @abc.abstractmethod
+    def propose(self, k: int) -> Proposal:
+        """Proposes up to ``k`` tokens continuing ``committed``."""
+
+    def close(self) -> None:
+        """Frees the session's cache."""
+
+
+class Drafter(abc.ABC):
+    """A kind of draft, shared by its sessions.
+
+    ``vocab_fingerprint`` is empty for drafters that work with any vocabulary.
+    """
+
+    name: str
+    model: str = ""
+    vocab_fingerprint: str = ""
+
+    @abc.abstractmethod
+    def new_session(self, sampling: SamplingParams) -> DraftSession: ...
+
+    def warm_up(self) -> None:
+        """One prefill and one proposal, so the first request does not pay for lazy initialisation."""
+        session = self.new_session(SamplingParams())
+        session.prefill(list(range(8)))
+        session.propose(4)
+        session.close()
+
+
+class ModelDraftSession(DraftSession):
+    """Autoregressive proposals from a causal LM whose KV lives in a :class:`KVState`.
+
+    Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
+    logits, seeded by (request seed, committed length), and return q for the acceptance test.
+    """
+
+    def __init__(self, sampling: SamplingParams, kv: KVState):
+        super().__init__(sampling)
+        self.kv = kv
+
+    def prefill(self, committed: Sequence[int]) -> None:
+        super().prefill(committed)
+        self.kv.prefill(self.committed)
+
+    def propose(self, k: int) -> Proposal:
+        greedy = self.sampling.greedy
+        generator = None if greedy else round_generator(self.sampling.seed, len(self.committed), "draft")
+        logits = self.kv.extend(self.kv.reconcile(self.committed))[-1]
+        tokens, probs = [], []
+        for i in range(k):
+            if greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = logits_to_probs(logits, self.sampling)
+                tokens.append(sample(q, generator))
+                probs.append(q)
+            if i + 1 < k:
+                logits = self.kv.extend(tokens[-1:])[-1]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def close(self) -> None:
+        self.kv = None

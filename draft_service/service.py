@@ -1,0 +1,142 @@
+"""The DraftService gRPC servicer and its entry point (``specdec serve draft``)."""
+
+import logging
+import time
+
+import torch
+
+from draft_service.drafters.base import Drafter, DraftSession
+from draft_service.settings import DraftSettings
+from specdec.errors import InvalidArgument, grpc_errors
+from specdec.sampling import SamplingParams
+from specdec.server import RunningService, start_service
+from specdec.timing import ms_since
+from specdec.sessions import SessionRegistry
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
+    """Instantiates the drafters named in ``settings.drafters``. Raises ValueError for an unknown name."""
+    drafters: dict[str, Drafter] = {}
+    for name in settings.drafters:
+        if name == "ngram":
+            from draft_service.drafters.ngram import NgramDrafter
+
+            drafters[name] = NgramDrafter(settings.ngram_min, settings.ngram_max)
+        elif name == "llama-cpp":
+            from draft_service.drafters.llama_cpp import LlamaCppDrafter
+
+            drafters[name] = LlamaCppDrafter(
+                settings.llama_cpp_model,
+                settings.llama_cpp_n_ctx,
+                settings.llama_cpp_n_threads,
+                settings.llama_cpp_n_gpu_layers,
+            )
+        elif name == "transformers":
+            from draft_service.drafters.transformers_lm import TransformersDrafter
+
+            drafters[name] = TransformersDrafter.load(settings.transformers_model, settings.transformers_dtype)
+        else:
+            raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram")
+        drafters[name].warm_up()
+    return drafters
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(
+        self,
+        drafters: dict[str, Drafter],
+        default_drafter: str,
+        sessions: SessionRegistry[DraftSession],
+        max_k: int,
+    ):
+        if default_drafter not in drafters:
+            raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
+        self.drafters = drafters
+        self.default_drafter = default_drafter
+        self.sessions = sessions
+        self.max_k = max_k
+
+    def GetInfo(self, request, context):
+        return draft_pb2.DraftServiceGetInfoResponse(
+            drafters=[
+                draft_pb2.DrafterInfo(name=name, model=d.model, vocab_fingerprint=d.vocab_fingerprint)
+                for name, d in self.drafters.items()
+            ],
+            default_drafter=self.default_drafter,
+        )
+
+    def _drafter(self, name: str) -> Drafter:
+        drafter = self.drafters.get(name or self.default_drafter)
+        if drafter is None:
+            raise InvalidArgument(
+                f"unknown drafter {name!r}: this draft service hosts {', '.join(self.drafters)}"
+            )
+        return drafter
+
+    @grpc_errors
+    def Prefill(self, request, context):
+        start = time.perf_counter()
+        drafter = self._drafter(request.drafter)
+        if not request.token_ids:
+            raise InvalidArgument("token_ids is empty: prefill needs at least one token")
+        sampling = SamplingParams.from_proto(request.sampling)
+
+        def open_session() -> DraftSession:
+            session = drafter.new_session(sampling)
+            session.prefill(request.token_ids)
+            return session
+
+        self.sessions.open(request.session_id, open_session)
+        return draft_pb2.DraftServicePrefillResponse(compute_ms=ms_since(start))
+
+    @grpc_errors
+    def Propose(self, request, context):
+        start = time.perf_counter()
+        k = request.num_speculative_tokens
+        if not 1 <= k <= self.max_k:
+            raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}]")
+        with self.sessions.use(request.session_id) as session:
+            session.sync(request.appended_token_ids)
+            proposal = session.propose(k)
+        return draft_pb2.ProposeResponse(
+            token_ids=proposal.tokens,
+            distributions=[] if session.sampling.greedy else proposal.distributions(),
+            compute_ms=ms_since(start),
+        )
+
+    @grpc_errors
+    def Sync(self, request, context):
+        start = time.perf_counter()
+        with self.sessions.use(request.session_id) as session:
+            session.sync(request.appended_token_ids)
+        return draft_pb2.SyncResponse(compute_ms=ms_since(start))
+
+    def Release(self, request, context):
+        self.sessions.release(request.session_id)
+        return draft_pb2.DraftServiceReleaseResponse()
+
+
+def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -> RunningService:
+    """Loads the drafters (unless given) and starts the server."""
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    drafters = drafters if drafters is not None else load_drafters(settings)
+    sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
+    servicer = DraftServicer(
+        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens
+    )
+
+    return start_service(
+        servicer,
+        draft_pb2_grpc.add_DraftServiceServicer_to_server,
+        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
+        sessions,
+        settings,
+    )
+
+
+def main(settings: DraftSettings) -> None:
+    build(settings).serve_until_signal()

@@ -1,0 +1,33 @@
+from pydantic import Field
+
+from specdec.models import DEFAULT_MODEL
+from specdec.settings import ServiceSettings
+
+
+class DraftSettings(ServiceSettings):
+    """Settings of ``specdec serve draft`` (environment prefix ``SPECDEC_DRAFT_``)."""
+
+    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_DRAFT_"}
+
+    port: int = Field(50052, description="gRPC port.")
+    drafters: list[str] = Field(
+        ["llama-cpp", "ngram"],
+        description="Drafters to host, comma-separated: llama-cpp, transformers, ngram.",
+    )
+    default_drafter: str = Field("llama-cpp", description="Drafter used when a request names none.")
+    llama_cpp_model: str = Field(
+        DEFAULT_MODEL, description="GGUF file for the llama-cpp drafter ('smollm2' = the bundled SmolLM2 Q4_1)."
+    )
+    llama_cpp_n_ctx: int = Field(4096, description="llama.cpp context window per session, in tokens.")
+    llama_cpp_n_threads: int = Field(0, description="llama.cpp CPU threads; 0 = its default.")
+    llama_cpp_n_gpu_layers: int = Field(0, description="Layers llama.cpp offloads to the GPU (-1 = all).")
+    transformers_model: str = Field(
+        DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."
+    )
+    transformers_dtype: str = Field("auto", description="dtype of the transformers drafter.")
+    ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
+    ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
+    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
+    max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
+    session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
+    max_num_speculative_tokens: int = Field(16, description="Largest K a Propose call accepts.")

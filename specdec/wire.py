@@ -1,0 +1,36 @@
+"""Conversions between tensors and their wire form in the specdec.v1 messages."""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.v1 import common_pb2
+
+
+def encode_distributions(probs: torch.Tensor) -> list[common_pb2.TokenDistribution]:
+    """``[K, V]`` float32 probabilities -> K sparse TokenDistribution messages (q > 0 only)."""
+    out = []
+    for row in probs.cpu():
+        ids = torch.nonzero(row, as_tuple=True)[0]
+        out.append(common_pb2.TokenDistribution(token_ids=ids.tolist(), probs=row[ids].tolist()))
+    return out
+
+
+def decode_distributions(
+    messages: Sequence[common_pb2.TokenDistribution], vocab_size: int
+) -> torch.Tensor:
+    """K TokenDistribution messages -> ``[K, V]`` float32 dense probabilities.
+
+    Raises InvalidArgument when ids and probs differ in length or an id is out of range.
+    """
+    dense = np.zeros((len(messages), vocab_size), dtype=np.float32)
+    for i, msg in enumerate(messages):
+        ids = np.asarray(msg.token_ids, dtype=np.int64)
+        if len(ids) != len(msg.probs) or (len(ids) and (ids.min() < 0 or ids.max() >= vocab_size)):
+            raise InvalidArgument(
+                f"draft distribution {i}: token_ids and probs must pair up, ids in [0, {vocab_size})"
+            )
+        dense[i, ids] = msg.probs
+    return torch.from_numpy(dense)

