@@ -20,5 +20,5 @@ class CoordinatorSettings(ServiceSettings):
     num_speculative_tokens: int = Field(4, description="Default K, draft tokens per round.")
     default_max_new_tokens: int = Field(128, description="max_new_tokens when a request sets none.")
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
-    rpc_timeout_s: float = Field(30.0, description="Deadline of each Propose / Verify / Decode call, seconds.")
+    rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Propose, Verify, Decode, GetInfo, Release), seconds.")
     prefill_timeout_s: float = Field(120.0, description="Deadline of each Prefill call, seconds.")

@@ -1,16 +1,19 @@
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from specdec.models import DEFAULT_MODEL
-from specdec.settings import ServiceSettings
+from specdec.settings import SessionServiceSettings
 
 
-class DraftSettings(ServiceSettings):
+class DraftSettings(SessionServiceSettings):
     """Settings of ``specdec serve draft`` (environment prefix ``SPECDEC_DRAFT_``)."""
 
-    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_DRAFT_"}
+    model_config = SessionServiceSettings.model_config | {"env_prefix": "SPECDEC_DRAFT_"}
 
     port: int = Field(50052, description="gRPC port.")
-    drafters: list[str] = Field(
+    drafters: Annotated[list[str], NoDecode] = Field(
         ["llama-cpp", "ngram"],
         description="Drafters to host, comma-separated: llama-cpp, transformers, ngram.",
     )
@@ -27,7 +30,8 @@ class DraftSettings(ServiceSettings):
     transformers_dtype: str = Field("auto", description="dtype of the transformers drafter.")
     ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
-    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
-    max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
-    session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
-    max_num_speculative_tokens: int = Field(16, description="Largest K a Propose call accepts.")
+
+    @field_validator("drafters", mode="before")
+    @classmethod
+    def _split_comma_separated(cls, value):
+        return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value

@@ -1,8 +1,8 @@
-"""Settings shared by every service. Each field is a ``--kebab-case`` flag and a ``SPECDEC_*``
+"""Settings shared by the services. Each field is a ``--kebab-case`` flag and a ``SPECDEC_*``
 environment variable (pydantic-settings); the flag wins over the variable."""
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 
 class ServiceSettings(BaseSettings):
@@ -13,10 +13,20 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for every interface).")
     port: int = Field(description="gRPC port.")
     log_level: str = Field("INFO", description="Python logging level.")
+
+
+class SessionServiceSettings(ServiceSettings):
+    """Settings of the services that hold per-session KV state (draft and verify)."""
+
     max_workers: int = Field(16, description="gRPC handler threads (concurrent calls).")
+    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
+    max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
+    session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
+    max_num_speculative_tokens: int = Field(16, description="Largest K a Propose / Verify call accepts.")
 
 
 def parse_settings(cls: type[ServiceSettings], args: list[str], prog: str) -> ServiceSettings:
     """Builds ``cls`` from command-line ``args`` and the environment; ``--help`` lists every field
     with its environment variable and exits."""
-    return CliApp.run(cls, cli_args=args, cli_prog_name=prog, cli_show_env_vars=True)
+    source = CliSettingsSource(cls, cli_prog_name=prog, cli_show_env_vars=True)
+    return CliApp.run(cls, cli_args=args, cli_settings_source=source)

@@ -1,13 +1,13 @@
 from pydantic import Field
 
 from specdec.models import DEFAULT_MODEL
-from specdec.settings import ServiceSettings
+from specdec.settings import SessionServiceSettings
 
 
-class VerifySettings(ServiceSettings):
+class VerifySettings(SessionServiceSettings):
     """Settings of ``specdec serve verify`` (environment prefix ``SPECDEC_VERIFY_``)."""
 
-    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_VERIFY_"}
+    model_config = SessionServiceSettings.model_config | {"env_prefix": "SPECDEC_VERIFY_"}
 
     port: int = Field(50053, description="gRPC port.")
     model: str = Field(
@@ -19,7 +19,3 @@ class VerifySettings(ServiceSettings):
     device_map: str | None = Field(
         None, description="accelerate device map, e.g. 'auto' to spread the target over every visible GPU."
     )
-    num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
-    max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
-    session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
-    max_num_speculative_tokens: int = Field(16, description="Largest K a Verify call accepts.")

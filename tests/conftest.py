@@ -1,0 +1,178 @@
+"""Shared fixtures: tiny random Llama models saved to disk, and the three services started as
+real gRPC servers on free ports inside the test process."""
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+from coordinator.service import serve as serve_coordinator  # noqa: E402
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
+from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
+from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
+from draft_service.service import build as build_draft  # noqa: E402
+from draft_service.settings import DraftSettings  # noqa: E402
+from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+from verify_service.service import build as build_verify  # noqa: E402
+from verify_service.settings import VerifySettings  # noqa: E402
+from verify_service.target import Target  # noqa: E402
+
+TINY_VOCAB = 49152  # SmolLM2's tokenizer, so chat templates and detokenization are real
+
+
+def tiny_llama(seed: int, vocab_size: int = TINY_VOCAB, init_std: float = 0.3, layers: int = 2):
+    """A random 2-layer Llama. The large init spreads the logits so argmax ties cannot occur."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=init_std, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed_copy(model, scale: float, seed: int):
+    """A copy of ``model`` with Gaussian noise on every weight: a draft that agrees only partly."""
+    import copy
+
+    torch.manual_seed(seed)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in clone.parameters():
+            param.add_(torch.randn_like(param) * scale * param.std())
+    return clone
+
+
+def word_tokenizer(size: int):
+    """A word-level tokenizer whose vocabulary differs from SmolLM2's."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
+
+
+@dataclass
+class TinyModels:
+    target_dir: Path
+    draft_dir: Path
+    other_vocab_dir: Path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_tokenizer) -> TinyModels:
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_llama(seed=0)
+    dirs = TinyModels(root / "target", root / "draft", root / "other-vocab")
+    for model, path, tokenizer in [
+        (target, dirs.target_dir, smollm2_tokenizer),
+        (perturbed_copy(target, 0.6, seed=1), dirs.draft_dir, smollm2_tokenizer),
+        (tiny_llama(seed=2, vocab_size=64), dirs.other_vocab_dir, word_tokenizer(64)),
+    ]:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return dirs
+
+
+class WrongDrafter(Drafter):
+    """Always proposes a token the target will not choose (under greedy decoding it is rejected at
+    position 0 unless the target's argmax happens to be that token)."""
+
+    name = "wrong"
+
+    def new_session(self, sampling: SamplingParams) -> DraftSession:
+        return _WrongSession(sampling)
+
+
+class _WrongSession(DraftSession):
+    def propose(self, k: int) -> Proposal:
+        return Proposal([(self.committed[-1] * 7919 + i) % TINY_VOCAB for i in range(k)])
+
+
+class CoordinatorThread:
+    """The asyncio coordinator served from a background thread's event loop."""
+
+    def __init__(self, settings: CoordinatorSettings):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start():
+            ready = self.loop.create_future()
+            task = asyncio.ensure_future(serve_coordinator(settings, ready, handle_signals=False))
+            return await ready, task
+
+        self.port, self._task = asyncio.run_coroutine_threadsafe(start(), self.loop).result(120)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._task.cancel)
+
+
+@dataclass
+class Pipeline:
+    address: str
+    verify_address: str
+    draft_address: str
+    target: Target
+    verify: object
+    draft: object
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_models) -> Target:
+    model, tokenizer = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
+    return Target(model, tokenizer, str(tiny_models.target_dir), max_num_speculative_tokens=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
+    other_model, other_tokenizer = load_causal_lm(str(tiny_models.other_vocab_dir), dtype="float32")
+    return {
+        "transformers": TransformersDrafter.load(str(tiny_models.draft_dir), dtype="float32"),
+        "self": TransformersDrafter(tiny_target.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
+        "ngram": NgramDrafter(1, 3),
+        "wrong": WrongDrafter(),
+        "other-vocab": TransformersDrafter(other_model, other_tokenizer, str(tiny_models.other_vocab_dir)),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_models, tiny_target, tiny_drafters) -> Pipeline:
+    """Coordinator, draft and verify services on free ports, serving the tiny models."""
+    verify = build_verify(VerifySettings(port=0, max_sessions=8), target=tiny_target)
+    draft = build_draft(DraftSettings(port=0, default_drafter="transformers", max_sessions=8), drafters=tiny_drafters)
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=f"127.0.0.1:{draft.port}",
+            verify_address=f"127.0.0.1:{verify.port}",
+            tokenizer=str(tiny_models.target_dir),
+            max_new_tokens_limit=256,
+        )
+    )
+    yield Pipeline(
+        f"127.0.0.1:{coordinator.port}", f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}",
+        tiny_target, verify, draft,
+    )
+    coordinator.stop()
+    draft.stop(0)
+    verify.stop(0)

@@ -1,0 +1,88 @@
+"""Bad input gets its specific gRPC status with a message that says what to change, and the
+services keep serving afterwards."""
+
+import time
+
+import grpc
+import pytest
+
+from coordinator.client import generate, stream
+from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+BAD_REQUESTS = [
+    ("empty prompt", dict(text="   "), INVALID, "prompt is empty"),
+    ("no prompt", dict(), INVALID, "prompt is empty"),
+    ("prompt beyond the window", dict(text="word " * 600), INVALID, "context window is 512"),
+    ("max_new_tokens 0", dict(text="hi", max_new_tokens=0), INVALID, "max_new_tokens is 0"),
+    ("max_new_tokens beyond the limit", dict(text="hi", max_new_tokens=100000), INVALID, "[1, 256]"),
+    ("prompt + max_new_tokens beyond the window", dict(text="word " * 300, max_new_tokens=250), INVALID, "lower max_new_tokens"),
+    ("negative temperature", dict(text="hi", temperature=-0.5), INVALID, "temperature is -0.5"),
+    ("top_p 0", dict(text="hi", top_p=0.0), INVALID, "top_p is 0.0"),
+    ("top_p above 1", dict(text="hi", top_p=1.5), INVALID, "(0, 1]"),
+    ("negative top_k", dict(text="hi", top_k=-1), INVALID, "top_k is -1"),
+    ("K beyond the limit", dict(text="hi", num_speculative_tokens=99), INVALID, "[0, 16]"),
+    ("unknown drafter", dict(text="hi", drafter="eagle"), INVALID, "unknown drafter 'eagle'"),
+    ("different vocabularies", dict(text="hi", drafter="other-vocab"), PRECONDITION, "different vocabulary"),
+]
+
+
+def expect_error(address: str, fields: dict) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60)
+    return caught.value
+
+
+def still_serving(address: str) -> None:
+    completion = generate(address, coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=4), timeout_s=60)
+    assert len(completion.token_ids) == 4 and completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize("case,fields,code,message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_its_status(tiny_pipeline, case, fields, code, message):
+    err = expect_error(tiny_pipeline.address, fields)
+    assert err.code() == code, err.details()
+    assert message in err.details()
+    still_serving(tiny_pipeline.address)
+
+
+def test_unknown_session_is_not_found_on_both_services(tiny_pipeline):
+    with grpc.insecure_channel(tiny_pipeline.verify_address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            verify_pb2_grpc.VerifyServiceStub(channel).Verify(verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "prefill it again" in caught.value.details()
+    with grpc.insecure_channel(tiny_pipeline.draft_address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            draft_pb2_grpc.DraftServiceStub(channel).Propose(draft_pb2.ProposeRequest(session_id="nope", num_speculative_tokens=2), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    still_serving(tiny_pipeline.address)
+
+
+def test_session_limit_is_resource_exhausted(tiny_pipeline):
+    limit = tiny_pipeline.verify.servicer.sessions.max_sessions
+    with grpc.insecure_channel(tiny_pipeline.verify_address) as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        ids = [f"limit-{i}" for i in range(limit)]
+        try:
+            for sid in ids:
+                stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id=sid, token_ids=[1, 2, 3]), timeout=10)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id="one-too-many", token_ids=[1, 2]), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "raise max_sessions" in caught.value.details()
+        finally:
+            for sid in ids:
+                stub.Release(verify_pb2.VerifyServiceReleaseRequest(session_id=sid), timeout=10)
+    still_serving(tiny_pipeline.address)
+
+
+def test_client_cancel_releases_both_sessions(tiny_pipeline):
+    request = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=200, num_speculative_tokens=2)
+    responses = stream(tiny_pipeline.address, request)
+    assert next(responses).token_ids
+    responses.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while len(tiny_pipeline.verify.servicer.sessions) or len(tiny_pipeline.draft.servicer.sessions):
+        assert time.monotonic() < deadline, "sessions were not released after the client cancelled"
+        time.sleep(0.05)
+    still_serving(tiny_pipeline.address)

@@ -1,0 +1,129 @@
+"""Invariant 2: speculative sampling generates exactly the target's distribution.
+
+On an 8-token vocabulary the exact distribution of the first two generated tokens is enumerated
+from the target; many seeded pipeline runs (draft proposals + the verify service's acceptance
+test, called in-process) must match it by a chi-square test at significance 0.001. The same
+harness with a deliberately wrong acceptance rule (resampling from p instead of max(0, p - q) at a
+rejection) must be rejected by the same test: the negative control shows the test has power.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import verify_service.target as target_module
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.drafters.transformers_lm import TransformersDrafter
+from specdec.sampling import SamplingParams, logits_to_probs, sample
+from tests.conftest import tiny_llama
+from verify_service.target import Target
+
+VOCAB = 8
+PROMPT = [3, 1, 4, 1, 5]
+SAMPLES = 3000
+ALPHA = 1e-3
+
+
+class _Tokenizer:
+    """Just enough of a tokenizer for Target / TransformersDrafter fingerprints."""
+
+    def __len__(self):
+        return VOCAB
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"t{i}" for i in ids]
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target_model = tiny_llama(seed=10, vocab_size=VOCAB, init_std=0.15)
+    draft_model = tiny_llama(seed=11, vocab_size=VOCAB, init_std=0.15)
+    target = Target(target_model, _Tokenizer(), "small-target", max_num_speculative_tokens=8)
+    drafters = {
+        "model": TransformersDrafter(draft_model, _Tokenizer(), "small-draft"),
+        "ngram": NgramDrafter(1, 2),
+    }
+    return target, drafters
+
+
+def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
+    """P(first two generated tokens = (a, b)), ``[VOCAB * VOCAB]``, after the sampling transform."""
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], params)
+        contexts = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
+        second = logits_to_probs(model(contexts).logits[:, -1], params)
+    return (first[:, None] * second).reshape(-1)
+
+
+def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int) -> int:
+    """Runs rounds until two tokens are committed; returns them as one index a * VOCAB + b."""
+    verify = target.new_session(PROMPT, params)
+    draft = drafter.new_session(params)
+    draft.prefill(PROMPT)
+    generated: list[int] = []
+    while len(generated) < 2:
+        proposal = draft.propose(k)
+        probs = proposal.probs
+        if probs is None:  # a point-mass drafter
+            probs = torch.nn.functional.one_hot(torch.tensor(proposal.tokens, dtype=torch.long), VOCAB).float()
+        n, token = verify.verify(proposal.tokens, probs)
+        new = [*proposal.tokens[:n], token]
+        generated.extend(new)
+        draft.sync(new)
+    return generated[0] * VOCAB + generated[1]
+
+
+def chi_square_p_value(target, drafter, params, k) -> float:
+    counts = torch.zeros(VOCAB * VOCAB)
+    for seed in range(SAMPLES):
+        counts[pipeline_pair(target, drafter, dataclasses.replace(params, seed=seed), k)] += 1
+    expected = exact_pair_distribution(target.model, params) * SAMPLES
+    if counts[expected == 0].sum() > 0:  # a pair the target can never generate
+        return 0.0
+    large, small = expected >= 5, (expected > 0) & (expected < 5)
+    observed, wanted = counts[large], expected[large]
+    if small.any():  # chi-square needs >= 5 expected per cell: pool the small cells into one
+        observed = torch.cat([observed, counts[small].sum(0, keepdim=True)])
+        wanted = torch.cat([wanted, expected[small].sum(0, keepdim=True)])
+    wanted *= observed.sum() / wanted.sum()
+    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
+
+
+CASES = [
+    ("model", SamplingParams(temperature=1.0), 3),
+    ("model", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
+    ("ngram", SamplingParams(temperature=1.0), 2),
+]
+
+
+@pytest.mark.parametrize("drafter,params,k", CASES)
+def test_speculative_sampling_matches_target_distribution(small_vocab, drafter, params, k):
+    target, drafters = small_vocab
+    assert chi_square_p_value(target, drafters[drafter], params, k) > ALPHA
+
+
+def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
+    """A plausible bug: at a rejection, resample from p instead of normalise(max(0, p - q))."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        return i, sample(p, generator)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
+
+
+def test_negative_control_wrong_rule_is_detected(small_vocab, monkeypatch):
+    target, drafters = small_vocab
+    monkeypatch.setattr(target_module, "rejection_sample", wrong_rejection_sample)
+    p_value = chi_square_p_value(target, drafters["model"], SamplingParams(temperature=1.0), 3)
+    print(f"wrong rule: chi-square p-value {p_value:.2e}")
+    assert p_value < ALPHA
+
+
+def test_same_seed_reproduces_a_sampled_completion(small_vocab):
+    target, drafters = small_vocab
+    params = SamplingParams(temperature=1.0, seed=1234)
+    runs = {pipeline_pair(target, drafters["model"], params, 3) for _ in range(5)}
+    assert len(runs) == 1
