@@ -72,16 +72,6 @@ class KVCachedLM(KVState):
         # Sliding-window and linear-attention layers must keep past states to be croppable.
         self.cache.activate_past_recording()
 
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes held by the KV cache."""
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.cache.layers
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if isinstance(t, torch.Tensor)
-        )
-
     def rollback(self, length: int) -> None:
         if length < len(self.cached_tokens):
             self.cache.crop(length - len(self.cached_tokens))  # negative: tokens to remove

@@ -95,10 +95,6 @@ class SessionRegistry(Generic[S]):
             log.info("evicted %d idle sessions", len(evicted))
         return evicted
 
-    def sessions(self) -> list[S]:
-        with self._lock:
-            return [e.session for e in self._entries.values()]
-
     def start_janitor(self, interval_s: float) -> threading.Event:
         """Evicts idle sessions every ``interval_s`` seconds in a daemon thread until the
         returned event is set."""
