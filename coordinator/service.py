@@ -68,21 +68,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 kept, finish = self._commit(new, remaining, text, eos_ids)
                 generated.extend(kept)
                 metrics.record_first_token()
-                delta = text.take_delta(final=bool(finish))
-                if not finish:
-                    yield coordinator_pb2.GenerateResponse(token_ids=kept, text=delta)
-                    continue
-                yield coordinator_pb2.GenerateResponse(
-                    token_ids=kept,
-                    text=delta,
-                    finish_reason=finish,
-                    metrics=metrics.to_proto(
-                        len(generated),
-                        seed=resolved.sampling.seed,
-                        drafter=resolved.drafter,
-                        num_speculative_tokens=resolved.num_speculative_tokens,
-                    ),
-                )
+                response = coordinator_pb2.GenerateResponse(token_ids=kept, text=text.take_delta(final=bool(finish)))
+                if finish:
+                    response.finish_reason = finish
+                    response.metrics.CopyFrom(
+                        metrics.to_proto(
+                            len(generated),
+                            seed=resolved.sampling.seed,
+                            drafter=resolved.drafter,
+                            num_speculative_tokens=resolved.num_speculative_tokens,
+                        )
+                    )
+                yield response
         finally:
             self._in_background(session.release())
 
