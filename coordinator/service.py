@@ -38,12 +38,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except SpecdecError as err:
             await context.abort(err.code, str(err))
 
-    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int]]:
-        verify_info = await self.clients.verify_info()
+    async def _draft_info_or_none(self):
         try:
-            draft_info = await self.clients.draft_info()
+            return await self.clients.draft_info()
         except Unavailable:
-            draft_info = None  # plain decode (K = 0) still works
+            return None  # plain decode (K = 0) still works
+
+    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int]]:
+        verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_none())
         return request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
         ), verify_info.eos_token_ids
