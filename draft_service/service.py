@@ -1,6 +1,5 @@
 """The DraftService gRPC servicer and its entry point (``specdec serve draft``)."""
 
-import logging
 import time
 
 import torch
@@ -13,8 +12,6 @@ from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 
 def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:

@@ -4,7 +4,6 @@ import json
 import logging
 import sys
 import time
-from enum import Enum
 from typing import Annotated, Optional
 
 import grpc

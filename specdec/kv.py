@@ -16,11 +16,10 @@ import torch
 from transformers import DynamicCache
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
+def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items agree."""
+    n, end = start, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
         n += 1
     return n
 
@@ -30,6 +29,7 @@ class KVState(abc.ABC):
 
     def __init__(self) -> None:
         self.cached_tokens: list[int] = []
+        self._agreed = 0  # leading cached tokens known to equal the committed log
 
     @abc.abstractmethod
     def rollback(self, length: int) -> None:
@@ -37,7 +37,7 @@ class KVState(abc.ABC):
 
     @abc.abstractmethod
     def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        """Runs ``tokens`` through the model, appending their KV and to ``cached_tokens``.
+        """Runs ``tokens`` through the model, appending their KV (and the tokens to ``cached_tokens``).
 
         Returns:
             ``[num_logits, V]`` float32 logits of the last ``num_logits`` positions (row i scores
@@ -46,13 +46,20 @@ class KVState(abc.ABC):
 
     def reconcile(self, committed: Sequence[int]) -> list[int]:
         """Rolls back to the committed prefix; returns the committed tokens not yet in the cache
-        (never empty for a non-empty ``committed``)."""
-        keep = min(common_prefix_length(self.cached_tokens, committed), len(committed) - 1)
+        (never empty for a non-empty ``committed``).
+
+        Within a session the committed log only grows by appending, so the comparison starts
+        where the previous reconcile ended: O(K) per round, not O(context).
+        """
+        agreed = common_prefix_length(self.cached_tokens, committed, min(self._agreed, len(self.cached_tokens)))
+        keep = min(agreed, len(committed) - 1)
         self.rollback(keep)
+        self._agreed = keep
         return list(committed[keep:])
 
     def prefill(self, committed: Sequence[int]) -> None:
         """Caches every committed token but the last (whose logits the next step computes)."""
+        self._agreed = 0
         pending = self.reconcile(committed)
         if len(pending) > 1:
             self.extend(pending[:-1])

@@ -99,10 +99,3 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-    def __enter__(self) -> "LocalCluster":
-        self.start_all()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -78,6 +78,12 @@ def _hf_source(ref: ModelRef) -> tuple[str, dict]:
     return ref.path, {"gguf_file": ref.gguf_file}
 
 
+def context_window(model, default: int = 2048) -> int:
+    """A transformers model's context window in tokens (``max_position_embeddings``), or
+    ``default`` when its config does not say."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or default)
+
+
 def load_tokenizer(spec: str):
     """Loads the transformers tokenizer of a model spec (see :func:`resolve_model`)."""
     from transformers import AutoTokenizer
@@ -86,7 +92,7 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
-def parse_dtype(name: str) -> torch.dtype | str:
+def parse_dtype(name: str) -> torch.dtype:
     """``auto`` (bfloat16 on CUDA, float32 on CPU), ``float32``, ``bfloat16`` or ``float16``."""
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32

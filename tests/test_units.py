@@ -70,3 +70,11 @@ def test_top_k_and_top_p_filters():
     assert kept.tolist() == [True, True, True, False, False]  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_model_draft_proposes_nothing_beyond_its_window(tiny_drafters):
+    session = tiny_drafters["transformers"].new_session(SamplingParams())  # window: 512 tokens
+    session.prefill(list(range(100, 608)))
+    assert len(session.propose(4).tokens) == 4  # 508 + 4 fits
+    session.sync([7])
+    assert session.propose(4).tokens == []  # 509 + 4 would not: the round becomes a plain decode

@@ -1,6 +1,5 @@
 """The VerifyService gRPC servicer and its entry point (``specdec serve verify``)."""
 
-import logging
 import time
 
 import torch
@@ -14,8 +13,6 @@ from specdec.v1 import verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings
 from verify_service.target import Target, TargetSession
-
-log = logging.getLogger(__name__)
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):

@@ -8,7 +8,7 @@ import torch
 from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.errors import InvalidArgument
 from specdec.kv import KVCachedLM
-from specdec.models import load_causal_lm
+from specdec.models import context_window, load_causal_lm
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
 from specdec.vocab import tokenizer_fingerprint
 
@@ -22,7 +22,7 @@ class Target:
         self.lock = threading.Lock()
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = model.config.vocab_size
-        self.max_context_length = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.max_context_length = context_window(model)
         self.max_num_speculative_tokens = max_num_speculative_tokens
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])

@@ -77,17 +77,23 @@ class ModelDraftSession(DraftSession):
 
     Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
     logits, seeded by (request seed, committed length), and return q for the acceptance test.
+    ``window`` is the draft's context length in tokens: a context that would outgrow it gets no
+    proposal, and the round becomes a plain decode step on the verify service.
     """
 
-    def __init__(self, sampling: SamplingParams, kv: KVState):
+    def __init__(self, sampling: SamplingParams, kv: KVState, window: int):
         super().__init__(sampling)
         self.kv = kv
+        self.window = window
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
-        self.kv.prefill(self.committed)
+        if len(self.committed) < self.window:
+            self.kv.prefill(self.committed)
 
     def propose(self, k: int) -> Proposal:
+        if len(self.committed) + k > self.window:
+            return Proposal([])
         greedy = self.sampling.greedy
         generator = None if greedy else round_generator(self.sampling.seed, len(self.committed), "draft")
         logits = self.kv.extend(self.kv.reconcile(self.committed))[-1]

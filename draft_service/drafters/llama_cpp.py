@@ -12,7 +12,7 @@ import llama_cpp
 import numpy as np
 import torch
 
-from draft_service.drafters.base import Drafter, ModelDraftSession, Proposal
+from draft_service.drafters.base import Drafter, ModelDraftSession
 from specdec.kv import KVState
 from specdec.models import resolve_model
 from specdec.sampling import SamplingParams
@@ -44,18 +44,8 @@ class LlamaCppKV(KVState):
 
 class LlamaCppSession(ModelDraftSession):
     def __init__(self, sampling: SamplingParams, drafter: "LlamaCppDrafter"):
-        super().__init__(sampling, LlamaCppKV(drafter.acquire_context()))
+        super().__init__(sampling, LlamaCppKV(drafter.acquire_context()), drafter.n_ctx)
         self.drafter = drafter
-
-    def propose(self, k: int) -> Proposal:
-        if len(self.committed) + k > self.drafter.n_ctx:  # beyond the draft's window: no proposal
-            return Proposal([])
-        return super().propose(k)
-
-    def prefill(self, committed: Sequence[int]) -> None:
-        self.committed = list(committed)
-        if len(self.committed) < self.drafter.n_ctx:
-            self.kv.prefill(self.committed)
 
     def close(self) -> None:
         if self.kv is not None:

@@ -4,7 +4,7 @@ import threading
 
 from draft_service.drafters.base import Drafter, ModelDraftSession
 from specdec.kv import KVCachedLM
-from specdec.models import load_causal_lm
+from specdec.models import context_window, load_causal_lm
 from specdec.sampling import SamplingParams
 from specdec.vocab import tokenizer_fingerprint
 
@@ -24,4 +24,4 @@ class TransformersDrafter(Drafter):
         return cls(model, tokenizer, spec)
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
-        return ModelDraftSession(sampling, KVCachedLM(self.lm_model, self.lock))
+        return ModelDraftSession(sampling, KVCachedLM(self.lm_model, self.lock), context_window(self.lm_model))
