@@ -10,13 +10,15 @@ from specdec.v1 import coordinator_pb2
 @dataclass
 class RoundRecord:
     """One round: ``num_drafted`` tokens proposed (0 = a plain decode step), ``num_accepted`` of
-    them accepted; times in ms (draft and verify are the services' own compute times)."""
+    them accepted; times in ms (draft and verify are the services' own compute times);
+    ``wire_bytes``: protobuf bytes of the round's requests and responses."""
 
     num_drafted: int
     num_accepted: int
     draft_ms: float
     verify_ms: float
     wall_ms: float
+    wire_bytes: int
 
 
 @dataclass
@@ -59,5 +61,6 @@ class MetricsRecorder:
             draft_time_ms=draft_ms,
             verify_time_ms=verify_ms,
             coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
+            round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
             **identity,
         )

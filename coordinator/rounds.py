@@ -33,6 +33,7 @@ class SpeculativeSession:
         self.committed: list[int] = list(request.prompt_ids)
         self.uses_draft = request.num_speculative_tokens > 0
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
+        self._round_bytes = 0  # protobuf bytes of the current round's messages
 
     async def prefill(self) -> None:
         """Opens the session on the verify service (and the draft service when K > 0)."""
@@ -68,7 +69,7 @@ class SpeculativeSession:
     async def round(self, k: int) -> tuple[list[int], RoundRecord]:
         """Runs one round with K = ``k`` (0 = plain decode). Returns the newly committed tokens and
         the round's record."""
-        start = time.perf_counter()
+        start, self._round_bytes = time.perf_counter(), 0
         draft_ms, proposal, distributions = 0.0, [], []
         if k > 0:
             proposed = await self._rebuilding(lambda: self._propose(k), self._prefill_draft, "draft")
@@ -82,7 +83,12 @@ class SpeculativeSession:
             decoded = await self._rebuilding(self._decode, self._prefill_verify, "verify")
             n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
         self.committed.extend(new)
-        return new, RoundRecord(len(proposal), n, draft_ms, verify_ms, ms_since(start))
+        return new, RoundRecord(len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+
+    def _count_bytes(self, request, response):
+        """Adds a round message pair's protobuf size to the round's wire bytes; returns ``response``."""
+        self._round_bytes += request.ByteSize() + response.ByteSize()
+        return response
 
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
@@ -92,16 +98,17 @@ class SpeculativeSession:
         )
         response = await self.clients.call_draft("Propose", request)
         self.draft_seen = len(self.committed)
-        return response
+        return self._count_bytes(request, response)
 
     async def _verify(self, proposal: list[int], distributions) -> verify_pb2.VerifyResponse:
         request = verify_pb2.VerifyRequest(
             session_id=self.session_id, draft_token_ids=proposal, draft_distributions=distributions
         )
-        return await self.clients.call_verify("Verify", request)
+        return self._count_bytes(request, await self.clients.call_verify("Verify", request))
 
     async def _decode(self) -> verify_pb2.DecodeResponse:
-        return await self.clients.call_verify("Decode", verify_pb2.DecodeRequest(session_id=self.session_id))
+        request = verify_pb2.DecodeRequest(session_id=self.session_id)
+        return self._count_bytes(request, await self.clients.call_verify("Decode", request))
 
     async def release(self) -> None:
         """Releases both sessions; failures are logged (the services' idle timeout reclaims them)."""
