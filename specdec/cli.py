@@ -1,9 +1,11 @@
-"""The ``specdec`` command line: run the services, stream completions, run the demo."""
+"""The ``specdec`` command line: run the services, stream completions, run the demo and the benchmark."""
 
 import json
 import logging
+import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Optional
 
 import grpc
@@ -188,3 +190,46 @@ def demo(
         _stream_to_stdout(cluster.address("coordinator"), request, as_json=False)
     finally:
         cluster.stop()
+
+
+SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")
+
+
+@app.command()
+def bench(
+    questions: Annotated[Path, typer.Option(help="Question file in the Spec-Bench JSONL schema.")] = SPEC_BENCH,
+    categories: Annotated[Optional[str], typer.Option(help="Comma-separated categories (default: all in the file).")] = None,
+    limit: Annotated[int, typer.Option(help="Prompts per category (the first N of each).")] = 10,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt, the same for every method.")] = 128,
+    seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
+    pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method (repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8).")] = None,
+    hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
+    target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
+    draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
+    out: Annotated[Path, typer.Option(help="Directory for report.json, report.md, speedup.png and service logs.")] = Path("bench-out"),
+) -> None:
+    """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
+    pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
+    hf-assisted runs when a pipeline uses the transformers drafter (its model is the assistant)."""
+    from specdec.bench.report import overall_table, speedup_table
+    from specdec.bench.run import REPORT_FILES, BenchConfig, run_bench
+
+    config = BenchConfig(
+        questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
+        categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
+        seed=seed, target=target, draft_model=draft_model, dtype=dtype,
+        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k}.items() if value},
+    )
+    try:
+        report = run_bench(config, stderr)
+    except grpc.RpcError as err:
+        stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
+        raise typer.Exit(1) from None
+    except (ValueError, RuntimeError) as err:
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
+    print("\n".join([*speedup_table(report), "", *overall_table(report)]))
+    for m in report["mismatches"]:
+        stderr.print(f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]")
+    stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")

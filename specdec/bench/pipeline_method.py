@@ -1,0 +1,71 @@
+"""The speculative pipeline as a benchmark method: the coordinator, draft and verify services as
+separate processes on this machine, called over gRPC like any client would."""
+
+import time
+from pathlib import Path
+
+from coordinator.client import stream
+from specdec.bench.measurement import Measurement
+from specdec.bench.questions import Question
+from specdec.launcher import LocalCluster, free_port
+from specdec.timing import ms_since
+from specdec.v1 import coordinator_pb2
+
+
+def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path) -> LocalCluster:
+    """Starts the three services on free ports hosting ``drafters``; every model drafter loads
+    ``draft_model``. Services also read their ``SPECDEC_*`` variables (e.g.
+    ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
+    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir)
+    cluster.extra_args = {
+        "verify": ["--model", target, "--dtype", dtype],
+        "draft": ["--drafters", ",".join(drafters), "--default-drafter", drafters[0],
+                  "--llama-cpp-model", draft_model, "--transformers-model", draft_model, "--transformers-dtype", dtype],
+        "coordinator": ["--tokenizer", target],
+    }
+    cluster.start_all()
+    return cluster
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """A process's peak resident set size (``VmHWM`` in /proc, bytes); None where /proc has none."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else None
+
+
+class PipelineMethod:
+    """``<drafter>/K=<k>`` through the coordinator at ``address``."""
+
+    def __init__(self, address: str, drafter: str, k: int):
+        self.address, self.drafter, self.k = address, drafter, k
+        self.name = f"{drafter}/K={k}"
+
+    def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
+        """Raises grpc.RpcError with the coordinator's status when the request fails, RuntimeError
+        when the stream ends without a finish reason."""
+        request = coordinator_pb2.GenerateRequest(
+            text=question.prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=self.k,
+            drafter=self.drafter, seed=seed,
+        )
+        token_ids, ttft_ms, metrics = [], 0.0, None
+        start = time.perf_counter()
+        for response in stream(self.address, request, timeout_s=600):
+            if response.token_ids and not token_ids:
+                ttft_ms = ms_since(start)
+            token_ids.extend(response.token_ids)
+            if response.finish_reason:
+                metrics = response.metrics
+        if metrics is None:
+            raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
+        return Measurement(
+            method=self.name, question_id=question.question_id, category=question.category, token_ids=token_ids,
+            wall_ms=ms_since(start), ttft_ms=ttft_ms, num_target_forwards=metrics.num_target_forwards + 1,
+            num_spec_steps=metrics.num_spec_steps, num_draft_tokens=metrics.num_draft_tokens,
+            num_accepted_tokens=metrics.num_accepted_draft_tokens, acceptance_histogram=list(metrics.acceptance_histogram),
+            draft_ms=metrics.draft_time_ms, verify_ms=metrics.verify_time_ms, num_verify_rounds=metrics.num_target_forwards,
+            coordination_ms=metrics.coordination_time_ms, wire_bytes=metrics.round_wire_bytes,
+        )

@@ -1,0 +1,185 @@
+"""The benchmark's arithmetic (per category and overall, per method) and its JSON and Markdown
+reports. Rates are ratios of sums over the prompts of a group (tokens/s = all tokens / all
+seconds), so long completions weigh more than short ones, as in a serving workload."""
+
+import json
+from pathlib import Path
+
+from specdec.bench.measurement import Measurement
+
+OVERALL = "overall"
+BASELINE = "plain"
+
+
+def expected_tokens_per_round(acceptance_rate: float, k: int) -> float:
+    """(1 - a^(K+1)) / (1 - a): tokens a round of K drafts commits when each draft token passes
+    independently with probability a (Leviathan, Kalman & Matias 2023, eq. 1); K + 1 at a = 1."""
+    if acceptance_rate >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance_rate ** (k + 1)) / (1.0 - acceptance_rate)
+
+
+def predicted_speedup(acceptance_rate: float, k: int, draft_cost_ratio: float, verify_cost_ratio: float) -> float:
+    """The design brief's expected speedup: tokens per round / (K * c + v(K)), where c is a draft
+    token's cost and v(K) a verify round's cost, both in plain target decode steps."""
+    return expected_tokens_per_round(acceptance_rate, k) / (k * draft_cost_ratio + verify_cost_ratio)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def _stats(runs: list[Measurement]) -> dict:
+    tokens = sum(m.num_generated for m in runs)
+    drafted = sum(m.num_draft_tokens for m in runs)
+    accepted = sum(m.num_accepted_tokens for m in runs)
+    steps = sum(m.num_spec_steps for m in runs)
+    rounds = sum(m.num_verify_rounds for m in runs)
+    histogram = [0] * max((len(m.acceptance_histogram) for m in runs), default=0)
+    for m in runs:
+        for j, count in enumerate(m.acceptance_histogram):
+            histogram[j] += count
+    pipeline = all(m.coordination_ms is not None for m in runs)
+    return {
+        "num_prompts": len(runs),
+        "num_generated_tokens": tokens,
+        "tokens_per_second": _ratio(tokens * 1000.0, sum(m.wall_ms for m in runs)),
+        "tokens_per_target_forward": _ratio(tokens, sum(m.num_target_forwards for m in runs)),
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else None,
+        "draft_acceptance_rate": _ratio(accepted, drafted),
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_histogram": histogram,
+        "identical_rate": sum(m.first_mismatch is None for m in runs) / len(runs),
+        "time_to_first_token_ms": sum(m.ttft_ms for m in runs) / len(runs),
+        "draft_ms_per_token": _ratio(sum(m.draft_ms for m in runs), drafted),
+        "draft_ms_per_round": _ratio(sum(m.draft_ms for m in runs), rounds),
+        "verify_ms_per_round": _ratio(sum(m.verify_ms for m in runs), rounds),
+        "coordination_ms_per_round": _ratio(sum(m.coordination_ms for m in runs), rounds) if pipeline else None,
+        "wire_bytes_per_round": _ratio(sum(m.wire_bytes for m in runs), rounds) if pipeline else None,
+    }
+
+
+def _against_baseline(stats: dict, plain: dict, k: int) -> dict:
+    """Adds the speedup over plain and the formula's prediction (None for plain, or without drafts)."""
+    stats["speedup"] = _ratio(stats["tokens_per_second"], plain["tokens_per_second"])
+    step_ms = plain["verify_ms_per_round"]
+    stats["predicted_speedup"] = None
+    if k > 0 and stats["draft_acceptance_rate"] is not None and step_ms:
+        stats["predicted_speedup"] = predicted_speedup(
+            stats["draft_acceptance_rate"], k, (stats["draft_ms_per_token"] or 0.0) / step_ms,
+            stats["verify_ms_per_round"] / step_ms,
+        )
+    return stats
+
+
+def summarize(measurements: list[Measurement], method_ks: dict[str, int]) -> dict[str, dict[str, dict]]:
+    """``{group: {method: stats}}`` for each category (in order of appearance) and ``overall``.
+    ``method_ks`` maps each method to its K (0 for plain); it must include ``plain``."""
+    groups: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        groups.setdefault(m.category, []).append(m)
+    groups[OVERALL] = measurements
+    summary = {}
+    for group, runs in groups.items():
+        plain = _stats([m for m in runs if m.method == BASELINE])
+        summary[group] = {
+            method: _against_baseline(_stats([m for m in runs if m.method == method]), plain, k)
+            for method, k in method_ks.items()
+        }
+    return summary
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _cell(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def speedup_table(report: dict) -> list[str]:
+    """Methods x (categories, overall): speedup over plain; the plain row gives its tokens/s."""
+    summary, groups = report["summary"], [*report["categories"], OVERALL]
+    rows = []
+    for method in report["methods"]:
+        if method == BASELINE:
+            rows.append([f"{BASELINE} (tokens/s)", *(_cell(summary[g][method]["tokens_per_second"], ".1f") for g in groups)])
+        else:
+            rows.append([method, *(_cell(summary[g][method]["speedup"], ".2f", "x") for g in groups)])
+    return _table(["method", *groups], rows)
+
+
+def overall_table(report: dict) -> list[str]:
+    rows = []
+    for method, s in report["summary"][OVERALL].items():
+        rows.append([
+            method, _cell(s["tokens_per_second"], ".1f"), _cell(s["speedup"], ".2f", "x"),
+            _cell(s["predicted_speedup"], ".2f", "x"), _cell(s["tokens_per_target_forward"], ".2f"),
+            _cell(s["draft_acceptance_rate"], ".3f"), _cell(s["identical_rate"], ".0%"),
+            _cell(s["time_to_first_token_ms"], ".0f"),
+        ])
+    return _table(["method", "tokens/s", "speedup", "predicted", "tokens/target forward", "acceptance rate",
+                   "identical to plain", "TTFT ms"], rows)
+
+
+def round_cost_table(report: dict) -> list[str]:
+    rows = []
+    for method, s in report["summary"][OVERALL].items():
+        rows.append([
+            method, _cell(s["draft_ms_per_round"], ".1f"), _cell(s["verify_ms_per_round"], ".1f"),
+            _cell(s["coordination_ms_per_round"], ".1f"), _cell(s["wire_bytes_per_round"], ".0f"),
+            " ".join(map(str, s["acceptance_histogram"])) or "-",
+        ])
+    return _table(["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram"], rows)
+
+
+def to_markdown(report: dict) -> str:
+    """The report as Markdown: speedups per category, the overall figures, round costs, memory."""
+    machine, config = report["machine"], report["config"]
+    lines = [
+        "# specdec bench",
+        "",
+        f"`{config['command']}`",
+        "",
+        f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}; target `{config['target']}`, draft `{config['draft_model']}`, "
+        f"{config['max_new_tokens']} new tokens, greedy, {report['num_questions']} prompts.",
+        "",
+        "## Speedup over plain decoding (ratio of tokens/s)",
+        "",
+        *speedup_table(report),
+        "",
+        "## Overall",
+        "",
+        "`predicted`: the design brief's formula from the measured acceptance rate and step costs.",
+        "",
+        *overall_table(report),
+        "",
+        "## Per round (overall): ms per target forward after prefill, protobuf bytes per round",
+        "",
+        *round_cost_table(report),
+        "",
+        "## Peak resident memory",
+        "",
+        *(f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}" for name, value in report["peak_rss_bytes"].items()),
+        "",
+    ]
+    if report["mismatches"]:
+        lines += ["## Token ids that differ from plain decoding", ""]
+        lines += [f"- {m['method']} on question {m['question_id']} ({m['category']}): first at token {m['first_mismatch']}"
+                  for m in report["mismatches"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    path.write_text(to_markdown(report))

@@ -1,0 +1,155 @@
+"""Runs ``specdec bench``: every method on the same prompts, interleaved per prompt after a
+warm-up, then the JSON, Markdown and PNG reports."""
+
+import datetime
+import os
+import platform
+import resource
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from specdec.bench.chart import write_chart
+from specdec.bench.measurement import Measurement
+from specdec.bench.pipeline_method import PipelineMethod, peak_rss_bytes, start_cluster
+from specdec.bench.questions import Question, load_questions
+from specdec.bench.report import BASELINE, summarize, write_json, write_markdown
+from specdec.bench.transformers_methods import TransformersMethod
+from specdec.models import load_causal_lm
+
+DRAFTERS = ("llama-cpp", "transformers", "ngram")
+WARM_UP_TOKENS = 16
+REPORT_FILES = ("report.json", "report.md", "speedup.png")
+
+
+@dataclass
+class BenchConfig:
+    """What ``specdec bench`` runs; see ``specdec bench --help`` for each field."""
+
+    questions: Path
+    out: Path
+    command: str
+    categories: list[str] | None = None
+    limit: int | None = 10
+    max_new_tokens: int = 128
+    seed: int = 0
+    pipelines: list[str] = field(default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8"])
+    hf_k: list[int] = field(default_factory=lambda: [4])
+    target: str = "smollm2"
+    draft_model: str = "smollm2"
+    dtype: str = "auto"
+
+
+def parse_pipeline(spec: str) -> tuple[str, int]:
+    """``DRAFTER:K`` (e.g. ``llama-cpp:4``) as ``(drafter, K)``. Raises ValueError naming what to fix."""
+    drafter, _, k = spec.partition(":")
+    if drafter not in DRAFTERS or not k.isdigit() or not 1 <= int(k) <= 16:
+        raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} and K in 1..16")
+    return drafter, int(k)
+
+
+def machine_info() -> dict:
+    """CPU model, cores, device and library versions, for the report."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _transformers_methods(config: BenchConfig, use_assistant: bool, console: Console) -> list[TransformersMethod]:
+    transformers.utils.logging.disable_progress_bar()
+    console.print(f"loading the target {config.target} in transformers (plain and hf-* methods)...")
+    target, tokenizer = load_causal_lm(config.target, config.dtype)
+    methods = [TransformersMethod(target, tokenizer)]
+    methods += [TransformersMethod(target, tokenizer, k, "hf-prompt-lookup") for k in config.hf_k]
+    if use_assistant:
+        assistant, _ = load_causal_lm(config.draft_model, config.dtype)
+        methods += [TransformersMethod(target, tokenizer, k, "hf-assisted", assistant) for k in config.hf_k]
+    return methods
+
+
+def _run_all(methods, questions: list[Question], config: BenchConfig, console: Console) -> list[Measurement]:
+    """Warm-up, then each prompt through every method (the order rotating per prompt) so that
+    machine noise hits all methods alike."""
+    for method in methods:
+        method.run(questions[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
+    measurements = []
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("bench", total=len(questions) * len(methods))
+        for i, question in enumerate(questions):
+            runs = {}
+            for method in methods[i % len(methods):] + methods[: i % len(methods)]:
+                progress.update(task, description=f"{question.category} #{question.question_id} {method.name:<22}")
+                runs[method.name] = method.run(question, config.max_new_tokens, config.seed)
+                progress.advance(task)
+            for m in runs.values():
+                m.compare_to(runs[BASELINE].token_ids)
+            measurements += [runs[method.name] for method in methods]
+    return measurements
+
+
+def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]]]:
+    if config.max_new_tokens < 1 or (config.limit is not None and config.limit < 1):
+        raise ValueError("--max-new-tokens and --limit must be at least 1")
+    questions = load_questions(config.questions, config.categories, config.limit)
+    if not questions:
+        raise ValueError(f"{config.questions} has no questions")
+    return questions, [parse_pipeline(spec) for spec in config.pipelines]
+
+
+def _report(config, questions, methods, measurements, memory) -> dict:
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "machine": machine_info(),
+        "num_questions": len(questions),
+        "categories": list(dict.fromkeys(q.category for q in questions)),
+        "methods": [m.name for m in methods],
+        "summary": summarize(measurements, {m.name: m.k for m in methods}),
+        "peak_rss_bytes": memory,
+        "mismatches": [m.to_json() for m in measurements if m.first_mismatch is not None],
+        "measurements": [m.to_json() for m in measurements],
+    }
+
+
+def run_bench(config: BenchConfig, console: Console) -> dict:
+    """Runs the benchmark and writes ``report.json``, ``report.md`` and ``speedup.png`` to
+    ``config.out``; returns the report. Raises ValueError for bad options, RuntimeError when a
+    service fails to start, grpc.RpcError when a pipeline request fails."""
+    questions, pipelines = _validated(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    drafters = list(dict.fromkeys(drafter for drafter, _ in pipelines))
+    methods: list = _transformers_methods(config, "transformers" in drafters, console)
+    cluster = None
+    try:
+        if pipelines:
+            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
+            cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs")
+            methods += [PipelineMethod(cluster.address("coordinator"), drafter, k) for drafter, k in pipelines]
+        measurements = _run_all(methods, questions, config, console)
+        memory = {name: peak_rss_bytes(p.pid) for name, p in (cluster.processes.items() if cluster else [])}
+    finally:
+        if cluster:
+            cluster.stop()
+    # ru_maxrss is in KiB on Linux
+    memory["bench process (plain and hf-* methods)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = _report(config, questions, methods, measurements, memory)
+    write_json(report, config.out / REPORT_FILES[0])
+    write_markdown(report, config.out / REPORT_FILES[1])
+    write_chart(report, config.out / REPORT_FILES[2])
+    return report
