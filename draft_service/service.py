@@ -38,6 +38,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram")
         drafters[name].warm_up()
+        drafters[name].measure_step_ms()
     return drafters
 
 
@@ -59,7 +60,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(
             drafters=[
-                draft_pb2.DrafterInfo(name=name, model=d.model, vocab_fingerprint=d.vocab_fingerprint)
+                draft_pb2.DrafterInfo(
+                    name=name, model=d.model, vocab_fingerprint=d.vocab_fingerprint, step_ms=d.step_ms
+                )
                 for name, d in self.drafters.items()
             ],
             default_drafter=self.default_drafter,

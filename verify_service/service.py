@@ -29,6 +29,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             max_context_length=t.max_context_length,
             eos_token_ids=t.eos_token_ids,
             max_num_speculative_tokens=t.max_num_speculative_tokens,
+            verify_ms=t.verify_ms,
         )
 
     @grpc_errors

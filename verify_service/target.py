@@ -10,6 +10,7 @@ from specdec.errors import InvalidArgument
 from specdec.kv import KVCachedLM
 from specdec.models import context_window, load_causal_lm
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
+from specdec.timing import min_ms
 from specdec.vocab import tokenizer_fingerprint
 
 
@@ -26,12 +27,14 @@ class Target:
         self.max_num_speculative_tokens = max_num_speculative_tokens
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.verify_ms: list[float] = []  # index K: a verify round with K draft tokens, see measure_verify_ms
 
     @classmethod
     def load(cls, spec: str, dtype: str, device_map: str | None, max_k: int) -> "Target":
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         target = cls(model, tokenizer, spec, max_k)
         target.warm_up()
+        target.measure_verify_ms()
         return target
 
     def warm_up(self) -> None:
@@ -39,6 +42,20 @@ class Target:
         session = self.new_session(list(range(8)), SamplingParams())
         session.verify([1, 2, 3], None)
         session.close()
+
+    def measure_verify_ms(self, context_len: int = 64) -> list[float]:
+        """Measures a verify round's cost for K = 0 (a plain decode step) to the largest K, in ms
+        (the fastest of 3 forwards after ``context_len`` tokens), for the coordinator's choice of
+        K; stores and returns it."""
+        session = self.new_session([i % self.vocab_size for i in range(context_len)], SamplingParams())
+
+        def forward(k: int) -> None:
+            session.next_logits([(context_len + i) % self.vocab_size for i in range(k)])[-1].argmax().item()
+            session.commit([])  # roll the draft tokens back
+
+        self.verify_ms = [min_ms(lambda k=k: forward(k)) for k in range(self.max_num_speculative_tokens + 1)]
+        session.close()
+        return self.verify_ms
 
     def new_session(self, committed: Sequence[int], sampling: SamplingParams) -> "TargetSession":
         """Opens a session and runs prefill. Raises InvalidArgument for an empty or too long context."""

@@ -8,6 +8,7 @@ import torch
 
 from specdec.kv import KVState
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
+from specdec.timing import min_ms
 from specdec.v1 import common_pb2
 from specdec.wire import encode_distributions
 
@@ -60,6 +61,7 @@ class Drafter(abc.ABC):
     name: str
     model: str = ""
     vocab_fingerprint: str = ""
+    step_ms: float = 0.0  # ms per proposed token, see measure_step_ms
 
     @abc.abstractmethod
     def new_session(self, sampling: SamplingParams) -> DraftSession: ...
@@ -70,6 +72,16 @@ class Drafter(abc.ABC):
         session.prefill(list(range(8)))
         session.propose(4)
         session.close()
+
+    def measure_step_ms(self, k: int = 8, context_len: int = 64) -> float:
+        """Measures the ms per proposed token of a K-token proposal after ``context_len`` tokens
+        (the fastest of 3), for the coordinator's choice of K; stores and returns it. The context
+        repeats ids 3..31 (valid in any vocabulary), so n-gram lookup finds a match too."""
+        session = self.new_session(SamplingParams())
+        session.prefill([3 + i % 29 for i in range(context_len)])
+        self.step_ms = min_ms(lambda: session.propose(k)) / k
+        session.close()
+        return self.step_ms
 
 
 class ModelDraftSession(DraftSession):
