@@ -9,10 +9,12 @@ from specdec.v1 import coordinator_pb2
 
 @dataclass
 class RoundRecord:
-    """One round: ``num_drafted`` tokens proposed (0 = a plain decode step), ``num_accepted`` of
-    them accepted; times in ms (draft and verify are the services' own compute times);
+    """One round: K = ``k`` asked for (0 = a plain decode step), ``num_drafted`` tokens proposed
+    (fewer than K when the drafter has no more; 0 makes the round a plain decode step),
+    ``num_accepted`` of them accepted; times in ms (draft and verify are the services' own compute times);
     ``wire_bytes``: protobuf bytes of the round's requests and responses."""
 
+    k: int
     num_drafted: int
     num_accepted: int
     draft_ms: float
@@ -34,13 +36,16 @@ class MetricsRecorder:
             self.first_token_ms = ms_since(self.start)
 
     def to_proto(self, num_generated: int, **identity) -> coordinator_pb2.RequestMetrics:
-        """``identity``: seed, drafter, num_speculative_tokens."""
+        """``identity``: seed, drafter, num_speculative_tokens, adaptive."""
         spec = [r for r in self.rounds if r.num_drafted]
         drafted = sum(r.num_drafted for r in spec)
         accepted = sum(r.num_accepted for r in spec)
         histogram = [0] * (max((r.num_drafted for r in spec), default=0) + 1)
         for r in spec:
             histogram[r.num_accepted] += 1
+        rounds_per_k = [0] * (max((r.k for r in self.rounds), default=-1) + 1)
+        for r in self.rounds:
+            rounds_per_k[r.k] += 1
         total_ms = ms_since(self.start)
         draft_ms = sum(r.draft_ms for r in self.rounds)
         verify_ms = sum(r.verify_ms for r in self.rounds)
@@ -62,5 +67,6 @@ class MetricsRecorder:
             verify_time_ms=verify_ms,
             coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
+            rounds_per_k=rounds_per_k,
             **identity,
         )

@@ -15,8 +15,9 @@ class ResolvedRequest:
     max_new_tokens: int
     sampling: SamplingParams
     stop: list[str]
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # the fixed K, or the adaptive choice's largest K
     drafter: str
+    adaptive: bool
 
 
 def _field(request, name: str, default):
@@ -87,14 +88,18 @@ def resolve(
         raise InvalidArgument(f"top_k is {sampling.top_k}: it must be >= 0 (0 = no top-k filter)")
     if not 0 < sampling.top_p <= 1:
         raise InvalidArgument(f"top_p is {sampling.top_p}: it must lie in (0, 1]")
-    k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
     max_k = verify_info.max_num_speculative_tokens
-    if not 0 <= k <= max_k:
-        raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
+    adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
+    if adaptive:
+        k = min(settings.max_num_speculative_tokens, max_k)
+    else:
+        k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
+        if not 0 <= k <= max_k:
+            raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
     drafter = request.drafter
     if k > 0 or drafter:
         drafter = _check_drafter(drafter, draft_info, verify_info)
-    return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter)
+    return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0)
 
 
 def _check_drafter(name: str, draft_info, verify_info) -> str:

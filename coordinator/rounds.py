@@ -83,7 +83,7 @@ class SpeculativeSession:
             decoded = await self._rebuilding(self._decode, self._prefill_verify, "verify")
             n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
         self.committed.extend(new)
-        return new, RoundRecord(len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+        return new, RoundRecord(k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
 
     def _count_bytes(self, request, response):
         """Adds a round message pair's protobuf size to the round's wire bytes; returns ``response``."""

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from coordinator import request as request_validation
+from coordinator.adaptive import AdaptiveK, AdaptiveState
 from coordinator.clients import ServiceClients
 from coordinator.metrics import MetricsRecorder
 from coordinator.rounds import SpeculativeSession
@@ -29,6 +30,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
+        self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
@@ -44,15 +46,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except Unavailable:
             return None  # plain decode (K = 0) still works
 
-    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int]]:
+    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int], AdaptiveK | None]:
+        """The validated request, the target's EOS ids and, under adaptive K, the session's policy."""
         verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_none())
-        return request_validation.resolve(
+        resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
-        ), verify_info.eos_token_ids
+        )
+        policy = None
+        if resolved.adaptive:
+            drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
+            policy = self.adaptive.policy(drafter, verify_info, resolved.num_speculative_tokens)
+        return resolved, verify_info.eos_token_ids, policy
 
     async def _generate(self, request) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         metrics = MetricsRecorder()
-        resolved, eos_ids = await self._resolve(request)
+        resolved, eos_ids, policy = await self._resolve(request)
         eos_ids = set(eos_ids)
         metrics.num_prompt_tokens = len(resolved.prompt_ids)
         session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved)
@@ -64,9 +72,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             metrics.prefill_ms = ms_since(metrics.start)
             while not finish:
                 remaining = resolved.max_new_tokens - len(generated)
+                k = policy.next_k() if policy else resolved.num_speculative_tokens
                 # A round commits up to K + 1 tokens: never draft past the budget.
-                new, record = await session.round(min(resolved.num_speculative_tokens, remaining - 1))
+                new, record = await session.round(min(k, remaining - 1))
                 metrics.rounds.append(record)
+                if policy:
+                    policy.observe(record)
                 kept, finish = self._commit(new, remaining, text, eos_ids)
                 generated.extend(kept)
                 metrics.record_first_token()
@@ -79,11 +90,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                             seed=resolved.sampling.seed,
                             drafter=resolved.drafter,
                             num_speculative_tokens=resolved.num_speculative_tokens,
+                            adaptive=resolved.adaptive,
                         )
                     )
                 yield response
         finally:
             self._in_background(session.release())
+            if policy:
+                self.adaptive.remember(policy)
 
     @staticmethod
     def _commit(new, remaining, text, eos_ids) -> tuple[list[int], int]:

@@ -17,7 +17,16 @@ class CoordinatorSettings(ServiceSettings):
         description="The target's tokenizer (same spec as the verify service's --model); checked "
         "against the target's vocabulary fingerprint.",
     )
-    num_speculative_tokens: int = Field(4, description="Default K, draft tokens per round.")
+    adaptive: bool = Field(
+        True, description="Choose K every round for requests that set no num_speculative_tokens "
+        "(0 = plain decode when speculation does not pay); off: they get num_speculative_tokens.",
+    )
+    max_num_speculative_tokens: int = Field(8, description="Largest K the adaptive choice makes.")
+    probe_interval: int = Field(
+        16, description="While adaptive K falls back to plain decode, every this many rounds a 2-token "
+        "proposal probes whether speculation pays again.",
+    )
+    num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")
     default_max_new_tokens: int = Field(128, description="max_new_tokens when a request sets none.")
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
     rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Propose, Verify, Decode, GetInfo, Release), seconds.")

@@ -202,7 +202,7 @@ def bench(
     limit: Annotated[int, typer.Option(help="Prompts per category (the first N of each).")] = 10,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt, the same for every method.")] = 128,
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
-    pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method (repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8).")] = None,
+    pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
     hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
     target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",

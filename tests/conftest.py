@@ -109,6 +109,38 @@ class _WrongSession(DraftSession):
         return Proposal([(self.committed[-1] * 7919 + i) % TINY_VOCAB for i in range(k)])
 
 
+class SwitchingDrafter(Drafter):
+    """A scripted, free drafter whose accuracy switches mid-request: it proposes the continuation
+    of ``script`` (set it to prompt + the target's greedy output: every draft passes) except while
+    ``wrong_from`` <= generated tokens < ``wrong_to``, when every draft token is wrong."""
+
+    name = "switching"
+
+    def __init__(self, wrong_from: int, wrong_to: int):
+        self.wrong_from, self.wrong_to = wrong_from, wrong_to
+        self.script: list[int] = []
+
+    def new_session(self, sampling: SamplingParams) -> DraftSession:
+        return _SwitchingSession(sampling, self)
+
+
+class _SwitchingSession(DraftSession):
+    def __init__(self, sampling: SamplingParams, drafter: SwitchingDrafter):
+        super().__init__(sampling)
+        self.drafter, self.prompt_len = drafter, 0
+
+    def prefill(self, committed):
+        super().prefill(committed)
+        self.prompt_len = len(committed)
+
+    def propose(self, k: int) -> Proposal:
+        at = len(self.committed)
+        tokens = self.drafter.script[at : at + k]
+        if self.drafter.wrong_from <= at - self.prompt_len < self.drafter.wrong_to:
+            return Proposal([(t + 1) % TINY_VOCAB for t in tokens])
+        return Proposal(tokens)
+
+
 class CoordinatorThread:
     """The asyncio coordinator served from a background thread's event loop."""
 
@@ -140,19 +172,25 @@ class Pipeline:
 @pytest.fixture(scope="session")
 def tiny_target(tiny_models) -> Target:
     model, tokenizer = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
-    return Target(model, tokenizer, str(tiny_models.target_dir), max_num_speculative_tokens=16)
+    target = Target(model, tokenizer, str(tiny_models.target_dir), max_num_speculative_tokens=16)
+    target.measure_verify_ms()
+    return target
 
 
 @pytest.fixture(scope="session")
 def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
     other_model, other_tokenizer = load_causal_lm(str(tiny_models.other_vocab_dir), dtype="float32")
-    return {
+    drafters = {
         "transformers": TransformersDrafter.load(str(tiny_models.draft_dir), dtype="float32"),
         "self": TransformersDrafter(tiny_target.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
         "ngram": NgramDrafter(1, 3),
         "wrong": WrongDrafter(),
         "other-vocab": TransformersDrafter(other_model, other_tokenizer, str(tiny_models.other_vocab_dir)),
+        "switching": SwitchingDrafter(wrong_from=20, wrong_to=60),
     }
+    for drafter in drafters.values():
+        drafter.measure_step_ms()
+    return drafters
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,12 @@ def test_questions_grouped_and_limited(tmp_path):
         load_questions(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.parametrize("spec", ["medusa:4", "ngram", "ngram:0", "ngram:17", "ngram:x"])
+def test_pipeline_spec():
+    assert parse_pipeline("llama-cpp:8") == ("llama-cpp", 8)
+    assert parse_pipeline("ngram:auto") == ("ngram", None)
+
+
+@pytest.mark.parametrize("spec", ["medusa:4", "ngram", "ngram:0", "ngram:17", "ngram:x", "ngram:adaptive"])
 def test_bad_pipeline_spec(spec):
     with pytest.raises(ValueError, match="use DRAFTER:K"):
         parse_pipeline(spec)
@@ -136,11 +141,12 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     subprocess.run(
         [sys.executable, "-m", "specdec", "bench", "--questions", str(questions), "--limit", "1", "--max-new-tokens", "12",
          "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
-         "--pipeline", "ngram:2", "--pipeline", "transformers:3", "--hf-k", "3", "--out", str(out)],
+         "--pipeline", "ngram:2", "--pipeline", "transformers:3", "--pipeline", "transformers:auto", "--hf-k", "3",
+         "--out", str(out)],
         check=True, timeout=600,
     )
     report = json.loads((out / "report.json").read_text())
-    methods = ["plain", "hf-prompt-lookup/K=3", "hf-assisted/K=3", "ngram/K=2", "transformers/K=3"]
+    methods = ["plain", "hf-prompt-lookup/K=3", "hf-assisted/K=3", "ngram/K=2", "transformers/K=3", "transformers/adaptive"]
     assert report["methods"] == methods
     assert report["categories"] == ["qa", "summarization"] and report["num_questions"] == 2
     assert len(report["measurements"]) == 2 * len(methods)

@@ -54,6 +54,16 @@ def test_pipeline_equals_plain_greedy(tiny_pipeline, references, drafter, k):
             assert m.draft_acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("drafter", ["transformers", "self", "ngram", "wrong"])
+def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
+    """No K in the request: the coordinator chooses K every round, plain-decode fallback included."""
+    for prompt, (_, expected) in references.items():
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, drafter=drafter)
+        completion = generate(tiny_pipeline.address, request, timeout_s=120)
+        assert completion.token_ids == expected, f"adaptive {drafter} diverged on {prompt!r}"
+        assert completion.metrics.adaptive and sum(completion.metrics.rounds_per_k) == completion.metrics.num_target_forwards
+
+
 def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
     for prompt, (_, expected) in references.items():
         request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=0)
@@ -69,7 +79,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     schedule = random.Random(7)
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
-        request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter)
+        request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request)
         await session.prefill()
         generated: list[int] = []

@@ -14,6 +14,9 @@ import torch
 from scipy.stats import chisquare
 
 import verify_service.target as target_module
+from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.metrics import RoundRecord
+from draft_service.drafters.base import Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -57,18 +60,30 @@ def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
     return (first[:, None] * second).reshape(-1)
 
 
-def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int) -> int:
-    """Runs rounds until two tokens are committed; returns them as one index a * VOCAB + b."""
+def adaptive_policy() -> AdaptiveK:
+    """Adaptive K whose choice follows the last round closely (EMA weight 0.9): a rejection at the
+    first position makes the next round a plain decode step, a full acceptance makes it K = 3. So
+    the second token's round depends on the first round's random outcome."""
+    return AdaptiveK(3, AcceptanceModel([0.8] * 3, weight=0.9), StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
+
+
+def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str) -> int:
+    """Runs rounds of K = ``k`` draft tokens (``"adaptive"``: chosen by :func:`adaptive_policy`)
+    until two tokens are committed; returns them as one index a * VOCAB + b."""
     verify = target.new_session(PROMPT, params)
     draft = drafter.new_session(params)
     draft.prefill(PROMPT)
+    policy = adaptive_policy() if k == "adaptive" else None
     generated: list[int] = []
     while len(generated) < 2:
-        proposal = draft.propose(k)
+        round_k = policy.next_k() if policy else k
+        proposal = draft.propose(round_k) if round_k else Proposal([])
         probs = proposal.probs
         if probs is None:  # a point-mass drafter
             probs = torch.nn.functional.one_hot(torch.tensor(proposal.tokens, dtype=torch.long), VOCAB).float()
         n, token = verify.verify(proposal.tokens, probs)
+        if policy:
+            policy.observe(RoundRecord(round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0))
         new = [*proposal.tokens[:n], token]
         generated.extend(new)
         draft.sync(new)
@@ -95,6 +110,7 @@ CASES = [
     ("model", SamplingParams(temperature=1.0), 3),
     ("model", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
     ("ngram", SamplingParams(temperature=1.0), 2),
+    ("model", SamplingParams(temperature=1.0), "adaptive"),
 ]
 
 

@@ -52,8 +52,8 @@ def test_detokenizer_reassembles_multibyte_text(smollm2_tokenizer):
 
 def test_metrics_arithmetic():
     recorder = MetricsRecorder(num_prompt_tokens=10)
-    for drafted, accepted in [(4, 4), (4, 1), (4, 0), (0, 0), (2, 2)]:
-        recorder.rounds.append(RoundRecord(drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30))
+    for k, drafted, accepted in [(4, 4, 4), (4, 4, 1), (4, 4, 0), (4, 0, 0), (2, 2, 2)]:
+        recorder.rounds.append(RoundRecord(k, drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30))
     m = recorder.to_proto(num_generated=12, seed=3, drafter="ngram", num_speculative_tokens=4)
     assert (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_draft_tokens) == (4, 14, 7)
     assert m.draft_acceptance_rate == pytest.approx(0.5)
@@ -62,6 +62,7 @@ def test_metrics_arithmetic():
     assert m.num_target_forwards == 5
     assert m.coordination_time_ms == pytest.approx(5 * 20.0 - 5 * 5.0 - 5 * 10.0)
     assert m.round_wire_bytes == 5 * 30
+    assert list(m.rounds_per_k) == [0, 0, 1, 0, 4]
 
 
 def test_top_k_and_top_p_filters():

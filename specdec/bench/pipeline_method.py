@@ -38,19 +38,23 @@ def peak_rss_bytes(pid: int) -> int | None:
 
 
 class PipelineMethod:
-    """``<drafter>/K=<k>`` through the coordinator at ``address``."""
+    """``<drafter>/K=<k>`` through the coordinator at ``address``; ``k`` None is
+    ``<drafter>/adaptive``, the coordinator choosing K every round (``self.k`` is then 0: the
+    report's formula needs a fixed K)."""
 
-    def __init__(self, address: str, drafter: str, k: int):
-        self.address, self.drafter, self.k = address, drafter, k
-        self.name = f"{drafter}/K={k}"
+    def __init__(self, address: str, drafter: str, k: int | None):
+        self.address, self.drafter, self.fixed_k = address, drafter, k
+        self.k = k or 0
+        self.name = f"{drafter}/adaptive" if k is None else f"{drafter}/K={k}"
 
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
         """Raises grpc.RpcError with the coordinator's status when the request fails, RuntimeError
         when the stream ends without a finish reason."""
         request = coordinator_pb2.GenerateRequest(
-            text=question.prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=self.k,
-            drafter=self.drafter, seed=seed,
+            text=question.prompt, max_new_tokens=max_new_tokens, drafter=self.drafter, seed=seed
         )
+        if self.fixed_k is not None:
+            request.num_speculative_tokens = self.fixed_k
         token_ids, ttft_ms, metrics = [], 0.0, None
         start = time.perf_counter()
         for response in stream(self.address, request, timeout_s=600):

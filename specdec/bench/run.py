@@ -37,19 +37,23 @@ class BenchConfig:
     limit: int | None = 10
     max_new_tokens: int = 128
     seed: int = 0
-    pipelines: list[str] = field(default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8"])
+    pipelines: list[str] = field(
+        default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8", "ngram:auto", "llama-cpp:auto"]
+    )
     hf_k: list[int] = field(default_factory=lambda: [4])
     target: str = "smollm2"
     draft_model: str = "smollm2"
     dtype: str = "auto"
 
 
-def parse_pipeline(spec: str) -> tuple[str, int]:
-    """``DRAFTER:K`` (e.g. ``llama-cpp:4``) as ``(drafter, K)``. Raises ValueError naming what to fix."""
+def parse_pipeline(spec: str) -> tuple[str, int | None]:
+    """``DRAFTER:K`` (e.g. ``llama-cpp:4``) as ``(drafter, K)``; ``DRAFTER:auto`` as
+    ``(drafter, None)``: the coordinator's adaptive K. Raises ValueError naming what to fix."""
     drafter, _, k = spec.partition(":")
-    if drafter not in DRAFTERS or not k.isdigit() or not 1 <= int(k) <= 16:
-        raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} and K in 1..16")
-    return drafter, int(k)
+    if drafter not in DRAFTERS or not (k == "auto" or k.isdigit() and 1 <= int(k) <= 16):
+        raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} "
+                         "and K in 1..16 or auto")
+    return drafter, None if k == "auto" else int(k)
 
 
 def machine_info() -> dict:
