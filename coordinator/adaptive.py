@@ -8,8 +8,9 @@ round that drafted d tokens and accepted n observes passes at positions 1..n and
 rejection at n + 1; later positions are not observed.
 
 Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the design brief's
-(1 - a^(K+1)) / (1 - a) when every a_j = a). Its time: draft_ms[K] + verify_ms[K] + overhead_ms,
-where K = 0 is a plain decode step on the verify service (the fallback).
+(1 - a^(K+1)) / (1 - a) when every a_j = a). Its time (:class:`StepCosts`): K x the draft's ms
+per token + the verify round's ms for K drafts + the rest of the round, where K = 0 is a plain
+decode step on the verify service (the fallback).
 """
 
 from dataclasses import dataclass, field
