@@ -1,10 +1,19 @@
 """Per-request speculative-decoding metrics, named as vLLM reports them (design brief)."""
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
+
+
+def histogram(values: Iterable[int], size: int) -> list[int]:
+    """``counts[j]`` = how many of ``values`` equal j, for j in [0, size)."""
+    counts = [0] * size
+    for value in values:
+        counts[value] += 1
+    return counts
 
 
 @dataclass
@@ -40,12 +49,6 @@ class MetricsRecorder:
         spec = [r for r in self.rounds if r.num_drafted]
         drafted = sum(r.num_drafted for r in spec)
         accepted = sum(r.num_accepted for r in spec)
-        histogram = [0] * (max((r.num_drafted for r in spec), default=0) + 1)
-        for r in spec:
-            histogram[r.num_accepted] += 1
-        rounds_per_k = [0] * (max((r.k for r in self.rounds), default=-1) + 1)
-        for r in self.rounds:
-            rounds_per_k[r.k] += 1
         total_ms = ms_since(self.start)
         draft_ms = sum(r.draft_ms for r in self.rounds)
         verify_ms = sum(r.verify_ms for r in self.rounds)
@@ -55,7 +58,9 @@ class MetricsRecorder:
             num_accepted_draft_tokens=accepted,
             draft_acceptance_rate=accepted / drafted if drafted else 0.0,
             mean_acceptance_length=1.0 + accepted / len(spec) if spec else 1.0,
-            acceptance_histogram=histogram if spec else [],
+            acceptance_histogram=histogram(
+                (r.num_accepted for r in spec), max((r.num_drafted for r in spec), default=-1) + 1
+            ),
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=num_generated,
             num_target_forwards=len(self.rounds),
@@ -67,6 +72,6 @@ class MetricsRecorder:
             verify_time_ms=verify_ms,
             coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
-            rounds_per_k=rounds_per_k,
+            rounds_per_k=histogram((r.k for r in self.rounds), max((r.k for r in self.rounds), default=-1) + 1),
             **identity,
         )

@@ -37,7 +37,6 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
             drafters[name] = TransformersDrafter.load(settings.transformers_model, settings.transformers_dtype)
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram")
-        drafters[name].warm_up()
         drafters[name].measure_step_ms()
     return drafters
 

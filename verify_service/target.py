@@ -33,20 +33,14 @@ class Target:
     def load(cls, spec: str, dtype: str, device_map: str | None, max_k: int) -> "Target":
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         target = cls(model, tokenizer, spec, max_k)
-        target.warm_up()
         target.measure_verify_ms()
         return target
-
-    def warm_up(self) -> None:
-        """One prefill and one verify, so the first request does not pay for lazy initialisation."""
-        session = self.new_session(list(range(8)), SamplingParams())
-        session.verify([1, 2, 3], None)
-        session.close()
 
     def measure_verify_ms(self, context_len: int = 64) -> list[float]:
         """Measures a verify round's cost for K = 0 (a plain decode step) to the largest K, in ms
         (the fastest of 3 forwards after ``context_len`` tokens), for the coordinator's choice of
-        K; stores and returns it."""
+        K; stores and returns it. It also warms the model up, so the first request does not pay for
+        lazy initialisation."""
         session = self.new_session([i % self.vocab_size for i in range(context_len)], SamplingParams())
 
         def forward(k: int) -> None:

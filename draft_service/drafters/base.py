@@ -66,17 +66,11 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def new_session(self, sampling: SamplingParams) -> DraftSession: ...
 
-    def warm_up(self) -> None:
-        """One prefill and one proposal, so the first request does not pay for lazy initialisation."""
-        session = self.new_session(SamplingParams())
-        session.prefill(list(range(8)))
-        session.propose(4)
-        session.close()
-
     def measure_step_ms(self, k: int = 8, context_len: int = 64) -> float:
         """Measures the ms per proposed token of a K-token proposal after ``context_len`` tokens
         (the fastest of 3), for the coordinator's choice of K; stores and returns it. The context
-        repeats ids 3..31 (valid in any vocabulary), so n-gram lookup finds a match too."""
+        repeats ids 3..31 (valid in any vocabulary), so n-gram lookup finds a match too. It also
+        warms the drafter up, so the first request does not pay for lazy initialisation."""
         session = self.new_session(SamplingParams())
         session.prefill([3 + i % 29 for i in range(context_len)])
         self.step_ms = min_ms(lambda: session.propose(k)) / k

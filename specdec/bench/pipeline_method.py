@@ -4,7 +4,7 @@ separate processes on this machine, called over gRPC like any client would."""
 import time
 from pathlib import Path
 
-from coordinator.client import stream
+from coordinator.client import Completion, stream
 from specdec.bench.measurement import Measurement
 from specdec.bench.questions import Question
 from specdec.launcher import LocalCluster, free_port
@@ -55,18 +55,17 @@ class PipelineMethod:
         )
         if self.fixed_k is not None:
             request.num_speculative_tokens = self.fixed_k
-        token_ids, ttft_ms, metrics = [], 0.0, None
+        completion, ttft_ms = Completion(), 0.0
         start = time.perf_counter()
         for response in stream(self.address, request, timeout_s=600):
-            if response.token_ids and not token_ids:
+            if response.token_ids and not completion.token_ids:
                 ttft_ms = ms_since(start)
-            token_ids.extend(response.token_ids)
-            if response.finish_reason:
-                metrics = response.metrics
+            completion.add(response)
+        metrics = completion.metrics
         if metrics is None:
             raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
         return Measurement(
-            method=self.name, question_id=question.question_id, category=question.category, token_ids=token_ids,
+            method=self.name, question_id=question.question_id, category=question.category, token_ids=completion.token_ids,
             wall_ms=ms_since(start), ttft_ms=ttft_ms, num_target_forwards=metrics.num_target_forwards + 1,
             num_spec_steps=metrics.num_spec_steps, num_draft_tokens=metrics.num_draft_tokens,
             num_accepted_tokens=metrics.num_accepted_draft_tokens, acceptance_histogram=list(metrics.acceptance_histogram),

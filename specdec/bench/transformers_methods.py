@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from coordinator.metrics import histogram
+from coordinator.request import prompt_ids
 from specdec.bench.measurement import Measurement
 from specdec.bench.questions import Question
 from specdec.timing import ms_since
+from specdec.v1 import coordinator_pb2
 
 
 @dataclass
@@ -105,14 +108,10 @@ class TransformersMethod:
             config.assistant_confidence_threshold = 0.0
             self.extra = {"assistant_model": assistant}
 
-    def prompt_ids(self, question: Question) -> list[int]:
-        """The first turn through the target's chat template, as the coordinator does it."""
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question.prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
-        ids = torch.tensor([self.prompt_ids(question)], device=self.target.device)
+        # the coordinator's own tokenization, so every method starts from the same ids
+        request = coordinator_pb2.GenerateRequest(text=question.prompt)
+        ids = torch.tensor([prompt_ids(request, self.tokenizer)], device=self.target.device)
         torch.manual_seed(seed)
         self.probe.take()
         if self.draft_probe:
@@ -127,14 +126,12 @@ class TransformersMethod:
         generated = output[0, ids.shape[1]:].tolist()
         forwards = self.probe.take()
         rounds = [r for r in rounds_from_forwards(forwards, ids.shape[1], len(generated)) if r[0] > 0]
-        histogram = [0] * (max((d for d, _ in rounds), default=-1) + 1)
-        for _, accepted in rounds:
-            histogram[accepted] += 1
         return Measurement(
             method=self.name, question_id=question.question_id, category=question.category, token_ids=generated,
             wall_ms=wall_ms, ttft_ms=timer.first_token_ms, num_target_forwards=len(forwards),
             num_spec_steps=len(rounds), num_draft_tokens=sum(d for d, _ in rounds),
-            num_accepted_tokens=sum(a for _, a in rounds), acceptance_histogram=histogram,
+            num_accepted_tokens=sum(a for _, a in rounds),
+            acceptance_histogram=histogram((a for _, a in rounds), max((d for d, _ in rounds), default=-1) + 1),
             draft_ms=sum(r.ms for r in self.draft_probe.take()) if self.draft_probe else 0.0,
             verify_ms=sum(r.ms for r in forwards[1:]), num_verify_rounds=len(forwards) - 1,
         )
