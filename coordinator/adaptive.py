@@ -11,11 +11,23 @@ Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the 
 (1 - a^(K+1)) / (1 - a) when every a_j = a). Its time (:class:`StepCosts`): K x the draft's ms
 per token + the verify round's ms for K drafts + the rest of the round, where K = 0 is a plain
 decode step on the verify service (the fallback).
+
+Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
+n-gram index (:mod:`specdec.ngram`, no network hop, no draft cost). Its proposal competes with the
+model drafter's under the same formula, with acceptance tracked per matched suffix length n
+(a 3-token match predicts better than a 1-token one) and a round cost of the verify call alone.
+The lookup's acceptance is observed every round, whether or not its proposal was used, by
+comparing it with the tokens the round committed: under greedy decoding that is exactly the
+acceptance test's outcome; under sampling the committed tokens follow the target distribution p,
+so a match at a position has probability p(token), the acceptance probability of a point-mass
+draft (Leviathan et al. 2023). So n-gram estimates need no probing and cost nothing to keep.
 """
 
 from dataclasses import dataclass, field
 
 from coordinator.metrics import RoundRecord
+from specdec.kv import common_prefix_length
+from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 
@@ -32,6 +44,11 @@ class AcceptanceModel:
     rates: list[float]
     weight: float = 0.25
 
+    def observe_tokens(self, proposal: list[int], committed: list[int]) -> None:
+        """Observes a proposal against the tokens the round committed after the same prefix."""
+        drafted = min(len(proposal), len(committed))
+        self.observe(drafted, common_prefix_length(proposal, committed[:drafted]))
+
     def observe(self, drafted: int, accepted: int) -> None:
         """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed."""
         for i in range(min(accepted + 1, drafted)):
@@ -46,70 +63,106 @@ class AcceptanceModel:
         return total
 
 
+PLAIN = ""  # the drafter name of a plain decode round
+
+
 @dataclass
 class StepCosts:
     """A drafter's and the target's step costs in ms: ``draft_ms_per_token``; ``verify_ms[k]``, a
     verify round with k drafts (``verify_ms[0]`` = a plain decode step); ``overhead_ms[0]`` and
-    ``[1]``, the rest of a plain and of a speculative round (gRPC, the coordinator's work; a
-    speculative round has one call more). Seeded from the services' start-up measurements
-    (GetInfo), kept fresh from live rounds by :meth:`observe`."""
+    ``[1]``, the rest of a round without and with a draft service call (gRPC, the coordinator's
+    work). Seeded from the services' start-up measurements (GetInfo), kept fresh from live rounds
+    by :meth:`observe`."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
     overhead_ms: list[float] = field(default_factory=lambda: [1.0, 2.0])
     weight: float = 0.1
 
-    def round_ms(self, k: int) -> float:
-        return k * self.draft_ms_per_token + self.verify_ms[k] + self.overhead_ms[k > 0]
+    def round_ms(self, k: int, draft_call: bool = True) -> float:
+        """A round of k drafts; ``draft_call`` False: drafts that cost nothing (n-gram lookup)."""
+        calls = draft_call and k > 0
+        return calls * k * self.draft_ms_per_token + self.verify_ms[k] + self.overhead_ms[calls]
 
-    def observe(self, record: RoundRecord) -> None:
+    def observe(self, record: RoundRecord, draft_call: bool) -> None:
         k = record.num_drafted
-        if k:
+        if draft_call and k:
             self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / k, self.weight)
         if k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], record.verify_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.verify_ms
-        self.overhead_ms[record.k > 0] = ema(self.overhead_ms[record.k > 0], overhead, self.weight)
-
-
-def choose_k(acceptance: AcceptanceModel, costs: StepCosts, k_max: int) -> int:
-    """The K in [0, k_max] with the most expected tokens per ms (the smallest K on a tie)."""
-    k_max = min(k_max, len(acceptance.rates), len(costs.verify_ms) - 1)
-    return max(range(k_max + 1), key=lambda k: (acceptance.expected_tokens(k) / costs.round_ms(k), -k))
+        self.overhead_ms[draft_call] = ema(self.overhead_ms[draft_call], overhead, self.weight)
 
 
 @dataclass
 class AdaptiveK:
-    """One session's choice of K. While the best K is 0 (plain decode: the fallback), every
-    ``probe_interval``-th round drafts ``probe_k`` tokens anyway, so that a session whose text
-    becomes predictable is noticed and returns to speculation."""
+    """One session's choice of drafter and K. Each round's options: plain decode, the model
+    ``drafter`` (None: none) with K in [1, k_max], and the n-gram ``match`` with K up to its
+    length; the one with the most expected tokens per ms wins (the cheaper on a tie). While plain
+    decode wins (the fallback), every ``probe_interval``-th round asks the model drafter for
+    ``probe_k`` tokens anyway, so that a session whose text becomes predictable is noticed.
+    ``ngram[n - 1]`` is the acceptance of proposals from an n-token suffix match."""
 
     k_max: int
-    acceptance: AcceptanceModel
+    drafter: str | None
+    acceptance: AcceptanceModel | None  # the model drafter's
+    ngram: list[AcceptanceModel]
     costs: StepCosts
+    target: str = ""
     probe_interval: int = 16
-    pair: tuple[str, str] = ("", "")  # (drafter, target) whose shared state this session uses
     probe_k: int = 2
     _fallback_rounds: int = 0
 
-    def next_k(self) -> int:
-        k = choose_k(self.acceptance, self.costs, self.k_max)
-        self._fallback_rounds = self._fallback_rounds + 1 if k == 0 else 0
-        if self._fallback_rounds and self._fallback_rounds % self.probe_interval == 0:
-            return min(self.probe_k, self.k_max)
-        return k
+    def options(self, match: NgramMatch | None) -> list[tuple[str, int, float]]:
+        """(drafter, K, expected tokens per ms) of every choice this round."""
+        k_max = min(self.k_max, len(self.costs.verify_ms) - 1)
+        options = [(PLAIN, 0, 1.0 / self.costs.round_ms(0))]
+        if self.drafter:
+            options += [
+                (self.drafter, k, self.acceptance.expected_tokens(k) / self.costs.round_ms(k))
+                for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
+            ]
+        if match:
+            model = self.ngram[match.n - 1]
+            options += [
+                (NGRAM, k, model.expected_tokens(k) / self.costs.round_ms(k, draft_call=False))
+                for k in range(1, min(k_max, len(match.tokens), len(model.rates)) + 1)
+            ]
+        return options
 
-    def observe(self, record: RoundRecord) -> None:
-        self.acceptance.observe(record.num_drafted, record.num_accepted)
-        self.costs.observe(record)
+    def next_round(self, match: NgramMatch | None) -> tuple[str, int]:
+        """The round's (drafter, K): ``self.drafter``, NGRAM (propose ``match.tokens[:K]``) or
+        (PLAIN, 0)."""
+        drafter, k, _ = max(self.options(match), key=lambda option: (option[2], -option[1]))
+        self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
+        if self.drafter and self._fallback_rounds and self._fallback_rounds % self.probe_interval == 0:
+            return self.drafter, min(self.probe_k, self.k_max)
+        return drafter, k
+
+    def observe(self, record: RoundRecord, match: NgramMatch | None, committed: list[int]) -> None:
+        """Learns from a finished round: its record, the n-gram match looked up before it (used
+        or not) and the tokens it committed."""
+        draft_call = bool(self.drafter) and record.drafter == self.drafter
+        if draft_call:
+            self.acceptance.observe(record.num_drafted, record.num_accepted)
+        if match:
+            self.ngram[match.n - 1].observe_tokens(match.tokens, committed)
+        self.costs.observe(record, draft_call)
+
+    def acceptance_models(self) -> dict[str, AcceptanceModel]:
+        """Every acceptance model of the session, by the name its warm start is kept under."""
+        models = {f"{NGRAM}/{n}": model for n, model in enumerate(self.ngram, 1)}
+        if self.drafter:
+            models[self.drafter] = self.acceptance
+        return models
 
 
 @dataclass
 class AdaptiveState:
-    """What the coordinator's sessions share per (drafter, target): step costs kept fresh by every
-    live round, and acceptance estimates that warm-start each new session (an EMA over the
-    sessions that ended). ``prior_rate`` seeds a pair never seen: optimistic, so that the first
-    sessions try speculation and measure it."""
+    """What the coordinator's sessions share per target: step costs per drafter kept fresh by
+    every live round, and acceptance estimates per drafter (and per n-gram match length) that
+    warm-start each new session (an EMA over the sessions that ended). ``prior_rate`` seeds
+    estimates never seen: optimistic, so that the first sessions try speculation and measure it."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
@@ -117,19 +170,33 @@ class AdaptiveState:
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def policy(self, drafter: DrafterInfo, target: VerifyInfo, k_max: int) -> AdaptiveK:
-        """A new session's :class:`AdaptiveK`, from the services' GetInfo replies."""
-        key = (drafter.name, target.model)
+    def policy(self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, ngram_max: int) -> AdaptiveK:
+        """A new session's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
+        None: n-gram lookup only (the request's drafter is ``ngram``)."""
+        name = drafter.name if drafter else None
+        key = (name or NGRAM, target.model)
         if key not in self.costs:
             measured = list(target.verify_ms) or [1.0]  # unmeasured: every round costs the same
             measured += measured[-1:] * (k_max + 1 - len(measured))
-            self.costs[key] = StepCosts(drafter.step_ms, measured)
-        prior = self.priors.setdefault(key, [self.prior_rate] * k_max)
+            self.costs[key] = StepCosts(drafter.step_ms if drafter else 0.0, measured)
+        return AdaptiveK(
+            k_max,
+            name,
+            self._warm_start(name, target.model, k_max) if name else None,
+            [self._warm_start(f"{NGRAM}/{n}", target.model, k_max) for n in range(1, ngram_max + 1)],
+            self.costs[key],
+            target.model,
+            self.probe_interval,
+        )
+
+    def _warm_start(self, source: str, target: str, k_max: int) -> AcceptanceModel:
+        prior = self.priors.setdefault((source, target), [])
         prior += [self.prior_rate] * (k_max - len(prior))
-        return AdaptiveK(k_max, AcceptanceModel(prior[:k_max]), self.costs[key], self.probe_interval, pair=key)
+        return AcceptanceModel(prior[:k_max])
 
     def remember(self, policy: AdaptiveK) -> None:
-        """Blends an ended session's acceptance estimates into its pair's warm start."""
-        prior = self.priors[policy.pair]
-        for i, rate in enumerate(policy.acceptance.rates):
-            prior[i] = ema(prior[i], rate, self.session_weight)
+        """Blends an ended session's acceptance estimates into the warm starts."""
+        for source, model in policy.acceptance_models().items():
+            prior = self.priors[(source, policy.target)]
+            for i, rate in enumerate(model.rates):
+                prior[i] = ema(prior[i], rate, self.session_weight)

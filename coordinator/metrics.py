@@ -18,11 +18,13 @@ def histogram(values: Iterable[int], size: int) -> list[int]:
 
 @dataclass
 class RoundRecord:
-    """One round: K = ``k`` asked for (0 = a plain decode step), ``num_drafted`` tokens proposed
-    (fewer than K when the drafter has no more; 0 makes the round a plain decode step),
-    ``num_accepted`` of them accepted; times in ms (draft and verify are the services' own compute times);
-    ``wire_bytes``: protobuf bytes of the round's requests and responses."""
+    """One round: K = ``k`` draft tokens asked of ``drafter`` (K = 0 and drafter "": a plain
+    decode step), ``num_drafted`` tokens proposed (fewer than K when the drafter has no more; 0
+    makes the round a plain decode step), ``num_accepted`` of them accepted; times in ms (draft
+    and verify are the services' own compute times); ``wire_bytes``: protobuf bytes of the
+    round's requests and responses."""
 
+    drafter: str
     k: int
     num_drafted: int
     num_accepted: int
@@ -72,6 +74,26 @@ class MetricsRecorder:
             verify_time_ms=verify_ms,
             coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
-            rounds_per_k=histogram((r.k for r in self.rounds), max((r.k for r in self.rounds), default=-1) + 1),
+            rounds_per_k=k_histogram(self.rounds),
+            drafter_usage=drafter_usage(self.rounds),
             **identity,
         )
+
+
+def k_histogram(rounds: list[RoundRecord]) -> list[int]:
+    """``counts[K]``: rounds that asked for K draft tokens."""
+    return histogram((r.k for r in rounds), max((r.k for r in rounds), default=-1) + 1)
+
+
+def drafter_usage(rounds: list[RoundRecord]) -> dict[str, coordinator_pb2.DrafterUsage]:
+    """Per drafter, the rounds that asked it for a proposal (plain decode rounds are in none)."""
+    usage = {}
+    for name in {r.drafter for r in rounds if r.drafter}:
+        own = [r for r in rounds if r.drafter == name]
+        usage[name] = coordinator_pb2.DrafterUsage(
+            num_rounds=len(own),
+            num_draft_tokens=sum(r.num_drafted for r in own),
+            num_accepted_draft_tokens=sum(r.num_accepted for r in own),
+            rounds_per_k=k_histogram(own),
+        )
+    return usage

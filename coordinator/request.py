@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
@@ -18,6 +19,11 @@ class ResolvedRequest:
     num_speculative_tokens: int  # the fixed K, or the adaptive choice's largest K
     drafter: str
     adaptive: bool
+
+    @property
+    def uses_draft_service(self) -> bool:
+        """False for plain decode and for adaptive n-gram lookup (which the coordinator does)."""
+        return self.num_speculative_tokens > 0 and not (self.adaptive and self.drafter == NGRAM)
 
 
 def _field(request, name: str, default):
@@ -97,7 +103,7 @@ def resolve(
         if not 0 <= k <= max_k:
             raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
     drafter = request.drafter
-    if k > 0 or drafter:
+    if (k > 0 or drafter) and not (adaptive and drafter == NGRAM):  # adaptive n-gram: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
     return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0)
 

@@ -3,7 +3,9 @@ on the draft and verify services.
 
 Each round: the draft proposes K tokens (carrying the committed tokens it has not yet seen), the
 verify service accepts n of them and returns the next token, and the committed log grows by
-draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service. A
+draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
+Under adaptive K a round's proposal may instead come from the coordinator's own n-gram index
+(:meth:`SpeculativeSession.ngram_match`); the draft session then catches up at its next Propose. A
 service that answers NOT_FOUND (its session expired or it restarted) is prefilled again from the
 committed log and the call is retried once.
 """
@@ -18,20 +20,25 @@ from coordinator.clients import ServiceClients
 from coordinator.metrics import RoundRecord
 from coordinator.request import ResolvedRequest
 from specdec.errors import NotFound
+from specdec.ngram import NgramIndex, NgramMatch
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, verify_pb2
+from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class SpeculativeSession:
-    def __init__(self, clients: ServiceClients, session_id: str, request: ResolvedRequest):
+    def __init__(
+        self, clients: ServiceClients, session_id: str, request: ResolvedRequest, ngram: NgramIndex | None = None
+    ):
         self.clients = clients
         self.session_id = session_id
         self.request = request
         self.committed: list[int] = list(request.prompt_ids)
-        self.uses_draft = request.num_speculative_tokens > 0
+        self.uses_draft = request.uses_draft_service
+        self.ngram = ngram
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
         self._round_bytes = 0  # protobuf bytes of the current round's messages
 
@@ -66,12 +73,20 @@ class SpeculativeSession:
             await prefill()
             return await call()
 
-    async def round(self, k: int) -> tuple[list[int], RoundRecord]:
-        """Runs one round with K = ``k`` (0 = plain decode). Returns the newly committed tokens and
-        the round's record."""
+    def ngram_match(self, k: int) -> NgramMatch | None:
+        """Up to ``k`` tokens from the session's n-gram index (None without one or a match)."""
+        return self.ngram.lookup(self.committed, k) if self.ngram else None
+
+    async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
+        """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
+        when given (the coordinator's n-gram lookup), else a proposal from the draft service.
+        Returns the newly committed tokens and the round's record (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
         draft_ms, proposal, distributions = 0.0, [], []
-        if k > 0:
+        if local_proposal is not None:
+            proposal = local_proposal[:k]
+            distributions = [] if self.request.sampling.greedy else point_masses(proposal)
+        elif k > 0:
             proposed = await self._rebuilding(lambda: self._propose(k), self._prefill_draft, "draft")
             proposal, distributions, draft_ms = list(proposed.token_ids), proposed.distributions, proposed.compute_ms
         if proposal:
@@ -83,7 +98,9 @@ class SpeculativeSession:
             decoded = await self._rebuilding(self._decode, self._prefill_verify, "verify")
             n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
         self.committed.extend(new)
-        return new, RoundRecord(k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+        record = RoundRecord(drafter if k else "", k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+        log.debug("session %s round: %s", self.session_id, record)
+        return new, record
 
     def _count_bytes(self, request, response):
         """Adds a round message pair's protobuf size to the round's wire bytes; returns ``response``."""

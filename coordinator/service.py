@@ -14,6 +14,7 @@ from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
 from coordinator.text import IncrementalDetokenizer
 from specdec.errors import SpecdecError, Unavailable
+from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.models import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, start_aio_server
 from specdec.timing import ms_since
@@ -54,8 +55,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         policy = None
         if resolved.adaptive:
-            drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
-            policy = self.adaptive.policy(drafter, verify_info, resolved.num_speculative_tokens)
+            drafter = None  # n-gram lookup alone
+            if resolved.uses_draft_service:
+                drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
+            policy = self.adaptive.policy(drafter, verify_info, resolved.num_speculative_tokens, self.settings.ngram_max)
         return resolved, verify_info.eos_token_ids, policy
 
     async def _generate(self, request) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -63,7 +66,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         resolved, eos_ids, policy = await self._resolve(request)
         eos_ids = set(eos_ids)
         metrics.num_prompt_tokens = len(resolved.prompt_ids)
-        session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved)
+        ngram = NgramIndex(self.settings.ngram_min, self.settings.ngram_max) if policy else None
+        session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved, ngram)
         text = IncrementalDetokenizer(self.tokenizer, resolved.prompt_ids, resolved.stop)
         generated: list[int] = []
         finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
@@ -72,12 +76,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             metrics.prefill_ms = ms_since(metrics.start)
             while not finish:
                 remaining = resolved.max_new_tokens - len(generated)
-                k = policy.next_k() if policy else resolved.num_speculative_tokens
-                # A round commits up to K + 1 tokens: never draft past the budget.
-                new, record = await session.round(min(k, remaining - 1))
+                new, record = await self._round(session, policy, remaining - 1)
                 metrics.rounds.append(record)
-                if policy:
-                    policy.observe(record)
                 kept, finish = self._commit(new, remaining, text, eos_ids)
                 generated.extend(kept)
                 metrics.record_first_token()
@@ -98,6 +98,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._in_background(session.release())
             if policy:
                 self.adaptive.remember(policy)
+
+    @staticmethod
+    async def _round(session: SpeculativeSession, policy: AdaptiveK | None, max_k: int):
+        """One round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens: never
+        draft past the budget), its drafter and K chosen by ``policy`` or fixed by the request."""
+        if policy is None:
+            request = session.request
+            return await session.round(request.drafter, min(request.num_speculative_tokens, max_k))
+        match = session.ngram_match(min(policy.k_max, max_k))
+        drafter, k = policy.next_round(match)
+        local = match.tokens if drafter == NGRAM else None
+        new, record = await session.round(drafter, min(k, max_k), local)
+        policy.observe(record, match, new)
+        return new, record
 
     @staticmethod
     def _commit(new, remaining, text, eos_ids) -> tuple[list[int], int]:

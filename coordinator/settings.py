@@ -1,6 +1,7 @@
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specdec.models import DEFAULT_MODEL
+from specdec.ngram import NgramIndex
 from specdec.settings import ServiceSettings
 
 
@@ -26,8 +27,15 @@ class CoordinatorSettings(ServiceSettings):
         16, description="While adaptive K falls back to plain decode, every this many rounds a 2-token "
         "proposal probes whether speculation pays again.",
     )
+    ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under adaptive K) matches.")
+    ngram_max: int = Field(3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first).")
     num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")
     default_max_new_tokens: int = Field(128, description="max_new_tokens when a request sets none.")
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
     rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Propose, Verify, Decode, GetInfo, Release), seconds.")
     prefill_timeout_s: float = Field(120.0, description="Deadline of each Prefill call, seconds.")
+
+    @model_validator(mode="after")
+    def _ngram_bounds(self):
+        NgramIndex(self.ngram_min, self.ngram_max)  # raises ValueError for bad bounds
+        return self

@@ -120,6 +120,11 @@ def _print_metrics(completion) -> None:
         ("acceptance_histogram", " ".join(map(str, m.acceptance_histogram))),
         ("time to first token (ms)", f"{m.time_to_first_token_ms:.0f}"),
         ("draft / verify / coordination (ms)", f"{m.draft_time_ms:.0f} / {m.verify_time_ms:.0f} / {m.coordination_time_ms:.0f}"),
+        ("rounds per K (K = 0: plain decode)", " ".join(map(str, m.rounds_per_k))),
+        *(
+            (f"{name}: rounds, accepted / drafted", f"{u.num_rounds}, {u.num_accepted_draft_tokens} / {u.num_draft_tokens}")
+            for name, u in sorted(m.drafter_usage.items())
+        ),
     ]
     for row in rows:
         table.add_row(*row)

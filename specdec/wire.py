@@ -18,6 +18,11 @@ def encode_distributions(probs: torch.Tensor) -> list[common_pb2.TokenDistributi
     return out
 
 
+def point_masses(tokens: Sequence[int]) -> list[common_pb2.TokenDistribution]:
+    """q of a model-free drafter (n-gram lookup): probability 1 on each proposed token."""
+    return [common_pb2.TokenDistribution(token_ids=[t], probs=[1.0]) for t in tokens]
+
+
 def decode_distributions(
     messages: Sequence[common_pb2.TokenDistribution], vocab_size: int
 ) -> torch.Tensor:

@@ -4,16 +4,17 @@ and its recovery, over real gRPC with a scripted drafter whose accuracy switches
 import pytest
 import torch
 
-from coordinator.adaptive import AcceptanceModel, AdaptiveK, AdaptiveState, StepCosts, choose_k
+from coordinator.adaptive import NGRAM, PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, StepCosts
 from coordinator.client import generate
 from coordinator.metrics import RoundRecord
+from specdec.ngram import NgramMatch
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
 
 
 def record(k: int, drafted: int, accepted: int) -> RoundRecord:
-    return RoundRecord(k, drafted, accepted, draft_ms=1.0 * drafted, verify_ms=FLAT[drafted], wall_ms=FLAT[drafted] + drafted + 2.0, wire_bytes=0)
+    return RoundRecord("llama-cpp" if k else PLAIN, k, drafted, accepted, draft_ms=1.0 * drafted, verify_ms=FLAT[drafted], wall_ms=FLAT[drafted] + drafted + 2.0, wire_bytes=0)
 
 
 def test_expected_tokens_follow_the_per_position_rates():
@@ -31,45 +32,77 @@ def test_observe_updates_only_the_observed_positions():
     assert model.rates == [0.875, 0.625, 0.5, 0.5]
 
 
+def choose(rates, costs, k_max=4, match=None, ngram_rates=()):
+    """The (drafter, K) of a llama-cpp session with per-position ``rates``; ``ngram_rates[n - 1]``:
+    the rates of n-gram proposals from an n-token suffix match."""
+    ngram = [AcceptanceModel(list(r)) for r in ngram_rates]
+    return AdaptiveK(k_max, "llama-cpp", AcceptanceModel(list(rates)), ngram, costs).next_round(match)
+
+
 def test_choose_k_from_costs_and_acceptance():
     costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
-    assert choose_k(AcceptanceModel([0.0] * 4), costs, 4) == 0  # drafts never pass: plain decode
-    assert choose_k(AcceptanceModel([0.95] * 4), costs, 4) == 4
+    assert choose([0.0] * 4, costs) == (PLAIN, 0)  # drafts never pass: plain decode
+    assert choose([0.95] * 4, costs) == ("llama-cpp", 4)
     # 0.5 per position: K=0 gives 1 token in 61 ms, K=1 1.5 in 88 ms, K=2 1.75 in 108 ms
-    assert choose_k(AcceptanceModel([0.5] * 4), costs, 4) == 1
-    free = StepCosts(draft_ms_per_token=0.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
-    assert choose_k(AcceptanceModel([0.5] * 4), free, 4) == 3  # a free draft (n-gram) pays for more
-    assert choose_k(AcceptanceModel([0.95] * 4), costs, 2) == 2  # never above K_max
+    assert choose([0.5] * 4, costs) == ("llama-cpp", 1)
+    assert choose([0.95] * 4, costs, k_max=2) == ("llama-cpp", 2)  # never above K_max
+
+
+def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    three_long = NgramMatch(3, [7, 8, 9, 10])
+    # the same 0.5 per position, but free: K=3 gives 1.875 tokens in 81 ms
+    assert choose([0.5] * 4, costs, match=three_long, ngram_rates=[[0.1] * 4, [0.1] * 4, [0.5] * 4]) == (NGRAM, 3)
+    # a 1-token suffix match that rarely passes loses to the model drafter
+    one_long = NgramMatch(1, [7, 8, 9, 10])
+    assert choose([0.5] * 4, costs, match=one_long, ngram_rates=[[0.1] * 4, [0.1] * 4, [0.5] * 4]) == ("llama-cpp", 1)
+    # K never exceeds what the match proposes
+    assert choose([0.0] * 4, costs, match=NgramMatch(3, [7]), ngram_rates=[[0.9] * 4] * 3) == (NGRAM, 1)
+
+
+def test_ngram_acceptance_is_observed_whether_or_not_it_was_used():
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.5] * 4), [AcceptanceModel([0.5] * 4, weight=0.5)], StepCosts(15.0, list(FLAT)))
+    match = NgramMatch(1, [7, 8, 9, 10])
+    policy.observe(record(4, 4, 2), match, [7, 8, 3])  # a llama-cpp round committed 7 8 3
+    assert policy.ngram[0].rates == [0.75, 0.75, 0.25, 0.5]  # 7 and 8 would have passed, 9 not
+    assert policy.acceptance.rates[:3] == [0.625, 0.625, 0.375]  # the model's own round, weight 0.25
 
 
 def test_fallback_then_probe_then_recovery():
-    policy = AdaptiveK(4, AcceptanceModel([0.8] * 4), StepCosts(15.0, list(FLAT), [1.0, 3.0]), probe_interval=4, probe_k=2)
-    assert policy.next_k() == 3  # prior 0.8: K=3 gives 2.95 tokens in 128 ms, K=4 3.36 in 148
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.8] * 4), [], StepCosts(15.0, list(FLAT), [1.0, 3.0]), probe_interval=4, probe_k=2)
+    assert policy.next_round(None) == ("llama-cpp", 3)  # prior 0.8: K=3 gives 2.95 tokens in 128 ms, K=4 3.36 in 148
     for _ in range(6):  # the drafter turns wrong: every draft is rejected at the first position
-        policy.observe(record(4, 4, 0))
-    ks = [policy.next_k() for _ in range(8)]
+        policy.observe(record(4, 4, 0), None, [1])
+    ks = [policy.next_round(None)[1] for _ in range(8)]
     assert ks == [0, 0, 0, 2, 0, 0, 0, 2]  # fallback, with a 2-token probe every 4th round
     for _ in range(3):  # the probes pass: the text became predictable again
-        policy.observe(record(2, 2, 2))
-    assert policy.next_k() > 0
+        policy.observe(record(2, 2, 2), None, [1, 2, 3])
+    assert policy.next_round(None)[1] > 0
 
 
 def test_costs_follow_live_rounds():
     costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=[1.0, 2.0], weight=0.5)
-    costs.observe(RoundRecord(1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0))
+    costs.observe(RoundRecord("llama-cpp", 1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0), draft_call=True)
     assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], [1.0, 4.0])
+    costs.observe(RoundRecord(NGRAM, 1, 1, 1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0), draft_call=False)
+    assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, [2.0, 4.0])  # a lookup round: one call
 
 
 def test_sessions_warm_start_from_the_previous_ones():
     state = AdaptiveState(prior_rate=0.8)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
     target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
-    first = state.policy(drafter, target, k_max=4)
+    first = state.policy(drafter, target, k_max=4, ngram_max=2)
     assert first.acceptance.rates == [0.8] * 4 and first.costs.verify_ms == [50.0, 55.0, 60.0, 60.0, 60.0]
+    assert [m.rates for m in first.ngram] == [[0.8] * 4] * 2
     first.acceptance.rates = [0.0] * 4
+    first.ngram[1].rates = [1.0] * 4
     state.remember(first)
-    second = state.policy(drafter, target, k_max=4)
+    second = state.policy(drafter, target, k_max=4, ngram_max=2)
     assert second.acceptance.rates == [0.4] * 4 and second.costs is first.costs
+    assert [m.rates for m in second.ngram] == [[0.8] * 4, [0.9] * 4]
+    lookup_only = state.policy(None, target, k_max=4, ngram_max=2)  # drafter "ngram": no model
+    assert lookup_only.drafter is None and lookup_only.ngram[1].rates == [0.9] * 4
 
 
 def plain_greedy(model, prompt_ids, max_new):
@@ -92,5 +125,5 @@ def test_switching_drafter_falls_back_and_recovers(tiny_pipeline, tiny_drafters,
     assert completion.token_ids == expected
     m = completion.metrics
     assert m.adaptive and m.rounds_per_k[0] > 0, "no fallback to plain decode while every draft was wrong"
-    # at most 20 drafts can pass before the switch: many more passed, so speculation resumed
-    assert m.num_accepted_draft_tokens > 60, f"no recovery: {m}"
+    # at most 20 of its drafts can pass before the switch: many more passed, so speculation resumed
+    assert m.drafter_usage["switching"].num_accepted_draft_tokens > 60, f"no recovery: {m}"

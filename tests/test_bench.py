@@ -159,6 +159,8 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["tokens_per_target_forward"] == 1.0
     assert overall["transformers/K=3"]["num_draft_tokens"] > 0 and overall["hf-assisted/K=3"]["num_draft_tokens"] > 0
     assert overall["transformers/K=3"]["wire_bytes_per_round"] > 0
+    assert set(overall["transformers/adaptive"]["rounds_per_drafter"]) <= {"plain", "ngram", "transformers"}
+    assert overall["transformers/K=3"]["rounds_per_drafter"]["transformers"] > 0 and overall["plain"]["rounds_per_drafter"] is None
     assert set(report["peak_rss_bytes"]) >= {"coordinator", "draft", "verify"}
     assert all(value > 0 for value in report["peak_rss_bytes"].values())
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])

@@ -125,7 +125,7 @@ def test_models_come_from_the_fetched_volume(overlay):
             fetched.append(f"/models/{'tokenizers/' if kind == 'hf-tokenizer' else ''}{name}")
         for path in wanted:
             assert any(path == f or path.startswith(f + "/") for f in fetched), f"{service}: {path}"
-    for service, _, container in services(resources):
+    for _, _, container in services(resources):
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
 
 

@@ -11,6 +11,7 @@ from coordinator.client import generate
 from coordinator.clients import ServiceClients
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
+from specdec.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2
 
@@ -61,7 +62,10 @@ def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
         request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, drafter=drafter)
         completion = generate(tiny_pipeline.address, request, timeout_s=120)
         assert completion.token_ids == expected, f"adaptive {drafter} diverged on {prompt!r}"
-        assert completion.metrics.adaptive and sum(completion.metrics.rounds_per_k) == completion.metrics.num_target_forwards
+        m = completion.metrics
+        assert m.adaptive and sum(m.rounds_per_k) == m.num_target_forwards
+        # every round is a plain decode step or was proposed by exactly one drafter
+        assert m.rounds_per_k[0] + sum(u.num_rounds for u in m.drafter_usage.values()) == m.num_target_forwards
 
 
 def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
@@ -75,17 +79,20 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
 
 @pytest.mark.parametrize("drafter", ["transformers", "ngram"])
 def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter):
-    """The round loop with a different K each round, plain-decode rounds (K = 0) included."""
+    """The round loop with a different K each round, plain-decode rounds (K = 0) included, and half
+    the proposals from the coordinator's own n-gram lookup (hybrid drafting)."""
     schedule = random.Random(7)
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
-        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request)
+        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, NgramIndex(1, 3))
         await session.prefill()
         generated: list[int] = []
         try:
             while len(generated) < MAX_NEW:
-                new, _ = await session.round(schedule.choice([0, 1, 2, 3, 5, 8]))
+                k = schedule.choice([0, 1, 2, 3, 5, 8])
+                match = session.ngram_match(k) if schedule.random() < 0.5 else None
+                new, _ = await session.round(drafter, k, match.tokens if match else None)
                 generated.extend(new)
         finally:
             await session.release()

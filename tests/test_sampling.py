@@ -14,11 +14,12 @@ import torch
 from scipy.stats import chisquare
 
 import verify_service.target as target_module
-from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.adaptive import NGRAM, AcceptanceModel, AdaptiveK, StepCosts
 from coordinator.metrics import RoundRecord
 from draft_service.drafters.base import Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.transformers_lm import TransformersDrafter
+from specdec.ngram import NgramIndex
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 from tests.conftest import tiny_llama
 from verify_service.target import Target
@@ -60,32 +61,41 @@ def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
     return (first[:, None] * second).reshape(-1)
 
 
-def adaptive_policy() -> AdaptiveK:
+def adaptive_policy(ngram_max: int) -> AdaptiveK:
     """Adaptive K whose choice follows the last round closely (EMA weight 0.9): a rejection at the
     first position makes the next round a plain decode step, a full acceptance makes it K = 3. So
-    the second token's round depends on the first round's random outcome."""
-    return AdaptiveK(3, AcceptanceModel([0.8] * 3, weight=0.9), StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
+    the second token's round depends on the first round's random outcome. With ``ngram_max``, n-gram
+    matches (free, so preferred while their estimate holds) compete with the model drafter."""
+    rates = lambda: AcceptanceModel([0.8] * 3, weight=0.9)  # noqa: E731
+    return AdaptiveK(3, "model", rates(), [rates() for _ in range(ngram_max)], StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
 def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str) -> int:
-    """Runs rounds of K = ``k`` draft tokens (``"adaptive"``: chosen by :func:`adaptive_policy`)
-    until two tokens are committed; returns them as one index a * VOCAB + b."""
+    """Runs rounds of K = ``k`` draft tokens (``"adaptive"``: drafter and K chosen by
+    :func:`adaptive_policy`; ``"hybrid"``: also n-gram lookup) until two tokens are committed;
+    returns them as one index a * VOCAB + b."""
     verify = target.new_session(PROMPT, params)
     draft = drafter.new_session(params)
     draft.prefill(PROMPT)
-    policy = adaptive_policy() if k == "adaptive" else None
+    policy = adaptive_policy(2 if k == "hybrid" else 0) if isinstance(k, str) else None
+    index, context = NgramIndex(1, 2), list(PROMPT)
     generated: list[int] = []
     while len(generated) < 2:
-        round_k = policy.next_k() if policy else k
-        proposal = draft.propose(round_k) if round_k else Proposal([])
+        match = index.lookup(context, 3) if k == "hybrid" else None
+        source, round_k = policy.next_round(match) if policy else ("model", k)
+        if source == NGRAM:
+            proposal = Proposal(match.tokens[:round_k])
+        else:
+            proposal = draft.propose(round_k) if round_k else Proposal([])
         probs = proposal.probs
         if probs is None:  # a point-mass drafter
             probs = torch.nn.functional.one_hot(torch.tensor(proposal.tokens, dtype=torch.long), VOCAB).float()
         n, token = verify.verify(proposal.tokens, probs)
-        if policy:
-            policy.observe(RoundRecord(round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0))
         new = [*proposal.tokens[:n], token]
+        if policy:
+            policy.observe(RoundRecord(source, round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0), match, new)
         generated.extend(new)
+        context.extend(new)
         draft.sync(new)
     return generated[0] * VOCAB + generated[1]
 
@@ -111,6 +121,7 @@ CASES = [
     ("model", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
     ("ngram", SamplingParams(temperature=1.0), 2),
     ("model", SamplingParams(temperature=1.0), "adaptive"),
+    ("model", SamplingParams(temperature=1.0), "hybrid"),
 ]
 
 

@@ -10,7 +10,7 @@ from specdec.kv import KVState
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
-from specdec.wire import encode_distributions
+from specdec.wire import encode_distributions, point_masses
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Proposal:
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
             return encode_distributions(self.probs)
-        return [common_pb2.TokenDistribution(token_ids=[t], probs=[1.0]) for t in self.tokens]
+        return point_masses(self.tokens)
 
 
 class DraftSession(abc.ABC):

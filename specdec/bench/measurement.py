@@ -11,7 +11,8 @@ class Measurement:
     step (``draft_ms``, ``verify_ms``). ``num_target_forwards`` counts every forward pass of the
     target, the prefill included, so plain decoding of N tokens makes N. ``verify_ms`` covers the
     ``num_verify_rounds`` decode-phase target forwards (verify calls, or plain decode steps).
-    ``coordination_ms`` and ``wire_bytes`` are the pipeline's only (None elsewhere).
+    ``coordination_ms``, ``wire_bytes`` and ``rounds_per_drafter`` (decode-phase rounds by the
+    drafter that proposed, ``plain`` for plain decode steps) are the pipeline's only (None elsewhere).
     """
 
     method: str
@@ -30,6 +31,7 @@ class Measurement:
     num_verify_rounds: int
     coordination_ms: float | None = None
     wire_bytes: int | None = None
+    rounds_per_drafter: dict[str, int] | None = None
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical
 
     @property

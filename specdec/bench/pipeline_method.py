@@ -71,4 +71,6 @@ class PipelineMethod:
             num_accepted_tokens=metrics.num_accepted_draft_tokens, acceptance_histogram=list(metrics.acceptance_histogram),
             draft_ms=metrics.draft_time_ms, verify_ms=metrics.verify_time_ms, num_verify_rounds=metrics.num_target_forwards,
             coordination_ms=metrics.coordination_time_ms, wire_bytes=metrics.round_wire_bytes,
+            rounds_per_drafter={"plain": metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
+            | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
         )

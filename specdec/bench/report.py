@@ -40,6 +40,10 @@ def _stats(runs: list[Measurement]) -> dict:
         for j, count in enumerate(m.acceptance_histogram):
             histogram[j] += count
     pipeline = all(m.coordination_ms is not None for m in runs)
+    rounds_per_drafter: dict[str, int] = {}
+    for m in runs:
+        for name, count in (m.rounds_per_drafter or {}).items():
+            rounds_per_drafter[name] = rounds_per_drafter.get(name, 0) + count
     return {
         "num_prompts": len(runs),
         "num_generated_tokens": tokens,
@@ -57,6 +61,7 @@ def _stats(runs: list[Measurement]) -> dict:
         "verify_ms_per_round": _ratio(sum(m.verify_ms for m in runs), rounds),
         "coordination_ms_per_round": _ratio(sum(m.coordination_ms for m in runs), rounds) if pipeline else None,
         "wire_bytes_per_round": _ratio(sum(m.wire_bytes for m in runs), rounds) if pipeline else None,
+        "rounds_per_drafter": rounds_per_drafter if pipeline else None,
     }
 
 
@@ -137,9 +142,19 @@ def round_cost_table(report: dict) -> list[str]:
         rows.append([
             method, _cell(s["draft_ms_per_round"], ".1f"), _cell(s["verify_ms_per_round"], ".1f"),
             _cell(s["coordination_ms_per_round"], ".1f"), _cell(s["wire_bytes_per_round"], ".0f"),
-            " ".join(map(str, s["acceptance_histogram"])) or "-",
+            " ".join(map(str, s["acceptance_histogram"])) or "-", _drafter_shares(s["rounds_per_drafter"]),
         ])
-    return _table(["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram"], rows)
+    return _table(
+        ["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram", "rounds by drafter"], rows
+    )
+
+
+def _drafter_shares(rounds_per_drafter: dict[str, int] | None) -> str:
+    """``plain 10%, ngram 30%, llama-cpp 60%``: the share of rounds each drafter proposed in."""
+    total = sum((rounds_per_drafter or {}).values())
+    if not total:
+        return "-"
+    return ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(rounds_per_drafter.items()) if count)
 
 
 def to_markdown(report: dict) -> str:
