@@ -31,6 +31,8 @@ from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 
+PLAIN = ""  # the drafter name of a plain decode round
+
 
 def ema(old: float, new: float, weight: float) -> float:
     """Exponential moving average: ``weight`` on the new observation."""
@@ -61,9 +63,6 @@ class AcceptanceModel:
             passing *= rate
             total += passing
         return total
-
-
-PLAIN = ""  # the drafter name of a plain decode round
 
 
 @dataclass
