@@ -79,9 +79,15 @@ class StepCosts:
     weight: float = 0.1
 
     def round_ms(self, k: int, draft_call: bool = True) -> float:
-        """A round of k drafts; ``draft_call`` False: drafts that cost nothing (n-gram lookup)."""
+        """A round of k drafts; ``draft_call`` False: drafts that cost nothing (n-gram lookup).
+
+        A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
+        forward over fewer tokens): a start-up measurement inflated by contention would otherwise
+        keep a session from ever falling back, and plain rounds never run would never correct it.
+        """
         calls = draft_call and k > 0
-        return calls * k * self.draft_ms_per_token + self.verify_ms[k] + self.overhead_ms[calls]
+        verify_ms = min(self.verify_ms) if k == 0 else self.verify_ms[k]
+        return calls * k * self.draft_ms_per_token + verify_ms + self.overhead_ms[calls]
 
     def observe(self, record: RoundRecord, draft_call: bool) -> None:
         k = record.num_drafted

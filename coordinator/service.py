@@ -66,7 +66,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         resolved, eos_ids, policy = await self._resolve(request)
         eos_ids = set(eos_ids)
         metrics.num_prompt_tokens = len(resolved.prompt_ids)
-        ngram = NgramIndex(self.settings.ngram_min, self.settings.ngram_max) if policy else None
+        ngram = None  # hybrid drafting: the coordinator's own n-gram lookup competes every round
+        if policy and (self.settings.hybrid or not resolved.uses_draft_service):
+            ngram = NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
         session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved, ngram)
         text = IncrementalDetokenizer(self.tokenizer, resolved.prompt_ids, resolved.stop)
         generated: list[int] = []

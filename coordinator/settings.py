@@ -27,6 +27,10 @@ class CoordinatorSettings(ServiceSettings):
         16, description="While adaptive K falls back to plain decode, every this many rounds a 2-token "
         "proposal probes whether speculation pays again.",
     )
+    hybrid: bool = Field(
+        True, description="Under adaptive K, let the coordinator's own n-gram prompt lookup compete "
+        "with the request's drafter every round (hybrid drafting); off: the drafter and plain decode only.",
+    )
     ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under adaptive K) matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first).")
     num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")
