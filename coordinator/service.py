@@ -1,4 +1,9 @@
-"""The CoordinatorService gRPC servicer (public Generate API) and its entry point."""
+"""The CoordinatorService gRPC servicer (public Generate API) and its entry point.
+
+Traced (OpenTelemetry spans, no-ops with tracing off): under the Generate call's span, which gets
+the request's metrics as attributes when it finishes, a ``prefill`` span and one ``round`` span per
+round (attributes: :func:`coordinator.tracing.round_attributes`), the draft and verify calls in them.
+"""
 
 import asyncio
 import logging
@@ -6,13 +11,18 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
+from opentelemetry import trace
+
 from coordinator import request as request_validation
 from coordinator.adaptive import AdaptiveK, AdaptiveState
 from coordinator.clients import ServiceClients
 from coordinator.metrics import MetricsRecorder
+from coordinator.prometheus import CoordinatorMetrics
 from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
 from coordinator.text import IncrementalDetokenizer
+from coordinator.tracing import request_attributes, round_attributes
 from specdec.errors import SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.models import load_tokenizer
@@ -22,24 +32,33 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients):
+    def __init__(self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics):
         self.settings = settings
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
+        self.metrics = metrics
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
+        self.metrics.num_requests_running.inc()
         try:
             async for response in self._generate(request):
                 yield response
         except SpecdecError as err:
+            self.metrics.rpc_errors.labels("Generate", err.code.name).inc()
             await context.abort(err.code, str(err))
+        except Exception:
+            self.metrics.rpc_errors.labels("Generate", grpc.StatusCode.UNKNOWN.name).inc()
+            raise
+        finally:
+            self.metrics.num_requests_running.dec()
 
     async def _draft_info_or_none(self):
         try:
@@ -74,13 +93,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         generated: list[int] = []
         finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
         try:
-            await session.prefill()
+            with tracer.start_as_current_span("prefill"):
+                await session.prefill()
             metrics.prefill_ms = ms_since(metrics.start)
             while not finish:
                 remaining = resolved.max_new_tokens - len(generated)
-                new, record = await self._round(session, policy, remaining - 1)
+                with tracer.start_as_current_span("round") as span:
+                    new, record = await self._round(session, policy, remaining - 1)
+                    kept, finish = self._commit(new, remaining, text, eos_ids)
+                    if span.is_recording():
+                        span.set_attributes(round_attributes(record, len(kept)))
                 metrics.rounds.append(record)
-                kept, finish = self._commit(new, remaining, text, eos_ids)
+                self.metrics.observe_round(record, len(kept))
                 generated.extend(kept)
                 metrics.record_first_token()
                 response = coordinator_pb2.GenerateResponse(token_ids=kept, text=text.take_delta(final=bool(finish)))
@@ -95,6 +119,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                             adaptive=resolved.adaptive,
                         )
                     )
+                    self.metrics.observe_request(response.metrics)
+                    request_span = trace.get_current_span()
+                    if request_span.is_recording():
+                        request_span.set_attributes(request_attributes(response.metrics))
                 yield response
         finally:
             self._in_background(session.release())
@@ -141,13 +169,15 @@ async def serve(
     clients = ServiceClients(
         settings.draft_address, settings.verify_address, settings.rpc_timeout_s, settings.prefill_timeout_s
     )
-    servicer = CoordinatorServicer(settings, tokenizer, clients)
+    metrics = CoordinatorMetrics()
+    servicer = CoordinatorServicer(settings, tokenizer, clients, metrics)
 
     def register(server):
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
         return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
     server, port = await start_aio_server(register, settings.host, settings.port)
+    metrics.serve(settings.host, settings.metrics_port)
     if handle_signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,6 +189,7 @@ async def serve(
     finally:
         await server.stop(SHUTDOWN_GRACE_S)
         await clients.close()
+        metrics.close()
 
 
 def main(settings: CoordinatorSettings) -> None:

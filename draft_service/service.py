@@ -3,10 +3,12 @@
 import time
 
 import torch
+from opentelemetry import trace
 
 from draft_service.drafters.base import Drafter, DraftSession
 from draft_service.settings import DraftSettings
 from specdec.errors import InvalidArgument, grpc_errors
+from specdec.prom import ServiceMetrics
 from specdec.sampling import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
@@ -48,6 +50,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         default_drafter: str,
         sessions: SessionRegistry[DraftSession],
         max_k: int,
+        metrics: ServiceMetrics,
     ):
         if default_drafter not in drafters:
             raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
@@ -55,6 +58,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.default_drafter = default_drafter
         self.sessions = sessions
         self.max_k = max_k
+        self.metrics = metrics
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(
@@ -79,6 +83,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Prefill(self, request, context):
         start = time.perf_counter()
         drafter = self._drafter(request.drafter)
+        trace.get_current_span().set_attribute("specdec.drafter", drafter.name)
         if not request.token_ids:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
         sampling = SamplingParams.from_proto(request.sampling)
@@ -100,6 +105,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.sessions.use(request.session_id) as session:
             session.sync(request.appended_token_ids)
             proposal = session.propose(k)
+        trace.get_current_span().set_attributes({"specdec.num_speculative_tokens": k, "specdec.num_drafted": len(proposal.tokens)})
         return draft_pb2.ProposeResponse(
             token_ids=proposal.tokens,
             distributions=[] if session.sampling.greedy else proposal.distributions(),
@@ -125,7 +131,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     drafters = drafters if drafters is not None else load_drafters(settings)
     sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = DraftServicer(
-        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens
+        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, ServiceMetrics()
     )
 
     return start_service(

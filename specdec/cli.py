@@ -1,7 +1,6 @@
 """The ``specdec`` command line: run the services, stream completions, run the demo and the benchmark."""
 
 import json
-import logging
 import shlex
 import sys
 import time
@@ -26,6 +25,8 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 
 
 def _run_service(ctx: typer.Context, service: str) -> None:
+    from specdec.telemetry import configure_logging, configure_tracing
+
     if service == "verify":
         from verify_service.service import main
         from verify_service.settings import VerifySettings as settings_cls
@@ -36,7 +37,8 @@ def _run_service(ctx: typer.Context, service: str) -> None:
         from coordinator.service import main
         from coordinator.settings import CoordinatorSettings as settings_cls
     settings = parse_settings(settings_cls, ctx.args, prog=f"specdec serve {service}")
-    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    configure_tracing(service)
+    configure_logging(service, settings.log_level, settings.log_format)
     main(settings)
 
 
@@ -58,14 +60,16 @@ def coordinator(ctx: typer.Context) -> None:
     _run_service(ctx, "coordinator")
 
 
-def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None):
+def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None):
     from specdec.launcher import LocalCluster
 
-    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir)
+    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {})
     stderr.print("starting verify, draft and coordinator services (loading models)...")
     cluster.start_all()
     for service in ("coordinator", "draft", "verify"):
-        stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}")
+        metrics = cluster.metrics_url(service)
+        stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}"
+                     + (f"  metrics {metrics}" if metrics else ""))
     return cluster
 
 
@@ -75,10 +79,15 @@ def up(
     draft_port: Annotated[int, typer.Option(help="Draft service gRPC port.")] = 50052,
     verify_port: Annotated[int, typer.Option(help="Verify service gRPC port.")] = 50053,
     host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
+    coordinator_metrics_port: Annotated[int, typer.Option(help="Coordinator Prometheus /metrics port; 0 = off.")] = 9091,
+    draft_metrics_port: Annotated[int, typer.Option(help="Draft service Prometheus /metrics port; 0 = off.")] = 9092,
+    verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
-    its SPECDEC_* variables), wait until all are healthy, and serve until interrupted."""
-    cluster = _cluster(coordinator_port, draft_port, verify_port, host)
+    its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC and metrics
+    addresses, and serve until interrupted."""
+    metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
+    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports)
     stderr.print("all services SERVING; Ctrl-C stops them")
     try:
         while all(p.poll() is None for p in cluster.processes.values()):
@@ -166,7 +175,11 @@ def generate(
     raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
 ) -> None:
-    """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr."""
+    """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
+    (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter."""
+    from specdec.telemetry import configure_tracing
+
+    configure_tracing("cli")
     request = _request(
         prompt, raw_prompt=raw or None, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,

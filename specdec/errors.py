@@ -45,14 +45,20 @@ F = TypeVar("F", bound=Callable)
 
 
 def grpc_errors(method: F) -> F:
-    """Decorates a sync servicer method: a SpecdecError aborts the call with its status code."""
+    """Decorates a sync servicer method: a SpecdecError aborts the call with its status code, any
+    other exception fails it as UNKNOWN (grpc's answer). Each failure is counted in the servicer's
+    ``metrics.rpc_errors`` (a :class:`specdec.prom.ServiceMetrics`) under its status code."""
 
     @functools.wraps(method)
     def wrapper(self, request, context: grpc.ServicerContext):
         try:
             return method(self, request, context)
         except SpecdecError as err:
+            self.metrics.rpc_errors.labels(method.__name__, err.code.name).inc()
             context.abort(err.code, str(err))
+        except Exception:
+            self.metrics.rpc_errors.labels(method.__name__, grpc.StatusCode.UNKNOWN.name).inc()
+            raise
 
     return wrapper  # type: ignore[return-value]
 

@@ -34,8 +34,8 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
 @dataclass
 class LocalCluster:
     """The three services on ``host``. ``extra_args`` adds flags per service (``verify``, ``draft``,
-    ``coordinator``); with ``log_dir`` each service logs to ``<log_dir>/<service>.log`` instead of
-    this terminal."""
+    ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); with ``log_dir``
+    each service logs to ``<log_dir>/<service>.log`` instead of this terminal."""
 
     coordinator_port: int = 50051
     draft_port: int = 50052
@@ -43,13 +43,21 @@ class LocalCluster:
     host: str = "127.0.0.1"
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: Path | None = None
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def address(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
 
+    def metrics_url(self, service: str) -> str | None:
+        """The service's Prometheus endpoint, None when off."""
+        port = self.metrics_ports.get(service)
+        return f"http://{self.host}:{port}/metrics" if port else None
+
     def _args(self, service: str) -> list[str]:
         args = ["--host", self.host, "--port", str(getattr(self, f"{service}_port"))]
+        if service in self.metrics_ports:
+            args += ["--metrics-port", str(self.metrics_ports[service])]
         if service == "coordinator":
             args += ["--draft-address", self.address("draft"), "--verify-address", self.address("verify")]
         return args + self.extra_args.get(service, [])

@@ -63,6 +63,7 @@ class RunningService:
     def stop(self, grace_s: float | None = None) -> None:
         self.janitor.set()
         self.server.stop(grace_s).wait()
+        self.servicer.metrics.close()
 
     def serve_until_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT, then stops accepting calls and lets in-flight ones
@@ -94,11 +95,14 @@ async def start_aio_server(
 
 
 def start_service(servicer, add_to_server, service_name: str, sessions, settings) -> RunningService:
-    """Starts a session-holding service (draft or verify) and its idle-session janitor.
+    """Starts a session-holding service (draft or verify), its idle-session janitor and its
+    Prometheus endpoint.
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
-    full name reflection and health report; ``settings`` a :class:`specdec.settings.ServiceSettings`
-    with ``session_idle_timeout_s``.
+    full name reflection and health report; ``sessions`` the servicer's
+    :class:`specdec.sessions.SessionRegistry`, exported by ``servicer.metrics`` (a
+    :class:`specdec.prom.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
+    :class:`specdec.settings.SessionServiceSettings`.
     """
 
     def register(server):
@@ -107,4 +111,6 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
 
     server, port = start_server(register, settings.host, settings.port, settings.max_workers)
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
+    servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)
+    servicer.metrics.serve(settings.host, settings.metrics_port)
     return RunningService(server, port, servicer, janitor)

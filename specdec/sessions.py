@@ -17,6 +17,9 @@ class Session(Protocol):
     def close(self) -> None:
         """Frees the session's KV cache."""
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes its KV cache holds."""
+
 
 S = TypeVar("S", bound=Session)
 
@@ -44,6 +47,12 @@ class SessionRegistry(Generic[S]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV caches of the open sessions hold (read without waiting for their locks)."""
+        with self._lock:
+            sessions = [entry.session for entry in self._entries.values()]
+        return sum(session.kv_cache_bytes() for session in sessions)
 
     def open(self, session_id: str, factory: Callable[[], S]) -> None:
         """Creates a session. Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""

@@ -1,6 +1,8 @@
 """Settings shared by the services. Each field is a ``--kebab-case`` flag and a ``SPECDEC_*``
 environment variable (pydantic-settings); the flag wins over the variable."""
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
@@ -13,6 +15,10 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for every interface).")
     port: int = Field(description="gRPC port.")
     log_level: str = Field("INFO", description="Python logging level.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or as JSON objects (one per line); both carry the trace id."
+    )
+    metrics_port: int = Field(0, description="HTTP port of the Prometheus /metrics endpoint; 0 = off.")
 
 
 class SessionServiceSettings(ServiceSettings):

@@ -1,5 +1,6 @@
 """Invariant 3: after proposals are partly rejected and the KV cache rolled back, the next logits
-equal those of a fresh prefill of the committed prefix, on the verify and on the draft side."""
+equal those of a fresh prefill of the committed prefix, on the verify and on the draft side; and
+the KV bytes a llama.cpp session reports."""
 
 import llama_cpp
 import pytest
@@ -69,3 +70,13 @@ def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):
         assert int(next_logits.argmax()) == int(expected.argmax())
         assert (next_logits - expected).abs().max() < 1.5
     session.close()
+
+
+def test_llama_cpp_session_reports_its_context_kv_buffer(llama_cpp_drafter):
+    """A llama.cpp session's KV bytes (the /metrics gauge): the context's whole buffer, which
+    llama.cpp allocates up front. For SmolLM2 it logs 90.00 MiB at n_ctx 4096: per token 30 layers
+    x (key + value) x 3 KV heads x head size 64 x 2 bytes (f16)."""
+    session = llama_cpp_drafter.new_session(SamplingParams())
+    assert session.kv_cache_bytes() == 512 * 30 * 2 * 3 * 64 * 2
+    session.close()
+    assert session.kv_cache_bytes() == 0

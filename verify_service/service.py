@@ -5,6 +5,7 @@ import time
 import torch
 
 from specdec.errors import grpc_errors
+from specdec.prom import ServiceMetrics
 from specdec.sampling import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
@@ -16,9 +17,10 @@ from verify_service.target import Target, TargetSession
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, target: Target, sessions: SessionRegistry[TargetSession]):
+    def __init__(self, target: Target, sessions: SessionRegistry[TargetSession], metrics: ServiceMetrics):
         self.target = target
         self.sessions = sessions
+        self.metrics = metrics
 
     def GetInfo(self, request, context):
         t = self.target
@@ -73,7 +75,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens
     )
     sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
-    servicer = VerifyServicer(target, sessions)
+    servicer = VerifyServicer(target, sessions, ServiceMetrics())
 
     return start_service(
         servicer,

@@ -1,9 +1,14 @@
-"""The target model and its per-session state: prefill, verify, decode, rollback."""
+"""The target model and its per-session state: prefill, verify, decode, rollback.
+
+Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test,
+besides the ``prefill``, ``forward`` and ``rollback`` spans of :mod:`specdec.kv`.
+"""
 
 import threading
 from collections.abc import Sequence
 
 import torch
+from opentelemetry import trace
 
 from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.errors import InvalidArgument
@@ -12,6 +17,8 @@ from specdec.models import context_window, load_causal_lm
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
 from specdec.timing import min_ms
 from specdec.vocab import tokenizer_fingerprint
+
+tracer = trace.get_tracer(__name__)
 
 
 class Target:
@@ -41,14 +48,14 @@ class Target:
         (the fastest of 3 forwards after ``context_len`` tokens), for the coordinator's choice of
         K; stores and returns it. It also warms the model up, so the first request does not pay for
         lazy initialisation."""
-        session = self.new_session([i % self.vocab_size for i in range(context_len)], SamplingParams())
-
         def forward(k: int) -> None:
             session.next_logits([(context_len + i) % self.vocab_size for i in range(k)])[-1].argmax().item()
             session.commit([])  # roll the draft tokens back
 
-        self.verify_ms = [min_ms(lambda k=k: forward(k)) for k in range(self.max_num_speculative_tokens + 1)]
-        session.close()
+        with tracer.start_as_current_span("measure_verify_ms"):
+            session = self.new_session([i % self.vocab_size for i in range(context_len)], SamplingParams())
+            self.verify_ms = [min_ms(lambda k=k: forward(k)) for k in range(self.max_num_speculative_tokens + 1)]
+            session.close()
         return self.verify_ms
 
     def new_session(self, committed: Sequence[int], sampling: SamplingParams) -> "TargetSession":
@@ -102,12 +109,14 @@ class TargetSession:
         """
         self._check(draft_tokens, draft_probs)
         logits = self.next_logits(draft_tokens)
-        if self.sampling.greedy:
-            n, token = greedy_accept(draft_tokens, logits)
-        else:
-            generator = round_generator(self.sampling.seed, len(self.committed), "verify")
-            target_probs = logits_to_probs(logits, self.sampling)
-            n, token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+        with tracer.start_as_current_span("acceptance", attributes={"specdec.num_draft_tokens": len(draft_tokens)}) as span:
+            if self.sampling.greedy:
+                n, token = greedy_accept(draft_tokens, logits)
+            else:
+                generator = round_generator(self.sampling.seed, len(self.committed), "verify")
+                target_probs = logits_to_probs(logits, self.sampling)
+                n, token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+            span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(draft_tokens) and n == len(draft_tokens)})
         self.commit([*draft_tokens[:n], token])
         return n, token
 
@@ -132,6 +141,10 @@ class TargetSession:
             raise InvalidArgument(f"draft_token_ids must lie in [0, {target.vocab_size})")
         if k and not self.sampling.greedy and (draft_probs is None or draft_probs.shape[0] != k):
             raise InvalidArgument("sampling needs one draft distribution per draft token")
+
+    def kv_cache_bytes(self) -> int:
+        lm = self.lm  # None once closed
+        return lm.cache_bytes() if lm is not None else 0
 
     def close(self) -> None:
         self.lm = None  # drop the KV cache now, not when the registry entry is collected

@@ -5,12 +5,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 
 from specdec.kv import KVState
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
 from specdec.wire import encode_distributions, point_masses
+
+tracer = trace.get_tracer(__name__)
 
 
 @dataclass
@@ -51,6 +54,10 @@ class DraftSession(abc.ABC):
     def close(self) -> None:
         """Frees the session's cache."""
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes the session's KV cache holds (0 for a drafter without one)."""
+        return 0
+
 
 class Drafter(abc.ABC):
     """A kind of draft, shared by its sessions.
@@ -71,10 +78,11 @@ class Drafter(abc.ABC):
         (the fastest of 3), for the coordinator's choice of K; stores and returns it. The context
         repeats ids 3..31 (valid in any vocabulary), so n-gram lookup finds a match too. It also
         warms the drafter up, so the first request does not pay for lazy initialisation."""
-        session = self.new_session(SamplingParams())
-        session.prefill([3 + i % 29 for i in range(context_len)])
-        self.step_ms = min_ms(lambda: session.propose(k)) / k
-        session.close()
+        with tracer.start_as_current_span("measure_step_ms", attributes={"specdec.drafter": self.name}):
+            session = self.new_session(SamplingParams())
+            session.prefill([3 + i % 29 for i in range(context_len)])
+            self.step_ms = min_ms(lambda: session.propose(k)) / k
+            session.close()
         return self.step_ms
 
 
@@ -114,6 +122,10 @@ class ModelDraftSession(DraftSession):
             if i + 1 < k:
                 logits = self.kv.extend(tokens[-1:])[-1]
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def kv_cache_bytes(self) -> int:
+        kv = self.kv  # None once closed
+        return kv.cache_bytes() if kv is not None else 0
 
     def close(self) -> None:
         self.kv = None

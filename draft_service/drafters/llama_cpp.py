@@ -21,11 +21,13 @@ from specdec.vocab import vocab_fingerprint
 
 class LlamaCppKV(KVState):
     """A llama.cpp context as a :class:`KVState`. Rollback moves ``n_tokens`` back; the next
-    ``eval`` removes the KV beyond it (``llama_memory_seq_rm``)."""
+    ``eval`` removes the KV beyond it (``llama_memory_seq_rm``). ``cache_bytes`` is the context's
+    whole KV buffer, which llama.cpp allocates for its ``n_ctx`` tokens up front."""
 
-    def __init__(self, llm: llama_cpp.Llama):
+    def __init__(self, llm: llama_cpp.Llama, cache_bytes: int):
         super().__init__()
         self.llm = llm
+        self._cache_bytes = cache_bytes
         llm.reset()
 
     def rollback(self, length: int) -> None:
@@ -33,18 +35,31 @@ class LlamaCppKV(KVState):
             self.llm.n_tokens = length
             del self.cached_tokens[length:]
 
-    def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+    def _forward(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
         if num_logits != 1:
             raise ValueError("llama.cpp contexts here keep the last position's logits only")
         self.llm.eval(list(tokens))
-        self.cached_tokens.extend(tokens)
         logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return torch.from_numpy(np.ctypeslib.as_array(logits, shape=(1, self.llm.n_vocab())).copy())
+
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
+
+
+def kv_buffer_bytes(llm: llama_cpp.Llama) -> int:
+    """The KV buffer of one llama.cpp context, in bytes: ``n_ctx`` x layers x (key + value) x
+    KV heads x head size (hidden size / heads) x 2 bytes (llama.cpp's default f16 cache). An
+    estimate from the model's shape: models whose head size differs from hidden / heads, or with
+    sliding-window layers, allocate otherwise."""
+    model = llm.model
+    head_size = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
+    per_token = llama_cpp.llama_model_n_layer(model) * 2 * llama_cpp.llama_model_n_head_kv(model) * head_size * 2
+    return llm.n_ctx() * per_token
 
 
 class LlamaCppSession(ModelDraftSession):
     def __init__(self, sampling: SamplingParams, drafter: "LlamaCppDrafter"):
-        super().__init__(sampling, LlamaCppKV(drafter.acquire_context()), drafter.n_ctx)
+        super().__init__(sampling, LlamaCppKV(drafter.acquire_context(), drafter.context_kv_bytes), drafter.n_ctx)
         self.drafter = drafter
 
     def close(self) -> None:
@@ -72,6 +87,7 @@ class LlamaCppDrafter(Drafter):
         first = self.acquire_context()
         vocab = first._model  # the loaded vocabulary, read through llama-cpp-python's model wrapper
         self.vocab_fingerprint = vocab_fingerprint(vocab.token_get_text(i) for i in range(first.n_vocab()))
+        self.context_kv_bytes = kv_buffer_bytes(first)
         self.release_context(first)
 
     def acquire_context(self) -> llama_cpp.Llama:

@@ -1,0 +1,85 @@
+"""The coordinator's Prometheus metrics, fed from the same RoundRecords and RequestMetrics the
+request's own metrics are built from (names as vLLM's, see :mod:`specdec.prom`)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from coordinator.metrics import RoundRecord
+from specdec.prom import ServiceMetrics
+from specdec.v1 import coordinator_pb2
+
+# Seconds; vLLM's buckets for the request latencies, finer ones for a round's parts.
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class CoordinatorMetrics(ServiceMetrics):
+    """Speculative-decoding counters (by drafter; per draft position), tokens, rounds by K, and
+    request and round latency histograms, in seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.num_requests_running = Gauge("specdec:num_requests_running", "Generate streams in progress.", registry=self.registry)
+        self.num_drafts = counter("specdec:spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",))
+        self.num_draft_tokens = counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed.", ("drafter",))
+        self.num_accepted_tokens = counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",))
+        self.num_draft_tokens_per_pos = counter(
+            "specdec:spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each position (0 = first) of a proposal.",
+            ("drafter", "position"),
+        )
+        self.num_accepted_tokens_per_pos = counter(
+            "specdec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position (0 = first) of a proposal.",
+            ("drafter", "position"),
+        )
+        self.num_target_forwards = counter(
+            "specdec:num_target_forwards", "Rounds (Verify or Decode calls), by the K asked (0 = plain decode).", ("k",)
+        )
+        self.prompt_tokens = counter("specdec:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("specdec:generation_tokens", "Tokens generated (streamed to clients).")
+        self.time_to_first_token = histogram("specdec:time_to_first_token_seconds", "Request start to the first committed round.", TTFT_BUCKETS)
+        self.time_per_output_token = histogram(
+            "specdec:time_per_output_token_seconds", "Per request: time after the first token / tokens after the first.", TPOT_BUCKETS
+        )
+        self.e2e_request_latency = histogram("specdec:e2e_request_latency_seconds", "Request start to the last message.", REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "specdec:request_prefill_time_seconds", "Request start until both services finished prefill.", REQUEST_BUCKETS
+        )
+        self.round_draft_time = histogram("specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS)
+        self.round_verify_time = histogram("specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS)
+        self.round_coordination_time = histogram(
+            "specdec:round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
+        )
+
+    def observe_round(self, record: RoundRecord, num_committed: int) -> None:
+        """Counts one round that streamed ``num_committed`` tokens."""
+        self.num_target_forwards.labels(str(record.k)).inc()
+        self.generation_tokens.inc(num_committed)
+        if record.num_drafted:
+            self.num_drafts.labels(record.drafter).inc()
+            self.num_draft_tokens.labels(record.drafter).inc(record.num_drafted)
+            self.num_accepted_tokens.labels(record.drafter).inc(record.num_accepted)
+            for position in range(record.num_drafted):
+                self.num_draft_tokens_per_pos.labels(record.drafter, str(position)).inc()
+                if position < record.num_accepted:
+                    self.num_accepted_tokens_per_pos.labels(record.drafter, str(position)).inc()
+        self.round_draft_time.observe(record.draft_ms / 1000)
+        self.round_verify_time.observe(record.verify_ms / 1000)
+        self.round_coordination_time.observe((record.wall_ms - record.draft_ms - record.verify_ms) / 1000)
+
+    def observe_request(self, metrics: coordinator_pb2.RequestMetrics) -> None:
+        """Records a finished request's latencies and prompt tokens."""
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.time_to_first_token.observe(metrics.time_to_first_token_ms / 1000)
+        self.e2e_request_latency.observe(metrics.total_time_ms / 1000)
+        self.request_prefill_time.observe(metrics.prefill_time_ms / 1000)
+        if metrics.num_generated_tokens > 1:
+            after_first_ms = metrics.total_time_ms - metrics.time_to_first_token_ms
+            self.time_per_output_token.observe(after_first_ms / (metrics.num_generated_tokens - 1) / 1000)
