@@ -25,14 +25,11 @@ draft (Leviathan et al. 2023). So n-gram estimates need no probing and cost noth
 
 from dataclasses import dataclass, field
 
-from coordinator.metrics import RoundRecord
+from coordinator.metrics import PLAIN, RoundRecord
 from specdec.kv import common_prefix_length
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
-
-PLAIN = ""  # the drafter name of a plain decode round
-
 
 def ema(old: float, new: float, weight: float) -> float:
     """Exponential moving average: ``weight`` on the new observation."""
@@ -118,11 +115,12 @@ class AdaptiveK:
     probe_k: int = 2
     _fallback_rounds: int = 0
 
-    def options(self, match: NgramMatch | None) -> list[tuple[str, int, float]]:
-        """(drafter, K, expected tokens per ms) of every choice this round."""
+    def options(self, match: NgramMatch | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
+        """(drafter, K, expected tokens per ms) of every choice this round; the model drafter's
+        only while ``draft_available``."""
         k_max = min(self.k_max, len(self.costs.verify_ms) - 1)
         options = [(PLAIN, 0, 1.0 / self.costs.round_ms(0))]
-        if self.drafter:
+        if self.drafter and draft_available:
             options += [
                 (self.drafter, k, self.acceptance.expected_tokens(k) / self.costs.round_ms(k))
                 for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
@@ -135,12 +133,13 @@ class AdaptiveK:
             ]
         return options
 
-    def next_round(self, match: NgramMatch | None) -> tuple[str, int]:
+    def next_round(self, match: NgramMatch | None, draft_available: bool = True) -> tuple[str, int]:
         """The round's (drafter, K): ``self.drafter``, NGRAM (propose ``match.tokens[:K]``) or
-        (PLAIN, 0)."""
-        drafter, k, _ = max(self.options(match), key=lambda option: (option[2], -option[1]))
+        (PLAIN, 0). ``draft_available`` False (the draft service failed recently): never the
+        model drafter."""
+        drafter, k, _ = max(self.options(match, draft_available), key=lambda option: (option[2], -option[1]))
         self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
-        if self.drafter and self._fallback_rounds and self._fallback_rounds % self.probe_interval == 0:
+        if self.drafter and draft_available and self._fallback_rounds and self._fallback_rounds % self.probe_interval == 0:
             return self.drafter, min(self.probe_k, self.k_max)
         return drafter, k
 
@@ -198,6 +197,16 @@ class AdaptiveState:
         prior = self.priors.setdefault((source, target), [])
         prior += [self.prior_rate] * (k_max - len(prior))
         return AcceptanceModel(prior[:k_max])
+
+    def priors_of(self, target: str) -> dict[str, list[float]]:
+        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the session store."""
+        return {source: list(rates) for (source, model), rates in self.priors.items() if model == target}
+
+    def set_priors(self, target: str, priors: dict[str, list[float]]) -> None:
+        """Replaces warm starts for ``target`` with those from the session store (every coordinator
+        replica's sessions blend into them)."""
+        for source, rates in priors.items():
+            self.priors[(source, target)] = list(rates)
 
     def remember(self, policy: AdaptiveK) -> None:
         """Blends an ended session's acceptance estimates into the warm starts."""

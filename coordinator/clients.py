@@ -1,52 +1,80 @@
-"""The coordinator's gRPC clients of the draft and verify services, with deadlines on every call."""
+"""The coordinator's gRPC clients of the draft service and the verify replicas, with deadlines on
+every call and a shared view of which verify replicas failed recently."""
+
+import time
 
 import grpc
 
-from specdec.errors import from_rpc_error
+from specdec.errors import SpecdecError, from_rpc_error
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
+# A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
+CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 class ServiceClients:
-    """Stubs for both services. Every call has a deadline; a failed call raises the matching
-    :class:`specdec.errors.SpecdecError` naming the service and its address."""
+    """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
+    call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
+    address. A verify replica that failed is tried last for ``replica_down_s`` seconds."""
 
-    def __init__(self, draft_address: str, verify_address: str, rpc_timeout_s: float, prefill_timeout_s: float):
-        self.draft_address, self.verify_address = draft_address, verify_address
-        self.rpc_timeout_s, self.prefill_timeout_s = rpc_timeout_s, prefill_timeout_s
-        self._channels = [
-            grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            for address in (draft_address, verify_address)
-        ]
+    def __init__(
+        self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
+        replica_down_s: float = 5.0,
+    ):
+        if not verify_addresses:
+            raise ValueError("no verify service address: set --verify-addresses")
+        self.draft_address, self.verify_addresses = draft_address, list(verify_addresses)
+        self.rpc_timeout_s, self.prefill_timeout_s, self.replica_down_s = rpc_timeout_s, prefill_timeout_s, replica_down_s
+        self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS) for a in (draft_address, *verify_addresses)]
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[0])
-        self.verify = verify_pb2_grpc.VerifyServiceStub(self._channels[1])
+        self.verify = [verify_pb2_grpc.VerifyServiceStub(channel) for channel in self._channels[1:]]
+        self._down_until = [0.0] * len(self.verify)
+        self._next = 0
 
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
 
-    async def _call(self, method, request, where: str, timeout: float):
+    async def _call(self, method, request, where: str, timeout: float | None):
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout or self.rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, where) from None
 
     async def call_draft(self, method: str, request, timeout: float | None = None):
         """Calls DraftService.<method>; ``timeout`` in seconds defaults to rpc_timeout_s."""
-        return await self._call(
-            getattr(self.draft, method), request, f"draft service at {self.draft_address}",
-            timeout or self.rpc_timeout_s,
-        )
+        return await self._call(getattr(self.draft, method), request, f"draft service at {self.draft_address}", timeout)
 
-    async def call_verify(self, method: str, request, timeout: float | None = None):
-        """Calls VerifyService.<method>; ``timeout`` in seconds defaults to rpc_timeout_s."""
-        return await self._call(
-            getattr(self.verify, method), request, f"verify service at {self.verify_address}",
-            timeout or self.rpc_timeout_s,
-        )
+    async def call_verify(self, replica: int, method: str, request, timeout: float | None = None):
+        """Calls VerifyService.<method> on replica number ``replica``; ``timeout`` in seconds
+        defaults to rpc_timeout_s."""
+        where = f"verify service at {self.verify_addresses[replica]}"
+        return await self._call(getattr(self.verify[replica], method), request, where, timeout)
+
+    def replica_order(self) -> list[int]:
+        """Every verify replica, round robin from one call to the next, those that failed in the
+        last ``replica_down_s`` seconds last."""
+        n = len(self.verify)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        return sorted(order, key=lambda i: self._down_until[i] > now)
+
+    def mark_down(self, replica: int) -> None:
+        """Records that a verify replica failed a call."""
+        self._down_until[replica] = time.monotonic() + self.replica_down_s
 
     async def draft_info(self) -> draft_pb2.DraftServiceGetInfoResponse:
         return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest())
 
     async def verify_info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
-        return await self.call_verify("GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
+        """GetInfo of the first replica that answers. Raises the last replica's error if none does."""
+        error = None
+        for replica in self.replica_order():
+            try:
+                return await self.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
+            except SpecdecError as err:  # another replica may answer
+                error = err
+                self.mark_down(replica)
+        raise error

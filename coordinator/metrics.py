@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 
+PLAIN = ""  # the drafter name of a plain decode round
+
 
 def histogram(values: Iterable[int], size: int) -> list[int]:
     """``counts[j]`` = how many of ``values`` equal j, for j in [0, size)."""
@@ -47,7 +49,7 @@ class MetricsRecorder:
             self.first_token_ms = ms_since(self.start)
 
     def to_proto(self, num_generated: int, **identity) -> coordinator_pb2.RequestMetrics:
-        """``identity``: seed, drafter, num_speculative_tokens, adaptive."""
+        """``identity``: the fields not computed from the rounds (seed, drafter, adaptive, ...)."""
         spec = [r for r in self.rounds if r.num_drafted]
         drafted = sum(r.num_drafted for r in spec)
         accepted = sum(r.num_accepted for r in spec)

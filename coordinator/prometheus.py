@@ -54,6 +54,16 @@ class CoordinatorMetrics(ServiceMetrics):
         )
         self.round_draft_time = histogram("specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS)
         self.round_verify_time = histogram("specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS)
+        self.draft_failures = counter(
+            "specdec:draft_failures", "Times a request's draft service failed (the request went on without it for a while)."
+        )
+        self.verify_rebuilds = counter(
+            "specdec:verify_rebuilds", "Times a request's verify session was rebuilt from its committed log on a replica."
+        )
+        self.store_errors = counter(
+            "specdec:session_store_errors", "Session store (Redis) operations that failed or were skipped while it was down.",
+            ("operation",),
+        )
         self.round_coordination_time = histogram(
             "specdec:round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
         )
@@ -73,6 +83,11 @@ class CoordinatorMetrics(ServiceMetrics):
         self.round_draft_time.observe(record.draft_ms / 1000)
         self.round_verify_time.observe(record.verify_ms / 1000)
         self.round_coordination_time.observe((record.wall_ms - record.draft_ms - record.verify_ms) / 1000)
+
+    def observe_faults(self, draft_failures: int, verify_rebuilds: int) -> None:
+        """Counts a request's draft service failures and verify session rebuilds."""
+        self.draft_failures.inc(draft_failures)
+        self.verify_rebuilds.inc(verify_rebuilds)
 
     def observe_request(self, metrics: coordinator_pb2.RequestMetrics) -> None:
         """Records a finished request's latencies and prompt tokens."""

@@ -4,7 +4,7 @@ import secrets
 from dataclasses import dataclass
 
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
@@ -22,8 +22,9 @@ class ResolvedRequest:
 
     @property
     def uses_draft_service(self) -> bool:
-        """False for plain decode and for adaptive n-gram lookup (which the coordinator does)."""
-        return self.num_speculative_tokens > 0 and not (self.adaptive and self.drafter == NGRAM)
+        """False for plain decode, for adaptive n-gram lookup (which the coordinator does), and when
+        the draft service was never reached (no drafter)."""
+        return self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter == NGRAM)
 
 
 def _field(request, name: str, default):
@@ -56,7 +57,8 @@ def resolve(
     verify_info: verify_pb2.VerifyServiceGetInfoResponse,
     draft_info: draft_pb2.DraftServiceGetInfoResponse | None,
 ) -> ResolvedRequest:
-    """Checks every field and fills in defaults.
+    """Checks every field and fills in defaults. ``draft_info`` None: the draft service's drafters
+    are unknown (it was never reached), and the request runs without it.
 
     Raises:
         InvalidArgument: a field out of range (the message names it and the allowed range).
@@ -109,8 +111,10 @@ def resolve(
 
 
 def _check_drafter(name: str, draft_info, verify_info) -> str:
+    """The drafter to use; "" when the draft service's GetInfo is unknown (it was never reached:
+    the request then runs without it, in plain decode or the coordinator's n-gram lookup)."""
     if draft_info is None:
-        raise Unavailable("the draft service is unreachable: retry, or use num_speculative_tokens 0")
+        return ""
     name = name or draft_info.default_drafter
     drafters = {d.name: d for d in draft_info.drafters}
     if name not in drafters:

@@ -1,77 +1,191 @@
 """The speculative round loop's state for one request: the committed token log and the sessions
-on the draft and verify services.
+on the draft service and on one verify replica.
 
 Each round: the draft proposes K tokens (carrying the committed tokens it has not yet seen), the
 verify service accepts n of them and returns the next token, and the committed log grows by
 draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
 Under adaptive K a round's proposal may instead come from the coordinator's own n-gram index
-(:meth:`SpeculativeSession.ngram_match`); the draft session then catches up at its next Propose. A
-service that answers NOT_FOUND (its session expired or it restarted) is prefilled again from the
-committed log and the call is retried once.
+(:meth:`SpeculativeSession.ngram_match`); the draft session then catches up at its next Propose.
+
+Faults. The committed log here is the truth; a service's session is a cache of it that can be
+rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
+collide; the old one is released in the background):
+- the draft service fails (unreachable, deadline missed, session limit, session lost twice): the
+  round goes on as a plain decode step and later rounds run without the draft (plain decode, or
+  the coordinator's n-gram lookup under adaptive K) until ``draft_retry_s`` has passed; then the
+  draft session is prefilled again and speculation resumes when it answers;
+- a verify call fails (the replica is unreachable or missed its deadline, or answers NOT_FOUND):
+  the session is prefilled on a replica (the healthy ones first, round robin) and the call is
+  retried, until ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
+A retried call is exact: Verify and Decode depend only on the committed log and the per-position
+seed, so greedy and seeded sampling output is the same as without the fault.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from coordinator.clients import ServiceClients
-from coordinator.metrics import RoundRecord
+from coordinator.metrics import PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
-from specdec.errors import NotFound
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, verify_pb2
 from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
 
 
 class SpeculativeSession:
+    """Args: ``committed`` the request's committed log (prompt plus generated tokens, when a
+    resumed request starts from stored ones); ``draft_retry_s``, ``failover_timeout_s`` in seconds."""
+
     def __init__(
-        self, clients: ServiceClients, session_id: str, request: ResolvedRequest, ngram: NgramIndex | None = None
+        self, clients: ServiceClients, session_id: str, request: ResolvedRequest, committed: list[int],
+        ngram: NgramIndex | None = None, draft_retry_s: float = 2.0, failover_timeout_s: float = 60.0,
     ):
         self.clients = clients
         self.session_id = session_id
         self.request = request
-        self.committed: list[int] = list(request.prompt_ids)
+        self.committed = committed
         self.uses_draft = request.uses_draft_service
         self.ngram = ngram
+        self.draft_retry_s, self.failover_timeout_s = draft_retry_s, failover_timeout_s
+        self.draft_session: str | None = None  # None: no open draft session
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
+        self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again
+        self.draft_failures = 0
+        self.replica = 0  # the verify replica holding verify_session
+        self.verify_session = ""
+        self.verify_rebuilds = 0
+        self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
+        self._background: set[asyncio.Task] = set()
+
+    def _new_session_id(self, service: str) -> str:
+        self._generation += 1
+        return f"{self.session_id}.{service}{self._generation}"
 
     async def prefill(self) -> None:
-        """Opens the session on the verify service (and the draft service when K > 0)."""
-        calls = [self._prefill_verify()]
+        """Opens the session on a verify replica (and on the draft service when the request uses
+        it; a draft that fails here is only retried later). Raises UNAVAILABLE or
+        RESOURCE_EXHAUSTED when no replica takes it."""
+        calls = [self._open_verify(deadline=None)]
         if self.uses_draft:
-            calls.append(self._prefill_draft())
+            calls.append(self._open_draft_or_fail())
         await asyncio.gather(*calls)
 
-    async def _prefill_verify(self) -> None:
-        request = verify_pb2.VerifyServicePrefillRequest(
-            session_id=self.session_id, token_ids=self.committed, sampling=self.request.sampling.to_proto()
-        )
-        await self.clients.call_verify("Prefill", request, self.clients.prefill_timeout_s)
+    # --- verify side ---------------------------------------------------------------------
 
-    async def _prefill_draft(self) -> None:
+    async def _open_verify(self, deadline: float | None) -> None:
+        """Prefills the committed log on a verify replica, the healthy ones first. Without a
+        ``deadline`` (time.monotonic()) one pass over the replicas; with one, passes until it."""
+        session_id = self._new_session_id("v")
+        request = verify_pb2.VerifyServicePrefillRequest(
+            session_id=session_id, token_ids=self.committed, sampling=self.request.sampling.to_proto()
+        )
+        while True:
+            for replica in self.clients.replica_order():
+                try:
+                    await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
+                except (Unavailable, ResourceExhausted) as err:
+                    if isinstance(err, Unavailable):
+                        self.clients.mark_down(replica)
+                    error = err
+                    continue
+                self.replica, self.verify_session = replica, session_id
+                return
+            if deadline is None or time.monotonic() >= deadline:
+                raise error
+            await asyncio.sleep(RETRY_INTERVAL_S)
+
+    async def _call_verify(self, method: str, make_request):
+        """VerifyService.<method> with ``make_request(session_id)``; a replica that fails or lost
+        the session is replaced (see the module docstring)."""
+        deadline = None
+        while True:
+            try:
+                request = make_request(self.verify_session)
+                response = await self.clients.call_verify(self.replica, method, request)
+                self._round_bytes += request.ByteSize() + response.ByteSize()
+                return response
+            except (Unavailable, NotFound) as err:
+                log.warning("session %s: %s; rebuilding it from the committed log", self.session_id, err)
+                if isinstance(err, Unavailable):
+                    self.clients.mark_down(self.replica)
+                self._release_verify()
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                await self._open_verify(deadline)
+                self.verify_rebuilds += 1
+
+    def _release_verify(self) -> None:
+        request = verify_pb2.VerifyServiceReleaseRequest(session_id=self.verify_session)
+        self._in_background(self.clients.call_verify(self.replica, "Release", request))
+
+    def _release_draft(self) -> None:
+        request = draft_pb2.DraftServiceReleaseRequest(session_id=self.draft_session)
+        self._in_background(self.clients.call_draft("Release", request))
+        self.draft_session = None
+
+    # --- draft side ----------------------------------------------------------------------
+
+    def draft_available(self) -> bool:
+        """Whether this round may ask the draft service (it is used and has not failed recently)."""
+        return self.uses_draft and time.monotonic() >= self.draft_retry_at
+
+    async def _open_draft(self) -> None:
+        session_id = self._new_session_id("d")
         request = draft_pb2.DraftServicePrefillRequest(
-            session_id=self.session_id,
-            drafter=self.request.drafter,
-            token_ids=self.committed,
+            session_id=session_id, drafter=self.request.drafter, token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
         )
         await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
-        self.draft_seen = len(self.committed)
+        self.draft_session, self.draft_seen = session_id, len(self.committed)
 
-    async def _rebuilding(self, call: Callable[[], Awaitable[T]], prefill: Callable[[], Awaitable[None]], where: str) -> T:
+    async def _open_draft_or_fail(self) -> None:
         try:
-            return await call()
-        except NotFound:
-            log.warning("session %s lost on the %s service: prefilling it again", self.session_id, where)
-            await prefill()
-            return await call()
+            await self._open_draft()
+        except SpecdecError as err:
+            self._draft_failed(err)
+
+    def _draft_failed(self, err: SpecdecError) -> None:
+        """Goes on without the draft until ``draft_retry_s`` has passed. Raises ``err`` when it
+        says the request itself is wrong (INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+        if isinstance(err, InvalidArgument | FailedPrecondition):
+            raise err
+        self.draft_failures += 1
+        self.draft_retry_at = time.monotonic() + self.draft_retry_s
+        log.warning("session %s: %s; plain decode until the draft is retried in %g s", self.session_id, err, self.draft_retry_s)
+        if self.draft_session is not None:
+            self._release_draft()
+
+    async def _proposal(self, k: int) -> draft_pb2.ProposeResponse | None:
+        """The draft's proposal of up to ``k`` tokens; None when the draft service failed."""
+        try:
+            if self.draft_session is None:
+                await self._open_draft()
+            try:
+                return await self._propose(k)
+            except NotFound:
+                log.warning("session %s lost on the draft service: prefilling it again", self.session_id)
+                await self._open_draft()
+                return await self._propose(k)
+        except SpecdecError as err:
+            self._draft_failed(err)
+            return None
+
+    async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
+        request = draft_pb2.ProposeRequest(
+            session_id=self.draft_session, appended_token_ids=self.committed[self.draft_seen :], num_speculative_tokens=k
+        )
+        response = await self.clients.call_draft("Propose", request)
+        self.draft_seen = len(self.committed)
+        self._round_bytes += request.ByteSize() + response.ByteSize()
+        return response
+
+    # --- rounds --------------------------------------------------------------------------
 
     def ngram_match(self, k: int) -> NgramMatch | None:
         """Up to ``k`` tokens from the session's n-gram index (None without one or a match)."""
@@ -79,59 +193,52 @@ class SpeculativeSession:
 
     async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
         """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
-        when given (the coordinator's n-gram lookup), else a proposal from the draft service.
-        Returns the newly committed tokens and the round's record (``drafter`` names the source)."""
+        when given (the coordinator's n-gram lookup), else a proposal from the draft service (a
+        plain decode round while the draft is unavailable). Returns the newly committed tokens
+        and the round's record (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
         draft_ms, proposal, distributions = 0.0, [], []
         if local_proposal is not None:
             proposal = local_proposal[:k]
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
         elif k > 0:
-            proposed = await self._rebuilding(lambda: self._propose(k), self._prefill_draft, "draft")
-            proposal, distributions, draft_ms = list(proposed.token_ids), proposed.distributions, proposed.compute_ms
+            proposed = await self._proposal(k) if self.draft_available() else None
+            if proposed is None:
+                drafter, k = PLAIN, 0
+            else:
+                proposal, distributions, draft_ms = list(proposed.token_ids), proposed.distributions, proposed.compute_ms
         if proposal:
-            verified = await self._rebuilding(
-                lambda: self._verify(proposal, distributions), self._prefill_verify, "verify"
+            verified = await self._call_verify(
+                "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
             )
             n, new, verify_ms = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id], verified.compute_ms
         else:
-            decoded = await self._rebuilding(self._decode, self._prefill_verify, "verify")
+            decoded = await self._call_verify("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
             n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
         self.committed.extend(new)
-        record = RoundRecord(drafter if k else "", k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+        record = RoundRecord(drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
         log.debug("session %s round: %s", self.session_id, record)
         return new, record
 
-    def _count_bytes(self, request, response):
-        """Adds a round message pair's protobuf size to the round's wire bytes; returns ``response``."""
-        self._round_bytes += request.ByteSize() + response.ByteSize()
-        return response
-
-    async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
-        request = draft_pb2.ProposeRequest(
-            session_id=self.session_id,
-            appended_token_ids=self.committed[self.draft_seen :],
-            num_speculative_tokens=k,
-        )
-        response = await self.clients.call_draft("Propose", request)
-        self.draft_seen = len(self.committed)
-        return self._count_bytes(request, response)
-
-    async def _verify(self, proposal: list[int], distributions) -> verify_pb2.VerifyResponse:
-        request = verify_pb2.VerifyRequest(
-            session_id=self.session_id, draft_token_ids=proposal, draft_distributions=distributions
-        )
-        return self._count_bytes(request, await self.clients.call_verify("Verify", request))
-
-    async def _decode(self) -> verify_pb2.DecodeResponse:
-        request = verify_pb2.DecodeRequest(session_id=self.session_id)
-        return self._count_bytes(request, await self.clients.call_verify("Decode", request))
-
     async def release(self) -> None:
-        """Releases both sessions; failures are logged (the services' idle timeout reclaims them)."""
-        calls = [self.clients.call_verify("Release", verify_pb2.VerifyServiceReleaseRequest(session_id=self.session_id))]
-        if self.uses_draft:
-            calls.append(self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=self.session_id)))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, Exception):
-                log.warning("releasing session %s failed: %s", self.session_id, result)
+        """Releases both sessions and waits for the background releases; failures are logged (the
+        services' idle timeout reclaims what is left)."""
+        if self.verify_session:
+            self._release_verify()
+        if self.draft_session is not None:
+            self._release_draft()
+        await asyncio.gather(*self._background)
+
+    def _in_background(self, release) -> None:
+        """Runs a Release call without waiting for it; a failure is logged (the service's idle
+        timeout reclaims the session, or it died with the service)."""
+
+        async def logged():
+            try:
+                await release
+            except SpecdecError as err:
+                log.info("session %s: a release failed: %s", self.session_id, err)
+
+        task = asyncio.ensure_future(logged())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

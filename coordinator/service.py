@@ -6,6 +6,7 @@ round (attributes: :func:`coordinator.tracing.round_attributes`), the draft and 
 """
 
 import asyncio
+import contextlib
 import logging
 import signal
 import uuid
@@ -18,12 +19,17 @@ from coordinator import request as request_validation
 from coordinator.adaptive import AdaptiveK, AdaptiveState
 from coordinator.clients import ServiceClients
 from coordinator.metrics import MetricsRecorder
+from coordinator.output import StreamOutput
 from coordinator.prometheus import CoordinatorMetrics
+from coordinator.resume import check_request_id, check_resume, check_same_target
 from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
-from coordinator.text import IncrementalDetokenizer
+from coordinator.store import (
+    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, SessionStore, StoredRequest,
+    StoreUnavailable,
+)
 from coordinator.tracing import request_attributes, round_attributes
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.models import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, start_aio_server
@@ -33,23 +39,31 @@ from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics):
+    def __init__(
+        self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics,
+        store: SessionStore,
+    ):
         self.settings = settings
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
         self.metrics = metrics
+        self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
+        self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
         self.metrics.num_requests_running.inc()
         try:
-            async for response in self._generate(request):
+            request_id = request.request_id or uuid.uuid4().hex
+            first = True
+            async for response in self._generate(request, request_id):
+                if first:
+                    response.request_id, first = request_id, False
                 yield response
         except SpecdecError as err:
             self.metrics.rpc_errors.labels("Generate", err.code.name).inc()
@@ -60,15 +74,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finally:
             self.metrics.num_requests_running.dec()
 
-    async def _draft_info_or_none(self):
+    async def _draft_info_or_last(self):
+        """The draft service's GetInfo; while it is unreachable, the last one seen (None if none)."""
         try:
-            return await self.clients.draft_info()
+            self._draft_info = await self.clients.draft_info()
         except Unavailable:
-            return None  # plain decode (K = 0) still works
+            pass
+        return self._draft_info
 
-    async def _resolve(self, request) -> tuple[request_validation.ResolvedRequest, list[int], AdaptiveK | None]:
-        """The validated request, the target's EOS ids and, under adaptive K, the session's policy."""
-        verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_none())
+    async def _resolve(self, request):
+        """The validated request, the target's GetInfo and, under adaptive K, the session's policy."""
+        verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_last())
         resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
         )
@@ -77,57 +93,137 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             drafter = None  # n-gram lookup alone
             if resolved.uses_draft_service:
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
+            with contextlib.suppress(StoreUnavailable):
+                self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
             policy = self.adaptive.policy(drafter, verify_info, resolved.num_speculative_tokens, self.settings.ngram_max)
-        return resolved, verify_info.eos_token_ids, policy
+        return resolved, verify_info, policy
 
-    async def _generate(self, request) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        metrics = MetricsRecorder()
-        resolved, eos_ids, policy = await self._resolve(request)
-        eos_ids = set(eos_ids)
-        metrics.num_prompt_tokens = len(resolved.prompt_ids)
+    async def _stored(self, request, request_id: str) -> StoredRequest | None:
+        """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
+        INVALID_ARGUMENT (see :mod:`coordinator.resume`), ALREADY_EXISTS for a new request whose
+        id is taken, UNAVAILABLE when a resume cannot reach the session store."""
+        check_request_id(request)
+        if not request.HasField("resume_from"):
+            if request.request_id:
+                with contextlib.suppress(StoreUnavailable):  # unchecked while the store is down
+                    if await self.store.load(request_id) is not None:
+                        raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
+            return None
+        stored = await self.store.load(request_id)
+        if stored is None:
+            raise NotFound(
+                f"request {request_id!r} is not in the session store (never started, or its last write was "
+                f"more than {self.settings.request_ttl_s:g} s ago): send it again without resume_from"
+            )
+        check_resume(request, stored)
+        return stored
+
+    async def _generate(self, request, request_id: str) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        stored = await self._stored(request, request_id)
+        if stored is not None and stored.status == FINISHED:
+            yield self._replay_finished(stored, request.resume_from)
+            return
+        resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
+        if stored is None:
+            original = coordinator_pb2.GenerateRequest()
+            original.CopyFrom(request)
+            original.ClearField("request_id")
+            original.seed = resolved.sampling.seed  # a resume draws the same numbers
+            stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint)
+        check_same_target(stored, verify_info)
+        resumed = list(stored.generated)
+        stored.generated, stored.status = [], RUNNING
+        journal = RequestJournal(self.store, stored)
+        output = StreamOutput(
+            self.tokenizer, resolved.prompt_ids, resolved.stop, verify_info.eos_token_ids,
+            resolved.max_new_tokens, request.resume_from,
+        )
+        metrics = MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids))
         ngram = None  # hybrid drafting: the coordinator's own n-gram lookup competes every round
         if policy and (self.settings.hybrid or not resolved.uses_draft_service):
             ngram = NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
-        session = SpeculativeSession(self.clients, uuid.uuid4().hex, resolved, ngram)
-        text = IncrementalDetokenizer(self.tokenizer, resolved.prompt_ids, resolved.stop)
-        generated: list[int] = []
-        finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
+        session = SpeculativeSession(
+            self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], ngram,
+            self.settings.draft_retry_s, self.settings.failover_timeout_s,
+        )
+        outcome, final = CANCELLED, None
+
+        def message(kept: list[int]) -> coordinator_pb2.GenerateResponse | None:
+            nonlocal final
+            response = output.response(kept)
+            if response:
+                metrics.record_first_token()
+            if output.finish:
+                final = self._request_metrics(metrics, output, resolved, session, len(resumed))
+                response.metrics.CopyFrom(final)
+            return response
+
         try:
-            with tracer.start_as_current_span("prefill"):
-                await session.prefill()
+            kept = output.add(resumed)
+            await journal.commit(kept)  # the first write: the request, and a resume's stored tokens
+            caught_up = message(kept)
+            if caught_up:
+                yield caught_up
+            if not output.finish:
+                with tracer.start_as_current_span("prefill"):
+                    await session.prefill()
             metrics.prefill_ms = ms_since(metrics.start)
-            while not finish:
-                remaining = resolved.max_new_tokens - len(generated)
+            while not output.finish:
                 with tracer.start_as_current_span("round") as span:
-                    new, record = await self._round(session, policy, remaining - 1)
-                    kept, finish = self._commit(new, remaining, text, eos_ids)
+                    new, record = await self._round(session, policy, output.remaining - 1)
+                    kept = output.add(new)
                     if span.is_recording():
                         span.set_attributes(round_attributes(record, len(kept)))
                 metrics.rounds.append(record)
                 self.metrics.observe_round(record, len(kept))
-                generated.extend(kept)
-                metrics.record_first_token()
-                response = coordinator_pb2.GenerateResponse(token_ids=kept, text=text.take_delta(final=bool(finish)))
-                if finish:
-                    response.finish_reason = finish
-                    response.metrics.CopyFrom(
-                        metrics.to_proto(
-                            len(generated),
-                            seed=resolved.sampling.seed,
-                            drafter=resolved.drafter,
-                            num_speculative_tokens=resolved.num_speculative_tokens,
-                            adaptive=resolved.adaptive,
-                        )
-                    )
-                    self.metrics.observe_request(response.metrics)
-                    request_span = trace.get_current_span()
-                    if request_span.is_recording():
-                        request_span.set_attributes(request_attributes(response.metrics))
-                yield response
+                await journal.commit(kept)  # stored before the client has them
+                response = message(kept)
+                if response:
+                    yield response
+            outcome = FINISHED
+        except SpecdecError:
+            outcome = FAILED
+            raise
         finally:
             self._in_background(session.release())
+            self._in_background(journal.end(outcome, output.finish, final))
+            self.metrics.observe_faults(session.draft_failures, session.verify_rebuilds)
             if policy:
                 self.adaptive.remember(policy)
+                self._in_background(self._save_priors(verify_info.model))
+
+    def _request_metrics(self, metrics, output, resolved, session, num_resumed) -> coordinator_pb2.RequestMetrics:
+        """The final message's metrics (also the Prometheus request histograms and span attributes)."""
+        final = metrics.to_proto(
+            len(output.generated) - num_resumed,
+            seed=resolved.sampling.seed,
+            drafter=resolved.drafter,
+            num_speculative_tokens=resolved.num_speculative_tokens,
+            adaptive=resolved.adaptive,
+            num_resumed_tokens=num_resumed,
+            num_draft_failures=session.draft_failures,
+            num_verify_rebuilds=session.verify_rebuilds,
+        )
+        self.metrics.observe_request(final)
+        request_span = trace.get_current_span()
+        if request_span.is_recording():
+            request_span.set_attributes(request_attributes(final))
+        return final
+
+    def _replay_finished(self, stored: StoredRequest, resume_from: int) -> coordinator_pb2.GenerateResponse:
+        """The rest of a finished request from the store: its tokens after ``resume_from``, their
+        text, its finish reason and metrics."""
+        prompt = request_validation.prompt_ids(stored.request, self.tokenizer)
+        output = StreamOutput(self.tokenizer, prompt, stored.request.stop, (), len(stored.generated), resume_from)
+        output.add(stored.generated)
+        output.finish = stored.finish_reason
+        response = output.response(stored.generated)
+        response.metrics.CopyFrom(stored.metrics)
+        return response
+
+    async def _save_priors(self, target: str) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.save_priors(target, self.adaptive.priors_of(target))
 
     @staticmethod
     async def _round(session: SpeculativeSession, policy: AdaptiveK | None, max_k: int):
@@ -137,22 +233,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             request = session.request
             return await session.round(request.drafter, min(request.num_speculative_tokens, max_k))
         match = session.ngram_match(min(policy.k_max, max_k))
-        drafter, k = policy.next_round(match)
+        drafter, k = policy.next_round(match, session.draft_available())
         local = match.tokens if drafter == NGRAM else None
         new, record = await session.round(drafter, min(k, max_k), local)
         policy.observe(record, match, new)
         return new, record
-
-    @staticmethod
-    def _commit(new, remaining, text, eos_ids) -> tuple[list[int], int]:
-        """Applies the stop conditions token by token; returns the tokens to emit and the finish
-        reason (UNSPECIFIED while generation goes on). EOS tokens are emitted, not decoded."""
-        kept = []
-        for token in new[:remaining]:
-            kept.append(token)
-            if token in eos_ids or text.add(token):
-                return kept, STOP
-        return kept, LENGTH if len(kept) == remaining else coordinator_pb2.FINISH_REASON_UNSPECIFIED
 
     def _in_background(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -167,10 +252,14 @@ async def serve(
     get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the bound port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
-        settings.draft_address, settings.verify_address, settings.rpc_timeout_s, settings.prefill_timeout_s
+        settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s
     )
     metrics = CoordinatorMetrics()
-    servicer = CoordinatorServicer(settings, tokenizer, clients, metrics)
+    if settings.redis_url:
+        store = RedisStore(settings.redis_url, settings.request_ttl_s, metrics.store_errors)
+    else:
+        store = MemoryStore(settings.request_ttl_s)
+    servicer = CoordinatorServicer(settings, tokenizer, clients, metrics, store)
 
     def register(server):
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
@@ -189,6 +278,7 @@ async def serve(
     finally:
         await server.stop(SHUTDOWN_GRACE_S)
         await clients.close()
+        await store.close()
         metrics.close()
 
 

@@ -2,17 +2,20 @@ from pydantic import Field, model_validator
 
 from specdec.models import DEFAULT_MODEL
 from specdec.ngram import NgramIndex
-from specdec.settings import ServiceSettings
+from specdec.settings import CommaSeparated, ServiceSettings
 
 
 class CoordinatorSettings(ServiceSettings):
     """Settings of ``specdec serve coordinator`` (environment prefix ``SPECDEC_COORDINATOR_``)."""
 
-    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_COORDINATOR_"}
+    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_COORDINATOR_", "populate_by_name": True}
 
     port: int = Field(50051, description="gRPC port of the public Generate API.")
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
-    verify_address: str = Field("127.0.0.1:50053", description="host:port of the verify service.")
+    verify_addresses: CommaSeparated = Field(
+        ["127.0.0.1:50053"], description="host:port of every verify replica, comma-separated; a session that "
+        "loses its replica is rebuilt on another.",
+    )
     tokenizer: str = Field(
         DEFAULT_MODEL,
         description="The target's tokenizer (same spec as the verify service's --model); checked "
@@ -38,6 +41,19 @@ class CoordinatorSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
     rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Propose, Verify, Decode, GetInfo, Release), seconds.")
     prefill_timeout_s: float = Field(120.0, description="Deadline of each Prefill call, seconds.")
+    failover_timeout_s: float = Field(
+        60.0, description="How long a request whose verify replica failed keeps trying to rebuild its session "
+        "on a replica before failing with UNAVAILABLE, seconds.",
+    )
+    draft_retry_s: float = Field(
+        2.0, description="After the draft service fails, a request runs without it (plain decode) for this "
+        "many seconds, then tries it again, seconds.",
+    )
+    redis_url: str = Field(
+        "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the session store shared by the "
+        "coordinator replicas (redis://host:6379/0); empty: a store inside this process.",
+    )
+    request_ttl_s: float = Field(3600.0, description="How long the session store keeps a request after its last write (resumable that long), seconds.")
 
     @model_validator(mode="after")
     def _ngram_bounds(self):

@@ -93,7 +93,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             session.prefill(request.token_ids)
             return session
 
-        self.sessions.open(request.session_id, open_session)
+        self.sessions.open(request.session_id, open_session, abandoned=lambda: not context.is_active())
         return draft_pb2.DraftServicePrefillResponse(compute_ms=ms_since(start))
 
     @grpc_errors

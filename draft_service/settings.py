@@ -1,10 +1,7 @@
-from typing import Annotated
-
-from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import Field
 
 from specdec.models import DEFAULT_MODEL
-from specdec.settings import SessionServiceSettings
+from specdec.settings import CommaSeparated, SessionServiceSettings
 
 
 class DraftSettings(SessionServiceSettings):
@@ -13,7 +10,7 @@ class DraftSettings(SessionServiceSettings):
     model_config = SessionServiceSettings.model_config | {"env_prefix": "SPECDEC_DRAFT_"}
 
     port: int = Field(50052, description="gRPC port.")
-    drafters: Annotated[list[str], NoDecode] = Field(
+    drafters: CommaSeparated = Field(
         ["llama-cpp", "ngram"],
         description="Drafters to host, comma-separated: llama-cpp, transformers, ngram.",
     )
@@ -30,8 +27,3 @@ class DraftSettings(SessionServiceSettings):
     transformers_dtype: str = Field("auto", description="dtype of the transformers drafter.")
     ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
-
-    @field_validator("drafters", mode="before")
-    @classmethod
-    def _split_comma_separated(cls, value):
-        return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value

@@ -3,6 +3,11 @@
 # torch==2.13.0 comes first: that pin takes the local CPU wheel instead of pulling CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A real Redis server for the fault-tolerance tests (Debian's package; the tests start their own).
+if ! command -v redis-server >/dev/null; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate

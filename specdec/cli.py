@@ -102,10 +102,12 @@ def up(
         raise typer.Exit(1)
 
 
-def _request(prompt: str, **fields):
+def _request(prompt: str | None, **fields):
     from specdec.v1 import coordinator_pb2
 
-    request = coordinator_pb2.GenerateRequest(text=prompt)
+    request = coordinator_pb2.GenerateRequest()
+    if prompt is not None:
+        request.text = prompt
     for name, value in fields.items():
         if value is not None:
             if name == "stop":
@@ -134,6 +136,12 @@ def _print_metrics(completion) -> None:
             (f"{name}: rounds, accepted / drafted", f"{u.num_rounds}, {u.num_accepted_draft_tokens} / {u.num_draft_tokens}")
             for name, u in sorted(m.drafter_usage.items())
         ),
+        *(
+            (label, str(value))
+            for label, value in (("resumed tokens", m.num_resumed_tokens), ("draft service failures", m.num_draft_failures),
+                                 ("verify session rebuilds", m.num_verify_rebuilds))
+            if value
+        ),
     ]
     for row in rows:
         table.add_row(*row)
@@ -146,6 +154,8 @@ def _stream_to_stdout(address: str, request, as_json: bool) -> None:
     completion = Completion()
     try:
         for response in stream(address, request):
+            if response.request_id and not as_json:
+                stderr.print(f"request_id {response.request_id} (resume with --request-id and --resume-from)")
             completion.add(response)
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -162,7 +172,7 @@ def _stream_to_stdout(address: str, request, as_json: bool) -> None:
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
+    prompt: Annotated[Optional[str], typer.Argument(help="The user message (or raw text with --raw); none when resuming.")] = None,
     coordinator: Annotated[str, typer.Option(help="Coordinator host:port.")] = "127.0.0.1:50051",
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to generate at most (default 128).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default).")] = None,
@@ -174,15 +184,22 @@ def generate(
     drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers or ngram.")] = None,
     raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
+    request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
+    resume_from: Annotated[Optional[int], typer.Option(help="Resume --request-id after this many received tokens.")] = None,
 ) -> None:
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
-    (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter."""
+    (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
+    off after N tokens with `--request-id ID --resume-from N` (no prompt)."""
     from specdec.telemetry import configure_tracing
 
+    if prompt is None and resume_from is None:
+        stderr.print("[red]error: give a PROMPT, or --request-id and --resume-from to resume a request[/red]")
+        raise typer.Exit(1)
     configure_tracing("cli")
     request = _request(
         prompt, raw_prompt=raw or None, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
+        request_id=request_id, resume_from=resume_from,
     )
     _stream_to_stdout(coordinator, request, as_json)
 

@@ -32,6 +32,72 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
 
 
 @dataclass
+class ServiceProcess:
+    """One service (``coordinator``, ``draft`` or ``verify``) as an OS process: ``specdec serve
+    <service> --host <host> --port <port> [--metrics-port <metrics_port>] <args>`` in this
+    process's environment plus ``env``, logging to ``log_file`` (None: this terminal)."""
+
+    service: str
+    port: int
+    host: str = "127.0.0.1"
+    args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+    log_file: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint, None when off."""
+        return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else None
+
+    def start(self) -> None:
+        """Starts (or restarts) the process."""
+        out = None
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_file, "ab")  # noqa: SIM115 (owned by the child)
+        args = ["--host", self.host, "--port", str(self.port), *self.args]
+        if self.metrics_port:
+            args += ["--metrics-port", str(self.metrics_port)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "specdec", "serve", self.service, *args],
+            stdout=out, stderr=subprocess.STDOUT if out else None, env={**os.environ, **self.env},
+        )
+
+    def wait_serving(self, deadline: float) -> None:
+        """Waits until SERVING. Raises RuntimeError if the process exits or time.monotonic()
+        passes ``deadline`` first."""
+        hint = f" (see {self.log_file})" if self.log_file else ""
+        while not is_serving(self.address):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {self.service} service exited with code {self.process.returncode}{hint}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.service} service at {self.address} was not SERVING in time{hint}")
+            time.sleep(0.5)
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL, as a node failure would: no shutdown, no draining."""
+        self.signal(signal.SIGKILL)
+        self.process.wait()
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Waits for the process to exit until time.monotonic() passes ``deadline``, then kills it."""
+        try:
+            self.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
 class LocalCluster:
     """The three services on ``host``. ``extra_args`` adds flags per service (``verify``, ``draft``,
     ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); with ``log_dir``
@@ -44,34 +110,27 @@ class LocalCluster:
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: Path | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return {name: service.process for name, service in self.services.items()}
 
     def address(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
 
     def metrics_url(self, service: str) -> str | None:
-        """The service's Prometheus endpoint, None when off."""
-        port = self.metrics_ports.get(service)
-        return f"http://{self.host}:{port}/metrics" if port else None
-
-    def _args(self, service: str) -> list[str]:
-        args = ["--host", self.host, "--port", str(getattr(self, f"{service}_port"))]
-        if service in self.metrics_ports:
-            args += ["--metrics-port", str(self.metrics_ports[service])]
-        if service == "coordinator":
-            args += ["--draft-address", self.address("draft"), "--verify-address", self.address("verify")]
-        return args + self.extra_args.get(service, [])
+        """The started service's Prometheus endpoint, None when off."""
+        return self.services[service].metrics_url
 
     def start(self, service: str) -> None:
         """Starts (or restarts) one service process."""
-        out = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{service}.log", "ab")  # noqa: SIM115 (owned by the child)
-        self.processes[service] = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "serve", service, *self._args(service)],
-            stdout=out, stderr=subprocess.STDOUT if out else None, env=os.environ.copy(),
+        args = ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")] if service == "coordinator" else []
+        self.services[service] = ServiceProcess(
+            service, getattr(self, f"{service}_port"), self.host, [*args, *self.extra_args.get(service, [])],
+            self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
         )
+        self.services[service].start()
 
     def start_all(self, timeout_s: float = 600.0) -> None:
         """Starts all three and waits until every one is SERVING. Raises RuntimeError if one exits
@@ -82,28 +141,17 @@ class LocalCluster:
 
     def wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for service, process in self.processes.items():
-            while not is_serving(self.address(service)):
-                if process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"the {service} service exited with code {process.returncode}{self._log_hint(service)}")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the {service} service was not SERVING after {timeout_s:g} s{self._log_hint(service)}")
-                time.sleep(0.5)
-
-    def _log_hint(self, service: str) -> str:
-        return f" (see {self.log_dir / f'{service}.log'})" if self.log_dir else ""
+        try:
+            for service in self.services.values():
+                service.wait_serving(deadline)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to every service (they drain in-flight calls), SIGKILL after ``grace_s``."""
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        for service in self.services.values():
+            service.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for service in self.services.values():
+            service.wait_stopped(deadline)

@@ -54,8 +54,11 @@ class SessionRegistry(Generic[S]):
             sessions = [entry.session for entry in self._entries.values()]
         return sum(session.kv_cache_bytes() for session in sessions)
 
-    def open(self, session_id: str, factory: Callable[[], S]) -> None:
-        """Creates a session. Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""
+    def open(self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False) -> None:
+        """Creates a session. ``abandoned`` is asked once it exists (after the prefill in
+        ``factory``): True (the caller cancelled meanwhile, and its Release may have come first)
+        releases it at once, so no session outlives a cancelled Prefill. Raises AlreadyExists,
+        ResourceExhausted, or what ``factory`` raises."""
         if not session_id:
             raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")
         self.evict_idle()
@@ -68,6 +71,8 @@ class SessionRegistry(Generic[S]):
                     "retry later or raise max_sessions"
                 )
             self._entries[session_id] = _Entry(factory())
+        if abandoned():
+            self.release(session_id)
 
     @contextlib.contextmanager
     def use(self, session_id: str) -> Iterator[S]:

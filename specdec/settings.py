@@ -1,10 +1,18 @@
 """Settings shared by the services. Each field is a ``--kebab-case`` flag and a ``SPECDEC_*``
 environment variable (pydantic-settings); the flag wins over the variable."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
+
+
+def _split_commas(value):
+    return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
+
+
+# A list setting given as one comma-separated string, on the command line or in the environment.
+CommaSeparated = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
 
 
 class ServiceSettings(BaseSettings):

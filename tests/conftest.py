@@ -1,13 +1,18 @@
-"""Shared fixtures: tiny random Llama models saved to disk, and the three services started as
-real gRPC servers on free ports inside the test process."""
+"""Shared fixtures: tiny random Llama models saved to disk, the three services started as real
+gRPC servers on free ports inside the test process, and a real Redis server."""
 
 import asyncio
 import os
+import shutil
+import signal
+import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,13 +25,23 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
+from specdec.launcher import free_port  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
 from verify_service.target import Target  # noqa: E402
 
-TINY_VOCAB = 49152  # SmolLM2's tokenizer, so chat templates and detokenization are real
+TINY_VOCAB = 49152
+SUMMARY: list[str] = []  # lines for the end of the run (measured figures worth seeing in CI's log)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SUMMARY:
+        terminalreporter.section("measured")
+        for line in SUMMARY:
+            terminalreporter.write_line(line)
+  # SmolLM2's tokenizer, so chat templates and detokenization are real
 
 
 def tiny_llama(seed: int, vocab_size: int = TINY_VOCAB, init_std: float = 0.3, layers: int = 2):
@@ -202,7 +217,7 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters) -> Pipeline:
         CoordinatorSettings(
             port=0,
             draft_address=f"127.0.0.1:{draft.port}",
-            verify_address=f"127.0.0.1:{verify.port}",
+            verify_addresses=[f"127.0.0.1:{verify.port}"],
             tokenizer=str(tiny_models.target_dir),
             max_new_tokens_limit=256,
         )
@@ -214,3 +229,45 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters) -> Pipeline:
     coordinator.stop()
     draft.stop(0)
     verify.stop(0)
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty."""
+
+    def __init__(self):
+        if shutil.which("redis-server") is None:
+            pytest.fail("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not answer within 10 s"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    if server.process.poll() is None:
+        server.kill()

@@ -121,7 +121,7 @@ def drafter_alone(tiny_pipeline, tiny_models):
     """A second coordinator on the same draft and verify services, without hybrid drafting: the
     request's drafter and plain decode are its only choices."""
     coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, draft_address=tiny_pipeline.draft_address, verify_address=tiny_pipeline.verify_address,
+        port=0, draft_address=tiny_pipeline.draft_address, verify_addresses=[tiny_pipeline.verify_address],
         tokenizer=str(tiny_models.target_dir), max_new_tokens_limit=256, hybrid=False,
     ))
     yield f"127.0.0.1:{coordinator.port}"

@@ -73,9 +73,10 @@ def test_every_query_names_exported_metrics():
         assert names <= exported, f"{title}: {sorted(names - exported)} are not exported"
         used |= names
     # the panels: throughput, speedup proxy, acceptance and its per-position curve,
-    # latency percentiles, fallback share, sessions, KV memory, errors
+    # latency percentiles, fallback share, sessions, KV memory, errors, faults
     for name in ("specdec:generation_tokens_total", "specdec:num_target_forwards_total",
                  "specdec:spec_decode_num_accepted_tokens_per_pos_total", "specdec:time_to_first_token_seconds_bucket",
                  "specdec:time_per_output_token_seconds_bucket", "specdec:num_sessions", "specdec:kv_cache_bytes",
-                 "specdec:rpc_errors_total"):
+                 "specdec:rpc_errors_total", "specdec:draft_failures_total", "specdec:verify_rebuilds_total",
+                 "specdec:session_store_errors_total"):
         assert name in used, f"no panel shows {name}"

@@ -20,8 +20,6 @@ from verify_service.settings import VerifySettings
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = sorted(path.name for path in (ROOT / "deploy/k8s/overlays").iterdir() if path.is_dir())
 SETTINGS = {"coordinator": CoordinatorSettings, "draft": DraftSettings, "verify": VerifySettings}
-# Wired ahead of the settings that will read them (README, "Deploying on Kubernetes").
-PLANNED = {"SPECDEC_REDIS_URL"}
 
 
 def require_kubectl() -> str:
@@ -33,6 +31,13 @@ def require_kubectl() -> str:
 
 def env_name(service: str, field: str) -> str:
     return f"{SETTINGS[service].model_config['env_prefix']}{field.upper()}"
+
+
+def env_names(service: str) -> set[str]:
+    """Every environment variable a service's settings read: prefixed names and aliases."""
+    fields = SETTINGS[service].model_fields
+    aliases = {info.validation_alias for info in fields.values() if isinstance(info.validation_alias, str)}
+    return {env_name(service, field) for field in fields} | aliases
 
 
 def test_check_script():
@@ -77,9 +82,9 @@ def test_every_service_is_deployed(overlay):
 def test_settings_names_exist(overlay):
     """pydantic-settings ignores unknown variables, so a misspelt one would silently do nothing."""
     _, resources = overlay
-    known = {env_name(s, field) for s, cls in SETTINGS.items() for field in cls.model_fields} | PLANNED
+    known = set().union(*(env_names(s) for s in SETTINGS))
     for service, _, container in services(resources):
-        own = {env_name(service, field) for field in SETTINGS[service].model_fields} | PLANNED
+        own = env_names(service)
         for var in container.get("env", []):
             if var["name"].startswith("SPECDEC_"):
                 assert var["name"] in own, f"{service}: {var['name']} is no {service} setting"

@@ -85,7 +85,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
-        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, NgramIndex(1, 3))
+        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), NgramIndex(1, 3))
         await session.prefill()
         generated: list[int] = []
         try:
@@ -99,7 +99,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         return generated[:MAX_NEW]
 
     async def run_all():
-        clients = ServiceClients(tiny_pipeline.draft_address, tiny_pipeline.verify_address, 60, 60)
+        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
         try:
             return [await run(clients, ids) for ids, _ in references.values()]
         finally:

@@ -7,6 +7,7 @@ from coordinator.metrics import MetricsRecorder, RoundRecord
 from coordinator.text import IncrementalDetokenizer
 from draft_service.drafters.ngram import NgramDrafter
 from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sessions import SessionRegistry
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -85,3 +86,23 @@ def test_model_draft_proposes_nothing_beyond_its_window(tiny_drafters):
     assert len(session.propose(4).tokens) == 4  # 508 + 4 fits
     session.sync([7])
     assert session.propose(4).tokens == []  # 509 + 4 would not: the round becomes a plain decode
+
+
+class _Closable:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.closed else 100
+
+
+def test_a_session_whose_prefill_was_abandoned_is_released_at_once():
+    """A Prefill the caller cancelled while it ran (its Release may have come first) leaves no session."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    kept, abandoned = _Closable(), _Closable()
+    sessions.open("kept", lambda: kept)
+    sessions.open("abandoned", lambda: abandoned, abandoned=lambda: True)
+    assert len(sessions) == 1 and abandoned.closed and not kept.closed
+    assert sessions.kv_cache_bytes() == 100

@@ -39,7 +39,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         start = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
         self.sessions.open(
-            request.session_id, lambda: self.target.new_session(request.token_ids, sampling)
+            request.session_id, lambda: self.target.new_session(request.token_ids, sampling),
+            abandoned=lambda: not context.is_active(),
         )
         return verify_pb2.VerifyServicePrefillResponse(compute_ms=ms_since(start))
 

@@ -1,0 +1,60 @@
+"""The output side of one Generate stream: the generated token ids, their text, the stop
+conditions, and the part of it the client has not received yet."""
+
+from collections.abc import Iterable, Sequence
+
+from coordinator.text import IncrementalDetokenizer
+from specdec.v1 import coordinator_pb2
+
+STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
+
+
+class StreamOutput:
+    """Generated ids and their text, cut by the stop conditions (EOS, stop strings,
+    ``max_new_tokens``). ``emit_from``: tokens the client already has (a resumed request); the
+    messages carry only the tokens after them, and the text after theirs, which is exactly what
+    the first stream had sent with them (the text sent with a prefix of ids depends on those ids
+    alone: see :class:`coordinator.text.IncrementalDetokenizer`)."""
+
+    def __init__(
+        self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str], eos_ids: Iterable[int],
+        max_new_tokens: int, emit_from: int = 0,
+    ):
+        self.text = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
+        self.eos_ids = set(eos_ids)
+        self.max_new_tokens, self.emit_from = max_new_tokens, emit_from
+        self.generated: list[int] = []
+        self.finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be generated."""
+        return self.max_new_tokens - len(self.generated)
+
+    def add(self, new: Sequence[int]) -> list[int]:
+        """Appends ``new`` token by token until a stop condition (which sets ``finish``); returns
+        the tokens appended. EOS tokens are appended, not decoded."""
+        kept = []
+        for token in new[: self.remaining]:
+            kept.append(token)
+            self.generated.append(token)
+            if token in self.eos_ids or self.text.add(token):
+                self.finish = STOP
+            elif not self.remaining:
+                self.finish = LENGTH
+            if len(self.generated) == self.emit_from:
+                self.text.take_delta(final=bool(self.finish))  # the client already has this text
+            if self.finish:
+                break
+        return kept
+
+    def response(self, kept: Sequence[int]) -> coordinator_pb2.GenerateResponse | None:
+        """The message for the tokens just added: those after ``emit_from``, the text not sent yet
+        and, at the end, the finish reason; None when it would carry nothing."""
+        unsent = len(self.generated) - self.emit_from
+        visible = list(kept[max(0, len(kept) - unsent) :]) if unsent > 0 else []
+        if not visible and not self.finish:
+            return None
+        return coordinator_pb2.GenerateResponse(
+            token_ids=visible, text=self.text.take_delta(final=bool(self.finish)), finish_reason=self.finish
+        )

@@ -1,0 +1,277 @@
+"""The coordinator's session store: every request's parameters, model identities, committed token
+ids, status and timestamps, so that any coordinator replica can resume it; and the acceptance
+estimates per (drafter, target) that warm-start adaptive K on every replica.
+
+:class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set, :class:`MemoryStore` in
+the process otherwise (single-machine use: a resume must then reach the same coordinator). Both
+keep a request ``ttl_s`` seconds after its last write. Layout in Redis (the hash tag keeps a
+request's two keys in one cluster slot):
+
+    specdec:request:{<id>}         hash: request (GenerateRequest bytes, seed filled in), target,
+                                   vocab_fingerprint, status, finish_reason, metrics
+                                   (RequestMetrics bytes), created_at, updated_at (unix seconds)
+    specdec:request:{<id>}:tokens  string: the generated token ids, int32 little-endian
+    specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
+
+A RedisStore that fails (unreachable, or slower than ``timeout_s``) raises
+:class:`StoreUnavailable` after logging it and counting it in ``errors`` (a Prometheus counter
+labelled by operation), and raises it at once for ``retry_after_s`` seconds instead of waiting on
+a dead server again.
+"""
+
+import abc
+import asyncio
+import copy
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from specdec.errors import Unavailable
+from specdec.v1 import coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+RUNNING, FINISHED, FAILED, CANCELLED = "running", "finished", "failed", "cancelled"
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+class StoreUnavailable(Unavailable):
+    """The session store could not be reached."""
+
+
+@dataclass
+class StoredRequest:
+    """One request as the store keeps it. ``request`` is the GenerateRequest as the client sent
+    it, with the seed filled in; ``generated`` the committed token ids after the prompt;
+    ``finish_reason`` and ``metrics`` are set once ``status`` is FINISHED."""
+
+    request_id: str
+    request: coordinator_pb2.GenerateRequest
+    target: str
+    vocab_fingerprint: str
+    status: str = RUNNING
+    generated: list[int] = field(default_factory=list)
+    finish_reason: int = coordinator_pb2.FINISH_REASON_UNSPECIFIED
+    metrics: coordinator_pb2.RequestMetrics | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    def header(self) -> dict[str, bytes | str | int | float]:
+        """Every field but the tokens, as Redis hash fields."""
+        return {
+            "request": self.request.SerializeToString(), "target": self.target,
+            "vocab_fingerprint": self.vocab_fingerprint, "status": self.status,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.SerializeToString() if self.metrics else b"",
+            "created_at": self.created_at, "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_redis(cls, request_id: str, header: dict[bytes, bytes], tokens: bytes | None) -> "StoredRequest":
+        fields = {key.decode(): value for key, value in header.items()}
+        return cls(
+            request_id,
+            coordinator_pb2.GenerateRequest.FromString(fields["request"]),
+            fields["target"].decode(),
+            fields["vocab_fingerprint"].decode(),
+            fields["status"].decode(),
+            np.frombuffer(tokens or b"", dtype=TOKEN_DTYPE).tolist(),
+            int(fields["finish_reason"]),
+            coordinator_pb2.RequestMetrics.FromString(fields["metrics"]) if fields["metrics"] else None,
+            float(fields["created_at"]),
+            float(fields["updated_at"]),
+        )
+
+
+class SessionStore(abc.ABC):
+    """Where requests and acceptance estimates live. Every method may raise StoreUnavailable."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+
+    @abc.abstractmethod
+    async def put(self, record: StoredRequest) -> None:
+        """Writes the whole record (creating or replacing it)."""
+
+    @abc.abstractmethod
+    async def append(self, request_id: str, tokens: list[int]) -> int:
+        """Appends generated tokens to a stored record; returns how many it holds now, or 0 when
+        the record was missing (the store lost it): then :meth:`put` it again."""
+
+    @abc.abstractmethod
+    async def load(self, request_id: str) -> StoredRequest | None:
+        """The stored record, or None (never stored, or expired)."""
+
+    @abc.abstractmethod
+    async def load_priors(self, target: str) -> dict[str, list[float]]:
+        """Per-position acceptance rates per drafter (``ngram/<n>`` for n-gram lookup) for ``target``."""
+
+    @abc.abstractmethod
+    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
+        """Replaces the rates of the drafters in ``priors`` for ``target``."""
+
+    async def close(self) -> None:
+        """Closes the connection, if any."""
+
+
+class MemoryStore(SessionStore):
+    """The store inside this process (no Redis). Never raises."""
+
+    def __init__(self, ttl_s: float):
+        super().__init__(ttl_s)
+        self._requests: dict[str, tuple[StoredRequest, float]] = {}  # id -> (record, expiry)
+        self._priors: dict[str, dict[str, list[float]]] = {}
+
+    def _live(self, request_id: str) -> StoredRequest | None:
+        now = time.monotonic()
+        for expired in [rid for rid, (_, expiry) in self._requests.items() if expiry <= now]:
+            del self._requests[expired]
+        entry = self._requests.get(request_id)
+        return entry[0] if entry else None
+
+    async def put(self, record: StoredRequest) -> None:
+        self._requests[record.request_id] = (copy.deepcopy(record), time.monotonic() + self.ttl_s)
+
+    async def append(self, request_id: str, tokens: list[int]) -> int:
+        record = self._live(request_id)
+        if record is None:
+            return 0
+        record.generated.extend(tokens)
+        record.updated_at = time.time()
+        self._requests[request_id] = (record, time.monotonic() + self.ttl_s)
+        return len(record.generated)
+
+    async def load(self, request_id: str) -> StoredRequest | None:
+        record = self._live(request_id)
+        return copy.deepcopy(record) if record else None
+
+    async def load_priors(self, target: str) -> dict[str, list[float]]:
+        return copy.deepcopy(self._priors.get(target, {}))
+
+    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
+        self._priors.setdefault(target, {}).update(copy.deepcopy(priors))
+
+
+class RedisStore(SessionStore):
+    """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS), shared by
+    every coordinator replica. ``errors``: a prometheus_client Counter with an ``operation`` label."""
+
+    def __init__(self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0):
+        super().__init__(ttl_s)
+        # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
+        self.redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
+        )
+        self.url, self.errors, self.timeout_s, self.retry_after_s = url, errors, timeout_s, retry_after_s
+        self._down_until = 0.0
+
+    async def _run(self, operation: str, make_call):
+        """Awaits ``make_call()``; a Redis failure becomes StoreUnavailable (logged, counted)."""
+        if time.monotonic() < self._down_until:
+            self.errors.labels(operation).inc()
+            raise StoreUnavailable(f"the session store at {self.url} failed less than {self.retry_after_s:g} s ago")
+        try:
+            return await asyncio.wait_for(make_call(), self.timeout_s)
+        except (redis.RedisError, OSError, TimeoutError) as err:
+            if time.monotonic() >= self._down_until:
+                log.error("session store at %s failed on %s: %s: %s; requests go on from memory",
+                          self.url, operation, type(err).__name__, err)
+            self._down_until = time.monotonic() + self.retry_after_s
+            self.errors.labels(operation).inc()
+            raise StoreUnavailable(f"the session store at {self.url} failed: {err!r}") from None
+
+    @staticmethod
+    def _keys(request_id: str) -> tuple[str, str]:
+        header = f"specdec:request:{{{request_id}}}"
+        return header, f"{header}:tokens"
+
+    async def put(self, record: StoredRequest) -> None:
+        header, tokens = self._keys(record.request_id)
+
+        async def call():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(header).hset(header, mapping=record.header())
+                pipe.set(tokens, np.asarray(record.generated, dtype=TOKEN_DTYPE).tobytes())
+                pipe.expire(header, int(self.ttl_s)).expire(tokens, int(self.ttl_s))
+                await pipe.execute()
+
+        await self._run("put", call)
+
+    async def append(self, request_id: str, tokens: list[int]) -> int:
+        header, token_key = self._keys(request_id)
+
+        async def call():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.append(token_key, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+                pipe.hset(header, "updated_at", time.time()).hlen(header)
+                pipe.expire(header, int(self.ttl_s)).expire(token_key, int(self.ttl_s))
+                return await pipe.execute()
+
+        length, _, fields, *_ = await self._run("append", call)
+        return length // TOKEN_DTYPE.itemsize if fields > 1 else 0  # 1 field: only updated_at, the rest lost
+
+    async def load(self, request_id: str) -> StoredRequest | None:
+        header, tokens = self._keys(request_id)
+
+        async def call():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                return await pipe.hgetall(header).get(tokens).execute()
+
+        fields, token_bytes = await self._run("load", call)
+        return StoredRequest.from_redis(request_id, fields, token_bytes) if fields.get(b"request") else None
+
+    async def load_priors(self, target: str) -> dict[str, list[float]]:
+        fields = await self._run("load_priors", lambda: self.redis.hgetall(f"specdec:acceptance:{target}"))
+        return {key.decode(): json.loads(value) for key, value in fields.items()}
+
+    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
+        mapping = {source: json.dumps(rates) for source, rates in priors.items()}
+        await self._run("save_priors", lambda: self.redis.hset(f"specdec:acceptance:{target}", mapping=mapping))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+@dataclass
+class RequestJournal:
+    """Keeps one running request's record in the store: written whole at the start, its tokens
+    appended every round before the client receives them (so the stored log is never behind the
+    client), and written whole at the end. A store failure is never raised (RedisStore logs and
+    counts it): the request goes on from memory, and the first write after the store answers again
+    writes the whole record, so a restarted, empty Redis gets it back."""
+
+    store: SessionStore
+    record: StoredRequest
+    _stored: int | None = None  # tokens the store holds; None: the whole record must be written
+
+    async def start(self) -> None:
+        await self._sync()
+
+    async def commit(self, tokens: list[int]) -> None:
+        self.record.generated.extend(tokens)
+        await self._sync()
+
+    async def end(self, status: str, finish_reason: int = 0, metrics: coordinator_pb2.RequestMetrics | None = None) -> None:
+        self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics
+        self._stored = None
+        await self._sync()
+
+    async def _sync(self) -> None:
+        record = self.record
+        record.updated_at = time.time()
+        try:
+            if self._stored is not None:
+                held = await self.store.append(record.request_id, record.generated[self._stored :])
+                if held == len(record.generated):
+                    self._stored = held
+                    return
+            await self.store.put(record)
+            self._stored = len(record.generated)
+        except StoreUnavailable:
+            self._stored = None

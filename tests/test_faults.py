@@ -1,0 +1,286 @@
+"""Sessions that survive faults: the services as separate processes on free ports (two verify
+replicas, one draft service, two coordinators sharing a real Redis; the tiny models), each killed
+by pid with SIGKILL while a request streams. Every disturbed request must give exactly the token
+ids and text of an undisturbed one. The time from each kill to the client's next message (its
+recovery time) is printed at the end of the module."""
+
+import asyncio
+import random
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.client import Completion, generate
+from coordinator.store import FINISHED, RedisStore
+from specdec.launcher import ServiceProcess, free_port
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import SUMMARY
+
+PROMPT = "Write a long story about a lighthouse keeper and the ships she guided home."
+MAX_NEW, K, FAULT_AFTER = 300, 4, 12  # the fault comes once the client has FAULT_AFTER tokens
+RECOVERY_S: dict[str, float] = {}
+
+
+@dataclass
+class Fleet:
+    verify: list[ServiceProcess]
+    draft: ServiceProcess
+    coordinators: list[ServiceProcess]
+    all: list[ServiceProcess] = field(default_factory=list)
+
+    def restart(self, service: ServiceProcess) -> None:
+        service.start()
+        service.wait_serving(time.monotonic() + 180)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_models, redis_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fault-logs")
+    # idle sessions (those of the killed coordinator) are evicted after 3 s
+    threads = ["--num-threads", "1", "--session-idle-timeout-s", "3"]
+
+    def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
+        return ServiceProcess(kind, free_port(), args=args, metrics_port=free_port(), log_file=logs / f"{name}.log",
+                              env={"SPECDEC_REDIS_URL": redis_server.url})
+
+    verify = [service("verify", f"verify{i}", ["--model", str(tiny_models.target_dir), *threads]) for i in range(2)]
+    # a self-draft (the target's own weights): every draft passes, so lost speculation shows
+    draft = service("draft", "draft", ["--drafters", "transformers,ngram", "--default-drafter", "transformers",
+                                       "--transformers-model", str(tiny_models.target_dir), *threads])
+    coordinator_args = ["--tokenizer", str(tiny_models.target_dir), "--draft-address", draft.address,
+                        "--verify-addresses", ",".join(v.address for v in verify), "--max-new-tokens-limit", "512",
+                        "--draft-retry-s", "0.5"]
+    coordinators = [service("coordinator", f"coordinator{i}", coordinator_args) for i in range(2)]
+    fleet = Fleet(verify, draft, coordinators, [*verify, draft, *coordinators])
+    for process in fleet.all:
+        process.start()
+    try:
+        deadline = time.monotonic() + 180
+        for process in fleet.all:
+            process.wait_serving(deadline)
+        yield fleet
+    finally:
+        for process in fleet.all:
+            process.signal(15)
+        deadline = time.monotonic() + 15
+        for process in fleet.all:
+            process.wait_stopped(deadline)
+        for fault, seconds in RECOVERY_S.items():
+            SUMMARY.append(f"recovery after {fault}: {seconds * 1000:.0f} ms from the kill to the client's next message")
+
+
+def make_request(**fields) -> coordinator_pb2.GenerateRequest:
+    defaults = dict(text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=K, drafter="transformers")
+    return coordinator_pb2.GenerateRequest(**{**defaults, **fields})
+
+
+SAMPLING = {"greedy": {}, "seeded sampling": dict(temperature=0.8, top_p=0.95, seed=1234)}
+
+
+@pytest.fixture(scope="module")
+def references(fleet) -> dict[str, Completion]:
+    """The undisturbed runs, greedy and sampled with a seed."""
+    runs = {name: generate(fleet.coordinators[0].address, make_request(**fields), timeout_s=120) for name, fields in SAMPLING.items()}
+    assert all(len(run.token_ids) > 4 * FAULT_AFTER for run in runs.values()), "the references must be long enough to cut"
+    return runs
+
+
+@pytest.fixture
+def reference(references) -> Completion:
+    return references["greedy"]
+
+
+def stream_with_fault(address: str, request, fault) -> tuple[Completion, float]:
+    """Streams ``request``, calls ``fault()`` once the client has FAULT_AFTER tokens, reads on to
+    the end. Returns the completion and the seconds from the fault to the next message."""
+    completion, fault_at, recovery_s = Completion(), None, None
+    with grpc.insecure_channel(address) as channel:
+        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120):
+            if fault_at is not None and recovery_s is None:
+                recovery_s = time.monotonic() - fault_at
+            completion.add(response)
+            if fault_at is None and len(completion.token_ids) >= FAULT_AFTER:
+                fault()
+                fault_at = time.monotonic()
+    assert recovery_s is not None, "the stream ended before the fault took effect"
+    return completion, recovery_s
+
+
+def scrape(url: str) -> dict[str, float]:
+    """{sample name: value summed over its labels} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def assert_same_completion(got: Completion, expected: Completion) -> None:
+    assert got.token_ids == expected.token_ids
+    assert got.text == expected.text
+    assert got.finish_reason == expected.finish_reason
+
+
+def test_draft_killed_mid_stream(fleet, reference):
+    """The request goes on in plain decode without the draft and completes with identical ids;
+    once the draft service is back, requests speculate again."""
+    completion, recovery_s = stream_with_fault(fleet.coordinators[0].address, make_request(), fleet.draft.kill)
+    RECOVERY_S["the draft service was killed"] = recovery_s
+    assert_same_completion(completion, reference)
+    assert completion.metrics.num_draft_failures >= 1
+    assert completion.metrics.rounds_per_k[0] > 0, "no plain decode round after the draft was lost"
+    fleet.restart(fleet.draft)
+    later = generate(fleet.coordinators[0].address, make_request(), timeout_s=120)
+    assert_same_completion(later, reference)
+    assert later.metrics.num_accepted_draft_tokens > 0  # speculating again
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_verify_replica_killed_mid_stream(fleet, references, sampling):
+    """The session is rebuilt on the other replica from the committed log: identical ids, greedy
+    or sampled with a seed."""
+    killed = []
+
+    def kill_the_replica_holding_the_session():
+        (holder,) = [v for v in fleet.verify if scrape(v.metrics_url)["specdec:num_sessions"] > 0]
+        holder.kill()
+        killed.append(holder)
+
+    completion, recovery_s = stream_with_fault(
+        fleet.coordinators[1].address, make_request(**SAMPLING[sampling]), kill_the_replica_holding_the_session
+    )
+    RECOVERY_S[f"the verify replica was killed ({sampling})"] = recovery_s
+    assert_same_completion(completion, references[sampling])
+    assert completion.metrics.num_verify_rebuilds >= 1
+    fleet.restart(killed[0])
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sampling):
+    """The client resumes the request on the second coordinator from the last position it
+    received: the concatenation equals the undisturbed run, without gaps or duplicates."""
+    first, second, reference = *fleet.coordinators, references[sampling]
+    request_id = f"resume-after-kill-{sampling.replace(' ', '-')}"
+    received = Completion()
+    with pytest.raises(grpc.RpcError) as cut:
+        with grpc.insecure_channel(first.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
+                received.add(response)
+                if len(received.token_ids) >= FAULT_AFTER and first.process.poll() is None:
+                    first.kill()
+                    killed_at = time.monotonic()
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=len(received.token_ids))
+    rest, recovery_s = Completion(), None
+    with grpc.insecure_channel(second.address) as channel:
+        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(resume, timeout=120):
+            recovery_s = recovery_s or time.monotonic() - killed_at
+            rest.add(response)
+    RECOVERY_S[f"the coordinator was killed, resumed on another ({sampling})"] = recovery_s
+    assert rest.token_ids and received.token_ids + rest.token_ids == reference.token_ids
+    assert received.text + rest.text == reference.text
+    assert rest.finish_reason == reference.finish_reason
+    assert rest.metrics.num_resumed_tokens >= len(received.token_ids)
+    fleet.restart(first)
+
+
+def test_redis_killed_mid_stream(fleet, reference, redis_server):
+    """The request finishes from memory; the failures are counted, and once Redis is back new
+    requests are stored again."""
+    coordinator = fleet.coordinators[0]
+    errors_before = scrape(coordinator.metrics_url).get("specdec:session_store_errors_total", 0.0)
+    completion, recovery_s = stream_with_fault(coordinator.address, make_request(request_id="redis-lost"), redis_server.kill)
+    RECOVERY_S["Redis was killed"] = recovery_s
+    assert_same_completion(completion, reference)
+    assert scrape(coordinator.metrics_url)["specdec:session_store_errors_total"] > errors_before
+    redis_server.start()  # empty: nothing was persisted
+    time.sleep(1.5)  # past the store's back-off after a failure
+    later = generate(coordinator.address, make_request(request_id="after-redis-returned"), timeout_s=120)
+    assert_same_completion(later, reference)
+    deadline = time.monotonic() + 10
+    while (stored := from_redis(redis_server.url, lambda store: store.load("after-redis-returned"))) is None or stored.status != FINISHED:
+        assert time.monotonic() < deadline, "the finished request was not stored after Redis returned"
+        time.sleep(0.1)
+    assert stored.generated == reference.token_ids
+
+
+def from_redis(url: str, read):
+    """``await read(store)`` on a RedisStore of the coordinators' Redis."""
+
+    async def run():
+        store = RedisStore(url, 60, Counter("errors", "", ["operation"], registry=CollectorRegistry()))
+        try:
+            return await read(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny_models):
+    """An adaptive request's acceptance estimates reach Redis, where every coordinator replica
+    warm-starts its sessions from."""
+    request = make_request(request_id="adaptive-estimates")
+    request.ClearField("num_speculative_tokens")
+    completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
+    assert completion.metrics.adaptive and completion.metrics.num_accepted_draft_tokens > 0
+    deadline = time.monotonic() + 10
+    while "transformers" not in (priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))):
+        assert time.monotonic() < deadline, f"no estimates for the transformers drafter in Redis: {priors}"
+        time.sleep(0.1)
+    assert {"ngram/1", "ngram/2", "ngram/3"} <= priors.keys()
+    assert min(priors["transformers"][:2]) > 0.8  # a self-draft: its first positions always pass
+
+
+def test_cancelled_requests_release_every_session(fleet):
+    """200 requests cancelled at random points (during prefill included), some with fixed K,
+    some adaptive: afterwards both services hold no session and their KV memory is back to idle."""
+    services = [fleet.draft, *fleet.verify]
+
+    def settled() -> dict[str, tuple[float, float]]:
+        deadline = time.monotonic() + 30
+        while True:
+            figures = {s.address: (scrape(s.metrics_url)["specdec:num_sessions"], scrape(s.metrics_url)["specdec:kv_cache_bytes"]) for s in services}
+            if all(sessions == 0 for sessions, _ in figures.values()) or time.monotonic() > deadline:
+                return figures
+            time.sleep(0.2)
+
+    idle = settled()  # the killed coordinator's sessions evicted as idle
+    assert all(sessions == 0 for sessions, _ in idle.values()), idle
+    rng = random.Random(0)
+    # (coordinator, messages to read before cancelling, adaptive K, seconds to wait when reading none)
+    plans = [(rng.choice(fleet.coordinators).address, rng.randint(0, 15), rng.random() < 0.5, rng.random() * 0.05)
+             for _ in range(200)]
+
+    def cancelled(plan) -> int:
+        address, messages, adaptive, wait_s = plan
+        request = make_request(max_new_tokens=200)
+        if adaptive:
+            request.ClearField("num_speculative_tokens")
+        read = 0
+        with grpc.insecure_channel(address) as channel:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120)
+            if messages:
+                for _ in call:
+                    read += 1
+                    if read >= messages:
+                        break
+            else:
+                time.sleep(wait_s)  # cancelled during validation or prefill
+            call.cancel()
+        return read
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        reads = list(pool.map(cancelled, plans))
+    assert sum(r == 0 for r in reads) > 0, "no request was cancelled before its first message"
+    after = settled()
+    assert after == idle, f"sessions or KV bytes left after 200 cancels: {after} (idle: {idle})"
