@@ -2,6 +2,7 @@
 
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str
     for service in ("coordinator", "draft", "verify"):
         metrics = cluster.metrics_url(service)
         stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}"
-                     + (f"  metrics {metrics}" if metrics else ""))
+                     + (f"  metrics {metrics}" if metrics else ""), soft_wrap=True)
     return cluster
 
 
@@ -88,7 +89,8 @@ def up(
     addresses, and serve until interrupted."""
     metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
     cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports)
-    stderr.print("all services SERVING; Ctrl-C stops them")
+    stderr.print("all services SERVING; Ctrl-C (or SIGTERM) stops them")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
     try:
         while all(p.poll() is None for p in cluster.processes.values()):
             time.sleep(1.0)
