@@ -7,6 +7,9 @@ from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import coordinator_pb2, verify_pb2
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Fields the coordinator fills in before storing a request, so that a resume on a coordinator with
+# other defaults continues the same completion.
+FILLED_IN = ("seed", "max_new_tokens")
 
 
 def check_request_id(request: coordinator_pb2.GenerateRequest) -> None:
@@ -29,8 +32,9 @@ def check_resume(request: coordinator_pb2.GenerateRequest, stored: StoredRequest
     given.ClearField("resume_from")
     original = coordinator_pb2.GenerateRequest()
     original.CopyFrom(stored.request)
-    if not given.HasField("seed"):
-        original.ClearField("seed")  # the stored seed is the one the coordinator chose
+    for name in FILLED_IN:
+        if not given.HasField(name):
+            original.ClearField(name)  # the coordinator's choice, not the client's
     if given.ListFields() and given != original:
         raise InvalidArgument(
             f"request {stored.request_id!r} was started with other fields: resend them unchanged, "

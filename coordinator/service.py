@@ -100,14 +100,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
-        INVALID_ARGUMENT (see :mod:`coordinator.resume`), ALREADY_EXISTS for a new request whose
-        id is taken, UNAVAILABLE when a resume cannot reach the session store."""
+        INVALID_ARGUMENT (see :mod:`coordinator.resume`), UNAVAILABLE when a resume cannot reach
+        the session store."""
         check_request_id(request)
         if not request.HasField("resume_from"):
-            if request.request_id:
-                with contextlib.suppress(StoreUnavailable):  # unchecked while the store is down
-                    if await self.store.load(request_id) is not None:
-                        raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
             return None
         stored = await self.store.load(request_id)
         if stored is None:
@@ -124,16 +120,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield self._replay_finished(stored, request.resume_from)
             return
         resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
-        if stored is None:
+        resuming = stored is not None
+        if not resuming:
             original = coordinator_pb2.GenerateRequest()
             original.CopyFrom(request)
             original.ClearField("request_id")
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
+            original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
             stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint)
         check_same_target(stored, verify_info)
         resumed = list(stored.generated)
         stored.generated, stored.status = [], RUNNING
         journal = RequestJournal(self.store, stored)
+        if not resuming and not await journal.create():
+            raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
         output = StreamOutput(
             self.tokenizer, resolved.prompt_ids, resolved.stop, verify_info.eos_token_ids,
             resolved.max_new_tokens, request.resume_from,
@@ -160,7 +160,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
         try:
             kept = output.add(resumed)
-            await journal.commit(kept)  # the first write: the request, and a resume's stored tokens
+            if resuming:
+                await journal.commit(kept)  # the resumed request, running here now
             caught_up = message(kept)
             if caught_up:
                 yield caught_up

@@ -96,6 +96,11 @@ class SessionStore(abc.ABC):
         self.ttl_s = ttl_s
 
     @abc.abstractmethod
+    async def create(self, record: StoredRequest) -> bool:
+        """Writes a new record; False (and nothing written) when its id is already stored. Atomic:
+        of two requests created with one id at once, one gets False."""
+
+    @abc.abstractmethod
     async def put(self, record: StoredRequest) -> None:
         """Writes the whole record (creating or replacing it)."""
 
@@ -134,6 +139,12 @@ class MemoryStore(SessionStore):
             del self._requests[expired]
         entry = self._requests.get(request_id)
         return entry[0] if entry else None
+
+    async def create(self, record: StoredRequest) -> bool:
+        if self._live(record.request_id) is not None:
+            return False
+        await self.put(record)
+        return True
 
     async def put(self, record: StoredRequest) -> None:
         self._requests[record.request_id] = (copy.deepcopy(record), time.monotonic() + self.ttl_s)
@@ -190,6 +201,18 @@ class RedisStore(SessionStore):
     def _keys(request_id: str) -> tuple[str, str]:
         header = f"specdec:request:{{{request_id}}}"
         return header, f"{header}:tokens"
+
+    async def create(self, record: StoredRequest) -> bool:
+        header, _ = self._keys(record.request_id)
+
+        async def claim():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                return await pipe.hsetnx(header, "request", b"").expire(header, int(self.ttl_s)).execute()
+
+        claimed, _ = await self._run("create", claim)
+        if claimed:
+            await self.put(record)
+        return bool(claimed)
 
     async def put(self, record: StoredRequest) -> None:
         header, tokens = self._keys(record.request_id)
@@ -250,8 +273,16 @@ class RequestJournal:
     record: StoredRequest
     _stored: int | None = None  # tokens the store holds; None: the whole record must be written
 
-    async def start(self) -> None:
-        await self._sync()
+    async def create(self) -> bool:
+        """Writes the new request's record; False when its id is already stored. While the store
+        is unreachable the id cannot be checked: True, and the record is written later."""
+        try:
+            if not await self.store.create(self.record):
+                return False
+            self._stored = len(self.record.generated)
+        except StoreUnavailable:
+            self._stored = None
+        return True
 
     async def commit(self, tokens: list[int]) -> None:
         self.record.generated.extend(tokens)

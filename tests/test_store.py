@@ -62,6 +62,17 @@ def test_put_append_load_and_expire(with_store):
     with_store(scenario, ttl_s=1)
 
 
+def test_create_is_atomic(with_store):
+    async def scenario(store):
+        created = await asyncio.gather(*(store.create(record("contested", [i])) for i in range(5)))
+        assert sorted(created) == [False] * 4 + [True]
+        winner = await store.load("contested")
+        assert winner.generated == [created.index(True)]
+        assert not await store.create(record("contested"))
+
+    with_store(scenario)
+
+
 def test_acceptance_priors_are_shared(with_store):
     async def scenario(store):
         target = f"target-{time.monotonic_ns()}"
