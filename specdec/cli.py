@@ -150,13 +150,15 @@ def _print_metrics(completion) -> None:
     stderr.print(table)
 
 
-def _stream_to_stdout(address: str, request, as_json: bool) -> None:
+def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False) -> None:
+    """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
+    ``resumable``: also tells on stderr the request id to resume with."""
     from coordinator.client import Completion, stream
 
     completion = Completion()
     try:
         for response in stream(address, request):
-            if response.request_id and not as_json:
+            if response.request_id and resumable and not as_json:
                 stderr.print(f"request_id {response.request_id} (resume with --request-id and --resume-from)")
             completion.add(response)
             sys.stdout.write(response.text)
@@ -203,7 +205,7 @@ def generate(
         top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
         request_id=request_id, resume_from=resume_from,
     )
-    _stream_to_stdout(coordinator, request, as_json)
+    _stream_to_stdout(coordinator, request, as_json, resumable=True)
 
 
 @app.command()
