@@ -128,7 +128,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
             original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
             stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint)
-        check_same_target(stored, verify_info)
+        else:
+            check_same_target(stored, verify_info)
         resumed = list(stored.generated)
         stored.generated, stored.status = [], RUNNING
         journal = RequestJournal(self.store, stored)

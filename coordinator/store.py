@@ -134,11 +134,9 @@ class MemoryStore(SessionStore):
         self._priors: dict[str, dict[str, list[float]]] = {}
 
     def _live(self, request_id: str) -> StoredRequest | None:
-        now = time.monotonic()
-        for expired in [rid for rid, (_, expiry) in self._requests.items() if expiry <= now]:
-            del self._requests[expired]
+        """The record, unless expired (an O(1) look-up: it runs every round)."""
         entry = self._requests.get(request_id)
-        return entry[0] if entry else None
+        return entry[0] if entry and entry[1] > time.monotonic() else None
 
     async def create(self, record: StoredRequest) -> bool:
         if self._live(record.request_id) is not None:
@@ -147,7 +145,10 @@ class MemoryStore(SessionStore):
         return True
 
     async def put(self, record: StoredRequest) -> None:
-        self._requests[record.request_id] = (copy.deepcopy(record), time.monotonic() + self.ttl_s)
+        now = time.monotonic()  # expired records go here, at a request's start and end
+        for expired in [rid for rid, (_, expiry) in self._requests.items() if expiry <= now]:
+            del self._requests[expired]
+        self._requests[record.request_id] = (copy.deepcopy(record), now + self.ttl_s)
 
     async def append(self, request_id: str, tokens: list[int]) -> int:
         record = self._live(request_id)

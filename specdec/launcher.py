@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,8 +151,15 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to every service (they drain in-flight calls), SIGKILL after ``grace_s``."""
-        for service in self.services.values():
-            service.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for service in self.services.values():
-            service.wait_stopped(deadline)
+        stop_all(self.services.values(), grace_s)
+
+
+def stop_all(services: Iterable[ServiceProcess], grace_s: float = 15.0) -> None:
+    """SIGTERM to every service (they drain in-flight calls), SIGKILL to those still running
+    after ``grace_s`` seconds."""
+    services = list(services)
+    for service in services:
+        service.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        service.wait_stopped(deadline)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
-from specdec.launcher import ServiceProcess, free_port
+from specdec.launcher import ServiceProcess, free_port, stop_all
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY
 
@@ -66,11 +66,7 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
             process.wait_serving(deadline)
         yield fleet
     finally:
-        for process in fleet.all:
-            process.signal(15)
-        deadline = time.monotonic() + 15
-        for process in fleet.all:
-            process.wait_stopped(deadline)
+        stop_all(fleet.all)
         for fault, seconds in RECOVERY_S.items():
             SUMMARY.append(f"recovery after {fault}: {seconds * 1000:.0f} ms from the kill to the client's next message")
 
