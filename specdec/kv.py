@@ -11,13 +11,13 @@ Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill``, every model 
 every ``rollback`` that drops cached positions.
 """
 
-import abc
-import threading
 from collections.abc import Sequence
 
 import torch
 from opentelemetry import trace
-from transformers import DynamicCache
+
+from specdec.batching import BatchedLM, SequenceStep
+from specdec.engine import Work
 
 tracer = trace.get_tracer(__name__)
 
@@ -30,36 +30,46 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
     return n
 
 
-class KVState(abc.ABC):
-    """One session's KV cache over ``cached_tokens``, whatever engine holds it."""
+class SequenceKV:
+    """One session's sequence in a :class:`specdec.batching.BatchedLM`, with the bookkeeping rule
+    of the module docstring. A batched step feeds it through :meth:`step` and :meth:`appended`;
+    :meth:`extend` runs a forward of this sequence alone.
 
-    def __init__(self) -> None:
+    Raises ResourceExhausted (from the model's KV store) when no sequence can be allocated.
+    """
+
+    def __init__(self, lm: BatchedLM):
+        self.lm = lm
+        self.seq_id = lm.allocate()
         self.cached_tokens: list[int] = []
         self._agreed = 0  # leading cached tokens known to equal the committed log
 
-    @abc.abstractmethod
     def rollback(self, length: int) -> None:
-        """Drops the KV of every position at or after ``length``."""
+        """Drops the KV of every position at or after ``length`` (a length change in the store)."""
+        if length < len(self.cached_tokens):
+            self.lm.truncate(self.seq_id, length)
+            del self.cached_tokens[length:]
 
-    @abc.abstractmethod
-    def _forward(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
-        """The model's forward over ``tokens`` with the cache; see :meth:`extend`."""
+    def step(self, tokens: Sequence[int], num_logits: int = 1) -> SequenceStep:
+        """This sequence's share of a batched step over ``tokens``; call :meth:`appended` after it ran."""
+        return SequenceStep(self.seq_id, list(tokens), num_logits)
 
-    @abc.abstractmethod
-    def cache_bytes(self) -> int:
-        """Bytes the KV cache holds."""
+    def appended(self, step: SequenceStep) -> None:
+        """Records that ``step`` ran: its tokens are cached now."""
+        self.cached_tokens.extend(step.token_ids)
 
     def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        """Runs ``tokens`` through the model, appending their KV (and the tokens to ``cached_tokens``).
+        """Runs ``tokens`` through the model alone, appending their KV.
 
         Returns:
             ``[num_logits, V]`` float32 logits of the last ``num_logits`` positions (row i scores
             the token that follows position ``len(tokens) - num_logits + i``).
         """
+        step = self.step(tokens, num_logits)
         attributes = {"specdec.num_tokens": len(tokens), "specdec.cache_length": len(self.cached_tokens)}
         with tracer.start_as_current_span("forward", attributes=attributes):
-            logits = self._forward(tokens, num_logits)
-        self.cached_tokens.extend(tokens)
+            (logits,) = self.lm.forward([step])
+        self.appended(step)
         return logits
 
     def reconcile(self, committed: Sequence[int]) -> list[int]:
@@ -78,47 +88,28 @@ class KVState(abc.ABC):
         self._agreed = keep
         return list(committed[keep:])
 
-    def prefill(self, committed: Sequence[int]) -> None:
-        """Caches every committed token but the last (whose logits the next step computes)."""
-        self._agreed = 0
-        with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}):
-            pending = self.reconcile(committed)
-            if len(pending) > 1:
-                self.extend(pending[:-1])
-
-
-class KVCachedLM(KVState):
-    """A transformers causal LM plus one session's ``DynamicCache`` (rollback = ``crop``).
-
-    ``lock`` serialises forwards of the shared model across sessions (batch size 1 per forward).
-    """
-
-    def __init__(self, model, lock: threading.Lock):
-        super().__init__()
-        self.model = model
-        self.lock = lock
-        self.cache = DynamicCache(config=model.config)
-        # Sliding-window and linear-attention layers must keep past states to be croppable.
-        self.cache.activate_past_recording()
-
-    def rollback(self, length: int) -> None:
-        if length < len(self.cached_tokens):
-            self.cache.crop(length - len(self.cached_tokens))  # negative: tokens to remove
-            del self.cached_tokens[length:]
-
-    def _forward(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
-        with self.lock, torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=num_logits,
-            )
-        return out.logits[0, -num_logits:].float()
-
     def cache_bytes(self) -> int:
-        """Bytes of the storage behind every layer's key and value tensors (a rolled-back cache
-        keeps its storage until the next forward)."""
-        tensors = [getattr(layer, name, None) for layer in self.cache.layers for name in ("keys", "values")]
-        return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+        """Bytes the sequence's cached positions take in the KV store."""
+        return self.lm.cache_bytes(self.seq_id)
+
+    def close(self) -> None:
+        """Frees the sequence in the KV store."""
+        self.lm.free(self.seq_id)
+
+
+class PrefillWork(Work):
+    """Engine work that caches every committed token of a sequence but the last, a chunk of at
+    most the step's leftover token budget at a time (chunked prefill)."""
+
+    is_prefill = True
+
+    def __init__(self, kv: SequenceKV, committed: Sequence[int]):
+        self.kv, self.seq_id, self.committed = kv, kv.seq_id, committed
+
+    def next_step(self, budget: int) -> SequenceStep:
+        pending = self.kv.reconcile(self.committed)[:-1]
+        return self.kv.step(pending[:budget], num_logits=0)
+
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        self.kv.appended(step)
+        return len(self.kv.cached_tokens) >= len(self.committed) - 1

@@ -180,15 +180,25 @@ class Pipeline:
     verify_address: str
     draft_address: str
     target: Target
+    plain_model: object  # the target with transformers' own attention (see plain_target_model)
     verify: object
     draft: object
+
+
+@pytest.fixture(scope="session")
+def plain_target_model(tiny_models):
+    """The tiny target loaded on its own, with transformers' own attention and cache: the reference
+    that plain decoding and fresh prefills are computed with (the verify service's copy runs the
+    ragged attention of :mod:`specdec.ragged_lm`)."""
+    model, _ = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
+    return model
 
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_models) -> Target:
     model, tokenizer = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
     target = Target(model, tokenizer, str(tiny_models.target_dir), max_num_speculative_tokens=16)
-    target.measure_verify_ms()
+    target.measure_costs()
     return target
 
 
@@ -197,7 +207,7 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
     other_model, other_tokenizer = load_causal_lm(str(tiny_models.other_vocab_dir), dtype="float32")
     drafters = {
         "transformers": TransformersDrafter.load(str(tiny_models.draft_dir), dtype="float32"),
-        "self": TransformersDrafter(tiny_target.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
+        "self": TransformersDrafter(tiny_target.lm.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
         "ngram": NgramDrafter(1, 3),
         "wrong": WrongDrafter(),
         "other-vocab": TransformersDrafter(other_model, other_tokenizer, str(tiny_models.other_vocab_dir)),
@@ -209,7 +219,7 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
 
 
 @pytest.fixture(scope="session")
-def tiny_pipeline(tiny_models, tiny_target, tiny_drafters) -> Pipeline:
+def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -> Pipeline:
     """Coordinator, draft and verify services on free ports, serving the tiny models."""
     verify = build_verify(VerifySettings(port=0, max_sessions=8), target=tiny_target)
     draft = build_draft(DraftSettings(port=0, default_drafter="transformers", max_sessions=8), drafters=tiny_drafters)
@@ -224,7 +234,7 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters) -> Pipeline:
     )
     yield Pipeline(
         f"127.0.0.1:{coordinator.port}", f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}",
-        tiny_target, verify, draft,
+        tiny_target, plain_target_model, verify, draft,
     )
     coordinator.stop()
     draft.stop(0)

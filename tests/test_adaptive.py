@@ -135,7 +135,7 @@ def test_switching_drafter_falls_back_and_recovers(drafter_alone, tiny_pipeline,
     ids = smollm2_tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
-    expected = plain_greedy(tiny_pipeline.target.model, list(ids), max_new)
+    expected = plain_greedy(tiny_pipeline.plain_model, list(ids), max_new)
     tiny_drafters["switching"].script = [*ids, *expected]
     completion = generate(drafter_alone, coordinator_pb2.GenerateRequest(
         text=prompt, max_new_tokens=max_new, drafter="switching"), timeout_s=120)

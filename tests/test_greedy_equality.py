@@ -35,7 +35,7 @@ def references(tiny_pipeline, smollm2_tokenizer):
         ids = smollm2_tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
-        refs[prompt] = (list(ids), plain_greedy(tiny_pipeline.target.model, list(ids), MAX_NEW))
+        refs[prompt] = (list(ids), plain_greedy(tiny_pipeline.plain_model, list(ids), MAX_NEW))
     return refs
 
 

@@ -3,17 +3,28 @@
 import time
 
 import torch
+from opentelemetry import trace
 
+from specdec.engine import StepStats
 from specdec.errors import grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry
-from specdec.v1 import verify_pb2, verify_pb2_grpc
+from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings
-from verify_service.target import Target, TargetSession
+from verify_service.target import EngineLimits, Target, TargetSession
+
+
+def step_stats(stats: StepStats) -> common_pb2.StepStats:
+    """The proto of a call's :class:`specdec.engine.StepStats`; also set on the call's span."""
+    trace.get_current_span().set_attributes(
+        {"specdec.step.num_seqs": stats.num_seqs, "specdec.step.num_tokens": stats.num_tokens,
+         "specdec.step.step_ms": stats.step_ms, "specdec.step.queue_ms": stats.queue_ms}
+    )
+    return common_pb2.StepStats(num_seqs=stats.num_seqs, num_tokens=stats.num_tokens, step_ms=stats.step_ms, queue_ms=stats.queue_ms)
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
@@ -32,15 +43,20 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             eos_token_ids=t.eos_token_ids,
             max_num_speculative_tokens=t.max_num_speculative_tokens,
             verify_ms=t.verify_ms,
+            step_costs=[common_pb2.StepCost(num_tokens=n, num_seqs=b, ms=ms) for n, b, ms in t.step_costs],
+            max_num_seqs=t.limits.max_num_seqs,
+            max_num_batched_tokens=t.limits.max_num_batched_tokens,
         )
 
     @grpc_errors
     def Prefill(self, request, context):
         start = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
+        abandoned = lambda: not context.is_active()  # noqa: E731
         self.sessions.open(
-            request.session_id, lambda: self.target.new_session(request.token_ids, sampling),
-            abandoned=lambda: not context.is_active(),
+            request.session_id,
+            lambda: self.target.new_session(request.token_ids, sampling, context.time_remaining(), abandoned),
+            abandoned=abandoned,
         )
         return verify_pb2.VerifyServicePrefillResponse(compute_ms=ms_since(start))
 
@@ -51,17 +67,19 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             draft_probs = None
             if request.draft_distributions:
                 draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
-            n, token = session.verify(list(request.draft_token_ids), draft_probs)
+            n, token = session.verify(
+                list(request.draft_token_ids), draft_probs, context.time_remaining(), lambda: not context.is_active()
+            )
         return verify_pb2.VerifyResponse(
-            num_accepted=n, next_token_id=token, compute_ms=ms_since(start)
+            num_accepted=n, next_token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step)
         )
 
     @grpc_errors
     def Decode(self, request, context):
         start = time.perf_counter()
         with self.sessions.use(request.session_id) as session:
-            _, token = session.verify([], None)
-        return verify_pb2.DecodeResponse(token_id=token, compute_ms=ms_since(start))
+            _, token = session.verify([], None, context.time_remaining(), lambda: not context.is_active())
+        return verify_pb2.DecodeResponse(token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step))
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)
@@ -72,11 +90,12 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     """Loads the target (unless given) and starts the server."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
-    target = target or Target.load(
-        settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens
-    )
+    metrics = ServiceMetrics()
+    limits = EngineLimits(settings.max_num_seqs, settings.max_num_batched_tokens, settings.batch_wait_ms)
+    target = target or Target.load(settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens, limits)
+    target.engine.metrics = metrics.engine_metrics("verify")
     sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
-    servicer = VerifyServicer(target, sessions, ServiceMetrics())
+    servicer = VerifyServicer(target, sessions, metrics)
 
     return start_service(
         servicer,

@@ -1,19 +1,29 @@
 """The target model and its per-session state: prefill, verify, decode, rollback.
 
-Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test,
-besides the ``prefill``, ``forward`` and ``rollback`` spans of :mod:`specdec.kv`.
+Every session's sequence lives in one shared KV store (:class:`specdec.ragged_lm.RaggedLM`) and
+every call runs as work of one engine loop (:mod:`specdec.engine`): a Prefill is chunked into the
+steps' leftover token budget, a Verify (K + 1 new tokens) or Decode (1) joins the next step, and
+the acceptance test runs on the session's own rows of the batched logits, seeded by (request
+seed, committed length), so a request's output does not depend on what else was in its batch
+beyond floating-point rounding (design brief, invariant 5).
+
+Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test
+and ``rollback`` (see :mod:`specdec.kv`).
 """
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from opentelemetry import trace
 
 from specdec.acceptance import greedy_accept, rejection_sample
+from specdec.batching import SequenceStep
+from specdec.engine import Engine, StepStats, Work
 from specdec.errors import InvalidArgument
-from specdec.kv import KVCachedLM
+from specdec.kv import PrefillWork, SequenceKV
 from specdec.models import context_window, load_causal_lm
+from specdec.ragged_lm import RaggedLM
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
 from specdec.timing import min_ms
 from specdec.vocab import tokenizer_fingerprint
@@ -21,45 +31,88 @@ from specdec.vocab import tokenizer_fingerprint
 tracer = trace.get_tracer(__name__)
 
 
-class Target:
-    """A loaded target model shared by all sessions of the verify service."""
+@dataclass
+class EngineLimits:
+    """``max_num_seqs`` sequences and ``max_num_batched_tokens`` new tokens per step; a step waits
+    up to ``batch_wait_ms`` for the sequences of the previous one (see :mod:`specdec.engine`)."""
 
-    def __init__(self, model, tokenizer, name: str, max_num_speculative_tokens: int):
-        self.model = model
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    batch_wait_ms: float = 2.0
+
+
+class Target:
+    """A loaded target model, its KV store and engine loop (whose ``metrics`` the service sets),
+    shared by all sessions of the verify service."""
+
+    def __init__(self, model, tokenizer, name: str, max_num_speculative_tokens: int, limits: EngineLimits | None = None):
+        limits = limits or EngineLimits()
+        if limits.max_num_batched_tokens < max_num_speculative_tokens + 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) must be at least "
+                f"max_num_speculative_tokens + 1 ({max_num_speculative_tokens + 1}): a verify of the largest K fits one step"
+            )
         self.name = name
-        self.lock = threading.Lock()
+        self.limits = limits
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = model.config.vocab_size
         self.max_context_length = context_window(model)
         self.max_num_speculative_tokens = max_num_speculative_tokens
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.verify_ms: list[float] = []  # index K: a verify round with K draft tokens, see measure_verify_ms
+        self.lm = RaggedLM(model)
+        self.engine = Engine(
+            self.lm, limits.max_num_seqs, limits.max_num_batched_tokens, limits.batch_wait_ms, name="verify"
+        )
+        self.verify_ms: list[float] = []  # index K: a verify round with K draft tokens, see measure_costs
+        self.step_costs: list[tuple[int, int, float]] = []  # (num_tokens, num_seqs, ms), see measure_costs
 
     @classmethod
-    def load(cls, spec: str, dtype: str, device_map: str | None, max_k: int) -> "Target":
+    def load(cls, spec: str, dtype: str, device_map: str | None, max_k: int, limits: EngineLimits | None = None) -> "Target":
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
-        target = cls(model, tokenizer, spec, max_k)
-        target.measure_verify_ms()
+        target = cls(model, tokenizer, spec, max_k, limits)
+        target.measure_costs()
         return target
 
-    def measure_verify_ms(self, context_len: int = 64) -> list[float]:
-        """Measures a verify round's cost for K = 0 (a plain decode step) to the largest K, in ms
-        (the fastest of 3 forwards after ``context_len`` tokens), for the coordinator's choice of
-        K; stores and returns it. It also warms the model up, so the first request does not pay for
-        lazy initialisation."""
-        def forward(k: int) -> None:
-            session.next_logits([(context_len + i) % self.vocab_size for i in range(k)])[-1].argmax().item()
-            session.commit([])  # roll the draft tokens back
+    def measure_costs(self, context_len: int = 64) -> None:
+        """Measures, in ms (the fastest of 3 after ``context_len`` tokens), for the coordinator's
+        choice of K: ``verify_ms[K]``, a verify round with K draft tokens alone in its step (K = 0:
+        a plain decode step), and ``step_costs``, decode steps of 1, 2, 4, ... sequences up to
+        ``max_num_seqs``. It also warms the model up, so the first request does not pay for lazy
+        initialisation."""
+        context = [i % self.vocab_size for i in range(context_len)]
+        with tracer.start_as_current_span("measure_costs"):
+            sessions = [self.new_session(context, SamplingParams())]
 
-        with tracer.start_as_current_span("measure_verify_ms"):
-            session = self.new_session([i % self.vocab_size for i in range(context_len)], SamplingParams())
-            self.verify_ms = [min_ms(lambda k=k: forward(k)) for k in range(self.max_num_speculative_tokens + 1)]
-            session.close()
-        return self.verify_ms
+            def verify(k: int) -> None:
+                sessions[0].next_logits([(context_len + i) % self.vocab_size for i in range(k)])
+                sessions[0].rollback()
 
-    def new_session(self, committed: Sequence[int], sampling: SamplingParams) -> "TargetSession":
-        """Opens a session and runs prefill. Raises InvalidArgument for an empty or too long context."""
+            self.verify_ms = [min_ms(lambda k=k: verify(k)) for k in range(self.max_num_speculative_tokens + 1)]
+            self.step_costs = [(1, 1, self.verify_ms[0])]
+            num_seqs = 2
+            while num_seqs <= self.limits.max_num_seqs:
+                sessions += [self.new_session(context, SamplingParams()) for _ in range(num_seqs - len(sessions))]
+                self.step_costs.append((num_seqs, num_seqs, min_ms(lambda: self._decode_all(sessions))))
+                num_seqs *= 2
+            for session in sessions:
+                session.close()
+
+    def _decode_all(self, sessions: list["TargetSession"]) -> None:
+        """One step with one new token for every session (rolled back after)."""
+        steps = [session.kv.step(session.kv.reconcile(session.committed)) for session in sessions]
+        self.lm.forward(steps)
+        for session, step in zip(sessions, steps):
+            session.kv.appended(step)
+            session.rollback()
+
+    def new_session(
+        self, committed: Sequence[int], sampling: SamplingParams, timeout_s: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> "TargetSession":
+        """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
+        :meth:`specdec.engine.Engine.run`). Raises InvalidArgument for an empty or too long context
+        or ids out of range, Unavailable when the deadline passes first."""
         if not committed:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
         if len(committed) >= self.max_context_length:
@@ -70,60 +123,106 @@ class Target:
         if max(committed) >= self.vocab_size or min(committed) < 0:
             raise InvalidArgument(f"token_ids must lie in [0, {self.vocab_size})")
         session = TargetSession(self, sampling)
-        session.prefill(committed)
+        try:
+            session.prefill(committed, timeout_s, abandoned)
+        except BaseException:
+            session.close()
+            raise
         return session
 
 
+class _Score(Work):
+    """Scores ``draft_tokens`` after the committed prefix in one step; ``result`` is the ``[K + 1, V]``
+    float32 logits. Subclasses test and commit instead."""
+
+    def __init__(self, session: "TargetSession", draft_tokens: Sequence[int]):
+        self.session, self.seq_id = session, session.kv.seq_id
+        self.draft_tokens = list(draft_tokens)
+
+    def next_step(self, budget: int) -> SequenceStep:
+        kv = self.session.kv
+        return kv.step([*kv.reconcile(self.session.committed), *self.draft_tokens], num_logits=len(self.draft_tokens) + 1)
+
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        self.session.kv.appended(step)
+        self.result = self.take(logits)
+        return True
+
+    def take(self, logits: torch.Tensor):
+        return logits
+
+
+class _Verify(_Score):
+    """The acceptance test on the session's rows of the step's logits, then commit: ``result`` is
+    ``(n, next_token)``."""
+
+    def __init__(self, session: "TargetSession", draft_tokens: Sequence[int], draft_probs: torch.Tensor | None):
+        super().__init__(session, draft_tokens)
+        self.draft_probs = draft_probs
+
+    def take(self, logits: torch.Tensor) -> tuple[int, int]:
+        session, drafts = self.session, self.draft_tokens
+        with tracer.start_as_current_span("acceptance", attributes={"specdec.num_draft_tokens": len(drafts)}) as span:
+            if session.sampling.greedy:
+                n, token = greedy_accept(drafts, logits)
+            else:
+                generator = round_generator(session.sampling.seed, len(session.committed), "verify")
+                n, token = rejection_sample(drafts, self.draft_probs, logits_to_probs(logits, session.sampling), generator)
+            span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(drafts) and n == len(drafts)})
+        session.committed.extend([*drafts[:n], token])
+        session.rollback()
+        return n, token
+
+
 class TargetSession:
-    """One request's committed tokens and target KV cache."""
+    """One request's committed tokens and its sequence in the target's KV store. ``last_step``:
+    the step that served the last call."""
 
     def __init__(self, target: Target, sampling: SamplingParams):
         self.target = target
         self.sampling = sampling
         self.committed: list[int] = []
-        self.lm = KVCachedLM(target.model, target.lock)
+        self.kv = SequenceKV(target.lm)
+        self.last_step = StepStats()
 
-    def prefill(self, committed: Sequence[int]) -> None:
+    def _run(self, work: Work, timeout_s: float | None, abandoned: Callable[[], bool] | None):
+        result, self.last_step = self.target.engine.run(work, timeout_s, abandoned)
+        return result
+
+    def prefill(self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None) -> None:
         self.committed = list(committed)
-        self.lm.prefill(self.committed)
+        if len(self.committed) > 1:
+            with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(self.committed)}):
+                self._run(PrefillWork(self.kv, self.committed), timeout_s, abandoned)
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
         """``[len(draft_tokens) + 1, V]`` float32 logits after the committed prefix and after each
-        draft token, appending their KV (rolled back by :meth:`commit`)."""
-        pending = self.lm.reconcile(self.committed)
-        return self.lm.extend([*pending, *draft_tokens], num_logits=len(draft_tokens) + 1)
+        draft token, appending their KV (rolled back by :meth:`rollback` or the next call)."""
+        return self._run(_Score(self, draft_tokens), None, None)
 
     def verify(
-        self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None
+        self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None, timeout_s: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
     ) -> tuple[int, int]:
-        """Runs the acceptance test on a proposal and commits its outcome.
+        """Runs the acceptance test on a proposal in the next step and commits its outcome.
 
         Args:
             draft_tokens: K proposed ids (K may be 0: a plain decode step).
             draft_probs: q, ``[K, V]`` float32, required when sampling; ignored under greedy.
+            timeout_s, abandoned: as in :meth:`specdec.engine.Engine.run`.
         Returns:
             ``(n, next_token)``: accepted drafts and the correction or bonus token.
         Raises:
             InvalidArgument: K above the limit, the window would overflow, ids out of range, or
                 missing draft distributions under sampling.
+            Unavailable: the deadline passed before a step ran it.
         """
         self._check(draft_tokens, draft_probs)
-        logits = self.next_logits(draft_tokens)
-        with tracer.start_as_current_span("acceptance", attributes={"specdec.num_draft_tokens": len(draft_tokens)}) as span:
-            if self.sampling.greedy:
-                n, token = greedy_accept(draft_tokens, logits)
-            else:
-                generator = round_generator(self.sampling.seed, len(self.committed), "verify")
-                target_probs = logits_to_probs(logits, self.sampling)
-                n, token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
-            span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(draft_tokens) and n == len(draft_tokens)})
-        self.commit([*draft_tokens[:n], token])
-        return n, token
+        return self._run(_Verify(self, draft_tokens, draft_probs), timeout_s, abandoned)
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Appends committed tokens and rolls the KV cache back to the committed prefix."""
-        self.committed.extend(tokens)
-        self.lm.reconcile(self.committed)
+    def rollback(self) -> None:
+        """Drops cached positions past the committed prefix (rejected drafts)."""
+        self.kv.reconcile(self.committed)
 
     def _check(self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None) -> None:
         k, target = len(draft_tokens), self.target
@@ -143,8 +242,7 @@ class TargetSession:
             raise InvalidArgument("sampling needs one draft distribution per draft token")
 
     def kv_cache_bytes(self) -> int:
-        lm = self.lm  # None once closed
-        return lm.cache_bytes() if lm is not None else 0
+        return self.kv.cache_bytes()
 
     def close(self) -> None:
-        self.lm = None  # drop the KV cache now, not when the registry entry is collected
+        self.kv.close()

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import trace
 
-from specdec.kv import KVState
+from specdec.batching import SequenceStep
+from specdec.engine import Engine, Work
+from specdec.kv import PrefillWork, SequenceKV
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
@@ -86,8 +88,40 @@ class Drafter(abc.ABC):
         return self.step_ms
 
 
+class _Propose(Work):
+    """Engine work for one proposal of up to ``k`` tokens: the first step feeds the committed
+    tokens the sequence has not cached, each later one the token drawn from the previous step's
+    logits (one step per draft position, batched with every other session's proposal)."""
+
+    def __init__(self, session: "ModelDraftSession", k: int):
+        self.session, self.seq_id, self.k = session, session.kv.seq_id, k
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        sampling = session.sampling
+        self.generator = None if sampling.greedy else round_generator(sampling.seed, len(session.committed), "draft")
+
+    def next_step(self, budget: int) -> SequenceStep:
+        kv = self.session.kv
+        return kv.step(self.tokens[-1:] if self.tokens else kv.reconcile(self.session.committed))
+
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        self.session.kv.appended(step)
+        sampling = self.session.sampling
+        if sampling.greedy:
+            self.tokens.append(int(logits[-1].argmax()))
+        else:
+            q = logits_to_probs(logits[-1], sampling)
+            self.tokens.append(sample(q, self.generator))
+            self.probs.append(q)
+        if len(self.tokens) < self.k:
+            return False
+        self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None)
+        return True
+
+
 class ModelDraftSession(DraftSession):
-    """Autoregressive proposals from a causal LM whose KV lives in a :class:`KVState`.
+    """Autoregressive proposals from a causal LM whose sequence lives in a shared KV store, run
+    as work of the drafter's engine loop (a step per draft position for every session at once).
 
     Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
     logits, seeded by (request seed, committed length), and return q for the acceptance test.
@@ -95,37 +129,25 @@ class ModelDraftSession(DraftSession):
     proposal, and the round becomes a plain decode step on the verify service.
     """
 
-    def __init__(self, sampling: SamplingParams, kv: KVState, window: int):
+    def __init__(self, sampling: SamplingParams, kv: SequenceKV, window: int, engine: Engine):
         super().__init__(sampling)
         self.kv = kv
         self.window = window
+        self.engine = engine
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
-        if len(self.committed) < self.window:
-            self.kv.prefill(self.committed)
+        if 1 < len(self.committed) < self.window:
+            self.engine.run(PrefillWork(self.kv, self.committed))
 
     def propose(self, k: int) -> Proposal:
         if len(self.committed) + k > self.window:
             return Proposal([])
-        greedy = self.sampling.greedy
-        generator = None if greedy else round_generator(self.sampling.seed, len(self.committed), "draft")
-        logits = self.kv.extend(self.kv.reconcile(self.committed))[-1]
-        tokens, probs = [], []
-        for i in range(k):
-            if greedy:
-                tokens.append(int(logits.argmax()))
-            else:
-                q = logits_to_probs(logits, self.sampling)
-                tokens.append(sample(q, generator))
-                probs.append(q)
-            if i + 1 < k:
-                logits = self.kv.extend(tokens[-1:])[-1]
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        proposal, _ = self.engine.run(_Propose(self, k))
+        return proposal
 
     def kv_cache_bytes(self) -> int:
-        kv = self.kv  # None once closed
-        return kv.cache_bytes() if kv is not None else 0
+        return self.kv.cache_bytes()
 
     def close(self) -> None:
-        self.kv = None
+        self.kv.close()

@@ -1,27 +1,32 @@
-"""A transformers causal LM as the draft (for example Qwen2.5-0.5B drafting for Qwen2.5-7B)."""
-
-import threading
+"""A transformers causal LM as the draft (for example Qwen2.5-0.5B drafting for Qwen2.5-7B),
+batched like the target: its sessions share one KV store (:class:`specdec.ragged_lm.RaggedLM`) and
+one engine loop."""
 
 from draft_service.drafters.base import Drafter, ModelDraftSession
-from specdec.kv import KVCachedLM
+from specdec.engine import Engine
+from specdec.kv import SequenceKV
 from specdec.models import context_window, load_causal_lm
+from specdec.ragged_lm import RaggedLM
 from specdec.sampling import SamplingParams
 from specdec.vocab import tokenizer_fingerprint
 
 
 class TransformersDrafter(Drafter):
+    """``max_num_seqs`` proposals share a step at most."""
+
     name = "transformers"
 
-    def __init__(self, model, tokenizer, model_name: str):
-        self.lm_model = model
+    def __init__(self, model, tokenizer, model_name: str, max_num_seqs: int = 16):
         self.model = model_name
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
-        self.lock = threading.Lock()
+        self.window = context_window(model)
+        self.lm = RaggedLM(model)
+        self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max(self.window, 1), name=self.name)
 
     @classmethod
-    def load(cls, spec: str, dtype: str = "auto") -> "TransformersDrafter":
+    def load(cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, spec)
+        return cls(model, tokenizer, spec, max_num_seqs)
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
-        return ModelDraftSession(sampling, KVCachedLM(self.lm_model, self.lock), context_window(self.lm_model))
+        return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine)

@@ -1,0 +1,62 @@
+"""The batch layout and the contract of a model that runs many sequences in one forward.
+
+Terms (as vLLM's): a *sequence* is one session's KV in the model's shared KV store, named by a
+``seq_id``; a *step* is one forward of the model over the new tokens of every sequence in the
+batch (ragged: each sequence brings its own number of tokens: K + 1 for a verify, 1 for a decode,
+a chunk of a prefill); its *batched tokens* are their sum.
+
+A sequence's cached length only changes by appending in :meth:`BatchedLM.forward` and by
+:meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy).
+"""
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceStep:
+    """One sequence's share of a step: ``token_ids`` are appended after its cached positions, and
+    the logits of its last ``num_logits`` of them (0 <= num_logits <= len(token_ids)) come back."""
+
+    seq_id: int
+    token_ids: Sequence[int]
+    num_logits: int = 1
+
+
+class BatchedLM(abc.ABC):
+    """A model plus one KV store shared by many sequences. ``vocab_size``: the logits' width.
+
+    Not thread-safe by itself: one engine thread runs its steps (:mod:`specdec.engine`); other
+    threads may only :meth:`free`, which implementations make safe against a running step.
+    """
+
+    vocab_size: int
+
+    @abc.abstractmethod
+    def allocate(self) -> int:
+        """A new, empty sequence's id. Raises :class:`specdec.errors.ResourceExhausted` when the
+        store has no room for another."""
+
+    @abc.abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Drops a sequence and its KV (freeing an unknown id does nothing)."""
+
+    @abc.abstractmethod
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Rollback: keeps the KV of the first ``length`` positions of the sequence, drops the rest."""
+
+    @abc.abstractmethod
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        """One forward over every step's tokens (each sequence at most once).
+
+        Returns:
+            per step, ``[num_logits, V]`` float32 logits on the CPU: row i scores the token that
+            follows position ``len(token_ids) - num_logits + i`` of that step's tokens.
+        """
+
+    @abc.abstractmethod
+    def cache_bytes(self, seq_id: int) -> int:
+        """Bytes the KV of one sequence's cached positions takes (0 for an unknown id)."""

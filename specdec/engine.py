@@ -1,0 +1,248 @@
+"""The engine loop: every pending call of every session joins the next batched forward.
+
+One thread per model runs steps (continuous batching, as in vLLM and Orca): a step takes the
+pending work in arrival order, at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
+new tokens, runs one :meth:`specdec.batching.BatchedLM.forward` over all of it, and hands each
+sequence its slice of the logits. Sessions join and leave between steps; a step never waits for a
+full batch, only (up to ``batch_wait_ms``) for the sequences of the previous step whose callers
+are about to send their next call, so that lock-step clients share steps instead of alternating.
+
+Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
+a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
+time, so one long prompt does not stall every other session's decode. A call that waits longer
+than its deadline gives up (its work is dropped unless a step already runs it); bounded sessions
+(the registry's ``max_sessions``) bound the queue.
+"""
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.batching import BatchedLM, SequenceStep
+from specdec.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """The last step that ran a call's work: sequences and batched tokens in it, its forward time
+    (ms), and the time the call waited before its first step began (ms)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    step_ms: float = 0.0
+    queue_ms: float = 0.0
+
+
+class Work(abc.ABC):
+    """One call's work on one sequence, run over one or more steps.
+
+    ``is_prefill``: scheduled after decoding work, chunked to the leftover token budget.
+    """
+
+    seq_id: int  # the sequence it runs on
+    is_prefill: bool = False
+    result: object = None
+
+    @abc.abstractmethod
+    def next_step(self, budget: int) -> SequenceStep:
+        """This step's share: new tokens (at most ``budget`` when the work can be chunked; a
+        decoding step may exceed it and then waits for a step with room) and how many logits it
+        needs. Must not change state: a step that cannot fit it asks again next time."""
+
+    @abc.abstractmethod
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        """Takes the step's logits (``[step.num_logits, V]`` float32); True when the work is done
+        (``result`` set), False when it needs another step."""
+
+
+@dataclass
+class _Entry:
+    work: Work
+    arrival: float = field(default_factory=time.perf_counter)
+    future: Future = field(default_factory=Future)
+    stats: StepStats = field(default_factory=StepStats)
+    started: bool = False
+    abandoned: bool = False
+
+
+class EngineMetrics:
+    """What an engine reports per step and per call (see :class:`specdec.prom.ServiceMetrics`)."""
+
+    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None: ...
+
+    def observe_queue(self, queue_ms: float) -> None: ...
+
+
+class Engine:
+    """The engine loop over ``lm`` (see the module docstring); ``name`` labels its thread and
+    metrics. Raises ValueError for limits below 1."""
+
+    def __init__(
+        self, lm: BatchedLM, max_num_seqs: int, max_num_batched_tokens: int, batch_wait_ms: float = 0.0,
+        metrics: EngineMetrics | None = None, name: str = "engine",
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.lm = lm
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.metrics = metrics or EngineMetrics()
+        self.name = name
+        self._queue: list[_Entry] = []
+        self._cond = threading.Condition()
+        self._previous: set[int] = set()  # sequences whose work finished in the last step
+        self._step_end = 0.0
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def run(self, work: Work, timeout_s: float | None = None, on_wait: Callable[[], bool] | None = None):
+        """Queues ``work``, waits for it and returns ``(work.result, StepStats)``.
+
+        Args:
+            timeout_s: seconds to wait at most (the call's deadline); None waits indefinitely.
+            on_wait: asked every second while waiting; True (the caller went away) abandons the work.
+        Raises:
+            Unavailable: the deadline passed first, or the engine stopped.
+            what the work's steps raise (the whole step fails: every call in it gets the error).
+        """
+        entry = _Entry(work)
+        with self._cond:
+            if self._stopped:
+                raise Unavailable(f"the {self.name} engine is stopping: retry on another replica")
+            self._ensure_thread()
+            self._queue.append(entry)
+            self._cond.notify_all()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            try:
+                return entry.future.result(wait), entry.stats
+            except FutureTimeout:
+                expired = deadline is not None and time.monotonic() >= deadline
+                if expired or (on_wait is not None and on_wait()):
+                    self._abandon(entry)
+                    raise Unavailable(
+                        f"the {self.name} engine did not run the call before its deadline: the service is "
+                        "overloaded; retry later, or lower max_num_seqs load by adding replicas"
+                    ) from None
+
+    def stop(self) -> None:
+        """Stops the loop after the running step; queued calls fail with Unavailable."""
+        with self._cond:
+            self._stopped = True
+            for entry in self._queue:
+                entry.future.set_exception(Unavailable(f"the {self.name} engine stopped"))
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def queued(self) -> int:
+        """Calls waiting or running."""
+        return len(self._queue)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+            self._thread.start()
+
+    def _abandon(self, entry: _Entry) -> None:
+        with self._cond:
+            entry.abandoned = True
+            if entry in self._queue and not entry.started:
+                self._queue.remove(entry)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._wait_for_previous()
+                batch = self._schedule()
+            if batch:
+                self._step(batch)
+
+    def _wait_for_previous(self) -> None:
+        """Waits (holding the condition) up to ``batch_wait_ms`` after the last step for the
+        sequences that were in it to queue their next call; after a step of one sequence there is
+        no batch to keep together, and nothing waits."""
+        if len(self._previous) < 2:
+            return
+        deadline = self._step_end + self.batch_wait_s
+        while self._previous - {e.work.seq_id for e in self._queue} and not self._stopped:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+
+    def _schedule(self) -> list[tuple[_Entry, SequenceStep]]:
+        """This step's entries and their steps: decoding work first, then prefill chunks, in
+        arrival order, within the limits."""
+        self._queue = [e for e in self._queue if not e.abandoned]
+        batch, budget, seqs = [], self.max_num_batched_tokens, set()
+        for prefill in (False, True):
+            for entry in self._queue:
+                work = entry.work
+                if work.is_prefill != prefill or work.seq_id in seqs or len(batch) >= self.max_num_seqs or budget <= 0:
+                    continue
+                step = work.next_step(budget)
+                if len(step.token_ids) > budget and batch:
+                    continue  # does not fit this step's budget: the next one
+                batch.append((entry, step))
+                seqs.add(work.seq_id)
+                budget -= len(step.token_ids)
+        return batch
+
+    def _step(self, batch: list[tuple[_Entry, SequenceStep]]) -> None:
+        start = time.perf_counter()
+        for entry, _ in batch:
+            if not entry.started:
+                entry.started = True
+                entry.stats.queue_ms = (start - entry.arrival) * 1000
+                self.metrics.observe_queue(entry.stats.queue_ms)
+        steps = [step for _, step in batch]
+        try:
+            logits = self.lm.forward(steps)
+        except Exception as err:  # the step's calls fail; the engine goes on
+            log.exception("%s engine: a step of %d sequences failed", self.name, len(batch))
+            self._finish([(entry, err) for entry, _ in batch])
+            return
+        step_ms = (time.perf_counter() - start) * 1000
+        num_tokens = sum(len(step.token_ids) for step in steps)
+        self.metrics.observe_step(len(batch), num_tokens, step_ms)
+        outcomes = []
+        for (entry, step), rows in zip(batch, logits):
+            entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
+            try:
+                done = entry.work.finish_step(step, rows)
+            except Exception as err:  # noqa: BLE001 (handed to the caller)
+                outcomes.append((entry, err))
+                continue
+            if done:
+                outcomes.append((entry, None))
+        self._finish(outcomes)
+
+    def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
+        with self._cond:
+            self._previous = set()
+            for entry, err in outcomes:
+                if entry in self._queue:
+                    self._queue.remove(entry)
+                self._previous.add(entry.work.seq_id)
+                if err is None:
+                    entry.future.set_result(entry.work.result)
+                else:
+                    entry.future.set_exception(err)
+            self._step_end = time.perf_counter()
+
