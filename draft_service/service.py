@@ -32,6 +32,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.llama_cpp_n_ctx,
                 settings.llama_cpp_n_threads,
                 settings.llama_cpp_n_gpu_layers,
+                max_num_seqs=min(settings.llama_cpp_max_num_seqs, settings.max_sessions),
             )
         elif name == "transformers":
             from draft_service.drafters.transformers_lm import TransformersDrafter

@@ -21,6 +21,11 @@ class DraftSettings(SessionServiceSettings):
     llama_cpp_n_ctx: int = Field(4096, description="llama.cpp context window per session, in tokens.")
     llama_cpp_n_threads: int = Field(0, description="llama.cpp CPU threads; 0 = its default.")
     llama_cpp_n_gpu_layers: int = Field(0, description="Layers llama.cpp offloads to the GPU (-1 = all).")
+    llama_cpp_max_num_seqs: int = Field(
+        16, ge=1, le=256, description="Sessions the llama-cpp drafter holds at once, one llama.cpp sequence each "
+        "(n_seq_max; their KV, n_ctx tokens each, is allocated up front; more get RESOURCE_EXHAUSTED); also the "
+        "most proposals one batched step takes.",
+    )
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."
     )

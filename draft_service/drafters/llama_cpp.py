@@ -1,10 +1,31 @@
-"""A GGUF model run by llama.cpp (llama-cpp-python) as the draft.
+"""A GGUF model run by llama.cpp (llama-cpp-python's low-level API) as the draft, batched: every
+session is one sequence of ONE llama.cpp context, and one engine loop (:mod:`specdec.engine`)
+runs a ``llama_decode`` per draft position for the whole batch of sessions.
 
 The default draft is the target's own weights quantized to Q4_1 (a quantized self-draft, as in
-ML-SpecQD, Georganas et al. 2025). Each session owns a llama.cpp context (its KV cache); contexts
-are pooled and reused, the model file is memory-mapped once by the OS.
+ML-SpecQD, Georganas et al. 2025).
+
+llama.cpp's multi-sequence batch API, as used here (:class:`LlamaCppLM`):
+
+- the context is created with ``n_seq_max`` = the sessions the drafter holds and a per-sequence
+  KV cache (``kv_unified = false``): llama.cpp then splits the context's ``n_ctx`` evenly into
+  ``n_seq_max`` streams of ``n_ctx_seq = n_ctx / n_seq_max`` cells (rounded up to a multiple of
+  256), each attended on its own. We ask for ``n_ctx`` x ``n_seq_max`` cells, so every sequence
+  holds ``n_ctx`` tokens whatever the others hold (with a unified cache the sequences would share
+  one pool of ``n_ctx`` cells and each token would attend over all of them). The whole KV is
+  allocated up front: ``n_ctx`` x ``max_num_seqs`` x the bytes per token (see
+  :func:`kv_bytes_per_token`).
+- a step is one ``llama_batch``: every token carries its sequence id and its position in that
+  sequence (``pos``), and a ``logits`` flag on the positions whose logits are read back
+  (``llama_get_logits_ith``). ``llama_decode`` splits it into micro-batches itself (with
+  per-sequence streams, ones of an equal number of tokens from consecutive sequence ids, which is
+  why steps are ordered by sequence id and new sequences take the lowest free id).
+- rollback of rejected draft positions is ``llama_memory_seq_rm(mem, seq, length, -1)``; freeing a
+  session's sequence is ``llama_memory_seq_rm(mem, seq, -1, -1)``.
 """
 
+import logging
+import multiprocessing
 import threading
 from collections.abc import Sequence
 
@@ -13,92 +34,250 @@ import numpy as np
 import torch
 
 from draft_service.drafters.base import Drafter, ModelDraftSession
-from specdec.kv import KVState
+from specdec.batching import BatchedLM, SequenceStep
+from specdec.engine import Engine
+from specdec.errors import ResourceExhausted
+from specdec.kv import SequenceKV
 from specdec.models import resolve_model
 from specdec.sampling import SamplingParams
 from specdec.vocab import vocab_fingerprint
 
-
-class LlamaCppKV(KVState):
-    """A llama.cpp context as a :class:`KVState`. Rollback moves ``n_tokens`` back; the next
-    ``eval`` removes the KV beyond it (``llama_memory_seq_rm``). ``cache_bytes`` is the context's
-    whole KV buffer, which llama.cpp allocates for its ``n_ctx`` tokens up front."""
-
-    def __init__(self, llm: llama_cpp.Llama, cache_bytes: int):
-        super().__init__()
-        self.llm = llm
-        self._cache_bytes = cache_bytes
-        llm.reset()
-
-    def rollback(self, length: int) -> None:
-        if length < len(self.cached_tokens):
-            self.llm.n_tokens = length
-            del self.cached_tokens[length:]
-
-    def _forward(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
-        if num_logits != 1:
-            raise ValueError("llama.cpp contexts here keep the last position's logits only")
-        self.llm.eval(list(tokens))
-        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return torch.from_numpy(np.ctypeslib.as_array(logits, shape=(1, self.llm.n_vocab())).copy())
-
-    def cache_bytes(self) -> int:
-        return self._cache_bytes
+_backend_lock = threading.Lock()
+_backend_ready = False
 
 
-def kv_buffer_bytes(llm: llama_cpp.Llama) -> int:
-    """The KV buffer of one llama.cpp context, in bytes: ``n_ctx`` x layers x (key + value) x
-    KV heads x head size (hidden size / heads) x 2 bytes (llama.cpp's default f16 cache). An
+def _init_backend() -> None:
+    """``llama_backend_init`` once per process; llama.cpp's own logging only from errors up unless
+    the ``llama-cpp-python`` logger was configured (as ``Llama(verbose=False)`` does)."""
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            logger = logging.getLogger("llama-cpp-python")
+            if logger.level == logging.NOTSET:
+                logger.setLevel(logging.ERROR)
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV bytes of one cached token of a llama.cpp model (``llama_model_p``): layers x (key + value)
+    x KV heads x head size (hidden size / heads) x 2 bytes (llama.cpp's default f16 cache). An
     estimate from the model's shape: models whose head size differs from hidden / heads, or with
     sliding-window layers, allocate otherwise."""
-    model = llm.model
     head_size = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
-    per_token = llama_cpp.llama_model_n_layer(model) * 2 * llama_cpp.llama_model_n_head_kv(model) * head_size * 2
-    return llm.n_ctx() * per_token
+    return llama_cpp.llama_model_n_layer(model) * 2 * llama_cpp.llama_model_n_head_kv(model) * head_size * 2
 
 
-class LlamaCppSession(ModelDraftSession):
-    def __init__(self, sampling: SamplingParams, drafter: "LlamaCppDrafter"):
-        super().__init__(sampling, LlamaCppKV(drafter.acquire_context(), drafter.context_kv_bytes), drafter.n_ctx)
-        self.drafter = drafter
+class LlamaCppLM(BatchedLM):
+    """One llama.cpp model and context holding up to ``max_num_seqs`` sequences of ``n_ctx``
+    tokens each (see the module docstring).
+
+    Args:
+        path: the .gguf file.
+        n_ctx: tokens one sequence holds.
+        max_num_seqs: sequences at once (llama.cpp's ``n_seq_max``, at most 256).
+        max_num_batched_tokens: the largest step the engine schedules (llama.cpp's ``n_ubatch``:
+            it sizes the compute buffers). ``n_batch`` (the largest ``llama_decode``) is the larger
+            of it and ``n_ctx``, since a step too big for the budget still runs alone.
+        n_threads: CPU threads (0: half the cores for one-token steps, all for larger ones, as
+            ``llama_cpp.Llama`` does).
+        n_gpu_layers: layers offloaded to the GPU (-1 = all) in a CUDA build.
+
+    Sequence ids are handles: each :meth:`allocate` returns a new one, mapped to a free llama.cpp
+    sequence (the lowest), so a step still queued for a freed session cannot write into the
+    session that reuses its llama.cpp sequence; such a late step gets NaN logits and decodes
+    nothing. All llama.cpp calls hold one lock, so :meth:`free` is safe while a step runs.
+    """
+
+    def __init__(
+        self, path: str, n_ctx: int, max_num_seqs: int, max_num_batched_tokens: int = 512,
+        n_threads: int = 0, n_gpu_layers: int = 0,
+    ):
+        if not 1 <= max_num_seqs <= llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"max_num_seqs must be within 1..{llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)")
+        if n_ctx < 1 or max_num_batched_tokens < 1:
+            raise ValueError("n_ctx and max_num_batched_tokens must be at least 1")
+        _init_backend()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        self.ctx = None
+        self._batch = None
+        self.n_batch = max(max_num_batched_tokens, n_ctx)
+        params = llama_cpp.llama_context_default_params()
+        params.n_seq_max = max_num_seqs
+        params.kv_unified = False  # a stream of n_ctx / n_seq_max cells per sequence
+        params.n_ctx = n_ctx * max_num_seqs
+        params.n_batch = self.n_batch
+        params.n_ubatch = min(max_num_batched_tokens, self.n_batch)
+        params.n_threads = n_threads or max(multiprocessing.cpu_count() // 2, 1)
+        params.n_threads_batch = n_threads or multiprocessing.cpu_count()
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self.ctx:
+            self.close()
+            raise ValueError(f"llama.cpp could not create a context of {max_num_seqs} sequences x {n_ctx} tokens")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ctx)
+        if self.n_ctx_seq < n_ctx:  # llama.cpp rounds it up to a multiple of 256; guard a change
+            self.close()
+            raise ValueError(f"llama.cpp gives each sequence {self.n_ctx_seq} tokens, fewer than n_ctx = {n_ctx}")
+        self.n_ctx, self.max_num_seqs = n_ctx, max_num_seqs
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.bytes_per_token = kv_bytes_per_token(self._model)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._lock = threading.Lock()
+        self._seqs: dict[int, int] = {}  # handle -> llama.cpp sequence id
+        self._lengths: dict[int, int] = {}  # handle -> cached positions
+        self._free_seqs = set(range(max_num_seqs))
+        self._next_handle = 0
+
+    def token_texts(self) -> list[str]:
+        """Every token's text in id order (for the vocabulary fingerprint)."""
+        return [llama_cpp.llama_vocab_get_text(self._vocab, i).decode("utf-8") for i in range(self.vocab_size)]
+
+    def allocate(self) -> int:
+        with self._lock:
+            if not self._free_seqs:
+                raise ResourceExhausted(
+                    f"the llama-cpp drafter holds {self.max_num_seqs} sessions at once, all in use: close "
+                    "sessions, or raise SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS (llama.cpp's n_seq_max)"
+                )
+            seq = min(self._free_seqs)
+            self._free_seqs.remove(seq)
+            handle, self._next_handle = self._next_handle, self._next_handle + 1
+            self._seqs[handle], self._lengths[handle] = seq, 0
+        return handle
+
+    def free(self, seq_id: int) -> None:
+        with self._lock:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                return
+            del self._lengths[seq_id]
+            llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            self._free_seqs.add(seq)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        with self._lock:
+            if length >= self._lengths[seq_id]:
+                return
+            if not llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[seq_id], length, -1):
+                raise RuntimeError(f"llama.cpp cannot roll sequence {seq_id} back to {length} tokens")
+            self._lengths[seq_id] = length
+
+    def length(self, seq_id: int) -> int:
+        """The sequence's cached positions."""
+        return self._lengths[seq_id]
+
+    def llama_seq(self, seq_id: int) -> int:
+        """The llama.cpp sequence id behind a handle."""
+        return self._seqs[seq_id]
+
+    def cache_bytes(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0) * self.bytes_per_token
+
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(steps)
+        with self._lock:
+            live = []
+            for i, step in enumerate(steps):
+                if step.seq_id in self._seqs:
+                    live.append(i)
+                elif 0 <= step.seq_id < self._next_handle:  # freed while its work was queued
+                    out[i] = torch.full((step.num_logits, self.vocab_size), float("nan"))
+                else:
+                    raise KeyError(f"unknown sequence {step.seq_id}")
+            live.sort(key=lambda i: self._seqs[steps[i].seq_id])  # consecutive ids share micro-batches
+            total = sum(len(steps[i].token_ids) for i in live)
+            if total > self.n_batch:
+                raise ValueError(f"a step of {total} tokens exceeds llama.cpp's n_batch ({self.n_batch})")
+            for i in live:
+                length, count = self._lengths[steps[i].seq_id], len(steps[i].token_ids)
+                if length + count > self.n_ctx_seq:
+                    raise ValueError(
+                        f"sequence {steps[i].seq_id} would hold {length + count} tokens, more than its {self.n_ctx_seq}"
+                    )
+            if total:
+                rows = self._decode([steps[i] for i in live], total)
+                for i, logits in zip(live, rows):
+                    out[i] = logits
+            else:
+                for i in live:
+                    out[i] = torch.empty(0, self.vocab_size)
+        return out
+
+    def _decode(self, steps: list[SequenceStep], total: int) -> list[torch.Tensor]:
+        """Fills the batch, runs one ``llama_decode`` and copies the flagged logits (lock held)."""
+        batch = self._batch
+        n = 0
+        flagged: list[list[int]] = []
+        for step in steps:
+            seq, start, count = self._seqs[step.seq_id], self._lengths[step.seq_id], len(step.token_ids)
+            first_logit = count - step.num_logits
+            indices = []
+            for j, token in enumerate(step.token_ids):
+                batch.token[n] = token
+                batch.pos[n] = start + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq
+                batch.logits[n] = j >= first_logit
+                if j >= first_logit:
+                    indices.append(n)
+                n += 1
+            flagged.append(indices)
+        batch.n_tokens = total
+        code = llama_cpp.llama_decode(self.ctx, batch)
+        if code != 0:
+            for step in steps:  # a failed decode may leave some micro-batches cached: drop them
+                llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[step.seq_id], self._lengths[step.seq_id], -1)
+            raise RuntimeError(f"llama_decode failed with code {code} (a step of {total} tokens over {len(steps)} sequences)")
+        for step in steps:
+            self._lengths[step.seq_id] += len(step.token_ids)
+        rows = []
+        for indices in flagged:
+            logits = np.empty((len(indices), self.vocab_size), dtype=np.float32)
+            for r, index in enumerate(indices):
+                logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,))
+            rows.append(torch.from_numpy(logits))
+        return rows
 
     def close(self) -> None:
-        if self.kv is not None:
-            self.drafter.release_context(self.kv.llm)
-        super().close()
+        """Frees the llama.cpp batch, context and model (the object is unusable after)."""
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
 
 
 class LlamaCppDrafter(Drafter):
     """Args: ``spec`` a .gguf path or ``smollm2``; ``n_ctx`` the context window in tokens per
     session; ``n_threads`` CPU threads (0 = llama.cpp's default); ``n_gpu_layers`` layers
-    offloaded to the GPU (-1 = all) when llama-cpp-python was built with CUDA."""
+    offloaded to the GPU (-1 = all) when llama-cpp-python was built with CUDA; ``max_num_seqs``
+    the sessions it holds at once (one llama.cpp sequence each, their KV allocated up front; more
+    raise ResourceExhausted), which is also the most a step batches; ``max_num_batched_tokens`` the
+    new tokens a step takes at most (prefill is chunked to it)."""
 
     name = "llama-cpp"
 
-    def __init__(self, spec: str, n_ctx: int = 4096, n_threads: int = 0, n_gpu_layers: int = 0):
+    def __init__(
+        self, spec: str, n_ctx: int = 4096, n_threads: int = 0, n_gpu_layers: int = 0, max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+    ):
         self.model = spec
         self.path = resolve_model(spec).gguf_path
         self.n_ctx = n_ctx
-        self._llama_kwargs = dict(
-            n_ctx=n_ctx, n_threads=n_threads or None, n_gpu_layers=n_gpu_layers, verbose=False
-        )
-        self._idle: list[llama_cpp.Llama] = []
-        self._lock = threading.Lock()
-        first = self.acquire_context()
-        vocab = first._model  # the loaded vocabulary, read through llama-cpp-python's model wrapper
-        self.vocab_fingerprint = vocab_fingerprint(vocab.token_get_text(i) for i in range(first.n_vocab()))
-        self.context_kv_bytes = kv_buffer_bytes(first)
-        self.release_context(first)
+        self.lm = LlamaCppLM(self.path, n_ctx, max_num_seqs, max_num_batched_tokens, n_threads, n_gpu_layers)
+        self.vocab_fingerprint = vocab_fingerprint(self.lm.token_texts())
+        self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, name=self.name)
 
-    def acquire_context(self) -> llama_cpp.Llama:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return llama_cpp.Llama(self.path, **self._llama_kwargs)
-
-    def release_context(self, llm: llama_cpp.Llama) -> None:
-        with self._lock:
-            self._idle.append(llm)
-
-    def new_session(self, sampling: SamplingParams) -> LlamaCppSession:
-        return LlamaCppSession(sampling, self)
+    def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
+        return ModelDraftSession(sampling, SequenceKV(self.lm), self.n_ctx, self.engine)
