@@ -247,10 +247,31 @@ def bench(
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
     out: Annotated[Path, typer.Option(help="Directory for report.json, report.md, speedup.png and service logs.")] = Path("bench-out"),
+    concurrency: Annotated[Optional[str], typer.Option(help="Load mode: comma-separated client counts N, e.g. 1,4,16,32 (the protocol's list). N closed-loop clients per cell, each sending its next prompt when the previous one finishes; methods pipeline/adaptive, pipeline/K=0 and transformers-serve (transformers serve --continuous-batching). Writes report-concurrency.json, report-concurrency.md and concurrency.png instead of the batch-1 reports.")] = None,
+    requests_per_client: Annotated[Optional[int], typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell).")] = None,
+    methods: Annotated[Optional[str], typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, transformers-serve (default all).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or ngram; default llama-cpp).")] = None,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
-    hf-assisted runs when a pipeline uses the transformers drafter (its model is the assistant)."""
+    hf-assisted runs when a pipeline uses the transformers drafter (its model is the assistant).
+
+    With --concurrency 1,4,16,32: the load benchmark instead. For each N, N closed-loop clients send
+    --requests-per-client prompts each (greedy, --max-new-tokens) to every method: the pipeline with
+    adaptive K, the pipeline at K=0 (plain decode through the same batched services), and
+    transformers serve --continuous-batching on the same target through its OpenAI-compatible API.
+    Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
+    identity against pipeline/K=0 at N=1 per method and N."""
+    if concurrency is not None:
+        if pipeline or hf_k:
+            stderr.print("[red]error: --pipeline and --hf-k apply to the batch-1 benchmark, not to --concurrency[/red]")
+            raise typer.Exit(1)
+        _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
+                           concurrency, requests_per_client, methods, drafter)
+        return
+    if requests_per_client is not None or methods is not None or drafter is not None:
+        stderr.print("[red]error: --requests-per-client, --methods and --drafter apply with --concurrency[/red]")
+        raise typer.Exit(1)
     from specdec.bench.report import overall_table, speedup_table
     from specdec.bench.run import REPORT_FILES, BenchConfig, run_bench
 
@@ -271,4 +292,37 @@ def bench(
     print("\n".join([*speedup_table(report), "", *overall_table(report)]))
     for m in report["mismatches"]:
         stderr.print(f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]")
+    stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
+
+
+def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
+                       concurrency, requests_per_client, methods, drafter) -> None:
+    """``specdec bench --concurrency``: see :mod:`specdec.bench.concurrency`."""
+    from specdec.bench.concurrency import (
+        METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
+    )
+    from specdec.bench.report import concurrency_table, identity_table
+
+    try:
+        config = ConcurrencyConfig(
+            questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
+            categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
+            seed=seed, concurrency=parse_concurrency(concurrency),
+            requests_per_client=2 if requests_per_client is None else requests_per_client,
+            methods=parse_methods(methods) if methods else list(METHODS), target=target, draft_model=draft_model,
+            drafter=drafter or "llama-cpp", dtype=dtype,
+        )
+        if config.drafter not in ("llama-cpp", "transformers", "ngram"):
+            raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")
+        report = run_concurrency(config, stderr)
+    except (ValueError, RuntimeError) as err:
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
+    print("\n".join([*concurrency_table(report), "", *identity_table(report)]))
+    for m in report["mismatches"]:
+        stderr.print(f"[yellow]{m['method']} at N={m['concurrency']} differs from the reference on question "
+                     f"{m['question_id']} at token {m['first_mismatch']} (margin {m.get('margin')})[/yellow]")
+    for cell in report["cells"]:
+        for error in cell["errors"]:
+            stderr.print(f"[red]{cell['method']} at N={cell['concurrency']}: {error}[/red]")
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")

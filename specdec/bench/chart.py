@@ -32,3 +32,41 @@ def write_chart(report: dict, path: Path) -> None:
     ax.legend(fontsize=7, ncols=2)
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def write_concurrency_chart(report: dict, path: Path) -> None:
+    """``--concurrency``: three panels against N (log scale), one line per method: total output
+    tokens/s, TPOT p50 (solid) and p99 (dashed), TTFT p50 (solid) and p99 (dashed)."""
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.0), layout="constrained")
+    for i, method in enumerate(report["methods"]):
+        cells = sorted((c for c in report["cells"] if c["method"] == method), key=lambda c: c["concurrency"])
+        if not cells:
+            continue
+        n = [c["concurrency"] for c in cells]
+        color = f"C{i}"
+
+        def line(ax, key, style, label):
+            values = [c["stats"][key] for c in cells]
+            points = [(x, y) for x, y in zip(n, values) if y is not None]
+            if points:
+                ax.plot(*zip(*points), style, color=color, marker="o", markersize=3, label=label)
+
+        line(axes[0], "tokens_per_second", "-", method)
+        line(axes[1], "tpot_ms_p50", "-", f"{method} p50")
+        line(axes[1], "tpot_ms_p99", "--", f"{method} p99")
+        line(axes[2], "ttft_ms_p50", "-", f"{method} p50")
+        line(axes[2], "ttft_ms_p99", "--", f"{method} p99")
+    ticks = sorted({c["concurrency"] for c in report["cells"]})
+    for ax, label in zip(axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients N")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    machine, config = report["machine"], report["config"]
+    fig.suptitle(f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
+                 f"{config['max_new_tokens']} new tokens, greedy, closed loop", fontsize=9)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)

@@ -198,3 +198,164 @@ def to_markdown(report: dict) -> str:
 
 def write_markdown(report: dict, path: Path) -> None:
     path.write_text(to_markdown(report))
+
+
+# ``specdec bench --concurrency``: closed-loop load, one cell per (method, N). The functions below
+# read the JSON request records of specdec.bench.concurrency (plain dicts), so a report can be
+# recomputed from report-concurrency.json alone.
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between the closest ranks (numpy's
+    default method); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def weighted_mean(pairs: list[tuple[float | None, float]]) -> float | None:
+    """sum(value * weight) / sum(weight) over the pairs whose value is not None; None when no
+    weight remains (e.g. every value None: a method that does not report it)."""
+    kept = [(value, weight) for value, weight in pairs if value is not None]
+    total = sum(weight for _, weight in kept)
+    return sum(value * weight for value, weight in kept) / total if total else None
+
+
+def merge_rounds_per_k(histograms: list[list[int] | None]) -> list[int]:
+    """Element-wise sum of ``rounds_per_k`` lists (index K: rounds that asked for K drafts)."""
+    merged: list[int] = []
+    for histogram in histograms:
+        for k, count in enumerate(histogram or []):
+            if k == len(merged):
+                merged.append(0)
+            merged[k] += count
+    return merged
+
+
+def mean_k(rounds_per_k: list[int]) -> float | None:
+    """The mean K over rounds, plain rounds (K = 0) included; None without rounds."""
+    rounds = sum(rounds_per_k)
+    return sum(k * count for k, count in enumerate(rounds_per_k)) / rounds if rounds else None
+
+
+def concurrency_cell_stats(records: list[dict], wall_ms: float) -> dict:
+    """One (method, N) cell from its request records (see ``RequestRecord`` in
+    specdec.bench.concurrency) and its wall time (first request sent to last one finished):
+
+    - ``tokens_per_second``: every completed request's output tokens / the cell's wall time;
+    - ``ttft_ms_p50``/``p99``, ``tpot_ms_p50``/``p99``: per-request percentiles (TPOT = the time
+      after the first token / the tokens after the first; requests of one token have none);
+    - ``mean_batch_size``, ``mean_batched_tokens``: the pipeline's per-request means weighted by
+      the request's rounds (``num_rounds``: Verify and Decode calls); ``queue_ms_per_round``: all
+      queue time / all rounds; None where the method does not report them;
+    - ``acceptance_rate``: accepted / drafted tokens over the cell; ``mean_k`` over all rounds;
+    - ``identical_rate``: share of the requests compared with the reference that are identical.
+    Failed requests (``error`` set) count only in ``num_failed``."""
+    done = [r for r in records if not r.get("error")]
+    tokens = sum(r["num_tokens"] for r in done)
+    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
+    tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
+    drafted = sum(r["num_draft_tokens"] or 0 for r in done)
+    accepted = sum(r["num_accepted_tokens"] or 0 for r in done)
+    rounds = sum(r["num_rounds"] or 0 for r in done)
+    queue = [r["queue_time_ms"] for r in done if r["queue_time_ms"] is not None]
+    rounds_per_k = merge_rounds_per_k([r["rounds_per_k"] for r in done])
+    compared = [r["identical"] for r in done if r["identical"] is not None]
+    pipeline = any(r["num_rounds"] is not None for r in done)
+    return {
+        "num_requests": len(records),
+        "num_failed": len(records) - len(done),
+        "num_tokens": tokens,
+        "wall_ms": wall_ms,
+        "tokens_per_second": _ratio(tokens * 1000.0, wall_ms),
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50),
+        "tpot_ms_p99": percentile(tpot, 99),
+        "latency_ms_p50": percentile([r["latency_ms"] for r in done], 50),
+        "mean_batch_size": weighted_mean([(r["mean_batch_size"], r["num_rounds"] or 0) for r in done]),
+        "mean_batched_tokens": weighted_mean([(r["mean_batched_tokens"], r["num_rounds"] or 0) for r in done]),
+        "queue_ms_per_round": _ratio(sum(queue), rounds) if queue else None,
+        "num_draft_tokens": drafted if pipeline else None,
+        "num_accepted_tokens": accepted if pipeline else None,
+        "acceptance_rate": _ratio(accepted, drafted),
+        "rounds_per_k": rounds_per_k if pipeline else None,
+        "mean_k": mean_k(rounds_per_k),
+        "num_compared": len(compared),
+        "identical_rate": sum(compared) / len(compared) if compared else None,
+    }
+
+
+def concurrency_table(report: dict) -> list[str]:
+    """One row per (method, N): throughput, latency percentiles, batching, acceptance, identity."""
+    rows = []
+    for cell in report["cells"]:
+        s = cell["stats"]
+        rows.append([
+            cell["method"], str(cell["concurrency"]), f"{s['num_requests'] - s['num_failed']}/{s['num_requests']}",
+            _cell(s["tokens_per_second"], ".1f"), _cell(s["tpot_ms_p50"], ".1f"), _cell(s["tpot_ms_p99"], ".1f"),
+            _cell(s["ttft_ms_p50"], ".0f"), _cell(s["ttft_ms_p99"], ".0f"), _cell(s["mean_batch_size"], ".2f"),
+            _cell(s["mean_batched_tokens"], ".1f"), _cell(s["queue_ms_per_round"], ".1f"),
+            _cell(s["acceptance_rate"], ".3f"), _cell(s["mean_k"], ".2f"), _cell(s["identical_rate"], ".0%"),
+        ])
+    return _table(["method", "N", "requests ok", "tokens/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms",
+                   "TTFT p99 ms", "batch size", "batched tokens", "queue ms/round", "acceptance", "mean K",
+                   "identical"], rows)
+
+
+def identity_table(report: dict) -> list[str]:
+    """Per method: the share of its requests (all N) identical to the reference, and of those
+    whose prompt had as many tokens as the reference's (the same chat template applied)."""
+    rows = [[method, str(s["num_compared"]), _cell(s["identical_rate"], ".0%"), _cell(s["prompt_tokens_agree_rate"], ".0%")]
+            for method, s in report["identity"].items()]
+    return _table(["method", "requests compared", "identical to the reference", "same prompt length"], rows)
+
+
+def concurrency_markdown(report: dict) -> str:
+    """The ``--concurrency`` report as Markdown: command, machine, the per-cell table, identity
+    per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
+    machine, config = report["machine"], report["config"]
+    lines = [
+        "# specdec bench --concurrency",
+        "",
+        f"`{config['command']}`",
+        "",
+        f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}; target `{config['target']}`, draft `{config['draft_model']}` "
+        f"(drafter `{config['drafter']}`), {config['max_new_tokens']} new tokens, greedy; closed loop: N clients, "
+        f"{config['requests_per_client']} requests each per cell, over {report['num_questions']} prompts "
+        "(categories round-robin).",
+        "",
+        *(f"- {note}" for note in report["notes"]),
+        "",
+        "## Per method and N",
+        "",
+        *concurrency_table(report),
+        "",
+        f"## Greedy identity (reference: {report['reference']['method']} at N=1)",
+        "",
+        *identity_table(report),
+        "",
+    ]
+    if report["mismatches"]:
+        lines += ["## Outputs that differ from the reference", "",
+                  "`margin`: the target's top-2 logit difference at the first differing position (one forward "
+                  "over the prompt and the reference's tokens before it, in the bench process).", ""]
+        rows = [[m["method"], str(m["concurrency"]), str(m["question_id"]), str(m["first_mismatch"]),
+                 _cell(m.get("margin"), ".4f"), str(m.get("reference_token")), str(m.get("token"))]
+                for m in report["mismatches"]]
+        lines += _table(["method", "N", "question", "first differing token", "margin", "reference token",
+                         "its token"], rows)
+        lines.append("")
+    lines += ["## Peak resident memory", "",
+              *(f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}" for name, value in report["peak_rss_bytes"].items()),
+              ""]
+    return "\n".join(lines)
+
+
+def write_concurrency_markdown(report: dict, path: Path) -> None:
+    path.write_text(concurrency_markdown(report))

@@ -1,0 +1,663 @@
+"""``specdec bench --concurrency 1,4,16,32``: the serving benchmark under load.
+
+For every N in the list, N closed-loop clients each send their next prompt as soon as their
+previous completion has finished, ``requests_per_client`` prompts each (a *cell* of N x that many
+requests), greedy, the same ``max_new_tokens`` and the same prompts for every method, all methods
+in one run (the order of the methods rotating per N, so machine noise hits all alike), after one
+warm-up request per method:
+
+- ``pipeline/adaptive``: the coordinator, draft (``llama-cpp`` and ``ngram``) and verify services
+  started as processes; requests leave ``num_speculative_tokens`` unset (the coordinator chooses
+  K every round) and name the drafter (``llama-cpp`` by default);
+- ``pipeline/K=0``: the same cluster, ``num_speculative_tokens = 0``: plain decode through the same
+  batched verify service;
+- ``transformers-serve``: ``transformers serve --continuous-batching`` on the same target (a GGUF
+  target is de-quantized once and saved with ``save_pretrained`` under ``<out>/serve-model``),
+  started as a subprocess and driven through its OpenAI-compatible streaming chat completions API
+  with the official ``openai`` SDK (``temperature=0``, which it maps to ``do_sample=False``;
+  ``max_tokens``). The first turn goes as one user message, so the server puts it through the
+  same chat template as the pipeline's ``text`` prompt.
+
+The prompts: the Spec-Bench questions (``--limit`` per category), categories taken round-robin;
+request j of client c in a cell of N clients gets prompt ``(j * N + c) mod len``, so every method
+gets the same prompts in every cell.
+
+Token counts: the pipeline's generated ids (EOS included when it stops on EOS). ``transformers
+serve`` streams text only; its final chunk always carries ``usage`` (it ignores
+``stream_options``), whose ``completion_tokens`` counts the generated tokens the same way (EOS
+included), so the two are comparable; the prompt token counts are recorded too, as a check that
+both applied the same chat template.
+
+Greedy identity: the reference is the ``pipeline/K=0`` output of each prompt at N = 1 (its N = 1
+cell, plus one sequential K = 0 request for each prompt that cell did not cover). The pipeline
+methods compare token ids; ``transformers-serve`` compares the text, and a differing text is mapped
+to the reference token where it starts. For every output that differs, the target (loaded in the
+bench process) runs one forward over the prompt and the reference's tokens before the first
+difference, and the report gives its top-2 logit margin there: a near-tie (a small margin) is
+where batched and unbatched arithmetic may legitimately pick different tokens.
+"""
+
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from coordinator.client import FINISH_REASONS
+from specdec.bench.chart import write_concurrency_chart
+from specdec.bench.pipeline_method import peak_rss_bytes, start_cluster
+from specdec.bench.questions import Question, load_questions
+from specdec.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
+from specdec.launcher import free_port
+from specdec.server import GRPC_OPTIONS
+from specdec.timing import ms_since
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+ADAPTIVE, PLAIN, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
+METHODS = (ADAPTIVE, PLAIN, SERVE)
+REFERENCE = PLAIN
+DEFAULT_CONCURRENCY = (1, 4, 16, 32)
+WARM_UP_TOKENS = 16
+REQUEST_TIMEOUT_S = 1800.0
+REPORT_FILES = ("report-concurrency.json", "report-concurrency.md", "concurrency.png")
+NOTES = [
+    "tokens/s: all output tokens of a cell's completed requests / the cell's wall time (first request sent "
+    "to last one finished); TTFT: request sent to first token received; TPOT: (last token - first token) / "
+    "(tokens - 1), per request; p50/p99 over the cell's requests.",
+    "Output tokens: the pipeline's generated ids; transformers serve's usage.completion_tokens from its final "
+    "stream chunk (both count the EOS token when generation stops on it).",
+    "batch size / batched tokens: the verify service's sequences and new tokens per batched step, averaged "
+    "over each request's Verify and Decode calls, then over the cell weighted by each request's calls; "
+    "queue ms/round: verify-queue wait per call. Not reported by transformers serve (-).",
+    "acceptance: accepted / drafted tokens over the cell; mean K: mean draft tokens asked per round, plain "
+    "rounds (K = 0) included.",
+]
+
+
+@dataclass
+class ConcurrencyConfig:
+    """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
+    ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram)."""
+
+    questions: Path
+    out: Path
+    command: str
+    categories: list[str] | None = None
+    limit: int | None = 10
+    max_new_tokens: int = 128
+    seed: int = 0
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    requests_per_client: int = 2
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    target: str = "smollm2"
+    draft_model: str = "smollm2"
+    drafter: str = "llama-cpp"
+    dtype: str = "auto"
+
+
+@dataclass
+class RequestRecord:
+    """One request of a cell as its client saw it. Times in ms: ``start_ms`` since the cell began,
+    ``ttft_ms`` until the first token, ``latency_ms`` until the last message. The pipeline's
+    ``RequestMetrics`` fill the draft, round and batch fields (None for transformers serve);
+    ``num_rounds`` counts the request's Verify and Decode calls (``num_target_forwards``).
+    ``first_mismatch``: the index of the first token that differs from the reference (for
+    transformers serve, the reference token where the text first differs); ``identical`` None:
+    not compared."""
+
+    method: str
+    question_id: int
+    category: str
+    concurrency: int = 0
+    client: int = 0
+    start_ms: float = 0.0
+    ttft_ms: float | None = None
+    latency_ms: float = 0.0
+    num_tokens: int = 0
+    num_prompt_tokens: int | None = None
+    finish_reason: str = ""
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    num_rounds: int | None = None
+    rounds_per_k: list[int] | None = None
+    mean_batch_size: float | None = None
+    mean_batched_tokens: float | None = None
+    queue_time_ms: float | None = None
+    error: str | None = None
+    identical: bool | None = None
+    first_mismatch: int | None = None
+    token_ids: list[int] | None = field(default=None, repr=False)
+    text: str = field(default="", repr=False)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first; None with fewer than two tokens."""
+        if self.ttft_ms is None or self.num_tokens < 2:
+            return None
+        return (self.latency_ms - self.ttft_ms) / (self.num_tokens - 1)
+
+    def to_json(self) -> dict:
+        record = {name: value for name, value in vars(self).items() if name not in ("token_ids", "text")}
+        return record | {"tpot_ms": self.tpot_ms}
+
+
+def parse_concurrency(spec: str) -> list[int]:
+    """``1,4,16,32`` as ``[1, 4, 16, 32]`` (sorted, without repeats). Raises ValueError."""
+    try:
+        values = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise ValueError(f"--concurrency {spec!r}: use comma-separated client counts of at least 1, e.g. 1,4,16,32")
+    return values
+
+
+def parse_methods(spec: str) -> list[str]:
+    """``pipeline/K=0,transformers-serve`` as a list in the order of :data:`METHODS`. Raises ValueError."""
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    unknown = [name for name in names if name not in METHODS]
+    if not names or unknown:
+        raise ValueError(f"--methods {spec!r}: use a comma-separated subset of {', '.join(METHODS)}")
+    return [name for name in METHODS if name in names]
+
+
+def interleave_categories(questions: list[Question]) -> list[Question]:
+    """The questions with their categories taken round-robin: the first of each category, then
+    the second of each, and so on (so a cell of a few requests still mixes categories)."""
+    by_category: dict[str, list[Question]] = {}
+    for question in questions:
+        by_category.setdefault(question.category, []).append(question)
+    groups = list(by_category.values())
+    return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
+
+
+def assigned_question(sequence: list[Question], concurrency: int, client: int, request: int) -> Question:
+    """The prompt of request ``request`` of ``client`` in a cell of ``concurrency`` clients."""
+    return sequence[(request * concurrency + client) % len(sequence)]
+
+
+def first_mismatch(ids: list[int], reference: list[int]) -> int | None:
+    """Index of the first token that differs (the shorter length when one is a prefix of the
+    other); None when identical."""
+    if ids == reference:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+
+
+def token_at_char(tokenizer, token_ids: list[int], char_index: int) -> int:
+    """The index of the token of ``token_ids`` whose decoded text covers character ``char_index``
+    of their whole decoded text (``len(token_ids)`` past the end)."""
+    for i in range(len(token_ids)):
+        if len(tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)) > char_index:
+            return i
+    return len(token_ids)
+
+
+# ---- clients ----
+
+
+class PipelineClient:
+    """``pipeline/adaptive`` (``k`` None, naming ``drafter``) or ``pipeline/K=k`` through the
+    coordinator's ``Generate`` stream, over one grpc.aio channel shared by a cell's clients
+    (HTTP/2 streams). Open it inside the event loop that runs the requests."""
+
+    def __init__(self, name: str, address: str, k: int | None, drafter: str = ""):
+        self.name, self.address, self.k, self.drafter = name, address, k, drafter
+        self._channel = self._stub = None
+
+    async def open(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def run(self, question: Question, max_new_tokens: int, seed: int) -> RequestRecord:
+        """Raises grpc.RpcError (grpc.aio.AioRpcError) when the request fails, RuntimeError when
+        the stream ends without a finish reason."""
+        request = coordinator_pb2.GenerateRequest(
+            text=question.prompt, max_new_tokens=max_new_tokens, seed=seed, temperature=0.0
+        )
+        if self.k is not None:
+            request.num_speculative_tokens = self.k
+        if self.drafter:
+            request.drafter = self.drafter
+        record = RequestRecord(self.name, question.question_id, question.category, token_ids=[])
+        metrics = None
+        start = time.perf_counter()
+        async for response in self._stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+            if response.token_ids and record.ttft_ms is None:
+                record.ttft_ms = ms_since(start)
+            record.token_ids.extend(response.token_ids)
+            record.text += response.text
+            if response.finish_reason:
+                record.finish_reason = FINISH_REASONS.get(response.finish_reason, str(response.finish_reason))
+                metrics = response.metrics
+        record.latency_ms = ms_since(start)
+        if metrics is None:
+            raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
+        record.num_tokens = len(record.token_ids)
+        record.num_prompt_tokens = metrics.num_prompt_tokens
+        record.num_draft_tokens = metrics.num_draft_tokens
+        record.num_accepted_tokens = metrics.num_accepted_draft_tokens
+        record.num_rounds = metrics.num_target_forwards
+        record.rounds_per_k = list(metrics.rounds_per_k)
+        record.mean_batch_size = metrics.mean_batch_size
+        record.mean_batched_tokens = metrics.mean_batched_tokens
+        record.queue_time_ms = metrics.queue_time_ms
+        return record
+
+
+class ServeClient:
+    """``transformers serve`` through its OpenAI-compatible streaming chat completions API (the
+    ``openai`` SDK's async client). ``model`` must be the server's forced model, verbatim."""
+
+    name = SERVE
+
+    def __init__(self, base_url: str, model: str):
+        self.base_url, self.model = base_url, model
+        self._client = None
+
+    async def open(self) -> None:
+        import openai
+
+        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
+                                          timeout=REQUEST_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def run(self, question: Question, max_new_tokens: int, seed: int) -> RequestRecord:
+        """Raises openai.APIError when the request fails, RuntimeError when the stream carries an
+        error or ends without a finish reason or usage."""
+        record = RequestRecord(self.name, question.question_id, question.category)
+        usage = None
+        start = time.perf_counter()
+        stream = await self._client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": question.prompt}],
+            max_tokens=max_new_tokens, temperature=0.0, stream=True,
+        )
+        async for chunk in stream:
+            error = (chunk.model_extra or {}).get("error")
+            if error:
+                raise RuntimeError(f"transformers serve: {error}")
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    if record.ttft_ms is None:
+                        record.ttft_ms = ms_since(start)
+                    record.text += choice.delta.content
+                if choice.finish_reason:
+                    record.finish_reason = choice.finish_reason
+            usage = chunk.usage or usage
+        record.latency_ms = ms_since(start)
+        if usage is None or not record.finish_reason:
+            raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason and usage")
+        record.num_tokens = usage.completion_tokens
+        record.num_prompt_tokens = usage.prompt_tokens
+        return record
+
+
+# ---- the transformers serve process ----
+
+
+def serve_model_source(target: str, dtype: str, out: Path, console: Console) -> str:
+    """What ``transformers serve`` loads: the target's hub id or folder as it is, or, for a GGUF
+    target, a float copy saved with ``save_pretrained`` (model, generation config, tokenizer with
+    its chat template) under ``<out>/serve-model`` (reused while it was made from the same file)."""
+    from specdec.models import load_causal_lm, resolve_model
+
+    ref = resolve_model(target)
+    if ref.gguf_file is None:
+        return ref.path
+    folder = out / "serve-model"
+    stamp = json.dumps({"gguf": os.path.abspath(ref.gguf_path), "size": os.path.getsize(ref.gguf_path), "dtype": dtype})
+    if (folder / "config.json").exists() and (folder / "specdec-source.json").exists() \
+            and (folder / "specdec-source.json").read_text() == stamp:
+        return str(folder.resolve())
+    console.print(f"writing a float copy of {ref.gguf_path} for transformers serve to {folder}...")
+    model, tokenizer = load_causal_lm(target, dtype)
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "specdec-source.json").write_text(stamp)
+    del model
+    gc.collect()
+    return str(folder.resolve())
+
+
+@dataclass
+class ServeProcess:
+    """``transformers serve MODEL --continuous-batching`` as a subprocess on a free port, logging
+    to ``log_file``; HF_HUB_OFFLINE=1 (unless set) when the model is a local folder."""
+
+    model: str
+    dtype: str
+    log_file: Path
+    port: int = 0
+    process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        import torch
+
+        from specdec.models import parse_dtype
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model, "--continuous-batching",
+                "--device", device, "--dtype", str(parse_dtype(self.dtype)).removeprefix("torch."),
+                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Starts the server and waits until ``/health`` answers (the forced model is loaded
+        before the server listens). Raises RuntimeError if it exits or ``timeout_s`` passes."""
+        self.port = self.port or free_port()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if Path(self.model).is_dir():
+            env.setdefault("HF_HUB_OFFLINE", "1")
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with code {self.process.returncode} (see {self.log_file})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"transformers serve did not answer /health within {timeout_s:.0f} s (see {self.log_file})")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# ---- the run ----
+
+
+def _error_text(err: BaseException) -> str:
+    if isinstance(err, grpc.RpcError):
+        return f"{err.code().name}: {err.details()}"
+    return f"{type(err).__name__}: {err}"
+
+
+async def _cell(client, concurrency: int, sequence: list[Question], config: ConcurrencyConfig, advance) -> tuple[list[RequestRecord], float]:
+    """N closed-loop clients, ``requests_per_client`` requests each; returns the records and the
+    cell's wall time in ms. A failed request is recorded with its error and its client goes on."""
+    start = time.perf_counter()
+
+    async def worker(c: int) -> list[RequestRecord]:
+        records = []
+        for j in range(config.requests_per_client):
+            question = assigned_question(sequence, concurrency, c, j)
+            sent = ms_since(start)
+            try:
+                record = await client.run(question, config.max_new_tokens, config.seed)
+            except Exception as err:  # noqa: BLE001 (recorded, reported per cell)
+                record = RequestRecord(client.name, question.question_id, question.category, error=_error_text(err),
+                                       latency_ms=ms_since(start) - sent)
+            record.concurrency, record.client, record.start_ms = concurrency, c, sent
+            records.append(record)
+            advance()
+        return records
+
+    results = await asyncio.gather(*(worker(c) for c in range(concurrency)))
+    return [record for records in results for record in records], ms_since(start)
+
+
+async def _run_cells(clients: list, reference_client, sequence: list[Question], config: ConcurrencyConfig,
+                     console: Console) -> tuple[list[dict], dict[int, RequestRecord]]:
+    """Warm-up per method, then every (N, method) cell, the methods' order rotating per N; then
+    the reference (K = 0, one client) for every prompt the K = 0 N = 1 cell did not cover."""
+    for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
+        await client.open()
+    try:
+        for client in clients:
+            console.print(f"warm-up: {client.name}")
+            try:
+                await client.run(sequence[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
+            except Exception as err:
+                raise RuntimeError(f"the warm-up request of {client.name} failed: {_error_text(err)}") from err
+        cells = []
+        total = sum(config.concurrency) * config.requests_per_client * len(clients)
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("cells", total=total)
+            for i, n in enumerate(config.concurrency):
+                for client in clients[i % len(clients):] + clients[: i % len(clients)]:
+                    progress.update(task, description=f"{client.name:<20} N={n:<3}")
+                    records, wall_ms = await _cell(client, n, sequence, config, lambda: progress.advance(task))
+                    cells.append({"method": client.name, "concurrency": n, "wall_ms": wall_ms, "records": records})
+        references: dict[int, RequestRecord] = {}
+        for cell in cells:
+            if cell["method"] == REFERENCE and cell["concurrency"] == 1:
+                references |= {r.question_id: r for r in cell["records"] if r.error is None}
+        if reference_client is not None:
+            used = {r.question_id: r for cell in cells for r in cell["records"]}
+            missing = [q for q in dict.fromkeys(q for q in sequence if q.question_id in used) if q.question_id not in references]
+            if missing:
+                console.print(f"reference: {REFERENCE} at N=1 for the {len(missing)} prompts its N=1 cell did not cover...")
+            for question in missing:
+                try:
+                    record = await reference_client.run(question, config.max_new_tokens, config.seed)
+                except Exception as err:  # noqa: BLE001
+                    console.print(f"[red]reference request for question {question.question_id} failed: {_error_text(err)}[/red]")
+                    continue
+                references[question.question_id] = record
+        return cells, references
+    finally:
+        for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
+            await client.close()
+
+
+def _compare(cells: list[dict], references: dict[int, RequestRecord], tokenizer) -> None:
+    """Sets ``identical`` and ``first_mismatch`` of every record that has a reference."""
+    for cell in cells:
+        for record in cell["records"]:
+            reference = references.get(record.question_id)
+            if record.error or reference is None:
+                continue
+            if record.token_ids is not None:
+                record.first_mismatch = first_mismatch(record.token_ids, reference.token_ids)
+            elif record.text == reference.text:
+                record.first_mismatch = None
+            else:
+                at = next((i for i, (a, b) in enumerate(zip(record.text, reference.text)) if a != b),
+                          min(len(record.text), len(reference.text)))
+                record.first_mismatch = token_at_char(tokenizer, reference.token_ids, at)
+            record.identical = record.first_mismatch is None
+
+
+def _margins(mismatches: list[dict], references: dict[int, RequestRecord], questions: dict[int, Question],
+             model, tokenizer) -> None:
+    """Adds the target's top-2 logit margin at each mismatch's first differing position (one
+    forward per distinct prompt and position)."""
+    import torch
+
+    from coordinator.request import prompt_ids
+
+    cache: dict[tuple[int, int], dict] = {}
+    for m in mismatches:
+        reference = references[m["question_id"]].token_ids
+        position = m["first_mismatch"]
+        if position >= len(reference):
+            continue
+        key = (m["question_id"], position)
+        if key not in cache:
+            prompt = prompt_ids(coordinator_pb2.GenerateRequest(text=questions[m["question_id"]].prompt), tokenizer)
+            ids = torch.tensor([prompt + reference[:position]], device=model.device)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, -1].float()
+            top = torch.topk(logits, 2)
+            cache[key] = {"margin": float(top.values[0] - top.values[1]), "argmax": int(top.indices[0]),
+                          "logits": logits}
+        found = cache[key]
+        m["margin"] = found["margin"]
+        m["reference_token"] = reference[position]
+        m["reference_is_argmax"] = found["argmax"] == reference[position]
+        if m.get("token") is not None:
+            m["logit_gap"] = float(found["logits"][reference[position]] - found["logits"][m["token"]])
+    for found in cache.values():
+        found.pop("logits")
+
+
+def _validated(config: ConcurrencyConfig) -> list[Question]:
+    if config.max_new_tokens < 1 or (config.limit is not None and config.limit < 1) or config.requests_per_client < 1:
+        raise ValueError("--max-new-tokens, --limit and --requests-per-client must be at least 1")
+    if not config.concurrency or min(config.concurrency) < 1:
+        raise ValueError("--concurrency needs client counts of at least 1")
+    unknown = [m for m in config.methods if m not in METHODS]
+    if not config.methods or unknown:
+        raise ValueError(f"--methods: use a subset of {', '.join(METHODS)}")
+    questions = load_questions(config.questions, config.categories, config.limit)
+    if not questions:
+        raise ValueError(f"{config.questions} has no questions")
+    return interleave_categories(questions)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Sets environment variables that are not set already (the services inherit them)."""
+    added = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
+    """Runs the load benchmark and writes ``report-concurrency.json``, ``report-concurrency.md``
+    and ``concurrency.png`` to ``config.out`` (service logs under ``logs/``); returns the report.
+
+    The cluster's llama-cpp drafter is sized for the largest N
+    (``SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS``, unless set); every other service setting is its
+    default or the ``SPECDEC_*`` variable in the environment. Raises ValueError for bad options,
+    RuntimeError when a service fails to start or a warm-up request fails; failed requests inside
+    a cell are counted in the report (``num_failed``, ``errors``)."""
+    import transformers
+
+    from specdec.bench.run import machine_info
+    from specdec.models import load_causal_lm, load_tokenizer
+
+    sequence = _validated(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()
+    pipelines = [m for m in config.methods if m != SERVE]
+    cluster = serve = None
+    clients: list = []
+    reference_client = None
+    memory: dict[str, int | None] = {}
+    service_env: dict[str, str] = {}
+    try:
+        if pipelines:
+            drafters = list(dict.fromkeys([config.drafter, "ngram"]))
+            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
+            with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
+                service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
+                cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs")
+            address = cluster.address("coordinator")
+            by_name = {ADAPTIVE: PipelineClient(ADAPTIVE, address, None, config.drafter), PLAIN: PipelineClient(PLAIN, address, 0)}
+            clients += [by_name[m] for m in pipelines]
+            reference_client = by_name[PLAIN]
+        if SERVE in config.methods:
+            source = serve_model_source(config.target, config.dtype, config.out, console)
+            serve = ServeProcess(source, config.dtype, config.out / "logs" / "transformers-serve.log")
+            console.print(f"starting transformers serve --continuous-batching on {source}...")
+            serve.start()
+            clients.append(ServeClient(serve.base_url, source))
+        clients.sort(key=lambda c: METHODS.index(c.name))
+        cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, console))
+        processes = {**(cluster.processes if cluster else {}), **({SERVE: serve.process} if serve else {})}
+        memory = {name: peak_rss_bytes(p.pid) for name, p in processes.items()}
+    finally:
+        if serve:
+            serve.stop()
+        if cluster:
+            cluster.stop()
+    tokenizer = load_tokenizer(config.target)
+    _compare(cells, references, tokenizer)
+    questions = {q.question_id: q for q in sequence}
+    mismatches = [
+        {"method": cell["method"], "concurrency": cell["concurrency"], "question_id": r.question_id,
+         "category": r.category, "first_mismatch": r.first_mismatch,
+         "token": r.token_ids[r.first_mismatch] if r.token_ids and r.first_mismatch < len(r.token_ids) else None}
+        for cell in cells for r in cell["records"] if r.identical is False
+    ]
+    if mismatches:
+        console.print(f"{len(mismatches)} outputs differ from the reference: loading the target for the logit margins...")
+        model, tokenizer = load_causal_lm(config.target, config.dtype)
+        _margins(mismatches, references, questions, model, tokenizer)
+        del model
+    report = _report(config, sequence, clients, cells, references, mismatches, memory, machine_info())
+    report["environment"] = service_env
+    write_json(report, config.out / REPORT_FILES[0])
+    write_concurrency_markdown(report, config.out / REPORT_FILES[1])
+    write_concurrency_chart(report, config.out / REPORT_FILES[2])
+    return report
+
+
+def _report(config, sequence, clients, cells, references, mismatches, memory, machine) -> dict:
+    identity = {}
+    for client in clients:
+        done = [r for cell in cells if cell["method"] == client.name for r in cell["records"]
+                if r.error is None and r.question_id in references]
+        compared = [r.identical for r in done if r.identical is not None]
+        same_prompt = [r.num_prompt_tokens == references[r.question_id].num_prompt_tokens for r in done]
+        identity[client.name] = {
+            "num_compared": len(compared), "identical_rate": sum(compared) / len(compared) if compared else None,
+            # the same prompt length as the reference's: both applied the same chat template
+            "prompt_tokens_agree_rate": sum(same_prompt) / len(same_prompt) if same_prompt else None,
+        }
+    cells = sorted(cells, key=lambda cell: (METHODS.index(cell["method"]), cell["concurrency"]))
+    used = {r.question_id for cell in cells for r in cell["records"]}
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "machine": machine,
+        "environment": {},  # the SPECDEC_* variables the services started with
+        "notes": NOTES,
+        "num_questions": len(used),
+        "methods": [c.name for c in clients],
+        "reference": {"method": REFERENCE, "concurrency": 1, "num_prompts": len(references),
+                      "prompts": [{"question_id": qid, "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
+                                   "token_ids": r.token_ids} for qid, r in sorted(references.items())]},
+        "cells": [
+            {"method": cell["method"], "concurrency": cell["concurrency"],
+             "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"]),
+             "errors": sorted({r.error for r in cell["records"] if r.error})}
+            for cell in cells
+        ],
+        "identity": identity,
+        "mismatches": mismatches,
+        "peak_rss_bytes": memory,
+        "requests": [r.to_json() for cell in cells for r in cell["records"]],
+    }

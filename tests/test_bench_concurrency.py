@@ -1,0 +1,177 @@
+"""`specdec bench --concurrency`: the load report's arithmetic from hand-made records, the prompt
+assignment and identity helpers, and one quick closed-loop run on tiny random models (the pipeline
+as real subprocess services) that writes the JSON, Markdown and PNG reports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec.bench.concurrency import (
+    METHODS, RequestRecord, assigned_question, first_mismatch, interleave_categories, parse_concurrency,
+    parse_methods, token_at_char,
+)
+from specdec.bench.questions import Question
+from specdec.bench.report import (
+    concurrency_cell_stats, mean_k, merge_rounds_per_k, percentile, weighted_mean,
+)
+from specdec.cli import app
+from tests.test_bench import write_questions
+
+
+def record(tokens, ttft_ms, latency_ms, rounds=None, batch=None, batched=None, queue=None, drafted=None,
+           accepted=None, rounds_per_k=None, identical=None, error=None) -> dict:
+    return RequestRecord(
+        method="m", question_id=1, category="qa", ttft_ms=ttft_ms, latency_ms=latency_ms, num_tokens=tokens,
+        num_rounds=rounds, mean_batch_size=batch, mean_batched_tokens=batched, queue_time_ms=queue,
+        num_draft_tokens=drafted, num_accepted_tokens=accepted, rounds_per_k=rounds_per_k, identical=identical,
+        error=error,
+    ).to_json()
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # 3 + 0.97 * (4 - 3)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([1.0, 2.0], 0) == 1.0 and percentile([1.0, 2.0], 100) == 2.0
+
+
+def test_weighted_means_and_k():
+    assert weighted_mean([(2.0, 10), (4.0, 30)]) == pytest.approx(3.5)
+    assert weighted_mean([(None, 10), (4.0, 30)]) == 4.0
+    assert weighted_mean([(None, 10)]) is None and weighted_mean([(5.0, 0)]) is None
+    assert merge_rounds_per_k([[1, 0, 2], None, [0, 3]]) == [1, 3, 2]
+    # 2 plain rounds, 4 rounds of K = 2, 4 rounds of K = 4: (0 + 8 + 16) / 10
+    assert mean_k([2, 0, 4, 0, 4]) == pytest.approx(2.4)
+    assert mean_k([]) is None and mean_k([0, 0]) is None
+
+
+def test_tpot_is_the_time_after_the_first_token_per_later_token():
+    r = RequestRecord(method="m", question_id=1, category="qa", ttft_ms=100.0, latency_ms=1100.0, num_tokens=11)
+    assert r.tpot_ms == pytest.approx(100.0)
+    assert RequestRecord(method="m", question_id=1, category="qa", ttft_ms=5.0, latency_ms=5.0, num_tokens=1).tpot_ms is None
+    assert "token_ids" not in r.to_json() and r.to_json()["tpot_ms"] == pytest.approx(100.0)
+
+
+def test_cell_stats_from_records():
+    records = [
+        # 11 tokens: TTFT 100, TPOT (1100 - 100) / 10 = 100; 10 rounds at batch 2, 20 queue ms
+        record(11, 100.0, 1100.0, rounds=10, batch=2.0, batched=10.0, queue=20.0, drafted=20, accepted=10,
+               rounds_per_k=[2, 0, 0, 0, 8], identical=True),
+        # 21 tokens: TTFT 300, TPOT (2300 - 300) / 20 = 100... 30 rounds at batch 4
+        record(21, 300.0, 2300.0, rounds=30, batch=4.0, batched=30.0, queue=60.0, drafted=40, accepted=30,
+               rounds_per_k=[10, 0, 20], identical=False),
+        record(0, None, 50.0, error="UNAVAILABLE: gone"),
+    ]
+    s = concurrency_cell_stats(records, wall_ms=4000.0)
+    assert (s["num_requests"], s["num_failed"], s["num_tokens"]) == (3, 1, 32)
+    assert s["tokens_per_second"] == pytest.approx(32 / 4.0)  # all tokens / the cell's wall time
+    assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["ttft_ms_p99"] == pytest.approx(298.0)
+    assert s["tpot_ms_p50"] == pytest.approx(100.0)
+    assert s["mean_batch_size"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40)  # weighted by rounds
+    assert s["mean_batched_tokens"] == pytest.approx((10.0 * 10 + 30.0 * 30) / 40)
+    assert s["queue_ms_per_round"] == pytest.approx(80.0 / 40)
+    assert s["acceptance_rate"] == pytest.approx(40 / 60)
+    assert s["rounds_per_k"] == [12, 0, 20, 0, 8]
+    assert s["mean_k"] == pytest.approx((2 * 20 + 4 * 8) / 40)
+    assert (s["num_compared"], s["identical_rate"]) == (2, 0.5)
+
+
+def test_cell_stats_without_pipeline_metrics():
+    """transformers serve reports no rounds, drafts or batches: those stay None ("-")."""
+    s = concurrency_cell_stats([record(8, 50.0, 750.0), record(4, 70.0, 370.0)], wall_ms=1000.0)
+    assert s["tokens_per_second"] == pytest.approx(12.0)
+    assert s["mean_batch_size"] is None and s["queue_ms_per_round"] is None
+    assert s["acceptance_rate"] is None and s["mean_k"] is None and s["rounds_per_k"] is None
+    assert s["identical_rate"] is None and s["tpot_ms_p50"] == pytest.approx(100.0)
+
+
+def test_prompts_round_robin_over_categories_and_clients():
+    questions = [Question(i, c, f"{c}{i}") for i, c in enumerate(["qa", "qa", "qa", "rag", "rag", "math"])]
+    sequence = interleave_categories(questions)
+    assert [q.prompt for q in sequence] == ["qa0", "rag3", "math5", "qa1", "rag4", "qa2"]
+    # 4 clients, 2 requests each: the first wave takes prompts 0..3, the second 4..7 (mod 6)
+    assigned = [assigned_question(sequence, 4, c, j).question_id for j in range(2) for c in range(4)]
+    assert assigned == [0, 3, 5, 1, 4, 2, 0, 3]
+
+
+def test_first_mismatch_and_text_position(smollm2_tokenizer):
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 5, 3], [1, 2, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+    ids = smollm2_tokenizer("The capital of France is Paris.").input_ids
+    text = smollm2_tokenizer.decode(ids)
+    assert token_at_char(smollm2_tokenizer, ids, 0) == 0
+    assert token_at_char(smollm2_tokenizer, ids, text.index("Paris")) == ids.index(smollm2_tokenizer(" Paris").input_ids[0])
+    assert token_at_char(smollm2_tokenizer, ids, len(text)) == len(ids)
+
+
+def test_option_parsing():
+    assert parse_concurrency("16,1,4,4") == [1, 4, 16]
+    assert parse_methods("transformers-serve,pipeline/K=0") == ["pipeline/K=0", "transformers-serve"]
+    for bad in ("", "0,4", "a"):
+        with pytest.raises(ValueError, match="--concurrency"):
+            parse_concurrency(bad)
+    with pytest.raises(ValueError, match="--methods"):
+        parse_methods("vllm")
+    assert set(METHODS) == {"pipeline/adaptive", "pipeline/K=0", "transformers-serve"}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
+    (["--concurrency", "1", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
+    (["--concurrency", "1", "--pipeline", "ngram:4"], "--pipeline and --hf-k apply to the batch-1 benchmark"),
+    (["--methods", "pipeline/K=0"], "apply with --concurrency"),
+    (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+])
+def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
+    path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
+    result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
+    assert result.exit_code == 1
+    assert message in " ".join(result.output.split())
+
+
+def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
+    """N = 1 and 2, two pipeline methods on the tiny target (services as subprocesses; the ngram
+    drafter, which needs no model), 8 new tokens."""
+    questions = write_questions(tmp_path / "q.jsonl", {
+        "qa": ["What is the capital of France?", "Name three colors."],
+        "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
+    })
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "bench", "--concurrency", "1,2", "--requests-per-client", "2",
+         "--methods", "pipeline/adaptive,pipeline/K=0", "--drafter", "ngram", "--questions", str(questions),
+         "--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
+         "--dtype", "float32", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report-concurrency.json").read_text())
+    assert report["methods"] == ["pipeline/adaptive", "pipeline/K=0"]
+    assert [(c["method"], c["concurrency"]) for c in report["cells"]] == [
+        ("pipeline/adaptive", 1), ("pipeline/adaptive", 2), ("pipeline/K=0", 1), ("pipeline/K=0", 2)]
+    assert report["num_questions"] == 3 and report["reference"]["num_prompts"] == 3
+    for cell in report["cells"]:
+        s = cell["stats"]
+        assert cell["errors"] == [] and s["num_requests"] == 2 * cell["concurrency"] and s["num_failed"] == 0
+        assert s["tokens_per_second"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p99"] >= s["tpot_ms_p50"] > 0
+        assert s["mean_batch_size"] >= 1 and s["mean_batched_tokens"] >= 1 and s["queue_ms_per_round"] >= 0
+        assert s["num_compared"] == s["num_requests"]
+    by_cell = {(c["method"], c["concurrency"]): c["stats"] for c in report["cells"]}
+    assert by_cell[("pipeline/K=0", 1)]["mean_k"] == 0 and by_cell[("pipeline/K=0", 1)]["identical_rate"] == 1.0
+    assert by_cell[("pipeline/K=0", 1)]["num_draft_tokens"] == 0
+    assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
+    assert report["config"]["command"].startswith("specdec bench --concurrency 1,2")
+    assert report["identity"]["pipeline/K=0"]["prompt_tokens_agree_rate"] == 1.0
+    for m in report["mismatches"]:  # a differing output comes with the target's margin there
+        assert m["margin"] >= 0
+    assert len(report["requests"]) == 2 * (2 + 4)
+    markdown = (out / "report-concurrency.md").read_text()
+    assert "| method | N | requests ok | tokens/s |" in markdown and "pipeline/adaptive" in markdown
+    assert (out / "concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| pipeline/K=0 | 2 |" in run.stdout
