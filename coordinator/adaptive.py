@@ -12,6 +12,16 @@ Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the 
 per token + the verify round's ms for K drafts + the rest of the round, where K = 0 is a plain
 decode step on the verify service (the fallback).
 
+Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every session's
+round into one step whose cost grows with its batched tokens, so a session's K + 1 tokens make
+every other session's round slower too. With B other sequences bringing T tokens to the step (the
+load the service reported for the session's last round), option K is scored by the whole batch's
+expected tokens per ms, (E(K) + B x g) / (draft(K) + step(T + K + 1) + rest), where g is the
+tokens a round of this session commits on average (the others are assumed alike) and step(n) is
+the verify cost at n batched tokens, measured by the service at start-up (:attr:`StepCosts.batched_ms`)
+and kept fresh from live rounds. Alone (B = 0) this is the formula above. As load grows K shrinks,
+and reaches 0 (plain decode) where speculation no longer pays.
+
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 n-gram index (:mod:`specdec.ngram`, no network hop, no draft cost). Its proposal competes with the
 model drafter's under the same formula, with acceptance tracked per matched suffix length n
@@ -65,35 +75,85 @@ class AcceptanceModel:
 @dataclass
 class StepCosts:
     """A drafter's and the target's step costs in ms: ``draft_ms_per_token``; ``verify_ms[k]``, a
-    verify round with k drafts (``verify_ms[0]`` = a plain decode step); ``overhead_ms[0]`` and
-    ``[1]``, the rest of a round without and with a draft service call (gRPC, the coordinator's
-    work). Seeded from the services' start-up measurements (GetInfo), kept fresh from live rounds
-    by :meth:`observe`."""
+    verify round with k drafts alone in its step (``verify_ms[0]`` = a plain decode step);
+    ``batched_ms[n]``, a verify call whose step batched n tokens of several sequences;
+    ``overhead_ms[0]`` and ``[1]``, the rest of a round without and with a draft service call
+    (gRPC, the coordinator's work). Seeded from the services' start-up measurements (GetInfo), kept
+    fresh from live rounds by :meth:`observe`."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
     overhead_ms: list[float] = field(default_factory=lambda: [1.0, 2.0])
     weight: float = 0.1
+    batched_ms: dict[int, float] = field(default_factory=dict)
 
-    def round_ms(self, k: int, draft_call: bool = True) -> float:
-        """A round of k drafts; ``draft_call`` False: drafts that cost nothing (n-gram lookup).
+    def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0) -> float:
+        """A round of k drafts while other sequences bring ``others_tokens`` to the step;
+        ``draft_call`` False: drafts that cost nothing (n-gram lookup).
 
         A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
         forward over fewer tokens): a start-up measurement inflated by contention would otherwise
         keep a session from ever falling back, and plain rounds never run would never correct it.
         """
         calls = draft_call and k > 0
-        verify_ms = min(self.verify_ms) if k == 0 else self.verify_ms[k]
+        if k == 0:
+            verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
+        else:
+            verify_ms = self._verify_ms(k, others_tokens)
         return calls * k * self.draft_ms_per_token + verify_ms + self.overhead_ms[calls]
+
+    def _verify_ms(self, k: int, others_tokens: float) -> float:
+        if others_tokens <= 0:
+            return self.verify_ms[k]
+        return self.step_ms(others_tokens + k + 1)
+
+    def step_ms(self, num_tokens: float) -> float:
+        """A verify call's ms at ``num_tokens`` batched tokens: linear between the measured points
+        (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), extended beyond the last
+        point along the slope of the last two."""
+        points = sorted(({k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms).items())
+        if num_tokens <= points[0][0]:
+            return points[0][1]
+        for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
+            if num_tokens <= n1:
+                return ms0 + (ms1 - ms0) * (num_tokens - n0) / (n1 - n0)
+        if len(points) == 1:
+            return points[0][1]
+        (n0, ms0), (n1, ms1) = points[-2], points[-1]
+        return ms1 + max(0.0, (ms1 - ms0) / (n1 - n0)) * (num_tokens - n1)
 
     def observe(self, record: RoundRecord, draft_call: bool) -> None:
         k = record.num_drafted
         if draft_call and k:
             self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / k, self.weight)
-        if k < len(self.verify_ms):
+        if record.batch_size > 1:
+            n = record.batched_tokens
+            self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), record.verify_ms, self.weight)
+        elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], record.verify_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.verify_ms
         self.overhead_ms[draft_call] = ema(self.overhead_ms[draft_call], overhead, self.weight)
+
+
+@dataclass
+class Load:
+    """What the verify step that served a session's rounds held besides the session: sequences
+    and their batched tokens (EMAs of what the service reported, ``weight`` on the newest), and the
+    tokens the session's own rounds commit (the share each other sequence is assumed to add)."""
+
+    others_seqs: float = 0.0
+    others_tokens: float = 0.0
+    round_tokens: float = 1.0
+    weight: float = 0.5
+
+    def observe(self, record: RoundRecord, committed: int) -> None:
+        if record.batch_size:  # 0: a service that reports no step (older, or a test double)
+            self.others_seqs = ema(self.others_seqs, max(0, record.batch_size - 1), self.weight)
+            self.others_tokens = ema(self.others_tokens, max(0, record.batched_tokens - record.num_drafted - 1), self.weight)
+        self.round_tokens = ema(self.round_tokens, committed, self.weight)
+
+    def others_expected_tokens(self) -> float:
+        return self.others_seqs * self.round_tokens
 
 
 @dataclass
@@ -113,22 +173,28 @@ class AdaptiveK:
     target: str = ""
     probe_interval: int = 16
     probe_k: int = 2
+    load: Load = field(default_factory=Load)
     _fallback_rounds: int = 0
 
     def options(self, match: NgramMatch | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
-        """(drafter, K, expected tokens per ms) of every choice this round; the model drafter's
-        only while ``draft_available``."""
+        """(drafter, K, expected tokens per ms of the whole batch, see the module docstring) of
+        every choice this round; the model drafter's only while ``draft_available``."""
         k_max = min(self.k_max, len(self.costs.verify_ms) - 1)
-        options = [(PLAIN, 0, 1.0 / self.costs.round_ms(0))]
+        others, others_tokens = self.load.others_expected_tokens(), self.load.others_tokens
+
+        def goodput(tokens: float, k: int, draft_call: bool = True) -> float:
+            return (tokens + others) / self.costs.round_ms(k, draft_call, others_tokens)
+
+        options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and draft_available:
             options += [
-                (self.drafter, k, self.acceptance.expected_tokens(k) / self.costs.round_ms(k))
+                (self.drafter, k, goodput(self.acceptance.expected_tokens(k), k))
                 for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
             ]
         if match:
             model = self.ngram[match.n - 1]
             options += [
-                (NGRAM, k, model.expected_tokens(k) / self.costs.round_ms(k, draft_call=False))
+                (NGRAM, k, goodput(model.expected_tokens(k), k, draft_call=False))
                 for k in range(1, min(k_max, len(match.tokens), len(model.rates)) + 1)
             ]
         return options
@@ -152,6 +218,7 @@ class AdaptiveK:
         if match:
             self.ngram[match.n - 1].observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call)
+        self.load.observe(record, len(committed))
 
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
         """Every acceptance model of the session, by the name its warm start is kept under."""
@@ -182,7 +249,8 @@ class AdaptiveState:
         if key not in self.costs:
             measured = list(target.verify_ms) or [1.0]  # unmeasured: every round costs the same
             measured += measured[-1:] * (k_max + 1 - len(measured))
-            self.costs[key] = StepCosts(drafter.step_ms if drafter else 0.0, measured)
+            batched = {cost.num_tokens: cost.ms for cost in target.step_costs if cost.num_seqs > 1}
+            self.costs[key] = StepCosts(drafter.step_ms if drafter else 0.0, measured, batched_ms=batched)
         return AdaptiveK(
             k_max,
             name,

@@ -24,7 +24,8 @@ class RoundRecord:
     decode step), ``num_drafted`` tokens proposed (fewer than K when the drafter has no more; 0
     makes the round a plain decode step), ``num_accepted`` of them accepted; times in ms (draft
     and verify are the services' own compute times); ``wire_bytes``: protobuf bytes of the
-    round's requests and responses."""
+    round's requests and responses; ``batch_size`` and ``batched_tokens``: the verify service's
+    step that served the round (sequences, new tokens), ``queue_ms`` the round's wait before it."""
 
     drafter: str
     k: int
@@ -34,6 +35,9 @@ class RoundRecord:
     verify_ms: float
     wall_ms: float
     wire_bytes: int
+    batch_size: int = 0
+    batched_tokens: int = 0
+    queue_ms: float = 0.0
 
 
 @dataclass
@@ -78,8 +82,17 @@ class MetricsRecorder:
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
             rounds_per_k=k_histogram(self.rounds),
             drafter_usage=drafter_usage(self.rounds),
+            mean_batch_size=mean(r.batch_size for r in self.rounds),
+            mean_batched_tokens=mean(r.batched_tokens for r in self.rounds),
+            queue_time_ms=sum(r.queue_ms for r in self.rounds),
             **identity,
         )
+
+
+def mean(values: Iterable[float]) -> float:
+    """The mean of ``values``; 0 for none."""
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
 
 
 def k_histogram(rounds: list[RoundRecord]) -> list[int]:

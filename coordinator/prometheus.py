@@ -11,7 +11,14 @@ from specdec.v1 import coordinator_pb2
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+LOAD_BANDS = ((1, "1"), (4, "2-4"), (8, "5-8"), (16, "9-16"), (32, "17-32"))
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def load_band(batch_size: int) -> str:
+    """The ``batch_size`` label of a round whose verify step held ``batch_size`` sequences."""
+    return next((band for limit, band in LOAD_BANDS if batch_size <= limit), "33+")
 
 
 class CoordinatorMetrics(ServiceMetrics):
@@ -64,6 +71,11 @@ class CoordinatorMetrics(ServiceMetrics):
             "specdec:session_store_errors", "Session store (Redis) operations that failed or were skipped while it was down.",
             ("operation",),
         )
+        self.k_by_load = Histogram(
+            "specdec:num_speculative_tokens_by_load", "K asked per round (0 = plain decode), by the number of sequences "
+            "in the verify step that served the round (label batch_size: 1, 2-4, 5-8, 9-16, 17-32, 33+).",
+            ["batch_size"], buckets=K_BUCKETS, registry=self.registry,
+        )
         self.round_coordination_time = histogram(
             "specdec:round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
         )
@@ -71,6 +83,7 @@ class CoordinatorMetrics(ServiceMetrics):
     def observe_round(self, record: RoundRecord, num_committed: int) -> None:
         """Counts one round that streamed ``num_committed`` tokens."""
         self.num_target_forwards.labels(str(record.k)).inc()
+        self.k_by_load.labels(load_band(record.batch_size)).observe(record.k)
         self.generation_tokens.inc(num_committed)
         if record.num_drafted:
             self.num_drafts.labels(record.drafter).inc()

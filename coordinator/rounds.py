@@ -212,11 +212,15 @@ class SpeculativeSession:
                 "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
             )
             n, new, verify_ms = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id], verified.compute_ms
+            step = verified.step
         else:
             decoded = await self._call_verify("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
-            n, new, verify_ms = 0, [decoded.token_id], decoded.compute_ms
+            n, new, verify_ms, step = 0, [decoded.token_id], decoded.compute_ms, decoded.step
         self.committed.extend(new)
-        record = RoundRecord(drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes)
+        record = RoundRecord(
+            drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
+            step.num_seqs, step.num_tokens, step.queue_ms,
+        )
         log.debug("session %s round: %s", self.session_id, record)
         return new, record
 

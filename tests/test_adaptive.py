@@ -4,7 +4,7 @@ and its recovery, over real gRPC with a scripted drafter whose accuracy switches
 import pytest
 import torch
 
-from coordinator.adaptive import NGRAM, PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, StepCosts
+from coordinator.adaptive import NGRAM, PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
 from coordinator.client import generate
 from coordinator.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
@@ -145,3 +145,18 @@ def test_switching_drafter_falls_back_and_recovers(drafter_alone, tiny_pipeline,
     assert list(m.drafter_usage) == ["switching"]  # no n-gram rounds without hybrid drafting
     # at most 20 drafts can pass before the switch: many more passed, so speculation resumed
     assert m.num_accepted_draft_tokens > 60, f"no recovery: {m}"
+
+
+def test_k_shrinks_to_plain_decode_as_the_batch_grows():
+    """Goodput under load: a step's cost grows with its batched tokens (here 80 ms alone, then
+    about 5 ms per token), so a session's drafts slow every other session's round; with acceptance
+    0.7 the choice falls from a long proposal alone to plain decode in a batch of 16."""
+    verify_ms = [80.0, 82.0, 84.0, 86.0, 88.0, 90.0]
+    costs = StepCosts(draft_ms_per_token=2.0, verify_ms=verify_ms, batched_ms={8: 110.0, 16: 150.0, 64: 390.0})
+    assert costs.step_ms(16) == 150.0 and costs.step_ms(40) == pytest.approx(270.0) and costs.step_ms(128) == pytest.approx(710.0)
+    chosen = {}
+    for others in (0, 3, 15):
+        policy = AdaptiveK(5, "llama-cpp", AcceptanceModel([0.7] * 5), [], costs)
+        policy.load = Load(others_seqs=others, others_tokens=others, round_tokens=1.0)
+        chosen[others] = policy.next_round(None)[1]
+    assert chosen[0] >= 3 and chosen[0] > chosen[3] >= chosen[15] and chosen[15] == 0

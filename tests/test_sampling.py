@@ -9,6 +9,7 @@ rejection) must be rejected by the same test: the negative control shows the tes
 
 import copy
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from coordinator.metrics import RoundRecord
 from draft_service.drafters.base import Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.transformers_lm import TransformersDrafter
+from specdec.engine import EngineMetrics
 from specdec.ngram import NgramIndex
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 from tests.conftest import tiny_llama
+from tests.test_concurrency import StepRecorder
 from verify_service.target import Target
 
 VOCAB = 8
@@ -103,10 +106,14 @@ def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str)
     return generated[0] * VOCAB + generated[1]
 
 
-def chi_square_p_value(target, drafter, params, k) -> float:
+def chi_square_p_value(target, drafter, params, k, concurrent_sessions: int = 1) -> float:
+    """``concurrent_sessions`` > 1: the seeded runs go through that many threads at once, so their
+    sessions share the target's (and the model draft's) batched steps."""
     counts = torch.zeros(VOCAB * VOCAB)
-    for seed in range(SAMPLES):
-        counts[pipeline_pair(target, drafter, dataclasses.replace(params, seed=seed), k)] += 1
+    run = lambda seed: pipeline_pair(target, drafter, dataclasses.replace(params, seed=seed), k)  # noqa: E731
+    with ThreadPoolExecutor(concurrent_sessions) as pool:
+        for pair in pool.map(run, range(SAMPLES)):
+            counts[pair] += 1
     expected = exact_pair_distribution(target.reference, params) * SAMPLES
     if counts[expected == 0].sum() > 0:  # a pair the target can never generate
         return 0.0
@@ -132,6 +139,18 @@ CASES = [
 def test_speculative_sampling_matches_target_distribution(small_vocab, drafter, params, k):
     target, drafters = small_vocab
     assert chi_square_p_value(target, drafters[drafter], params, k) > ALPHA
+
+
+def test_speculative_sampling_with_batched_sessions_matches_target_distribution(small_vocab):
+    """Invariant 5 under sampling: sessions verified in shared steps keep the target's distribution."""
+    target, drafters = small_vocab
+    recorder = StepRecorder()
+    target.engine.metrics = recorder
+    try:
+        assert chi_square_p_value(target, drafters["model"], SamplingParams(temperature=1.0), 3, concurrent_sessions=4) > ALPHA
+    finally:
+        target.engine.metrics = EngineMetrics()
+    assert max(recorder.batch_sizes) > 1
 
 
 def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
