@@ -47,14 +47,18 @@ def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters):
 
 @pytest.fixture(scope="module")
 def llama_cpp_drafter():
-    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=2)
+    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=4)
 
 
 def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):
+    lm = llama_cpp_drafter.lm
     session = llama_cpp_drafter.new_session(SamplingParams())
+    other = llama_cpp_drafter.new_session(SamplingParams())  # a neighbour sequence in the same context
     session.prefill(PROMPT)
+    other.prefill(PROMPT[::-1])
     for accepted in (1, 3, 0, 4):
         proposal = session.propose(4)
+        other.propose(2)
         correction = (proposal.tokens[accepted] + 1) % 49152 if accepted < 4 else 42
         session.sync([*proposal.tokens[:accepted], correction])
         next_logits = session.kv.extend(session.kv.reconcile(session.committed))[-1]
@@ -62,21 +66,26 @@ def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):
         fresh.prefill(session.committed)
         expected = fresh.kv.extend(fresh.kv.reconcile(fresh.committed))[-1]
         fresh.close()
-        # The KV cache holds exactly the committed positions: nothing rejected survives.
-        memory = llama_cpp.llama_get_memory(session.kv.llm.ctx)
-        assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == len(session.committed) - 1
-        # llama.cpp's batched and one-token kernels round differently: measured up to 0.73 on
-        # SmolLM2's logits (|logit| ~ 27), while a cache left with rejected tokens is off by ~7.
+        # The sequence's KV holds exactly the committed positions: nothing rejected survives.
+        memory = llama_cpp.llama_get_memory(lm.ctx)
+        assert llama_cpp.llama_memory_seq_pos_max(memory, lm.llama_seq(session.kv.seq_id)) == len(session.committed) - 1
+        assert lm.length(session.kv.seq_id) == len(session.committed)
+        # A cache left with rejected tokens is off by 10 or more on SmolLM2's logits (|logit| ~ 27); the
+        # CPU build gives identical logits here, other kernels may round batched steps differently.
         assert int(next_logits.argmax()) == int(expected.argmax())
-        assert (next_logits - expected).abs().max() < 1.5
+        assert (next_logits - expected).abs().max() <= 1e-3 * expected.abs().max()
     session.close()
+    other.close()
 
 
-def test_llama_cpp_session_reports_its_context_kv_buffer(llama_cpp_drafter):
-    """A llama.cpp session's KV bytes (the /metrics gauge): the context's whole buffer, which
-    llama.cpp allocates up front. For SmolLM2 it logs 90.00 MiB at n_ctx 4096: per token 30 layers
-    x (key + value) x 3 KV heads x head size 64 x 2 bytes (f16)."""
+def test_llama_cpp_session_reports_its_sequence_kv_bytes(llama_cpp_drafter):
+    """A llama.cpp session's KV bytes (the /metrics gauge): its cached positions x the bytes per
+    token, for SmolLM2 30 layers x (key + value) x 3 KV heads x head size 64 x 2 bytes (f16)."""
     session = llama_cpp_drafter.new_session(SamplingParams())
-    assert session.kv_cache_bytes() == 512 * 30 * 2 * 3 * 64 * 2
+    assert session.kv_cache_bytes() == 0
+    session.prefill(PROMPT)  # caches all but the last committed token
+    assert session.kv_cache_bytes() == (len(PROMPT) - 1) * 30 * 2 * 3 * 64 * 2
+    session.propose(3)  # + the last committed token and 2 drafts (the 3rd is never fed)
+    assert session.kv_cache_bytes() == (len(PROMPT) + 2) * 30 * 2 * 3 * 64 * 2
     session.close()
     assert session.kv_cache_bytes() == 0

@@ -1,0 +1,171 @@
+"""The llama.cpp drafter's batching: every session is one sequence of one llama.cpp context, and a
+step decodes many sequences in one ``llama_decode``. Each sequence must behave as if it ran alone
+(in a fresh context), through ragged steps, rollback and reuse of freed sequences. Uses the
+bundled SmolLM2 GGUF."""
+
+import threading
+
+import pytest
+import torch
+
+from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM
+from specdec.batching import SequenceStep
+from specdec.engine import EngineMetrics
+from specdec.errors import ResourceExhausted
+from specdec.sampling import SamplingParams
+
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365],
+    [1, 2683, 359, 253],
+    [1, 504, 2365, 282, 4649, 314, 3575, 30],
+    [1, 9690, 198, 378, 1056, 2365, 30],
+]
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=MAX_SEQS)
+
+
+@pytest.fixture(scope="module")
+def alone(drafter):
+    """A second context of one sequence: the reference each batched sequence is compared with."""
+    lm = LlamaCppLM(drafter.path, n_ctx=512, max_num_seqs=1, n_threads=1)
+    yield lm
+    lm.close()
+
+
+def fresh_logits(lm: LlamaCppLM, chunks: list[list[int]]) -> list[torch.Tensor]:
+    """A new sequence fed ``chunks`` one step each: the last position's logits after each."""
+    seq = lm.allocate()
+    try:
+        return [lm.forward([SequenceStep(seq, chunk, 1)])[0][-1] for chunk in chunks]
+    finally:
+        lm.free(seq)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # llama.cpp's kernels may round a batched step differently: within 1e-3 of the logits' scale.
+    assert int(actual.argmax()) == int(expected.argmax())
+    assert (actual - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+def test_one_forward_over_many_sequences_equals_each_alone(drafter, alone):
+    lm = drafter.lm
+    seqs = [lm.allocate() for _ in PROMPTS]
+    try:
+        # A ragged prefill of four prompts in one step, every logit of the first two.
+        logits = lm.forward([SequenceStep(s, p, len(p) if i < 2 else 1) for i, (s, p) in enumerate(zip(seqs, PROMPTS))])
+        assert [tuple(rows.shape) for rows in logits] == [(10, lm.vocab_size), (4, lm.vocab_size), (1, lm.vocab_size), (1, lm.vocab_size)]
+        for prompt, rows in zip(PROMPTS, logits):
+            assert_close(rows[-1], fresh_logits(alone, [prompt])[0])
+        # Every position's logits of a prompt equal those of that prompt's prefix alone.
+        assert_close(logits[0][3], fresh_logits(alone, [PROMPTS[0][:4]])[0])
+        # Decode steps: one token per sequence, in a different order than the sequences were allocated.
+        tokens = [[42, 7], [13, 99], [5, 5], [2000, 3]]
+        steps_logits = [lm.forward([SequenceStep(s, [t[j]]) for s, t in reversed(list(zip(seqs, tokens)))])[::-1] for j in range(2)]
+        for i, prompt in enumerate(PROMPTS):
+            expected = fresh_logits(alone, [prompt, [tokens[i][0]], [tokens[i][1]]])
+            for j in range(2):
+                assert_close(steps_logits[j][i][-1], expected[j + 1])
+            assert lm.length(seqs[i]) == len(prompt) + 2
+    finally:
+        for s in seqs:
+            lm.free(s)
+
+
+def test_rollback_of_one_sequence_leaves_the_others_unchanged(drafter, alone):
+    lm = drafter.lm
+    a, b = lm.allocate(), lm.allocate()
+    try:
+        lm.forward([SequenceStep(a, PROMPTS[0] + [11, 12, 13, 14], 0), SequenceStep(b, PROMPTS[1], 0)])
+        lm.truncate(a, len(PROMPTS[0]))  # the four drafts rejected
+        assert lm.length(a) == len(PROMPTS[0]) and lm.length(b) == len(PROMPTS[1])
+        assert lm.cache_bytes(a) == len(PROMPTS[0]) * lm.bytes_per_token
+        next_a, next_b = lm.forward([SequenceStep(a, [42]), SequenceStep(b, [42])])
+        assert_close(next_a[0], fresh_logits(alone, [PROMPTS[0] + [42]])[0])
+        assert_close(next_b[0], fresh_logits(alone, [PROMPTS[1] + [42]])[0])
+    finally:
+        lm.free(a)
+        lm.free(b)
+
+
+def test_a_freed_sequence_is_reused_empty(drafter, alone):
+    lm = drafter.lm
+    old = lm.allocate()
+    slot = lm.llama_seq(old)
+    lm.forward([SequenceStep(old, PROMPTS[2], 0)])
+    lm.free(old)
+    assert lm.cache_bytes(old) == 0
+    new = lm.allocate()
+    try:
+        assert lm.llama_seq(new) == slot  # the lowest free llama.cpp sequence, again
+        assert new != old  # but a new handle: work still queued for the old session cannot reach it
+        assert lm.length(new) == 0 and lm.cache_bytes(new) == 0
+        (logits,) = lm.forward([SequenceStep(new, PROMPTS[3])])
+        assert_close(logits[-1], fresh_logits(alone, [PROMPTS[3]])[0])
+        # A late step of the freed session decodes nothing and gets NaN logits.
+        late, again = lm.forward([SequenceStep(old, [5]), SequenceStep(new, [6])])
+        assert late.isnan().all() and lm.length(new) == len(PROMPTS[3]) + 1
+        assert_close(again[-1], fresh_logits(alone, [PROMPTS[3], [6]])[1])
+    finally:
+        lm.free(new)
+
+
+class _Steps(EngineMetrics):
+    def __init__(self):
+        self.num_seqs: list[int] = []
+
+    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
+        self.num_seqs.append(num_seqs)
+
+
+def _rounds(drafter, prompt: list[int], barrier: threading.Barrier | None = None) -> list[list[int]]:
+    """Three greedy rounds of 5 drafts, the last 3 rejected each time (rollback in between)."""
+    session = drafter.new_session(SamplingParams())
+    proposals = []
+    try:
+        if barrier:
+            barrier.wait()
+        session.prefill(prompt)
+        for _ in range(3):
+            tokens = session.propose(5).tokens
+            proposals.append(tokens)
+            session.sync([*tokens[:2], (tokens[2] + 1) % 49152])
+    finally:
+        session.close()
+    return proposals
+
+
+def test_concurrent_greedy_proposals_equal_one_at_a_time(drafter):
+    one_at_a_time = [_rounds(drafter, prompt) for prompt in PROMPTS]
+    steps = _Steps()
+    drafter.engine.metrics = steps
+    results: list = [None] * len(PROMPTS)
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def run(i: int) -> None:
+        results[i] = _rounds(drafter, PROMPTS[i], barrier)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        drafter.engine.metrics = EngineMetrics()
+    assert results == one_at_a_time
+    assert max(steps.num_seqs) > 1  # the sessions did share steps
+
+
+def test_allocating_beyond_max_num_seqs_is_resource_exhausted(drafter):
+    sessions = [drafter.new_session(SamplingParams()) for _ in range(MAX_SEQS)]
+    try:
+        with pytest.raises(ResourceExhausted, match="LLAMA_CPP_MAX_NUM_SEQS"):
+            drafter.new_session(SamplingParams())
+    finally:
+        for session in sessions:
+            session.close()
+    drafter.new_session(SamplingParams()).close()  # room again
