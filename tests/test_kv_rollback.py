@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter
+from specdec.models import load_causal_lm
 from specdec.sampling import SamplingParams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
@@ -17,23 +18,24 @@ def fresh_next_logits(model, committed: list[int]) -> torch.Tensor:
         return model(torch.tensor([committed])).logits[0, -1].float()
 
 
-def test_verify_side_rollback_matches_fresh_prefill(tiny_target):
+def test_verify_side_rollback_matches_fresh_prefill(tiny_target, plain_target_model):
     session = tiny_target.new_session(PROMPT, SamplingParams())
     rounds = 0
     for wrong_tail in ([], [7, 7, 7], [11], [5, 6, 7, 8, 9, 10]):
         # Proposal = the target's own next token followed by tokens it will reject.
         own = int(session.next_logits()[0].argmax())
-        session.lm.reconcile(session.committed)  # the probe above must not leave KV behind
+        session.rollback()  # the probe above must not leave KV behind
         n, _ = session.verify([own, *wrong_tail], None)
         assert n >= 1
         rounds += 1
-        assert len(session.lm.cached_tokens) == len(session.committed) - 1
-        assert torch.allclose(session.next_logits()[0], fresh_next_logits(tiny_target.model, session.committed), atol=1e-4)
+        assert len(session.kv.cached_tokens) == len(session.committed) - 1
+        assert torch.allclose(session.next_logits()[0], fresh_next_logits(plain_target_model, session.committed), atol=1e-4)
     assert rounds == 4
 
 
-def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters):
+def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters, tiny_models):
     drafter = tiny_drafters["transformers"]
+    reference, _ = load_causal_lm(str(tiny_models.draft_dir), dtype="float32")  # transformers' own attention
     session = drafter.new_session(SamplingParams())
     session.prefill(PROMPT)
     for accepted in (2, 0, 4, 1):
@@ -41,7 +43,7 @@ def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters):
         correction = (proposal.tokens[accepted] + 1) % 49152 if accepted < 4 else 42
         session.sync([*proposal.tokens[:accepted], correction])  # the rest was rejected
         next_logits = session.kv.extend(session.kv.reconcile(session.committed))[-1]
-        expected = fresh_next_logits(drafter.lm_model, session.committed)
+        expected = fresh_next_logits(reference, session.committed)
         assert torch.allclose(next_logits, expected, atol=1e-4)
 
 
