@@ -5,7 +5,7 @@ pending work in arrival order, at most ``max_num_seqs`` sequences and ``max_num_
 new tokens, runs one :meth:`specdec.batching.BatchedLM.forward` over all of it, and hands each
 sequence its slice of the logits. Sessions join and leave between steps; a step never waits for a
 full batch, only (up to ``batch_wait_ms``) for the sequences of the previous step whose callers
-are about to send their next call, so that lock-step clients share steps instead of alternating.
+are about to send their next call, so that clients share steps instead of alternating.
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
@@ -99,7 +99,7 @@ class Engine:
         self.name = name
         self._queue: list[_Entry] = []
         self._cond = threading.Condition()
-        self._previous: set[int] = set()  # sequences whose work finished in the last step
+        self._recent: list[set[int]] = [set(), set()]  # sequences whose work finished in the last two steps
         self._step_end = 0.0
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -175,12 +175,14 @@ class Engine:
 
     def _wait_for_previous(self) -> None:
         """Waits (holding the condition) up to ``batch_wait_ms`` after the last step for the
-        sequences that were in it to queue their next call; after a step of one sequence there is
-        no batch to keep together, and nothing waits."""
-        if len(self._previous) < 2:
+        sequences served in the last two steps to queue their next call, so that sessions which
+        alternated between steps come together; with one sequence about there is no batch to
+        keep together, and nothing waits."""
+        recent = self._recent[0] | self._recent[1]
+        if len(recent) < 2:
             return
         deadline = self._step_end + self.batch_wait_s
-        while self._previous - {e.work.seq_id for e in self._queue} and not self._stopped:
+        while recent - {e.work.seq_id for e in self._queue} and not self._stopped:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
@@ -235,11 +237,11 @@ class Engine:
 
     def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
         with self._cond:
-            self._previous = set()
+            self._recent = [set(), self._recent[0]]
             for entry, err in outcomes:
                 if entry in self._queue:
                     self._queue.remove(entry)
-                self._previous.add(entry.work.seq_id)
+                self._recent[0].add(entry.work.seq_id)
                 if err is None:
                     entry.future.set_result(entry.work.result)
                 else:

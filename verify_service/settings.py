@@ -27,6 +27,6 @@ class VerifySettings(SessionServiceSettings):
         "at least max_num_speculative_tokens + 1.",
     )
     batch_wait_ms: float = Field(
-        2.0, ge=0, description="After a step, wait up to this long for the sessions that were in it to send their next "
+        5.0, ge=0, description="After a step, wait up to this long for the sessions that were in it to send their next "
         "call, so lock-step clients share steps, ms.",
     )

@@ -38,7 +38,7 @@ class EngineLimits:
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    batch_wait_ms: float = 2.0
+    batch_wait_ms: float = 5.0
 
 
 class Target:
