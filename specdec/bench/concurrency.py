@@ -564,13 +564,36 @@ def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
     default or the ``SPECDEC_*`` variable in the environment. Raises ValueError for bad options,
     RuntimeError when a service fails to start or a warm-up request fails; failed requests inside
     a cell are counted in the report (``num_failed``, ``errors``)."""
+    sequence = _validated(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    with _stopped_by_sigterm():
+        return _run(config, sequence, console)
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm():
+    """SIGTERM raises SystemExit, so that the services and transformers serve started by the run
+    are stopped (the ``finally`` blocks run) instead of being left behind."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
     import transformers
 
     from specdec.bench.run import machine_info
     from specdec.models import load_causal_lm, load_tokenizer
 
-    sequence = _validated(config)
-    config.out.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()
     pipelines = [m for m in config.methods if m != SERVE]
     cluster = serve = None
