@@ -338,7 +338,8 @@ def concurrency_markdown(report: dict) -> str:
         "",
         f"## Greedy identity (reference: {report['reference']['method']} at N=1)",
         "",
-        *identity_table(report),
+        *(identity_table(report) if report["reference"]["num_prompts"] else
+          ["No reference: the pipeline did not run (identity needs its K=0 outputs)."]),
         "",
     ]
     if report["mismatches"]:
