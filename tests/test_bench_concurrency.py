@@ -175,3 +175,58 @@ def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
     assert "| method | N | requests ok | tokens/s |" in markdown and "pipeline/adaptive" in markdown
     assert (out / "concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| pipeline/K=0 | 2 |" in run.stdout
+
+
+def test_margin_at_the_first_difference(tiny_models):
+    """The margin is the target's top-2 logit gap after the prompt (through the chat template, as
+    the coordinator builds it) and the reference's tokens before the first difference."""
+    import torch
+
+    from coordinator.request import prompt_ids
+    from specdec.bench.concurrency import _margins
+    from specdec.models import load_causal_lm
+    from specdec.v1 import coordinator_pb2
+
+    model, tokenizer = load_causal_lm(str(tiny_models.target_dir), "float32")
+    question = Question(7, "qa", "What is the capital of France?")
+    reference = RequestRecord(method="pipeline/K=0", question_id=7, category="qa", token_ids=[11, 22, 33, 44])
+    mismatches = [{"method": "pipeline/adaptive", "question_id": 7, "first_mismatch": 2, "token": 99},
+                  {"method": "transformers-serve", "question_id": 7, "first_mismatch": 2, "token": None}]
+    _margins(mismatches, {7: reference}, {7: question}, model, tokenizer)
+    ids = prompt_ids(coordinator_pb2.GenerateRequest(text=question.prompt), tokenizer) + [11, 22]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    for m in mismatches:
+        assert m["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+        assert m["reference_token"] == 33
+    assert mismatches[0]["logit_gap"] == pytest.approx(float(logits[33] - logits[99]), abs=1e-4)
+    assert "logit_gap" not in mismatches[1]
+
+
+def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
+    from specdec.bench.chart import write_concurrency_chart
+    from specdec.bench.report import concurrency_markdown
+
+    cells = [{"method": method, "concurrency": n, "errors": [],
+              "stats": concurrency_cell_stats([record(10 * n, 100.0, 1000.0, identical=True)], 1000.0)}
+             for method in ("pipeline/K=0", "transformers-serve") for n in (1, 4)]
+    report = {
+        "config": {"command": "specdec bench --concurrency 1,4", "target": "t", "draft_model": "d", "drafter": "ngram",
+                   "max_new_tokens": 8, "requests_per_client": 1},
+        "machine": {"cpu": "cpu", "cpu_count": 2, "device": "cpu", "torch": "x", "transformers": "y"},
+        "notes": ["a note"], "num_questions": 4, "methods": ["pipeline/K=0", "transformers-serve"],
+        "reference": {"method": "pipeline/K=0", "num_prompts": 4}, "cells": cells,
+        "identity": {"pipeline/K=0": {"num_compared": 5, "identical_rate": 1.0, "prompt_tokens_agree_rate": 1.0},
+                     "transformers-serve": {"num_compared": 5, "identical_rate": 0.8, "prompt_tokens_agree_rate": 1.0}},
+        "mismatches": [{"method": "transformers-serve", "concurrency": 4, "question_id": 3, "first_mismatch": 5,
+                        "margin": 0.0123, "reference_token": 10, "token": None}],
+        "peak_rss_bytes": {"verify": 2**30},
+    }
+    markdown = concurrency_markdown(report)
+    assert "| transformers-serve | 4 | 1/1 | 40.0 |" in markdown
+    assert "| transformers-serve | 5 | 80% | 100% |" in markdown
+    assert "| transformers-serve | 4 | 3 | 5 | 0.0123 | 10 | - |" in markdown
+    assert "- verify: 1024 MiB" in markdown
+    write_concurrency_chart(report, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -347,7 +347,7 @@ def concurrency_markdown(report: dict) -> str:
                   "`margin`: the target's top-2 logit difference at the first differing position (one forward "
                   "over the prompt and the reference's tokens before it, in the bench process).", ""]
         rows = [[m["method"], str(m["concurrency"]), str(m["question_id"]), str(m["first_mismatch"]),
-                 _cell(m.get("margin"), ".4f"), str(m.get("reference_token")), str(m.get("token"))]
+                 _cell(m.get("margin"), ".4f"), _cell(m.get("reference_token"), "d"), _cell(m.get("token"), "d")]
                 for m in report["mismatches"]]
         lines += _table(["method", "N", "question", "first differing token", "margin", "reference token",
                          "its token"], rows)
