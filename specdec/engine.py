@@ -12,6 +12,11 @@ a proposal's next token) goes first; a prefill takes what the token budget leave
 time, so one long prompt does not stall every other session's decode. A call that waits longer
 than its deadline gives up (its work is dropped unless a step already runs it); bounded sessions
 (the registry's ``max_sessions``) bound the queue.
+
+Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
+they open (acceptance, rollback) sit under that call's span, and each step adds a ``forward`` span
+there (attributes: the call's ``specdec.num_tokens``, the step's ``specdec.batch_size`` and
+``specdec.num_batched_tokens``).
 """
 
 import abc
@@ -24,11 +29,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.errors import Unavailable
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 
 @dataclass
@@ -72,6 +80,15 @@ class _Entry:
     stats: StepStats = field(default_factory=StepStats)
     started: bool = False
     abandoned: bool = False
+    context: otel_context.Context = field(default_factory=otel_context.get_current)
+
+    def call(self, method, *args):
+        """``method(*args)`` in the OpenTelemetry context of the call that queued this entry."""
+        token = otel_context.attach(self.context)
+        try:
+            return method(*args)
+        finally:
+            otel_context.detach(token)
 
 
 class EngineMetrics:
@@ -135,6 +152,13 @@ class Engine:
                         "overloaded; retry later, or lower max_num_seqs load by adding replicas"
                     ) from None
 
+    def forget(self, seq_id: int) -> None:
+        """The sequence is gone (its session closed): no step waits for its next call."""
+        with self._cond:
+            for recent in self._recent:
+                recent.discard(seq_id)
+            self._cond.notify_all()
+
     def stop(self) -> None:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
         with self._cond:
@@ -143,10 +167,6 @@ class Engine:
                 entry.future.set_exception(Unavailable(f"the {self.name} engine stopped"))
             self._queue.clear()
             self._cond.notify_all()
-
-    def queued(self) -> int:
-        """Calls waiting or running."""
-        return len(self._queue)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -198,7 +218,7 @@ class Engine:
                 work = entry.work
                 if work.is_prefill != prefill or work.seq_id in seqs or len(batch) >= self.max_num_seqs or budget <= 0:
                     continue
-                step = work.next_step(budget)
+                step = entry.call(work.next_step, budget)
                 if len(step.token_ids) > budget and batch:
                     continue  # does not fit this step's budget: the next one
                 batch.append((entry, step))
@@ -207,7 +227,7 @@ class Engine:
         return batch
 
     def _step(self, batch: list[tuple[_Entry, SequenceStep]]) -> None:
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), time.time_ns()
         for entry, _ in batch:
             if not entry.started:
                 entry.started = True
@@ -220,14 +240,16 @@ class Engine:
             log.exception("%s engine: a step of %d sequences failed", self.name, len(batch))
             self._finish([(entry, err) for entry, _ in batch])
             return
-        step_ms = (time.perf_counter() - start) * 1000
+        step_ms, end_ns = (time.perf_counter() - start) * 1000, time.time_ns()
         num_tokens = sum(len(step.token_ids) for step in steps)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
         outcomes = []
         for (entry, step), rows in zip(batch, logits):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
+            attributes = {"specdec.num_tokens": len(step.token_ids), "specdec.batch_size": len(batch), "specdec.num_batched_tokens": num_tokens}
+            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
             try:
-                done = entry.work.finish_step(step, rows)
+                done = entry.call(entry.work.finish_step, step, rows)
             except Exception as err:  # noqa: BLE001 (handed to the caller)
                 outcomes.append((entry, err))
                 continue

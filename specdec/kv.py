@@ -7,17 +7,17 @@ token, whose logits the next step needs. Rejected draft positions therefore vani
 reconcile, and the next logits equal those of a fresh prefill of the committed prefix (design
 brief, invariant 3).
 
-Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill``, every model ``forward`` and
-every ``rollback`` that drops cached positions.
+Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`) and every
+``rollback`` that drops cached positions; the engine adds the ``forward`` spans.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Work
+from specdec.engine import Engine, Work
 
 tracer = trace.get_tracer(__name__)
 
@@ -59,16 +59,15 @@ class SequenceKV:
         self.cached_tokens.extend(step.token_ids)
 
     def extend(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        """Runs ``tokens`` through the model alone, appending their KV.
+        """Runs ``tokens`` through the model alone, outside any engine (checks and start-up
+        measurements), appending their KV.
 
         Returns:
             ``[num_logits, V]`` float32 logits of the last ``num_logits`` positions (row i scores
             the token that follows position ``len(tokens) - num_logits + i``).
         """
         step = self.step(tokens, num_logits)
-        attributes = {"specdec.num_tokens": len(tokens), "specdec.cache_length": len(self.cached_tokens)}
-        with tracer.start_as_current_span("forward", attributes=attributes):
-            (logits,) = self.lm.forward([step])
+        (logits,) = self.lm.forward([step])
         self.appended(step)
         return logits
 
@@ -113,3 +112,12 @@ class PrefillWork(Work):
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.kv.appended(step)
         return len(self.kv.cached_tokens) >= len(self.committed) - 1
+
+
+def prefill(engine: Engine, kv: SequenceKV, committed: Sequence[int], timeout_s: float | None = None,
+            abandoned: Callable[[], bool] | None = None) -> None:
+    """Caches ``committed`` but its last token through ``engine`` (``timeout_s`` and ``abandoned``
+    as in :meth:`specdec.engine.Engine.run`), in a ``prefill`` span."""
+    if len(committed) > 1:
+        with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}):
+            engine.run(PrefillWork(kv, committed), timeout_s, abandoned)

@@ -21,7 +21,7 @@ from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.batching import SequenceStep
 from specdec.engine import Engine, StepStats, Work
 from specdec.errors import InvalidArgument
-from specdec.kv import PrefillWork, SequenceKV
+from specdec.kv import SequenceKV, prefill
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
@@ -191,9 +191,7 @@ class TargetSession:
 
     def prefill(self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None) -> None:
         self.committed = list(committed)
-        if len(self.committed) > 1:
-            with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(self.committed)}):
-                self._run(PrefillWork(self.kv, self.committed), timeout_s, abandoned)
+        prefill(self.target.engine, self.kv, self.committed, timeout_s, abandoned)
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
         """``[len(draft_tokens) + 1, V]`` float32 logits after the committed prefix and after each
@@ -245,4 +243,5 @@ class TargetSession:
         return self.kv.cache_bytes()
 
     def close(self) -> None:
+        self.target.engine.forget(self.kv.seq_id)
         self.kv.close()

@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
-from specdec.kv import PrefillWork, SequenceKV
+from specdec.kv import SequenceKV, prefill
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
@@ -64,13 +64,15 @@ class DraftSession(abc.ABC):
 class Drafter(abc.ABC):
     """A kind of draft, shared by its sessions.
 
-    ``vocab_fingerprint`` is empty for drafters that work with any vocabulary.
+    ``vocab_fingerprint`` is empty for drafters that work with any vocabulary; ``engine`` is None
+    for drafters without a model (their sessions need no batched steps).
     """
 
     name: str
     model: str = ""
     vocab_fingerprint: str = ""
     step_ms: float = 0.0  # ms per proposed token, see measure_step_ms
+    engine: Engine | None = None  # the engine loop of a model drafter's batched steps
 
     @abc.abstractmethod
     def new_session(self, sampling: SamplingParams) -> DraftSession: ...
@@ -137,8 +139,8 @@ class ModelDraftSession(DraftSession):
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
-        if 1 < len(self.committed) < self.window:
-            self.engine.run(PrefillWork(self.kv, self.committed))
+        if len(self.committed) < self.window:
+            prefill(self.engine, self.kv, self.committed)
 
     def propose(self, k: int) -> Proposal:
         if len(self.committed) + k > self.window:
@@ -150,4 +152,5 @@ class ModelDraftSession(DraftSession):
         return self.kv.cache_bytes()
 
     def close(self) -> None:
+        self.engine.forget(self.kv.seq_id)
         self.kv.close()
