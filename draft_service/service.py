@@ -130,10 +130,12 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     drafters = drafters if drafters is not None else load_drafters(settings)
+    metrics = ServiceMetrics()
+    for name, drafter in drafters.items():
+        if drafter.engine is not None:
+            drafter.engine.metrics = metrics.engine_metrics(name)
     sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
-    servicer = DraftServicer(
-        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, ServiceMetrics()
-    )
+    servicer = DraftServicer(drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics)
 
     return start_service(
         servicer,

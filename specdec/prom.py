@@ -17,14 +17,32 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
 QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class _EngineHistograms(EngineMetrics):
-    """One engine's view of the service's step histograms (label ``engine``)."""
+class _EngineHistograms:
+    """The step and queue histograms of a service's engine loops (label ``engine``), registered
+    by the first engine that asks (so the coordinator, which has none, exports none)."""
 
-    def __init__(self, metrics: "ServiceMetrics", engine: str):
-        self._batch = metrics.batch_size.labels(engine)
-        self._tokens = metrics.batched_tokens.labels(engine)
-        self._step = metrics.step_time.labels(engine)
-        self._queue = metrics.queue_time.labels(engine)
+    def __init__(self, registry: CollectorRegistry):
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["engine"], buckets=buckets, registry=registry)
+
+        self.batch_size = histogram("specdec:batch_size", "Sequences (sessions) per batched forward (step) of an engine loop.", BATCH_SIZE_BUCKETS)
+        self.batched_tokens = histogram(
+            "specdec:num_batched_tokens", "New tokens per step (every sequence's verify, decode or prefill tokens).", BATCHED_TOKENS_BUCKETS
+        )
+        self.step_time = histogram("specdec:step_time_seconds", "A step's forward time.", STEP_BUCKETS)
+        self.queue_time = histogram(
+            "specdec:queue_time_seconds", "Per call: time in the engine's queue before its first step began.", QUEUE_BUCKETS
+        )
+
+
+class _EngineView(EngineMetrics):
+    """One engine's labelled children of :class:`_EngineHistograms`."""
+
+    def __init__(self, histograms: _EngineHistograms, engine: str):
+        self._batch = histograms.batch_size.labels(engine)
+        self._tokens = histograms.batched_tokens.labels(engine)
+        self._step = histograms.step_time.labels(engine)
+        self._queue = histograms.queue_time.labels(engine)
 
     def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
         self._batch.observe(num_seqs)
@@ -45,23 +63,14 @@ class ServiceMetrics:
             "specdec:rpc_errors", "RPCs this service failed, by method and gRPC status code.",
             ["method", "code"], registry=self.registry,
         )
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, ["engine"], buckets=buckets, registry=self.registry)
-
-        self.batch_size = histogram("specdec:batch_size", "Sequences (sessions) per batched forward (step) of an engine loop.", BATCH_SIZE_BUCKETS)
-        self.batched_tokens = histogram(
-            "specdec:num_batched_tokens", "New tokens per step (every sequence's verify, decode or prefill tokens).", BATCHED_TOKENS_BUCKETS
-        )
-        self.step_time = histogram("specdec:step_time_seconds", "A step's forward time.", STEP_BUCKETS)
-        self.queue_time = histogram(
-            "specdec:queue_time_seconds", "Per call: time in the engine's queue before its first step began.", QUEUE_BUCKETS
-        )
+        self._engines: _EngineHistograms | None = None
         self._http = None
 
     def engine_metrics(self, engine: str) -> EngineMetrics:
         """The step and queue histograms of the engine named ``engine`` (its label value)."""
-        return _EngineHistograms(self, engine)
+        if self._engines is None:
+            self._engines = _EngineHistograms(self.registry)
+        return _EngineView(self._engines, engine)
 
     def track_sessions(self, num_sessions: Callable[[], int], kv_cache_bytes: Callable[[], int]) -> None:
         """Exports the open sessions and the bytes their KV caches hold, read at every scrape."""
