@@ -50,7 +50,9 @@ class BatchedLM(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        """One forward over every step's tokens (each sequence at most once).
+        """One forward over every step's tokens (each sequence at most once). A sequence freed
+        after its step was scheduled (its caller gave up) must not fail the others: its step
+        touches no live sequence and its logits are meaningless (NaN or scratch).
 
         Returns:
             per step, ``[num_logits, V]`` float32 logits on the CPU: row i scores the token that

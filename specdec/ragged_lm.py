@@ -119,16 +119,13 @@ class RaggedLM(BatchedLM):
         slot = self._slots[seq_id]
         slot.length = min(slot.length, length)
 
-    def length(self, seq_id: int) -> int:
-        return self._slots[seq_id].length
-
     def cache_bytes(self, seq_id: int) -> int:
         slot = self._slots.get(seq_id)
         return slot.length * self.bytes_per_token if slot else 0
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        with self._lock:
-            slots = [self._slots[step.seq_id] for step in steps]
+        with self._lock:  # a sequence freed after its step was scheduled runs on a scratch slot
+            slots = [self._slots.get(step.seq_id) or _Slot(self._new_kv(MIN_CAPACITY)) for step in steps]
         counts = [len(step.token_ids) for step in steps]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         for slot, count in zip(slots, counts):
