@@ -86,6 +86,7 @@ class StepCosts:
     overhead_ms: list[float] = field(default_factory=lambda: [1.0, 2.0])
     weight: float = 0.1
     batched_ms: dict[int, float] = field(default_factory=dict)
+    _points: list[tuple[int, float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0) -> float:
         """A round of k drafts while other sequences bring ``others_tokens`` to the step;
@@ -111,7 +112,9 @@ class StepCosts:
         """A verify call's ms at ``num_tokens`` batched tokens: linear between the measured points
         (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), extended beyond the last
         point along the slope of the last two."""
-        points = sorted(({k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms).items())
+        if self._points is None:  # sorted once per change, not per option of every round
+            self._points = sorted(({k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms).items())
+        points = self._points
         if num_tokens <= points[0][0]:
             return points[0][1]
         for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
@@ -133,6 +136,7 @@ class StepCosts:
             self.verify_ms[k] = ema(self.verify_ms[k], record.verify_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.verify_ms
         self.overhead_ms[draft_call] = ema(self.overhead_ms[draft_call], overhead, self.weight)
+        self._points = None
 
 
 @dataclass
