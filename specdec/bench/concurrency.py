@@ -60,8 +60,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from coordinator.client import FINISH_REASONS
 from specdec.bench.chart import write_concurrency_chart
 from specdec.bench.pipeline_method import peak_rss_bytes, start_cluster
-from specdec.bench.questions import Question, load_questions
+from specdec.bench.questions import Question
 from specdec.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
+from specdec.bench.run import BenchInputs, machine_info
 from specdec.launcher import free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.timing import ms_since
@@ -97,24 +98,14 @@ NOTES = [
 
 
 @dataclass
-class ConcurrencyConfig:
+class ConcurrencyConfig(BenchInputs):
     """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
     ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram)."""
 
-    questions: Path
-    out: Path
-    command: str
-    categories: list[str] | None = None
-    limit: int | None = 10
-    max_new_tokens: int = 128
-    seed: int = 0
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    target: str = "smollm2"
-    draft_model: str = "smollm2"
     drafter: str = "llama-cpp"
-    dtype: str = "auto"
 
 
 @dataclass
@@ -548,17 +539,14 @@ def _margins(mismatches: list[dict], references: dict[int, RequestRecord], quest
 
 
 def _validated(config: ConcurrencyConfig) -> list[Question]:
-    if config.max_new_tokens < 1 or (config.limit is not None and config.limit < 1) or config.requests_per_client < 1:
-        raise ValueError("--max-new-tokens, --limit and --requests-per-client must be at least 1")
+    if config.requests_per_client < 1:
+        raise ValueError("--requests-per-client must be at least 1")
     if not config.concurrency or min(config.concurrency) < 1:
         raise ValueError("--concurrency needs client counts of at least 1")
     unknown = [m for m in config.methods if m not in METHODS]
     if not config.methods or unknown:
         raise ValueError(f"--methods: use a subset of {', '.join(METHODS)}")
-    questions = load_questions(config.questions, config.categories, config.limit)
-    if not questions:
-        raise ValueError(f"{config.questions} has no questions")
-    return interleave_categories(questions)
+    return interleave_categories(config.load_questions())
 
 
 @contextlib.contextmanager
@@ -609,7 +597,6 @@ def _stopped_by_sigterm():
 def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
     import transformers
 
-    from specdec.bench.run import machine_info
     from specdec.models import load_causal_lm, load_tokenizer
 
     transformers.utils.logging.disable_progress_bar()

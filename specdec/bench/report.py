@@ -157,17 +157,24 @@ def _drafter_shares(rounds_per_drafter: dict[str, int] | None) -> str:
     return ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(rounds_per_drafter.items()) if count)
 
 
-def to_markdown(report: dict) -> str:
-    """The report as Markdown: speedups per category, the overall figures, round costs, memory."""
+def _header(report: dict, title: str, details: str) -> list[str]:
+    """A report's Markdown title, command and the line naming machine, models and ``details``."""
     machine, config = report["machine"], report["config"]
-    lines = [
-        "# specdec bench",
+    return [
+        f"# {title}",
         "",
         f"`{config['command']}`",
         "",
         f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
         f"transformers {machine['transformers']}; target `{config['target']}`, draft `{config['draft_model']}`, "
-        f"{config['max_new_tokens']} new tokens, greedy, {report['num_questions']} prompts.",
+        f"{config['max_new_tokens']} new tokens, greedy{details}",
+    ]
+
+
+def to_markdown(report: dict) -> str:
+    """The report as Markdown: speedups per category, the overall figures, round costs, memory."""
+    lines = [
+        *_header(report, "specdec bench", f", {report['num_questions']} prompts."),
         "",
         "## Speedup over plain decoding (ratio of tokens/s)",
         "",
@@ -318,17 +325,13 @@ def identity_table(report: dict) -> list[str]:
 def concurrency_markdown(report: dict) -> str:
     """The ``--concurrency`` report as Markdown: command, machine, the per-cell table, identity
     per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
-    machine, config = report["machine"], report["config"]
+    config = report["config"]
     lines = [
-        "# specdec bench --concurrency",
-        "",
-        f"`{config['command']}`",
-        "",
-        f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
-        f"transformers {machine['transformers']}; target `{config['target']}`, draft `{config['draft_model']}` "
-        f"(drafter `{config['drafter']}`), {config['max_new_tokens']} new tokens, greedy; closed loop: N clients, "
-        f"{config['requests_per_client']} requests each per cell, over {report['num_questions']} prompts "
-        "(categories round-robin).",
+        *_header(
+            report, "specdec bench --concurrency",
+            f"; drafter `{config['drafter']}`; closed loop: N clients, {config['requests_per_client']} requests each "
+            f"per cell, over {report['num_questions']} prompts (categories round-robin).",
+        ),
         "",
         *(f"- {note}" for note in report["notes"]),
         "",

@@ -27,8 +27,9 @@ REPORT_FILES = ("report.json", "report.md", "speedup.png")
 
 
 @dataclass
-class BenchConfig:
-    """What ``specdec bench`` runs; see ``specdec bench --help`` for each field."""
+class BenchInputs:
+    """What every mode of ``specdec bench`` takes: prompts, models, output folder (see
+    ``specdec bench --help`` for each field)."""
 
     questions: Path
     out: Path
@@ -37,13 +38,28 @@ class BenchConfig:
     limit: int | None = 10
     max_new_tokens: int = 128
     seed: int = 0
+    target: str = "smollm2"
+    draft_model: str = "smollm2"
+    dtype: str = "auto"
+
+    def load_questions(self) -> list[Question]:
+        """The selected prompts. Raises ValueError naming the option to fix."""
+        if self.max_new_tokens < 1 or (self.limit is not None and self.limit < 1):
+            raise ValueError("--max-new-tokens and --limit must be at least 1")
+        questions = load_questions(self.questions, self.categories, self.limit)
+        if not questions:
+            raise ValueError(f"{self.questions} has no questions")
+        return questions
+
+
+@dataclass
+class BenchConfig(BenchInputs):
+    """What ``specdec bench`` (batch 1) runs."""
+
     pipelines: list[str] = field(
         default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8", "ngram:auto", "llama-cpp:auto"]
     )
     hf_k: list[int] = field(default_factory=lambda: [4])
-    target: str = "smollm2"
-    draft_model: str = "smollm2"
-    dtype: str = "auto"
 
 
 def parse_pipeline(spec: str) -> tuple[str, int | None]:
@@ -109,12 +125,7 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
 
 
 def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]]]:
-    if config.max_new_tokens < 1 or (config.limit is not None and config.limit < 1):
-        raise ValueError("--max-new-tokens and --limit must be at least 1")
-    questions = load_questions(config.questions, config.categories, config.limit)
-    if not questions:
-        raise ValueError(f"{config.questions} has no questions")
-    return questions, [parse_pipeline(spec) for spec in config.pipelines]
+    return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines]
 
 
 def _report(config, questions, methods, measurements, memory) -> dict:
