@@ -15,7 +15,8 @@ decode step on the verify service (the fallback).
 Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every session's
 round into one step whose cost grows with its batched tokens, so a session's K + 1 tokens make
 every other session's round slower too. With B other sequences bringing T tokens to the step (the
-load the service reported for the session's last round), option K is scored by the whole batch's
+sequences running on the service when it served the session's last round, also those away
+drafting: they are the batch a step should hold), option K is scored by the whole batch's
 expected tokens per ms, (E(K) + B x g) / (draft(K) + step(T + K + 1) + rest), where g is the
 tokens a round of this session commits on average (the others are assumed alike) and step(n) is
 the verify cost at n batched tokens, measured by the service at start-up (:attr:`StepCosts.batched_ms`)
@@ -141,9 +142,9 @@ class StepCosts:
 
 @dataclass
 class Load:
-    """What the verify step that served a session's rounds held besides the session: sequences
-    and their batched tokens (EMAs of what the service reported, ``weight`` on the newest), and the
-    tokens the session's own rounds commit (the share each other sequence is assumed to add)."""
+    """The load on the verify service besides the session: sequences and their new tokens per step
+    (EMAs of what the service reported, ``weight`` on the newest), and the tokens the session's own
+    rounds commit (the share each other sequence is assumed to add)."""
 
     others_seqs: float = 0.0
     others_tokens: float = 0.0
@@ -151,9 +152,15 @@ class Load:
     weight: float = 0.5
 
     def observe(self, record: RoundRecord, committed: int) -> None:
+        """Others: the sequences running on the verify service besides this one (not only those
+        that made this round's step: a session away drafting is still in the batch it would slow),
+        each bringing the mean new tokens of the others in the step (1 when none were)."""
         if record.batch_size:  # 0: a service that reports no step (older, or a test double)
-            self.others_seqs = ema(self.others_seqs, max(0, record.batch_size - 1), self.weight)
-            self.others_tokens = ema(self.others_tokens, max(0, record.batched_tokens - record.num_drafted - 1), self.weight)
+            others = max(record.running_seqs, record.batch_size) - 1
+            in_step = record.batch_size - 1
+            per_other = (record.batched_tokens - record.num_drafted - 1) / in_step if in_step else 1.0
+            self.others_seqs = ema(self.others_seqs, others, self.weight)
+            self.others_tokens = ema(self.others_tokens, others * per_other, self.weight)
         self.round_tokens = ema(self.round_tokens, committed, self.weight)
 
     def others_expected_tokens(self) -> float:

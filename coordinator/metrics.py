@@ -25,7 +25,8 @@ class RoundRecord:
     makes the round a plain decode step), ``num_accepted`` of them accepted; times in ms (draft
     and verify are the services' own compute times); ``wire_bytes``: protobuf bytes of the
     round's requests and responses; ``batch_size`` and ``batched_tokens``: the verify service's
-    step that served the round (sequences, new tokens), ``queue_ms`` the round's wait before it."""
+    step that served the round (sequences, new tokens), ``queue_ms`` the round's wait before it,
+    ``running_seqs`` the sequences running on the verify service then (see ``StepStats``)."""
 
     drafter: str
     k: int
@@ -38,6 +39,7 @@ class RoundRecord:
     batch_size: int = 0
     batched_tokens: int = 0
     queue_ms: float = 0.0
+    running_seqs: int = 0
 
 
 @dataclass

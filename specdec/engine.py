@@ -42,12 +42,15 @@ tracer = trace.get_tracer(__name__)
 @dataclass
 class StepStats:
     """The last step that ran a call's work: sequences and batched tokens in it, its forward time
-    (ms), and the time the call waited before its first step began (ms)."""
+    (ms), the time the call waited before its first step began (ms), and the running sequences
+    (served in the last two steps or queued: the batch a step would hold if every session kept
+    in step, also those away drafting)."""
 
     num_seqs: int = 0
     num_tokens: int = 0
     step_ms: float = 0.0
     queue_ms: float = 0.0
+    num_running_seqs: int = 0
 
 
 class Work(abc.ABC):
@@ -190,8 +193,9 @@ class Engine:
                     return
                 self._wait_for_previous()
                 batch = self._schedule()
+                running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
             if batch:
-                self._step(batch)
+                self._step(batch, running)
 
     def _wait_for_previous(self) -> None:
         """Waits (holding the condition) up to ``batch_wait_ms`` after the last step for the
@@ -226,7 +230,7 @@ class Engine:
                 budget -= len(step.token_ids)
         return batch
 
-    def _step(self, batch: list[tuple[_Entry, SequenceStep]]) -> None:
+    def _step(self, batch: list[tuple[_Entry, SequenceStep]], running: int) -> None:
         start, start_ns = time.perf_counter(), time.time_ns()
         for entry, _ in batch:
             if not entry.started:
@@ -246,6 +250,7 @@ class Engine:
         outcomes = []
         for (entry, step), rows in zip(batch, logits):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
+            entry.stats.num_running_seqs = max(running, len(batch))
             attributes = {"specdec.num_tokens": len(step.token_ids), "specdec.batch_size": len(batch), "specdec.num_batched_tokens": num_tokens}
             tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
             try:

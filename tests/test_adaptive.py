@@ -160,3 +160,13 @@ def test_k_shrinks_to_plain_decode_as_the_batch_grows():
         policy.load = Load(others_seqs=others, others_tokens=others, round_tokens=1.0)
         chosen[others] = policy.next_round(None)[1]
     assert chosen[0] >= 3 and chosen[0] > chosen[3] >= chosen[15] and chosen[15] == 0
+
+
+def test_load_counts_every_running_sequence_not_only_those_in_the_step():
+    """16 sessions run, but the round's step held 4 (the rest were away drafting): the others are
+    15, each bringing the step's mean tokens per other sequence."""
+    load = Load(weight=1.0)
+    record = RoundRecord("llama-cpp", 3, 3, 1, draft_ms=20.0, verify_ms=120.0, wall_ms=150.0, wire_bytes=0,
+                         batch_size=4, batched_tokens=10, running_seqs=16)
+    load.observe(record, committed=2)
+    assert (load.others_seqs, load.others_tokens, load.round_tokens) == (15, 15 * 2.0, 2)
