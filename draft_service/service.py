@@ -33,11 +33,14 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.llama_cpp_n_threads,
                 settings.llama_cpp_n_gpu_layers,
                 max_num_seqs=min(settings.llama_cpp_max_num_seqs, settings.max_sessions),
+                max_num_batched_tokens=settings.max_num_batched_tokens,
             )
         elif name == "transformers":
             from draft_service.drafters.transformers_lm import TransformersDrafter
 
-            drafters[name] = TransformersDrafter.load(settings.transformers_model, settings.transformers_dtype)
+            drafters[name] = TransformersDrafter.load(
+                settings.transformers_model, settings.transformers_dtype, settings.max_num_seqs, settings.max_num_batched_tokens
+            )
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram")
         drafters[name].measure_step_ms()

@@ -37,6 +37,14 @@ class SessionServiceSettings(ServiceSettings):
     max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
     session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
     max_num_speculative_tokens: int = Field(16, description="Largest K a Propose / Verify call accepts.")
+    max_num_seqs: int = Field(
+        16, ge=1, description="Sequences (sessions) one batched forward (step) of a model takes at most; more wait "
+        "for the next step (the llama-cpp drafter's steps take up to its --llama-cpp-max-num-seqs sequences).",
+    )
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
+        "fill the rest); at least max_num_speculative_tokens + 1.",
+    )
 
 
 def parse_settings(cls: type[ServiceSettings], args: list[str], prog: str) -> ServiceSettings:

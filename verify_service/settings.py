@@ -19,13 +19,6 @@ class VerifySettings(SessionServiceSettings):
     device_map: str | None = Field(
         None, description="accelerate device map, e.g. 'auto' to spread the target over every visible GPU."
     )
-    max_num_seqs: int = Field(
-        16, ge=1, description="Sequences (sessions) one batched target forward (step) takes at most; more wait for the next step."
-    )
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="New tokens one step takes at most (verify K + 1, decode 1, prefill chunks fill the rest); "
-        "at least max_num_speculative_tokens + 1.",
-    )
     batch_wait_ms: float = Field(
         5.0, ge=0, description="After a step, wait up to this long for the sessions that were in it to send their next "
         "call, so lock-step clients share steps, ms.",

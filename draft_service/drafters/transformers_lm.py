@@ -12,21 +12,22 @@ from specdec.vocab import tokenizer_fingerprint
 
 
 class TransformersDrafter(Drafter):
-    """``max_num_seqs`` proposals share a step at most."""
+    """``max_num_seqs`` proposals share a step at most, of ``max_num_batched_tokens`` new tokens
+    (prefill chunks fill what proposals leave)."""
 
     name = "transformers"
 
-    def __init__(self, model, tokenizer, model_name: str, max_num_seqs: int = 16):
+    def __init__(self, model, tokenizer, model_name: str, max_num_seqs: int = 16, max_num_batched_tokens: int = 512):
         self.model = model_name
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.window = context_window(model)
         self.lm = RaggedLM(model)
-        self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max(self.window, 1), name=self.name)
+        self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
 
     @classmethod
-    def load(cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16) -> "TransformersDrafter":
+    def load(cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, spec, max_num_seqs)
+        return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens)
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
         return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine)
