@@ -22,6 +22,7 @@ seed, so greedy and seeded sampling output is the same as without the fault.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -63,19 +64,21 @@ class SpeculativeSession:
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
         self._background: set[asyncio.Task] = set()
+        self._draft_prefill: asyncio.Future | None = None  # the draft's background prefill
 
     def _new_session_id(self, service: str) -> str:
         self._generation += 1
         return f"{self.session_id}.{service}{self._generation}"
 
     async def prefill(self) -> None:
-        """Opens the session on a verify replica (and on the draft service when the request uses
-        it; a draft that fails here is only retried later). Raises UNAVAILABLE or
-        RESOURCE_EXHAUSTED when no replica takes it."""
-        calls = [self._open_verify(deadline=None)]
+        """Opens the session on a verify replica; raises UNAVAILABLE or RESOURCE_EXHAUSTED when no
+        replica takes it. The draft session (when the request uses one) is prefilled in the
+        background: the first tokens do not wait for it (a small draft prefills a long prompt
+        slower than the target), rounds run without the draft until it is ready, and a draft that
+        fails here is only retried later."""
         if self.uses_draft:
-            calls.append(self._open_draft_or_fail())
-        await asyncio.gather(*calls)
+            self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
+        await self._open_verify(deadline=None)
 
     # --- verify side ---------------------------------------------------------------------
 
@@ -131,9 +134,18 @@ class SpeculativeSession:
 
     # --- draft side ----------------------------------------------------------------------
 
+    def _check_draft_prefill(self) -> None:
+        """Once the background draft prefill is done: raises what it found wrong with the request
+        itself (INVALID_ARGUMENT, FAILED_PRECONDITION; other failures only defer the draft)."""
+        if self._draft_prefill is not None and self._draft_prefill.done():
+            prefill, self._draft_prefill = self._draft_prefill, None
+            prefill.result()
+
     def draft_available(self) -> bool:
-        """Whether this round may ask the draft service (it is used and has not failed recently)."""
-        return self.uses_draft and time.monotonic() >= self.draft_retry_at
+        """Whether this round may ask the draft service (it is used, its prefill is done and it has
+        not failed recently)."""
+        prefilling = self._draft_prefill is not None and not self._draft_prefill.done()
+        return self.uses_draft and not prefilling and time.monotonic() >= self.draft_retry_at
 
     async def _open_draft(self) -> None:
         session_id = self._new_session_id("d")
@@ -141,8 +153,9 @@ class SpeculativeSession:
             session_id=session_id, drafter=self.request.drafter, token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
         )
+        seen = len(self.committed)  # rounds may commit more while the prefill runs
         await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
-        self.draft_session, self.draft_seen = session_id, len(self.committed)
+        self.draft_session, self.draft_seen = session_id, seen
 
     async def _open_draft_or_fail(self) -> None:
         try:
@@ -197,6 +210,7 @@ class SpeculativeSession:
         plain decode round while the draft is unavailable). Returns the newly committed tokens
         and the round's record (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
+        self._check_draft_prefill()
         draft_ms, proposal, distributions = 0.0, [], []
         if local_proposal is not None:
             proposal = local_proposal[:k]
@@ -226,7 +240,12 @@ class SpeculativeSession:
 
     async def release(self) -> None:
         """Releases both sessions and waits for the background releases; failures are logged (the
-        services' idle timeout reclaims what is left)."""
+        services' idle timeout reclaims what is left). A draft prefill still running is cancelled
+        (the draft service drops a session whose Prefill was cancelled)."""
+        if self._draft_prefill is not None and not self._draft_prefill.done():
+            self._draft_prefill.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._draft_prefill
         if self.verify_session:
             self._release_verify()
         if self.draft_session is not None:
