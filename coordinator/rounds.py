@@ -72,13 +72,17 @@ class SpeculativeSession:
 
     async def prefill(self) -> None:
         """Opens the session on a verify replica; raises UNAVAILABLE or RESOURCE_EXHAUSTED when no
-        replica takes it. The draft session (when the request uses one) is prefilled in the
-        background: the first tokens do not wait for it (a small draft prefills a long prompt
-        slower than the target), rounds run without the draft until it is ready, and a draft that
-        fails here is only retried later."""
+        replica takes it. The draft session (when the request uses one; a draft that fails here is
+        only retried later) is prefilled alongside. Under greedy decoding the first tokens do not
+        wait for it (a small draft prefills a long prompt slower than the target): rounds run
+        without the draft until it is ready, which cannot change greedy output. Under sampling they
+        wait, because the sampled tokens depend on the proposals: a seed reproduces a completion
+        only if the same rounds use the draft whatever the timing."""
         if self.uses_draft:
             self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
         await self._open_verify(deadline=None)
+        if self._draft_prefill is not None and not self.request.sampling.greedy:
+            await self._draft_prefill
 
     # --- verify side ---------------------------------------------------------------------
 
