@@ -19,9 +19,10 @@ sequences running on the service when it served the session's last round, also t
 drafting: they are the batch a step should hold), option K is scored by the whole batch's
 expected tokens per ms, (E(K) + B x g) / (draft(K) + step(T + K + 1) + rest), where g is the
 tokens a round of this session commits on average (the others are assumed alike) and step(n) is
-the verify cost at n batched tokens, measured by the service at start-up (:attr:`StepCosts.batched_ms`)
-and kept fresh from live rounds. Alone (B = 0) this is the formula above. As load grows K shrinks,
-and reaches 0 (plain decode) where speculation no longer pays.
+the verify cost at n batched tokens: a line fitted to the service's measurements at start-up
+(:attr:`StepCosts.batched_ms`) and to live rounds (:meth:`StepCosts.step_ms`). Alone (B = 0) this
+is the formula above. As load grows K shrinks, and reaches 0 (plain decode) where speculation no
+longer pays.
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 n-gram index (:mod:`specdec.ngram`, no network hop, no draft cost). Its proposal competes with the
@@ -34,6 +35,7 @@ so a match at a position has probability p(token), the acceptance probability of
 draft (Leviathan et al. 2023). So n-gram estimates need no probing and cost nothing to keep.
 """
 
+import statistics
 from dataclasses import dataclass, field
 
 from coordinator.metrics import PLAIN, RoundRecord
@@ -87,7 +89,7 @@ class StepCosts:
     overhead_ms: list[float] = field(default_factory=lambda: [1.0, 2.0])
     weight: float = 0.1
     batched_ms: dict[int, float] = field(default_factory=dict)
-    _points: list[tuple[int, float]] | None = field(default=None, init=False, repr=False, compare=False)
+    _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0) -> float:
         """A round of k drafts while other sequences bring ``others_tokens`` to the step;
@@ -110,34 +112,37 @@ class StepCosts:
         return self.step_ms(others_tokens + k + 1)
 
     def step_ms(self, num_tokens: float) -> float:
-        """A verify call's ms at ``num_tokens`` batched tokens: linear between the measured points
-        (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), extended beyond the last
-        point along the slope of the last two."""
-        if self._points is None:  # sorted once per change, not per option of every round
-            self._points = sorted(({k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms).items())
-        points = self._points
-        if num_tokens <= points[0][0]:
-            return points[0][1]
-        for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
-            if num_tokens <= n1:
-                return ms0 + (ms1 - ms0) * (num_tokens - n0) / (n1 - n0)
-        if len(points) == 1:
-            return points[0][1]
-        (n0, ms0), (n1, ms1) = points[-2], points[-1]
-        return ms1 + max(0.0, (ms1 - ms0) / (n1 - n0)) * (num_tokens - n1)
+        """A verify call's ms at ``num_tokens`` batched tokens: the least-squares line through the
+        measured points (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), its slope
+        at least 0. A line rather than an interpolation: on a shared CPU one measurement varies by
+        up to 2x, and a dip between two points made the tokens up to the next look free."""
+        if self._line is None:  # fitted once per change, not per option of every round
+            points = {k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms
+            if len(points) < 2:
+                self._line = (next(iter(points.values())), 0.0)
+            else:
+                slope, intercept = statistics.linear_regression(list(points), list(points.values()))
+                self._line = (intercept, max(0.0, slope))
+        intercept, slope = self._line
+        return intercept + slope * num_tokens
 
     def observe(self, record: RoundRecord, draft_call: bool) -> None:
+        """Learns from a finished round. The verify costs take the forward time of the step that
+        served it (``record.step_ms``; a service reporting no step: its handling time); what the
+        round waited for a step, behind other work or because it came back from drafting after
+        the step had begun, goes to the overhead of rounds of its kind."""
         k = record.num_drafted
         if draft_call and k:
             self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / k, self.weight)
+        verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
             n = record.batched_tokens
-            self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), record.verify_ms, self.weight)
+            self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
-            self.verify_ms[k] = ema(self.verify_ms[k], record.verify_ms, self.weight)
-        overhead = record.wall_ms - record.draft_ms - record.verify_ms
+            self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
+        overhead = record.wall_ms - record.draft_ms - verify_ms
         self.overhead_ms[draft_call] = ema(self.overhead_ms[draft_call], overhead, self.weight)
-        self._points = None
+        self._line = None
 
 
 @dataclass
@@ -173,7 +178,8 @@ class AdaptiveK:
     ``drafter`` (None: none) with K in [1, k_max], and the n-gram ``match`` with K up to its
     length; the one with the most expected tokens per ms wins (the cheaper on a tie). While plain
     decode wins (the fallback), every ``probe_interval``-th round asks the model drafter for
-    ``probe_k`` tokens anyway, so that a session whose text becomes predictable is noticed.
+    ``probe_k`` tokens anyway (less often where a probe costs more, see
+    :meth:`_rounds_between_probes`), so that a session whose text becomes predictable is noticed.
     ``ngram[n - 1]`` is the acceptance of proposals from an n-token suffix match."""
 
     k_max: int
@@ -214,11 +220,22 @@ class AdaptiveK:
         """The round's (drafter, K): ``self.drafter``, NGRAM (propose ``match.tokens[:K]``) or
         (PLAIN, 0). ``draft_available`` False (the draft service failed recently): never the
         model drafter."""
-        drafter, k, _ = max(self.options(match, draft_available), key=lambda option: (option[2], -option[1]))
+        opts = self.options(match, draft_available)
+        drafter, k, _ = max(opts, key=lambda option: (option[2], -option[1]))
+        import logging; logging.getLogger("DIAG").info("load=%.1f/%.1f rt=%.2f n=%s ng=%s step=%s chose=%s/%s", self.load.others_seqs, self.load.others_tokens, self.load.round_tokens, match and match.n, [round(r,2) for r in self.ngram[match.n-1].rates] if match else None, [round(self.costs.step_ms(n)) for n in (1,2,4,8,12,16,24,32)], drafter, k)
         self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
-        if self.drafter and draft_available and self._fallback_rounds and self._fallback_rounds % self.probe_interval == 0:
+        if self.drafter and draft_available and self._fallback_rounds >= self._rounds_between_probes():
+            self._fallback_rounds = 0
             return self.drafter, min(self.probe_k, self.k_max)
         return drafter, k
+
+    def _rounds_between_probes(self) -> float:
+        """``probe_interval``, stretched by what a probe round costs over a plain one at the current
+        load: probing a slow draft, or one on a loaded service, then costs no larger share of the
+        fallback's time than probing a cheap one."""
+        others = self.load.others_tokens
+        probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others)
+        return self.probe_interval * max(1.0, probe / self.costs.round_ms(0, False, others))
 
     def observe(self, record: RoundRecord, match: NgramMatch | None, committed: list[int]) -> None:
         """Learns from a finished round: its record, the n-gram match looked up before it (used
@@ -243,11 +260,16 @@ class AdaptiveK:
 class AdaptiveState:
     """What the coordinator's sessions share per target: step costs per drafter kept fresh by
     every live round, and acceptance estimates per drafter (and per n-gram match length) that
-    warm-start each new session (an EMA over the sessions that ended). ``prior_rate`` seeds
-    estimates never seen: optimistic, so that the first sessions try speculation and measure it."""
+    warm-start each new session (an EMA over the sessions that ended). ``prior_rate`` seeds a
+    model drafter's estimates never seen: optimistic, so that the first sessions try it and measure
+    it (its acceptance is observed only in the rounds that use it). ``ngram_prior_rate`` seeds the
+    n-gram lookup's: a coin toss, as its acceptance is observed every round whether used or not,
+    and an optimistic start made the first sessions on a loaded service verify long lookups that
+    mostly failed (4 sessions at once, each its first: 66 drafts, 11 accepted, in 25 rounds)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
+    ngram_prior_rate: float = 0.5
     session_weight: float = 0.5
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -265,16 +287,16 @@ class AdaptiveState:
         return AdaptiveK(
             k_max,
             name,
-            self._warm_start(name, target.model, k_max) if name else None,
-            [self._warm_start(f"{NGRAM}/{n}", target.model, k_max) for n in range(1, ngram_max + 1)],
+            self._warm_start(name, target.model, k_max, self.prior_rate) if name else None,
+            [self._warm_start(f"{NGRAM}/{n}", target.model, k_max, self.ngram_prior_rate) for n in range(1, ngram_max + 1)],
             self.costs[key],
             target.model,
             self.probe_interval,
         )
 
-    def _warm_start(self, source: str, target: str, k_max: int) -> AcceptanceModel:
+    def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:
         prior = self.priors.setdefault((source, target), [])
-        prior += [self.prior_rate] * (k_max - len(prior))
+        prior += [prior_rate] * (k_max - len(prior))
         return AcceptanceModel(prior[:k_max])
 
     def priors_of(self, target: str) -> dict[str, list[float]]:

@@ -23,10 +23,11 @@ class RoundRecord:
     """One round: K = ``k`` draft tokens asked of ``drafter`` (K = 0 and drafter "": a plain
     decode step), ``num_drafted`` tokens proposed (fewer than K when the drafter has no more; 0
     makes the round a plain decode step), ``num_accepted`` of them accepted; times in ms (draft
-    and verify are the services' own compute times); ``wire_bytes``: protobuf bytes of the
-    round's requests and responses; ``batch_size`` and ``batched_tokens``: the verify service's
-    step that served the round (sequences, new tokens), ``queue_ms`` the round's wait before it,
-    ``running_seqs`` the sequences running on the verify service then (see ``StepStats``)."""
+    and verify are the services' own handling times, their queues included); ``wire_bytes``:
+    protobuf bytes of the round's requests and responses; ``batch_size``, ``batched_tokens`` and
+    ``step_ms``: the verify service's step that served the round (sequences, new tokens, forward
+    time), ``queue_ms`` the round's wait before it, ``running_seqs`` the sequences running on the
+    verify service then (see ``StepStats``)."""
 
     drafter: str
     k: int
@@ -40,6 +41,7 @@ class RoundRecord:
     batched_tokens: int = 0
     queue_ms: float = 0.0
     running_seqs: int = 0
+    step_ms: float = 0.0
 
 
 @dataclass

@@ -237,7 +237,7 @@ class SpeculativeSession:
         self.committed.extend(new)
         record = RoundRecord(
             drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
-            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs,
+            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms,
         )
         log.debug("session %s round: %s", self.session_id, record)
         return new, record
