@@ -218,15 +218,27 @@ class AdaptiveK:
 
     def next_round(self, match: NgramMatch | None, draft_available: bool = True) -> tuple[str, int]:
         """The round's (drafter, K): ``self.drafter``, NGRAM (propose ``match.tokens[:K]``) or
-        (PLAIN, 0). ``draft_available`` False (the draft service failed recently): never the
-        model drafter."""
-        opts = self.options(match, draft_available)
-        drafter, k, _ = max(opts, key=lambda option: (option[2], -option[1]))
-        import logging; logging.getLogger("DIAG").info("load=%.1f/%.1f rt=%.2f n=%s ng=%s step=%s chose=%s/%s", self.load.others_seqs, self.load.others_tokens, self.load.round_tokens, match and match.n, [round(r,2) for r in self.ngram[match.n-1].rates] if match else None, [round(self.costs.step_ms(n)) for n in (1,2,4,8,12,16,24,32)], drafter, k)
+        (PLAIN, 0). ``draft_available`` False (the draft session is not open yet, or the draft
+        service failed recently): never the model drafter."""
+        drafter, k = self._best(match, draft_available)
         self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
         if self.drafter and draft_available and self._fallback_rounds >= self._rounds_between_probes():
             self._fallback_rounds = 0
             return self.drafter, min(self.probe_k, self.k_max)
+        return drafter, k
+
+    def wants_drafter(self, match: NgramMatch | None) -> bool:
+        """Whether this round would ask the model drafter if it were ready: it is the best option,
+        or plain decode is and a probe is due. A session opens its draft only then, so that on a
+        loaded service, where speculation does not pay, no draft prefill takes the shared
+        hardware from the target's steps."""
+        if not self.drafter:
+            return False
+        drafter, _ = self._best(match, True)
+        return drafter == self.drafter or (drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes())
+
+    def _best(self, match: NgramMatch | None, draft_available: bool) -> tuple[str, int]:
+        drafter, k, _ = max(self.options(match, draft_available), key=lambda option: (option[2], -option[1]))
         return drafter, k
 
     def _rounds_between_probes(self) -> float:
@@ -274,9 +286,10 @@ class AdaptiveState:
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def policy(self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, ngram_max: int) -> AdaptiveK:
+    def policy(self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, ngram_max: int, others: int = 0) -> AdaptiveK:
         """A new session's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
-        None: n-gram lookup only (the request's drafter is ``ngram``)."""
+        None: n-gram lookup only (the request's drafter is ``ngram``). ``others``: the requests
+        running besides it, the load it assumes until its first round reports the service's."""
         name = drafter.name if drafter else None
         key = (name or NGRAM, target.model)
         if key not in self.costs:
@@ -292,6 +305,7 @@ class AdaptiveState:
             self.costs[key],
             target.model,
             self.probe_interval,
+            load=Load(others_seqs=others, others_tokens=others),
         )
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:

@@ -70,16 +70,17 @@ class SpeculativeSession:
         self._generation += 1
         return f"{self.session_id}.{service}{self._generation}"
 
-    async def prefill(self) -> None:
+    async def prefill(self, open_draft: bool = True) -> None:
         """Opens the session on a verify replica; raises UNAVAILABLE or RESOURCE_EXHAUSTED when no
-        replica takes it. The draft session (when the request uses one; a draft that fails here is
-        only retried later) is prefilled alongside. Under greedy decoding the first tokens do not
-        wait for it (a small draft prefills a long prompt slower than the target): rounds run
-        without the draft until it is ready, which cannot change greedy output. Under sampling they
-        wait, because the sampled tokens depend on the proposals: a seed reproduces a completion
-        only if the same rounds use the draft whatever the timing."""
-        if self.uses_draft:
-            self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
+        replica takes it. With ``open_draft`` the draft session (when the request uses one; a
+        draft that fails here is only retried later) is prefilled alongside; without, it opens
+        when a round first wants it (:meth:`open_draft`). Under greedy decoding the first tokens
+        do not wait for it (a small draft prefills a long prompt slower than the target): rounds
+        run without the draft until it is ready, which cannot change greedy output. Under sampling
+        they wait, because the sampled tokens depend on the proposals: a seed reproduces a
+        completion only if the same rounds use the draft whatever the timing."""
+        if open_draft:
+            self.open_draft()
         await self._open_verify(deadline=None)
         if self._draft_prefill is not None and not self.request.sampling.greedy:
             await self._draft_prefill
@@ -146,10 +147,15 @@ class SpeculativeSession:
             prefill.result()
 
     def draft_available(self) -> bool:
-        """Whether this round may ask the draft service (it is used, its prefill is done and it has
-        not failed recently)."""
-        prefilling = self._draft_prefill is not None and not self._draft_prefill.done()
-        return self.uses_draft and not prefilling and time.monotonic() >= self.draft_retry_at
+        """Whether this round may ask the draft service: its session is open (prefilled) and the
+        draft has not failed recently."""
+        return self.draft_session is not None and time.monotonic() >= self.draft_retry_at
+
+    def open_draft(self) -> None:
+        """Starts the draft session's prefill in the background, unless the request uses no draft,
+        the session is open or opening, or the draft failed recently; rounds go on without it."""
+        if self.uses_draft and self.draft_session is None and self._draft_prefill is None and time.monotonic() >= self.draft_retry_at:
+            self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
 
     async def _open_draft(self) -> None:
         session_id = self._new_session_id("d")
@@ -181,8 +187,6 @@ class SpeculativeSession:
     async def _proposal(self, k: int) -> draft_pb2.ProposeResponse | None:
         """The draft's proposal of up to ``k`` tokens; None when the draft service failed."""
         try:
-            if self.draft_session is None:
-                await self._open_draft()
             try:
                 return await self._propose(k)
             except NotFound:
@@ -211,7 +215,8 @@ class SpeculativeSession:
     async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
         """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
         when given (the coordinator's n-gram lookup), else a proposal from the draft service (a
-        plain decode round while the draft is unavailable). Returns the newly committed tokens
+        plain decode round while the draft is unavailable, its opening started in the background
+        if it is not open). Returns the newly committed tokens
         and the round's record (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
         self._check_draft_prefill()
@@ -220,7 +225,11 @@ class SpeculativeSession:
             proposal = local_proposal[:k]
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
         elif k > 0:
-            proposed = await self._proposal(k) if self.draft_available() else None
+            proposed = None
+            if self.draft_available():
+                proposed = await self._proposal(k)
+            else:
+                self.open_draft()  # this round is a plain one while the draft opens
             if proposed is None:
                 drafter, k = PLAIN, 0
             else:

@@ -54,10 +54,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
         self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
+        self._num_running = 0  # Generate calls in progress
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
         self.metrics.num_requests_running.inc()
+        self._num_running += 1
         try:
             request_id = request.request_id or uuid.uuid4().hex
             first = True
@@ -73,6 +75,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise
         finally:
             self.metrics.num_requests_running.dec()
+            self._num_running -= 1
 
     async def _draft_info_or_last(self):
         """The draft service's GetInfo; while it is unreachable, the last one seen (None if none)."""
@@ -95,7 +98,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
             with contextlib.suppress(StoreUnavailable):
                 self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
-            policy = self.adaptive.policy(drafter, verify_info, resolved.num_speculative_tokens, self.settings.ngram_max)
+            policy = self.adaptive.policy(
+                drafter, verify_info, resolved.num_speculative_tokens, self.settings.ngram_max, self._num_running - 1
+            )
         return resolved, verify_info, policy
 
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
@@ -168,7 +173,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 yield caught_up
             if not output.finish:
                 with tracer.start_as_current_span("prefill"):
-                    await session.prefill()
+                    await session.prefill(open_draft=self._opens_draft_at_once(policy, resolved))
             metrics.prefill_ms = ms_since(metrics.start)
             while not output.finish:
                 with tracer.start_as_current_span("round") as span:
@@ -228,6 +233,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await self.store.save_priors(target, self.adaptive.priors_of(target))
 
     @staticmethod
+    def _opens_draft_at_once(policy: AdaptiveK | None, resolved) -> bool:
+        """Whether the draft session is prefilled alongside the target's: always under a fixed K
+        or sampling (see :meth:`SpeculativeSession.prefill`); under adaptive K and greedy decoding
+        only if the first round would use the drafter, else when a later one would."""
+        return policy is None or not resolved.sampling.greedy or policy.wants_drafter(None)
+
+    @staticmethod
     async def _round(session: SpeculativeSession, policy: AdaptiveK | None, max_k: int):
         """One round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens: never
         draft past the budget), its drafter and K chosen by ``policy`` or fixed by the request."""
@@ -235,6 +247,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             request = session.request
             return await session.round(request.drafter, min(request.num_speculative_tokens, max_k))
         match = session.ngram_match(min(policy.k_max, max_k))
+        if not session.draft_available() and policy.wants_drafter(match):
+            session.open_draft()
         drafter, k = policy.next_round(match, session.draft_available())
         local = match.tokens if drafter == NGRAM else None
         new, record = await session.round(drafter, min(k, max_k), local)

@@ -9,7 +9,7 @@ from coordinator.client import generate
 from coordinator.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
 from specdec.ngram import NgramMatch
-from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
+from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
 from tests.conftest import CoordinatorThread
 
 FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
@@ -128,6 +128,24 @@ def test_sessions_warm_start_from_the_previous_ones():
     assert [m.rates for m in second.ngram] == [[0.5] * 4, [0.75] * 4]
     lookup_only = state.policy(None, target, k_max=4, ngram_max=2)  # drafter "ngram": no model
     assert lookup_only.drafter is None and lookup_only.ngram[1].rates == [0.75] * 4
+
+
+def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
+    """Alone, the drafter pays from the first round, so the draft is prefilled at once; with 15
+    other requests running it does not, so the draft stays closed (its prefill would take the
+    shared hardware from the target's steps) until a probe is due."""
+    state = AdaptiveState(probe_interval=4)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=30.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(
+        model="t", verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0], step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)]
+    )
+    assert state.policy(drafter, target, k_max=4, ngram_max=2).wants_drafter(None)
+    loaded = state.policy(drafter, target, k_max=4, ngram_max=2, others=15)
+    wanted = []
+    for _ in range(12):
+        wanted.append(loaded.wants_drafter(None))
+        assert loaded.next_round(None, draft_available=False) == (PLAIN, 0)
+    assert wanted.index(True) > 0  # a probe is due: the draft opens for it
 
 
 def plain_greedy(model, prompt_ids, max_new):
