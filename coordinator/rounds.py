@@ -216,8 +216,8 @@ class SpeculativeSession:
         """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
         when given (the coordinator's n-gram lookup), else a proposal from the draft service (a
         plain decode round while the draft is unavailable, its opening started in the background
-        if it is not open). Returns the newly committed tokens
-        and the round's record (``drafter`` names the source)."""
+        if it is not open). Returns the newly committed tokens and the round's record
+        (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
         self._check_draft_prefill()
         draft_ms, proposal, distributions = 0.0, [], []
