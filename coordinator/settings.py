@@ -27,8 +27,8 @@ class CoordinatorSettings(ServiceSettings):
     )
     max_num_speculative_tokens: int = Field(8, description="Largest K the adaptive choice makes.")
     probe_interval: int = Field(
-        16, description="While adaptive K falls back to plain decode, every this many rounds a 2-token "
-        "proposal probes whether speculation pays again.",
+        16, description="While adaptive K falls back to plain decode, every this many rounds (times what a "
+        "probe costs over a plain round) a 2-token proposal probes whether speculation pays again.",
     )
     hybrid: bool = Field(
         True, description="Under adaptive K, let the coordinator's own n-gram prompt lookup compete "
