@@ -58,6 +58,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
+        try:
+            async for response in self.responses(request):
+                yield response
+        except SpecdecError as err:
+            await context.abort(err.code, str(err))
+
+    async def responses(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """The messages of one request, the first carrying its request id: the path of the gRPC
+        Generate call and of the HTTP API (:mod:`coordinator.http_api`). Raises SpecdecError;
+        closing it early cancels the request."""
         self.metrics.num_requests_running.inc()
         self._num_running += 1
         try:
@@ -69,7 +79,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 yield response
         except SpecdecError as err:
             self.metrics.rpc_errors.labels("Generate", err.code.name).inc()
-            await context.abort(err.code, str(err))
+            raise
         except Exception:
             self.metrics.rpc_errors.labels("Generate", grpc.StatusCode.UNKNOWN.name).inc()
             raise
