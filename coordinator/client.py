@@ -37,15 +37,21 @@ class Completion:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason, "metrics": metrics}
 
 
-def stream(address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None) -> Iterator[coordinator_pb2.GenerateResponse]:
-    """Streams a Generate call. Raises grpc.RpcError with the coordinator's status on failure."""
+def stream(
+    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None
+) -> Iterator[coordinator_pb2.GenerateResponse]:
+    """Streams a Generate call, with ``api_key`` when the coordinator requires one. Raises
+    grpc.RpcError with the coordinator's status on failure."""
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=timeout_s)
+        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
-def generate(address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None) -> Completion:
+def generate(
+    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None
+) -> Completion:
     """Runs a Generate call to the end and returns the whole completion."""
     completion = Completion()
-    for response in stream(address, request, timeout_s):
+    for response in stream(address, request, timeout_s, api_key):
         completion.add(response)
     return completion

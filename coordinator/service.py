@@ -17,7 +17,9 @@ from opentelemetry import trace
 
 from coordinator import request as request_validation
 from coordinator.adaptive import AdaptiveK, AdaptiveState
+from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.clients import ServiceClients
+from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
 from coordinator.prometheus import CoordinatorMetrics
@@ -274,8 +276,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 async def serve(
     settings: CoordinatorSettings, ready: asyncio.Future | None = None, handle_signals: bool = True
 ) -> None:
-    """Runs the coordinator until cancelled, or until SIGTERM / SIGINT (then in-flight requests
-    get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the bound port."""
+    """Runs the coordinator, gRPC and (on ``http_port``) HTTP, until cancelled, or until SIGTERM /
+    SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the
+    bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
         settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s
@@ -287,22 +290,36 @@ async def serve(
         store = MemoryStore(settings.request_ttl_s)
     servicer = CoordinatorServicer(settings, tokenizer, clients, metrics, store)
 
+    keys = ApiKeys(settings.api_keys)
+    public = AuthenticatedCoordinator(servicer, keys) if keys else servicer
+
     def register(server):
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(public, server)
         return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
+    http = None
+    if settings.http_port:
+        http = HttpServer(create_app(servicer, keys, settings.served_model_name), settings.host, settings.http_port)
+        await http.start()
+        log.info("serving the OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, settings.http_port)
     server, port = await start_aio_server(register, settings.host, settings.port)
     metrics.serve(settings.host, settings.metrics_port)
+
+    def shutdown():
+        if http:
+            http.stop_accepting()
+        asyncio.ensure_future(server.stop(SHUTDOWN_GRACE_S))
+
     if handle_signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop(SHUTDOWN_GRACE_S)))
+            loop.add_signal_handler(sig, shutdown)
     if ready is not None:
         ready.set_result(port)
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(SHUTDOWN_GRACE_S)
+        await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
         await clients.close()
         await store.close()
         metrics.close()

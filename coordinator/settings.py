@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from specdec.models import DEFAULT_MODEL
@@ -8,9 +10,25 @@ from specdec.settings import CommaSeparated, ServiceSettings
 class CoordinatorSettings(ServiceSettings):
     """Settings of ``specdec serve coordinator`` (environment prefix ``SPECDEC_COORDINATOR_``)."""
 
-    model_config = ServiceSettings.model_config | {"env_prefix": "SPECDEC_COORDINATOR_", "populate_by_name": True}
+    model_config = ServiceSettings.model_config | {
+        "env_prefix": "SPECDEC_COORDINATOR_", "populate_by_name": True, "cli_shortcuts": {"api-keys": "api-key"},
+    }
 
     port: int = Field(50051, description="gRPC port of the public Generate API.")
+    http_port: int = Field(
+        8000, description="Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health), served beside the gRPC port; 0 = off.",
+    )
+    served_model_name: CommaSeparated = Field(
+        [], description="Names the HTTP API also accepts as `model` and lists in /v1/models, besides the "
+        "target's own (repeatable or comma-separated).",
+    )
+    api_keys: CommaSeparated = Field(
+        [], description="API keys (--api-key, repeatable, or comma-separated): every call to the public APIs "
+        "must carry one, as `Authorization: Bearer <key>` on HTTP and `authorization` metadata on gRPC "
+        "(health checks stay open); none = no authentication.",
+    )
+    api_key_file: str = Field("", description="A file of further API keys, one per line (blank lines and # comments skipped).")
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
     verify_addresses: CommaSeparated = Field(
         ["127.0.0.1:50053"], description="host:port of every verify replica, comma-separated; a session that "
@@ -54,6 +72,16 @@ class CoordinatorSettings(ServiceSettings):
         "coordinator replicas (redis://host:6379/0); empty: a store inside this process.",
     )
     request_ttl_s: float = Field(3600.0, description="How long the session store keeps a request after its last write (resumable that long), seconds.")
+
+    @model_validator(mode="after")
+    def _read_api_key_file(self):
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as err:  # fails the start
+                raise ValueError(f"api_key_file {self.api_key_file}: {err.strerror}: give a readable file of keys") from None
+            self.api_keys = [*self.api_keys, *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#"))]
+        return self
 
     @model_validator(mode="after")
     def _ngram_bounds(self):

@@ -160,6 +160,9 @@ class CoordinatorThread:
     """The asyncio coordinator served from a background thread's event loop."""
 
     def __init__(self, settings: CoordinatorSettings):
+        if "http_port" not in settings.model_fields_set:  # HTTP API off unless asked for: never port 8000
+            settings = settings.model_copy(update={"http_port": 0})
+        self.http_port = settings.http_port
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 

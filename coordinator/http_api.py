@@ -1,0 +1,266 @@
+"""The coordinator's OpenAI-compatible HTTP API (FastAPI, served by uvicorn in the coordinator's event
+loop beside the gRPC server).
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` build the GenerateRequest a gRPC client
+would send (:mod:`coordinator.openai_schema`) and run it through
+:meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
+round loop, session store, metrics and traces, and the same error messages. Streamed responses are
+server-sent events ending in ``data: [DONE]``; a client that disconnects cancels its request (both
+sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
+``--served-model-name`` aliases; ``GET /health`` is open even with API keys set.
+"""
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import propagate, trace
+from starlette.exceptions import HTTPException
+
+from coordinator.auth import ApiKeys
+from coordinator.client import FINISH_REASONS, Completion
+from coordinator.clients import ServiceClients
+from coordinator.openai_schema import (
+    ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, specdec_metrics,
+)
+from specdec.errors import SpecdecError
+from specdec.server import SHUTDOWN_GRACE_S
+from specdec.v1 import coordinator_pb2
+
+tracer = trace.get_tracer(__name__)
+
+
+class ModelNames:
+    """The names a request's ``model`` may take: the target's (from the verify service's GetInfo,
+    fetched again only when a request names an unknown model) and the configured aliases."""
+
+    def __init__(self, clients: ServiceClients, aliases: list[str]):
+        self.clients, self.aliases, self.target = clients, list(aliases), None
+
+    async def names(self, refresh: bool = False) -> list[str]:
+        """Raises Unavailable when no verify replica answers."""
+        if self.target is None or refresh:
+            self.target = (await self.clients.verify_info()).model
+        return [self.target, *self.aliases]
+
+    async def check(self, name: str) -> None:
+        if name in self.aliases or name == self.target or name in await self.names(refresh=True):
+            return
+        served = ", ".join(await self.names())
+        raise ApiError(404, f"model {name!r} does not exist: this server serves {served}", "model", "model_not_found")
+
+
+class _Steps:
+    """A request's GenerateResponse stream, each step run under the request's span (the HTTP
+    twin of the gRPC call's span): a stream's steps run in more than one task, so the span is made
+    current per step rather than for the whole stream."""
+
+    def __init__(self, responses: AsyncIterator[coordinator_pb2.GenerateResponse], span: trace.Span):
+        self.responses, self.span = responses, span
+
+    async def next(self) -> coordinator_pb2.GenerateResponse | None:
+        """The next message, None after the last. Raises SpecdecError."""
+        with trace.use_span(self.span):
+            try:
+                return await anext(self.responses)
+            except StopAsyncIteration:
+                return None
+
+    async def close(self) -> None:
+        """Ends the request (cancels it if unfinished) and its span."""
+        with trace.use_span(self.span, end_on_exit=True):
+            await self.responses.aclose()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that close their source when the response ends, however it ends: when
+    the client disconnects mid-stream the request is cancelled and its sessions released."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def create_app(servicer, keys: ApiKeys, served_model_names: list[str]) -> FastAPI:
+    """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`)."""
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    models = ModelNames(servicer.clients, served_model_names)
+    started = int(time.time())
+
+    async def authorized(authorization: str | None = Header(None)) -> None:
+        keys.check(authorization)  # raises Unauthenticated: 401
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def list_models() -> dict:
+        names = await models.names()
+        data = [{"id": name, "object": "model", "created": started, "owned_by": "specdec", "root": names[0]} for name in names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        return await _complete(body, http, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, http: Request):
+        return await _complete(body, http, chat=False)
+
+    async def _complete(body: ChatCompletionRequest | CompletionRequest, http: Request, chat: bool):
+        await models.check(body.model)
+        request = body.generate_request()
+        span = tracer.start_span(
+            f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
+        )
+        steps = _Steps(servicer.responses(request), span)
+        try:
+            first = await steps.next()  # validation and prefill: their errors get their own status
+        except SpecdecError as err:
+            await steps.close()
+            raise ApiError.from_specdec(err, body.params()) from None
+        shape = ResponseShape(chat, first.request_id, body.model)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return _EventStream(_events(steps, first, shape, include_usage), headers=headers)
+        completion = Completion()
+        try:
+            response = first
+            while response is not None:
+                completion.add(response)
+                response = await steps.next()
+        except SpecdecError as err:
+            raise ApiError.from_specdec(err, body.params()) from None
+        finally:
+            await steps.close()
+        return shape.completion(completion)
+
+    _add_error_handlers(app)
+    return app
+
+
+async def _events(steps: _Steps, response, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+    """The chunks of a streamed request, from its first message ``response`` on."""
+    num_completion_tokens = 0
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk("", role=True))
+        while response is not None:
+            num_completion_tokens += len(response.token_ids)
+            if response.text:
+                yield _sse(shape.chunk(response.text))
+            if response.finish_reason:
+                finish = shape.chunk(None, FINISH_REASONS[response.finish_reason])
+                yield _sse(finish | {"specdec": specdec_metrics(response.metrics)})
+                if include_usage:
+                    yield _sse(shape.usage_chunk(response.metrics.num_prompt_tokens, num_completion_tokens))
+            response = await steps.next()
+        yield "data: [DONE]\n\n"
+    except SpecdecError as err:  # after the 200: the error as an event, as OpenAI sends it
+        yield _sse(ApiError.from_specdec(err).to_json())
+    finally:
+        await steps.close()
+
+
+def _error(err: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
+
+
+def _validation_message(err: RequestValidationError) -> ApiError:
+    """A 400 for the first field pydantic refused, naming it: ``messages[0].role: Field required``."""
+    first = err.errors()[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"the request body is not valid JSON ({detail}): send one JSON object", None, "invalid_json")
+    path = ""
+    for part in first.get("loc", ())[1:]:  # after "body"
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    message = first.get("msg", "invalid request")
+    if "input" in first and first.get("type") not in ("missing", "json_invalid"):
+        message += f" (got {first['input']!r})"
+    return ApiError(400, f"{path}: {message}" if path else f"request body: {message}", path or None, "invalid_value")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, err: ApiError):
+        return _error(err)
+
+    @app.exception_handler(SpecdecError)
+    async def specdec_error(_request, err: SpecdecError):
+        return _error(ApiError.from_specdec(err))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, err: RequestValidationError):
+        return _error(_validation_message(err))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        message = str(err.detail)
+        if err.status_code in (404, 405):
+            message = (f"{message}: {request.method} {request.url.path}; this server serves POST /v1/chat/completions, "
+                       "POST /v1/completions, GET /v1/models and GET /health")
+        return _error(ApiError(err.status_code, message, None, None))
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the coordinator handles SIGTERM and SIGINT (coordinator.service.serve)
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``host``:``port`` in the running event loop. The port is bound at
+    construction, so a taken port fails the coordinator's start with OSError."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as err:
+            raise OSError(err.errno, f"cannot serve HTTP on {host}:{port} ({err.strerror}): choose another "
+                          "--http-port, or 0 to turn the HTTP API off") from None
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, lifespan="off", access_log=False,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+        )
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[self.socket]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    def stop_accepting(self) -> None:
+        """Starts a graceful shutdown: no new connections; streams in flight get
+        SHUTDOWN_GRACE_S seconds to finish."""
+        self.server.should_exit = True
+
+    async def stop(self) -> None:
+        self.stop_accepting()
+        if self.task is not None:
+            await self.task

@@ -1,0 +1,297 @@
+"""The OpenAI request and response shapes of the HTTP API, mapped onto the gRPC messages: a request
+body becomes the GenerateRequest that gRPC clients send, GenerateResponse messages become a
+completion, stream chunks and usage, and a SpecdecError becomes OpenAI's error shape.
+
+Fields that would change the output and that specdec does not implement (``logprobs``, ``tools``,
+``response_format``, penalties, ...) are refused by name, never ignored; fields that do not change
+it (``user``, ``metadata``, ...) are accepted.
+"""
+
+import time
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.client import Completion
+from specdec.errors import InvalidArgument, SpecdecError
+from specdec.v1 import coordinator_pb2
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+
+# The request field an error message is about, from how the validation's message starts.
+_PARAMS = [
+    ("max_new_tokens", "max_tokens"), ("prompt (", "max_tokens"), ("prompt", "prompt"), ("temperature", "temperature"),
+    ("top_p", "top_p"), ("top_k", "top_k"), ("num_speculative_tokens", "num_speculative_tokens"),
+    ("unknown drafter", "drafter"), ("drafter", "drafter"),
+]
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with HTTP status ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_specdec(cls, err: SpecdecError, params: dict[str, str] | None = None) -> "ApiError":
+        """The HTTP form of an error of the gRPC path: the same message, its status mapped;
+        ``params`` renames the field it names (see :meth:`_Request.params`)."""
+        message = str(err)
+        param = next((p for prefix, p in _PARAMS if message.startswith(prefix)), None)
+        param = (params or {}).get(param, param)
+        return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower())
+
+    def to_json(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def _off(value) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def _zero(value) -> bool:
+    return value is None or (not isinstance(value, bool) and value == 0)
+
+
+def _one(value) -> bool:
+    return value is None or (not isinstance(value, bool) and value == 1)
+
+
+# Fields accepted and not acted on: they do not change the output.
+HARMLESS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+# Fields accepted only at the value that leaves the output unchanged.
+NEUTRAL = {
+    "logprobs": _off, "top_logprobs": _zero, "echo": _off, "logit_bias": _off, "tools": _off, "functions": _off,
+    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"}, "modalities": lambda v: v is None or v == ["text"],
+    "frequency_penalty": _zero, "presence_penalty": _zero, "repetition_penalty": _one, "best_of": _one,
+    "min_tokens": _zero, "min_p": _zero, "suffix": lambda v: v in (None, ""), "ignore_eos": _off,
+    "include_stop_str_in_output": _off, "skip_special_tokens": lambda v: v is None or v is True,
+}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Request(BaseModel):
+    """Fields of both endpoints. ``top_k``, ``num_speculative_tokens`` and ``drafter`` are
+    vLLM-style extensions (in the OpenAI SDK: ``extra_body``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    top_k: int | None = None
+    num_speculative_tokens: int | None = None
+    drafter: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises ApiError (400) for a field specdec does not implement, naming it."""
+        for name, value in (self.model_extra or {}).items():
+            if name in HARMLESS or NEUTRAL.get(name, lambda _: False)(value):
+                continue
+            if name in NEUTRAL:
+                raise invalid(
+                    name, f"{name}={value!r} is not supported by specdec (it would change the output): remove {name}",
+                    "unsupported_parameter",
+                )
+            raise invalid(
+                name, f"unsupported field {name!r}: remove it (the README's HTTP API section lists the fields specdec takes)",
+                "unsupported_parameter",
+            )
+        if self.n is not None and self.n != 1:
+            raise invalid("n", f"n is {self.n}: specdec returns one choice per request: leave n out or set it to 1, "
+                          "and send one request per choice")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "stream_options applies to streamed requests: set stream to true or remove stream_options")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def params(self) -> dict[str, str]:
+        """The names of this body's fields where they differ from the API's usual ones."""
+        return {}
+
+    def generate_request(self) -> coordinator_pb2.GenerateRequest:
+        """The GenerateRequest of this body (the prompt set by the subclass)."""
+        self.check_supported()
+        request = coordinator_pb2.GenerateRequest()
+        top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "off"
+        temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
+        for name, value, param in [
+            ("max_new_tokens", self.max_new_tokens(), self.params().get("max_tokens", "max_tokens")),
+            ("temperature", temperature, "temperature"),
+            ("top_p", self.top_p, "top_p"), ("top_k", top_k, "top_k"), ("seed", self.seed, "seed"),
+            ("num_speculative_tokens", self.num_speculative_tokens, "num_speculative_tokens"),
+            ("drafter", self.drafter, "drafter"),
+        ]:
+            if value is not None:
+                _set(request, name, value, param)
+        request.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
+        return request
+
+
+def _set(request: coordinator_pb2.GenerateRequest, name: str, value, param: str) -> None:
+    """Sets a field; a value its protobuf type cannot hold is a 400 naming the field."""
+    try:
+        setattr(request, name, value)
+    except (ValueError, TypeError):
+        kind = "an unsigned 64-bit integer" if name == "seed" else "a 32-bit integer"
+        raise invalid(param, f"{param} is {value}: it must be {kind}") from None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def max_new_tokens(self) -> int | None:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ: set only one of them")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def params(self) -> dict[str, str]:
+        renames = {"prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
+
+    def generate_request(self) -> coordinator_pb2.GenerateRequest:
+        request = super().generate_request()
+        request.chat.messages.extend(self._message(i, m) for i, m in enumerate(self.messages))
+        return request
+
+    @staticmethod
+    def _message(i: int, message: ChatMessage) -> coordinator_pb2.ChatMessage:
+        where = f"messages[{i}]"
+        for name in message.model_extra or {}:
+            raise invalid(f"{where}.{name}", f"{where}.{name} is not supported by specdec: remove it", "unsupported_parameter")
+        if message.role not in ROLES:
+            raise invalid(f"{where}.role", f"{where}.role is {message.role!r}: it must be one of {', '.join(ROLES)}")
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"{where}.content[{j}]", f"{where}.content[{j}] is of type {part.type!r}: specdec takes text parts only")
+            content = "\n".join(part.text for part in content)
+        return coordinator_pb2.ChatMessage(role=ROLES[message.role], content=content or "")
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+    def generate_request(self) -> coordinator_pb2.GenerateRequest:
+        request = super().generate_request()
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise invalid("prompt", f"prompt is a list of {len(prompt)} strings: give one prompt per request")
+            prompt = prompt[0]
+        request.text, request.raw_prompt = prompt, True  # a completion continues the text as it is
+        return request
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def specdec_metrics(metrics: coordinator_pb2.RequestMetrics | None) -> dict[str, Any]:
+    """The request's RequestMetrics as JSON (the ``specdec`` key); 64-bit integers as numbers."""
+    metrics = metrics or coordinator_pb2.RequestMetrics()
+    out = MessageToDict(metrics, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for field in metrics.DESCRIPTOR.fields:
+        if field.type in (field.TYPE_INT64, field.TYPE_UINT64) and field.name in out:
+            out[field.name] = int(out[field.name])
+    return out
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+class ResponseShape:
+    """The completion and chunk JSON of one request: ``chat`` (chat.completion) or not
+    (text_completion), named ``id``, for ``model``."""
+
+    def __init__(self, chat: bool, request_id: str, model: str):
+        self.chat, self.model, self.created = chat, model, int(time.time())
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def completion(self, completion: Completion) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}}
+        else:
+            choice = {"index": 0, "text": completion.text}
+        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        prompt_tokens = completion.metrics.num_prompt_tokens if completion.metrics else 0
+        return body | {"usage": usage(prompt_tokens, len(completion.token_ids)), "specdec": specdec_metrics(completion.metrics)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        """A stream chunk carrying ``text`` (None: nothing, as with the finish chunk), the first
+        of a chat also the assistant role."""
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, []) | {"usage": usage(num_prompt_tokens, num_completion_tokens)}

@@ -1,0 +1,337 @@
+"""The OpenAI-compatible HTTP API: the official openai SDK (sync and async, streamed and not) gets
+what the gRPC Generate API gives for the same request; bad requests get OpenAI's error shape with
+the gRPC path's messages; API keys guard HTTP and gRPC, not health; a client that leaves mid-stream
+cancels its request."""
+
+import asyncio
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+from pydantic import ValidationError
+
+from coordinator.auth import ApiKeys, Unauthenticated
+from coordinator.client import generate
+from coordinator.settings import CoordinatorSettings
+from specdec.launcher import free_port, is_serving
+from specdec.settings import parse_settings
+from specdec.v1 import coordinator_pb2
+from tests.conftest import CoordinatorThread
+
+KEY = "test-key"
+PROMPT = "Tell me about cats."
+
+
+@dataclass
+class Api:
+    grpc_address: str
+    port: int
+    model: str  # the target's name
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def coordinator_settings(tiny_pipeline, tiny_models, **fields) -> CoordinatorSettings:
+    return CoordinatorSettings(
+        port=0, draft_address=tiny_pipeline.draft_address, verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir), max_new_tokens_limit=256, **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+def api(tiny_pipeline, tiny_models):
+    """A coordinator with its HTTP API and an API key, on the tiny pipeline's draft and verify services."""
+    coordinator = CoordinatorThread(coordinator_settings(
+        tiny_pipeline, tiny_models, http_port=free_port(), api_keys=[KEY], served_model_name=["tiny"],
+    ))
+    yield Api(f"127.0.0.1:{coordinator.port}", coordinator.http_port, str(tiny_models.target_dir))
+    coordinator.stop()
+
+
+def grpc_completion(address: str, api_key: str | None = None, **fields):
+    return generate(address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60, api_key=api_key)
+
+
+def call(api: Api, method: str, path: str, body=None, key: str | None = KEY, raw: bytes | None = None) -> tuple[int, dict]:
+    """A plain HTTP call: its status and JSON body."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"http://127.0.0.1:{api.port}{path}", data=data, headers=headers, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_no_sessions(tiny_pipeline) -> None:
+    deadline = time.monotonic() + 10
+    while len(tiny_pipeline.verify.servicer.sessions) or len(tiny_pipeline.draft.servicer.sessions):
+        assert time.monotonic() < deadline, "sessions were not released"
+        time.sleep(0.05)
+
+
+# --- same output as gRPC ----------------------------------------------------------------------
+
+
+def test_chat_equals_grpc_greedy(api, tiny_pipeline):
+    expected = grpc_completion(tiny_pipeline.address, text=PROMPT, max_new_tokens=24, temperature=0)
+    response = api.client().chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0,
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason == "length"
+    assert response.object == "chat.completion" and response.model == api.model
+    assert response.usage.completion_tokens == len(expected.token_ids) == 24
+    assert response.usage.prompt_tokens == expected.metrics.num_prompt_tokens
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 24
+    metrics = response.specdec
+    assert metrics["num_generated_tokens"] == 24 and metrics["num_prompt_tokens"] == response.usage.prompt_tokens
+    for name in ("draft_acceptance_rate", "mean_acceptance_length", "num_spec_steps", "acceptance_histogram", "seed"):
+        assert name in metrics
+    assert isinstance(metrics["seed"], int)
+
+
+def test_chat_stream_equals_grpc_greedy_with_usage(api, tiny_pipeline):
+    expected = grpc_completion(api.grpc_address, KEY, text=PROMPT, max_new_tokens=30, temperature=0, num_speculative_tokens=3)
+    stream = api.client().chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=30, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"num_speculative_tokens": 3},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    assert finish[0].specdec["num_speculative_tokens"] == 3 and finish[0].specdec["adaptive"] is False
+    assert finish[0].specdec["num_generated_tokens"] == 30
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 30
+    assert usage.usage.prompt_tokens == expected.metrics.num_prompt_tokens
+
+
+def test_completions_raw_prompt_sync_and_async(api, tiny_pipeline):
+    prompt = "Once upon a time"
+    expected = grpc_completion(tiny_pipeline.address, text=prompt, raw_prompt=True, max_new_tokens=20, temperature=0)
+    response = api.client().completions.create(model=api.model, prompt=prompt, max_tokens=20, temperature=0)
+    assert response.object == "text_completion"
+    assert response.choices[0].text == expected.text and response.usage.completion_tokens == 20
+    assert response.usage.prompt_tokens == expected.metrics.num_prompt_tokens
+
+    async def streamed() -> tuple[str, list]:
+        async with api.async_client() as client:
+            stream = await client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [chunk async for chunk in stream]
+            again = await client.completions.create(model=api.model, prompt=prompt, max_tokens=20, temperature=0)
+        return "".join(c.choices[0].text for c in chunks if c.choices), [chunks, again]
+
+    text, (chunks, again) = asyncio.run(streamed())
+    assert text == expected.text == again.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_seeded_sampling_reproduces(api, tiny_pipeline):
+    request = dict(
+        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0.9, top_p=0.95,
+        seed=1234, extra_body={"top_k": 50, "num_speculative_tokens": 2, "drafter": "transformers"},
+    )
+    first, second = (api.client().chat.completions.create(**request) for _ in range(2))
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert first.specdec["seed"] == 1234
+    expected = grpc_completion(
+        tiny_pipeline.address, text=PROMPT, max_new_tokens=24, temperature=0.9, top_p=0.95, seed=1234, top_k=50,
+        num_speculative_tokens=2, drafter="transformers",
+    )
+    assert first.choices[0].message.content == expected.text
+
+
+def test_stop_strings(api, tiny_pipeline):
+    full = grpc_completion(tiny_pipeline.address, text=PROMPT, max_new_tokens=40, temperature=0).text
+    plain = [i for i in range(len(full) // 3, len(full) - 3) if full[i : i + 3].isalnum()]
+    assert plain, f"no usable stop string in {full!r}"
+    stop = full[plain[0] : plain[0] + 3]
+    expected = grpc_completion(tiny_pipeline.address, text=PROMPT, max_new_tokens=40, temperature=0, stop=[stop])
+    for value in (stop, [stop, "never appears here"]):
+        response = api.client().chat.completions.create(
+            model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=40, temperature=0, stop=value,
+        )
+        assert response.choices[0].message.content == expected.text == full[: full.index(stop)]
+        assert response.choices[0].finish_reason == "stop"
+        assert response.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_models_and_health(api):
+    models = api.client().models.list()
+    assert [m.id for m in models.data] == [api.model, "tiny"]
+    assert call(api, "GET", "/health", key=None) == (200, {"status": "ok"})
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+CHAT = {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD_REQUESTS = [
+    # name, changes to CHAT, HTTP status, param, start of the message
+    ("unknown model", {"model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist"),
+    ("n 2", {"n": 2}, 400, "n", "n is 2"),
+    ("logprobs", {"logprobs": True}, 400, "logprobs", "logprobs=True is not supported"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools="),
+    ("response_format", {"response_format": {"type": "json_object"}}, 400, "response_format", "response_format="),
+    ("penalty", {"frequency_penalty": 0.5}, 400, "frequency_penalty", "frequency_penalty=0.5"),
+    ("unknown field", {"max_token": 4}, 400, "max_token", "unsupported field 'max_token'"),
+    ("max_tokens 0", {"max_tokens": 0}, 400, "max_tokens", "max_new_tokens is 0: it must lie in [1, 256]"),
+    ("max_completion_tokens 0", {"max_tokens": None, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "max_new_tokens is 0"),
+    ("max_tokens beyond int32", {"max_tokens": 2**40}, 400, "max_tokens", f"max_tokens is {2**40}"),
+    ("max_tokens not a number", {"max_tokens": "many"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ("both token limits", {"max_completion_tokens": 5}, 400, "max_completion_tokens", "max_tokens and max_completion_tokens differ"),
+    ("negative temperature", {"temperature": -0.5}, 400, "temperature", "temperature is -0.5"),
+    ("top_p 0", {"top_p": 0}, 400, "top_p", "top_p is 0.0"),
+    ("negative seed", {"seed": -1}, 400, "seed", "seed is -1"),
+    ("no messages", {"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
+    ("empty prompt", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages", "prompt is empty"),
+    ("tool role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "messages[0].role is 'tool'"),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]", "messages[0].content[0] is of type 'image_url'"),
+    ("stream_options alone", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options applies"),
+    ("unknown drafter", {"drafter": "eagle"}, 400, "drafter", "unknown drafter 'eagle'"),
+    ("other vocabulary", {"drafter": "other-vocab", "num_speculative_tokens": 2}, 400, "drafter", "drafter 'other-vocab'"),
+    ("K beyond the limit", {"num_speculative_tokens": 99}, 400, "num_speculative_tokens", "num_speculative_tokens is 99"),
+]
+
+
+@pytest.mark.parametrize("case,changes,status,param,message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_openai_error(api, case, changes, status, param, message):
+    body = CHAT | {"model": api.model} | changes
+    got_status, got = call(api, "POST", "/v1/chat/completions", body)
+    assert got_status == status, got
+    error = got["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"].startswith(message) and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_errors_through_the_sdk_and_same_messages_as_grpc(api, tiny_pipeline):
+    client = api.client()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.code == "model_not_found" and caught.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as caught:  # streamed: the error before the 200
+        client.completions.create(model=api.model, prompt="hi", max_tokens=100000, stream=True)
+    with pytest.raises(grpc.RpcError) as grpc_error:
+        grpc_completion(tiny_pipeline.address, text="hi", raw_prompt=True, max_new_tokens=100000)
+    assert caught.value.body["message"] == grpc_error.value.details()
+    assert caught.value.code == "invalid_argument"
+
+
+def test_malformed_bodies_and_paths(api):
+    status, got = call(api, "POST", "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and got["error"]["type"] == "invalid_request_error"
+    status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": ["a", "b"]})
+    assert status == 400 and got["error"]["param"] == "prompt" and "one prompt per request" in got["error"]["message"]
+    status, got = call(api, "POST", "/v1/completions", {"model": api.model})
+    assert status == 400 and got["error"]["message"] == "prompt: Field required"
+    status, got = call(api, "GET", "/v1/nothing")
+    assert status == 404 and got["error"]["message"]
+
+
+def test_harmless_fields_are_accepted(api):
+    body = CHAT | {"model": api.model, "user": "u1", "metadata": {"a": "b"}, "logprobs": False, "n": 1,
+                   "frequency_penalty": 0, "tool_choice": "none", "top_k": -1}
+    status, got = call(api, "POST", "/v1/chat/completions", body)
+    assert status == 200, got
+    assert got["usage"]["completion_tokens"] == 4
+
+
+def test_unavailable_target_is_503(tiny_pipeline, tiny_models):
+    dead = f"127.0.0.1:{free_port()}"
+    coordinator = CoordinatorThread(CoordinatorSettings(
+        port=0, http_port=free_port(), draft_address=dead, verify_addresses=[dead], tokenizer=str(tiny_models.target_dir),
+    ))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{coordinator.http_port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.status_code == 503 and caught.value.code == "unavailable"
+        assert dead in caught.value.message
+    finally:
+        coordinator.stop()
+
+
+# --- API keys ---------------------------------------------------------------------------------
+
+
+def test_api_keys_guard_http_and_grpc_not_health(api):
+    for key, word in ((None, "missing API key"), ("wrong", "invalid API key")):
+        status, got = call(api, "POST", "/v1/chat/completions", CHAT | {"model": api.model}, key=key)
+        assert status == 401 and got["error"]["message"].startswith(word), got
+        assert got["error"]["type"] == "authentication_error" and got["error"]["code"] == "unauthenticated"
+        assert call(api, "GET", "/v1/models", key=key)[0] == 401
+        with pytest.raises(grpc.RpcError) as caught:
+            grpc_completion(api.grpc_address, key, text="hi", max_new_tokens=2)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and word in caught.value.details()
+    with pytest.raises(openai.AuthenticationError):
+        api.client(key="wrong").chat.completions.create(model=api.model, messages=[{"role": "user", "content": "hi"}])
+    assert call(api, "GET", "/health", key=None)[0] == 200
+    assert is_serving(api.grpc_address)  # the gRPC health check needs no key
+    assert len(grpc_completion(api.grpc_address, KEY, text="hi", max_new_tokens=2).token_ids) == 2
+
+
+def test_api_key_settings(tmp_path, monkeypatch):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# rotated monthly\nc\n\n  d  \n")
+    args = ["--api-key", "a", "--api-key", "b", "--api-key-file", str(key_file)]
+    assert parse_settings(CoordinatorSettings, args, prog="test").api_keys == ["a", "b", "c", "d"]
+    monkeypatch.setenv("SPECDEC_COORDINATOR_API_KEYS", "e,f")
+    assert parse_settings(CoordinatorSettings, [], prog="test").api_keys == ["e", "f"]
+    with pytest.raises(ValidationError, match="No such file"):
+        CoordinatorSettings(api_key_file=str(tmp_path / "missing"))
+    keys = ApiKeys(["a", "b"])
+    keys.check("Bearer b")
+    keys.check("bearer  a ")
+    for header, word in ((None, "missing"), ("Bearer", "malformed"), ("Basic YQ==", "malformed"), ("Bearer c", "invalid")):
+        with pytest.raises(Unauthenticated, match=word):
+            keys.check(header)
+    ApiKeys([]).check(None)  # no keys: open
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_releases_both_sessions(api, tiny_pipeline):
+    body = {"model": api.model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 250,
+            "temperature": 0, "stream": True, "num_speculative_tokens": 2}
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = 0
+    while events < 3:  # the role chunk and the first tokens
+        line = response.fp.readline()
+        events += line.startswith(b"data: {")
+    assert len(tiny_pipeline.verify.servicer.sessions) == 1  # the request is running
+    connection.sock.close()  # the client goes away mid-stream
+    connection.close()
+    wait_no_sessions(tiny_pipeline)
+    status, got = call(api, "POST", "/v1/chat/completions", CHAT | {"model": api.model})
+    assert status == 200 and got["usage"]["completion_tokens"] == 4
