@@ -1,0 +1,242 @@
+"""SuffixDecoding: propose the most frequent continuation of the context's longest matching suffixes.
+
+Follows Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications"
+(NeurIPS 2025), as vLLM's ``method: suffix`` runs it (Arctic Inference's ``SuffixDecodingCache``),
+with our own code. Two kinds of suffix tree, both cut at ``max_depth`` tokens:
+
+- one per request (:class:`SuffixIndex`), over its prompt and its output so far;
+- one shared by all requests (:class:`SuffixCache`), over the outputs of previous and running
+  requests, bounded in requests and tokens, evicting the oldest output first.
+
+A proposal starts at every suffix of the context that a tree holds (n tokens, the match length)
+and follows the most frequent next token. Each token's probability is estimated from counts, as
+the share of the current string's continuations that continue with it; the running product of
+these is the proposal's confidence at that position. A proposal stops when the confidence falls
+below ``min_token_prob``, after ``max_spec_factor * n`` tokens (short matches propose little), at
+``max_depth`` or at K. Its score is the sum of the confidences, the expected number of accepted
+tokens were the counts the truth; the best score over both trees and every n is proposed.
+Model-free like :mod:`specdec.ngram`, which proposes what followed the latest match instead.
+"""
+
+import itertools
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+DRAFTER_NAME = "suffix"  # how requests and metrics name suffix decoding, wherever it runs
+
+
+@dataclass(frozen=True)
+class SuffixMatch:
+    """``n``: length in tokens of the matched suffix; ``tokens``: up to K proposed ids;
+    ``probs``: the confidence at each position of ``tokens`` (non-increasing, in (0, 1])."""
+
+    n: int
+    tokens: list[int]
+    probs: list[float]
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens under the count estimates: the sum of ``probs``."""
+        return sum(self.probs)
+
+
+@dataclass(frozen=True)
+class ProposalLimits:
+    """How far a proposal goes. ``max_spec_factor`` (> 0): a match of n tokens proposes at most
+    ``max_spec_factor * n`` tokens; ``min_token_prob`` (in [0, 1]): the lowest confidence a
+    proposed token may have. Raises ValueError outside these ranges."""
+
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+
+    def __post_init__(self):
+        if not self.max_spec_factor > 0:
+            raise ValueError(f"suffix max_spec_factor is {self.max_spec_factor}: it must be positive")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"suffix min_token_prob is {self.min_token_prob}: it must lie in [0, 1]")
+
+
+class _Node:
+    """A token string that occurs in a tree's sequences: ``count`` occurrences, ``children`` by
+    the token that follows."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self):
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTree:
+    """The suffix trie of some token sequences, cut at ``max_depth`` tokens.
+
+    Each sequence keeps its open suffixes (the nodes of its suffixes shorter than ``max_depth``),
+    so appending a token costs O(max_depth), and n tokens hold at most n * max_depth nodes (about
+    300 bytes each in CPython). ``sequences`` maps each key to its tokens, oldest key first.
+    Raises ValueError unless max_depth >= 2.
+    """
+
+    def __init__(self, max_depth: int):
+        if max_depth < 2:
+            raise ValueError(f"suffix max_depth is {max_depth}: it must be at least 2")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.sequences: dict[Hashable, list[int]] = {}
+        self.num_tokens = 0
+        self._open: dict[Hashable, list[_Node]] = {}
+
+    def extend(self, key: Hashable, tokens: Sequence[int]) -> None:
+        """Appends ``tokens`` to sequence ``key`` (a new key starts an empty sequence)."""
+        open_nodes = self._open.get(key, [self.root])
+        for token in tokens:
+            open_nodes = self._append(open_nodes, token)
+        self._open[key] = open_nodes
+        self.sequences.setdefault(key, []).extend(tokens)
+        self.num_tokens += len(tokens)
+
+    def _append(self, open_nodes: list[_Node], token: int) -> list[_Node]:
+        # open_nodes[i] is the node of the sequence's suffix of length i (0: the root); each
+        # suffix grows by ``token``, and those that reach max_depth close.
+        grown = []
+        for node in open_nodes:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node()
+            child.count += 1
+            grown.append(child)
+        return [self.root, *grown[: self.max_depth - 1]]
+
+    def remove(self, key: Hashable) -> None:
+        """Forgets sequence ``key``: O(its length * max_depth)."""
+        tokens = self.sequences.pop(key)
+        del self._open[key]
+        self.num_tokens -= len(tokens)
+        for start in range(len(tokens)):
+            node = self.root
+            for token in tokens[start : start + self.max_depth]:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:  # nothing else passes through it, nor below it
+                    del node.children[token]
+                    break
+                node = child
+
+    def matches(self, context: Sequence[int]) -> Iterator[tuple[int, _Node]]:
+        """(n, node) for each suffix of ``context`` the tree holds, n = 1, 2, ... up to
+        max_depth - 1 (a node at max_depth has no continuation). O(max_depth^2)."""
+        for n in range(1, min(len(context), self.max_depth - 1) + 1):
+            node = self.root
+            for token in context[len(context) - n :]:
+                node = node.children.get(token)
+                if node is None:  # a longer suffix contains this one: none of them is held
+                    return
+            yield n, node
+
+    def propose(self, context: Sequence[int], k: int, limits: ProposalLimits) -> SuffixMatch | None:
+        """The best-scoring proposal of up to ``k`` tokens continuing ``context`` (see the module
+        docstring); None without a match. O(max_depth * (max_depth + k * children))."""
+        best = None
+        for n, node in self.matches(context):
+            limit = min(k, int(limits.max_spec_factor * n + 1e-9))
+            tokens, probs = _most_frequent_path(node, limit, limits.min_token_prob)
+            if tokens and (best is None or sum(probs) >= best.score):  # ties: the longer match
+                best = SuffixMatch(n, tokens, probs)
+        return best
+
+
+def _most_frequent_path(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], list[float]]:
+    """Up to ``limit`` tokens below ``node`` along the most frequent child, and the confidence at
+    each; stops before the confidence falls below ``min_token_prob``."""
+    tokens, probs, confidence = [], [], 1.0
+    while len(tokens) < limit and node.children:
+        total = sum(child.count for child in node.children.values())
+        token, node = max(node.children.items(), key=lambda item: item[1].count)
+        confidence *= node.count / total
+        if confidence < min_token_prob:
+            break
+        tokens.append(token)
+        probs.append(confidence)
+    return tokens, probs
+
+
+class SuffixCache:
+    """The outputs of previous and running requests in one :class:`SuffixTree`, shared by their
+    :class:`SuffixIndex` (thread-safe).
+
+    Bounded: at most ``max_requests`` outputs and ``max_tokens`` tokens, the oldest output evicted
+    first (a running request's too: it then adds no more). ``max_requests`` = 0 disables it.
+    Raises ValueError for a negative bound or max_depth < 2.
+    """
+
+    def __init__(self, max_depth: int = 24, max_requests: int = 256, max_tokens: int = 16384):
+        if max_requests < 0 or max_tokens < 0:
+            raise ValueError(f"suffix cache bounds ({max_requests} requests, {max_tokens} tokens) must not be negative")
+        self.tree = SuffixTree(max_depth)
+        self.max_depth, self.max_requests, self.max_tokens = max_depth, max_requests, max_tokens
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+
+    def open(self) -> int | None:
+        """Starts a new request's output; returns its key (None while the cache is disabled)."""
+        if self.max_requests == 0:
+            return None
+        with self._lock:
+            key = next(self._keys)
+            self.tree.extend(key, [])
+            self._evict()
+        return key
+
+    def extend(self, key: int, tokens: Sequence[int]) -> None:
+        """Appends ``tokens`` to the output ``key`` unless it was evicted."""
+        with self._lock:
+            if key in self.tree.sequences:
+                self.tree.extend(key, tokens)
+                self._evict()
+
+    def _evict(self) -> None:
+        sequences = self.tree.sequences
+        while len(sequences) > self.max_requests or self.tree.num_tokens > self.max_tokens:
+            self.tree.remove(next(iter(sequences)))
+
+    def propose(self, context: Sequence[int], k: int, limits: ProposalLimits) -> SuffixMatch | None:
+        """:meth:`SuffixTree.propose` over the cached outputs."""
+        with self._lock:
+            return self.tree.propose(context, k, limits)
+
+
+class SuffixIndex:
+    """One request's suffix tree over its prompt and output, proposing from it and ``cache``.
+
+    The tokens after the first ``num_prompt_tokens`` are the request's output and enter ``cache``
+    too (from the first of them on, it holds a place in the cache).
+    """
+
+    def __init__(self, cache: SuffixCache, num_prompt_tokens: int, limits: ProposalLimits = ProposalLimits()):
+        self.cache, self.num_prompt_tokens, self.limits = cache, num_prompt_tokens, limits
+        self.tree = SuffixTree(cache.max_depth)
+        self._output_key: int | None = None
+        self._indexed = 0
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        self.tree.extend(0, tokens[self._indexed :])
+        output = tokens[max(self._indexed, self.num_prompt_tokens) :]
+        if output:
+            if self._output_key is None:
+                self._output_key = self.cache.open()
+            if self._output_key is not None:
+                self.cache.extend(self._output_key, output)
+        self._indexed = len(tokens)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> SuffixMatch | None:
+        """The best proposal of up to ``k`` tokens continuing ``tokens``, from this request's
+        tree or the cache (this request's tree on a tie); None without a match or when k < 1.
+        ``tokens`` must extend the list of the previous call. O(new tokens * max_depth) to index,
+        plus a proposal from each tree (:meth:`SuffixTree.propose`)."""
+        self._index(tokens)
+        if k < 1:
+            return None
+        own, shared = self.tree.propose(tokens, k, self.limits), self.cache.propose(tokens, k, self.limits)
+        if own is None or (shared is not None and shared.score > own.score):
+            return shared
+        return own
