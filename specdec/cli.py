@@ -61,22 +61,28 @@ def coordinator(ctx: typer.Context) -> None:
     _run_service(ctx, "coordinator")
 
 
-def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None):
+def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None,
+             http_port: int = 0):
     from specdec.launcher import LocalCluster
 
-    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {})
+    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {},
+                           http_port=http_port)
     stderr.print("starting verify, draft and coordinator services (loading models)...")
     cluster.start_all()
     for service in ("coordinator", "draft", "verify"):
         metrics = cluster.metrics_url(service)
         stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}"
                      + (f"  metrics {metrics}" if metrics else ""), soft_wrap=True)
+    if cluster.http_url:
+        stderr.print(f"  {'HTTP API':<12} {cluster.http_url}  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+                     soft_wrap=True)
     return cluster
 
 
 @app.command()
 def up(
     coordinator_port: Annotated[int, typer.Option(help="Coordinator gRPC port.")] = 50051,
+    http_port: Annotated[int, typer.Option(help="Coordinator OpenAI-compatible HTTP API port; 0 = off.")] = 8000,
     draft_port: Annotated[int, typer.Option(help="Draft service gRPC port.")] = 50052,
     verify_port: Annotated[int, typer.Option(help="Verify service gRPC port.")] = 50053,
     host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
@@ -85,10 +91,10 @@ def up(
     verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
-    its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC and metrics
-    addresses, and serve until interrupted."""
+    its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC, HTTP and
+    metrics addresses, and serve until interrupted."""
     metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
-    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports)
+    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports, http_port=http_port)
     stderr.print("all services SERVING; Ctrl-C (or SIGTERM) stops them")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
     try:
@@ -150,14 +156,14 @@ def _print_metrics(completion) -> None:
     stderr.print(table)
 
 
-def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False) -> None:
+def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False, api_key: str | None = None) -> None:
     """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
     ``resumable``: also tells on stderr the request id to resume with."""
     from coordinator.client import Completion, stream
 
     completion = Completion()
     try:
-        for response in stream(address, request):
+        for response in stream(address, request, api_key=api_key):
             if response.request_id and resumable and not as_json:
                 stderr.print(f"request_id {response.request_id} (resume with --request-id and --resume-from)")
             completion.add(response)
@@ -190,6 +196,7 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
     request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
     resume_from: Annotated[Optional[int], typer.Option(help="Resume --request-id after this many received tokens.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there).")] = None,
 ) -> None:
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
@@ -205,7 +212,7 @@ def generate(
         top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
         request_id=request_id, resume_from=resume_from,
     )
-    _stream_to_stdout(coordinator, request, as_json, resumable=True)
+    _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key)
 
 
 @app.command()
@@ -222,7 +229,7 @@ def demo(
     from specdec.launcher import free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
-    cluster = _cluster(free_port(), free_port(), free_port(), "127.0.0.1", log_dir=log_dir)
+    cluster = _cluster(free_port(), free_port(), free_port(), "127.0.0.1", log_dir=log_dir, http_port=free_port())
     try:
         stderr.print(f"prompt: {prompt}\n")
         request = _request(prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens)

@@ -36,7 +36,8 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
 class ServiceProcess:
     """One service (``coordinator``, ``draft`` or ``verify``) as an OS process: ``specdec serve
     <service> --host <host> --port <port> [--metrics-port <metrics_port>] <args>`` in this
-    process's environment plus ``env``, logging to ``log_file`` (None: this terminal)."""
+    process's environment plus ``env``, logging to ``log_file`` (None: this terminal). A
+    coordinator also gets ``--http-port <http_port>`` (0: its HTTP API off)."""
 
     service: str
     port: int
@@ -45,6 +46,7 @@ class ServiceProcess:
     metrics_port: int = 0
     log_file: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    http_port: int = 0
     process: subprocess.Popen | None = None
 
     @property
@@ -62,7 +64,10 @@ class ServiceProcess:
         if self.log_file is not None:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_file, "ab")  # noqa: SIM115 (owned by the child)
-        args = ["--host", self.host, "--port", str(self.port), *self.args]
+        args = ["--host", self.host, "--port", str(self.port)]
+        if self.service == "coordinator":
+            args += ["--http-port", str(self.http_port)]
+        args += self.args
         if self.metrics_port:
             args += ["--metrics-port", str(self.metrics_port)]
         self.process = subprocess.Popen(
@@ -101,8 +106,9 @@ class ServiceProcess:
 @dataclass
 class LocalCluster:
     """The three services on ``host``. ``extra_args`` adds flags per service (``verify``, ``draft``,
-    ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); with ``log_dir``
-    each service logs to ``<log_dir>/<service>.log`` instead of this terminal."""
+    ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); ``http_port`` the
+    coordinator's HTTP API (0: off); with ``log_dir`` each service logs to
+    ``<log_dir>/<service>.log`` instead of this terminal."""
 
     coordinator_port: int = 50051
     draft_port: int = 50052
@@ -111,6 +117,7 @@ class LocalCluster:
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: Path | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    http_port: int = 0
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -124,12 +131,18 @@ class LocalCluster:
         """The started service's Prometheus endpoint, None when off."""
         return self.services[service].metrics_url
 
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the coordinator's OpenAI-compatible API, None when off."""
+        return f"http://{self.host}:{self.http_port}/v1" if self.http_port else None
+
     def start(self, service: str) -> None:
         """Starts (or restarts) one service process."""
         args = ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")] if service == "coordinator" else []
         self.services[service] = ServiceProcess(
             service, getattr(self, f"{service}_port"), self.host, [*args, *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
+            http_port=self.http_port,
         )
         self.services[service].start()
 

@@ -6,6 +6,7 @@ cancels its request."""
 import asyncio
 import http.client
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from coordinator.auth import ApiKeys, Unauthenticated
 from coordinator.client import generate
 from coordinator.settings import CoordinatorSettings
-from specdec.launcher import free_port, is_serving
+from specdec.launcher import ServiceProcess, free_port, is_serving
 from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread
@@ -277,6 +278,25 @@ def test_unavailable_target_is_503(tiny_pipeline, tiny_models):
         coordinator.stop()
 
 
+def test_coordinator_process_serves_http_and_stops_on_sigterm(tiny_models):
+    """``specdec serve coordinator`` as ``specdec up`` starts it (through the launcher): HTTP on
+    the given port beside gRPC, both stopped by SIGTERM."""
+    dead = f"127.0.0.1:{free_port()}"
+    coordinator = ServiceProcess(
+        "coordinator", free_port(), args=["--tokenizer", str(tiny_models.target_dir), "--verify-addresses", dead],
+        http_port=free_port(),
+    )
+    coordinator.start()
+    try:
+        coordinator.wait_serving(time.monotonic() + 60)
+        api = Api(coordinator.address, coordinator.http_port, "")
+        assert call(api, "GET", "/health", key=None) == (200, {"status": "ok"})
+    finally:
+        coordinator.signal(signal.SIGTERM)
+        coordinator.wait_stopped(time.monotonic() + 30)
+    assert coordinator.process.returncode == 0
+
+
 # --- API keys ---------------------------------------------------------------------------------
 
 
@@ -312,6 +332,19 @@ def test_api_key_settings(tmp_path, monkeypatch):
         with pytest.raises(Unauthenticated, match=word):
             keys.check(header)
     ApiKeys([]).check(None)  # no keys: open
+
+
+def test_cli_generate_sends_the_api_key(api):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    args = ["generate", "hi", "--coordinator", api.grpc_address, "--max-new-tokens", "3", "--json"]
+    result = CliRunner().invoke(app, [*args, "--api-key", KEY])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[-1])["metrics"]["num_generated_tokens"] == 3
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "UNAUTHENTICATED" in result.output
 
 
 # --- cancellation -----------------------------------------------------------------------------
