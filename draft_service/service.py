@@ -24,6 +24,13 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
             from draft_service.drafters.ngram import NgramDrafter
 
             drafters[name] = NgramDrafter(settings.ngram_min, settings.ngram_max)
+        elif name == "suffix":
+            from draft_service.drafters.suffix import SuffixDrafter
+
+            drafters[name] = SuffixDrafter(
+                settings.suffix_max_depth, settings.suffix_max_spec_factor, settings.suffix_min_token_prob,
+                settings.suffix_max_cached_requests, settings.suffix_max_cached_tokens,
+            )
         elif name == "llama-cpp":
             from draft_service.drafters.llama_cpp import LlamaCppDrafter
 
@@ -42,7 +49,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.transformers_model, settings.transformers_dtype, settings.max_num_seqs, settings.max_num_batched_tokens
             )
         else:
-            raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram")
+            raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
         drafters[name].measure_step_ms()
     return drafters
 

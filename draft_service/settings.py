@@ -12,7 +12,7 @@ class DraftSettings(SessionServiceSettings):
     port: int = Field(50052, description="gRPC port.")
     drafters: CommaSeparated = Field(
         ["llama-cpp", "ngram"],
-        description="Drafters to host, comma-separated: llama-cpp, transformers, ngram.",
+        description="Drafters to host, comma-separated: llama-cpp, transformers, ngram, suffix.",
     )
     default_drafter: str = Field("llama-cpp", description="Drafter used when a request names none.")
     llama_cpp_model: str = Field(
@@ -32,3 +32,8 @@ class DraftSettings(SessionServiceSettings):
     transformers_dtype: str = Field("auto", description="dtype of the transformers drafter.")
     ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
+    suffix_max_depth: int = Field(24, description="Depth in tokens of the suffix drafter's trees (bounds match plus proposal length).")
+    suffix_max_spec_factor: float = Field(1.0, description="A suffix match of n tokens proposes at most this times n tokens.")
+    suffix_min_token_prob: float = Field(0.1, description="Lowest estimated probability of a suffix drafter's proposed token (running product).")
+    suffix_max_cached_requests: int = Field(256, description="Outputs the suffix drafter's shared cache holds, oldest evicted first (0: off).")
+    suffix_max_cached_tokens: int = Field(16384, description="Tokens the suffix drafter's shared cache holds, oldest output evicted first.")

@@ -20,7 +20,7 @@ Model-free like :mod:`specdec.ngram`, which proposes what followed the latest ma
 
 import itertools
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 DRAFTER_NAME = "suffix"  # how requests and metrics name suffix decoding, wherever it runs
@@ -133,16 +133,25 @@ class SuffixTree:
                     return
             yield n, node
 
+    def suffixes(self, key: Hashable) -> Iterator[tuple[int, _Node]]:
+        """What :meth:`matches` finds for sequence ``key`` itself, in O(max_depth): its open suffixes."""
+        yield from enumerate(self._open[key][1:], 1)
+
     def propose(self, context: Sequence[int], k: int, limits: ProposalLimits) -> SuffixMatch | None:
         """The best-scoring proposal of up to ``k`` tokens continuing ``context`` (see the module
         docstring); None without a match. O(max_depth * (max_depth + k * children))."""
-        best = None
-        for n, node in self.matches(context):
-            limit = min(k, int(limits.max_spec_factor * n + 1e-9))
-            tokens, probs = _most_frequent_path(node, limit, limits.min_token_prob)
-            if tokens and (best is None or sum(probs) >= best.score):  # ties: the longer match
-                best = SuffixMatch(n, tokens, probs)
-        return best
+        return _best_proposal(self.matches(context), k, limits)
+
+
+def _best_proposal(matches: Iterable[tuple[int, _Node]], k: int, limits: ProposalLimits) -> SuffixMatch | None:
+    """The best-scoring proposal from the (n, node) ``matches`` (see the module docstring)."""
+    best = None
+    for n, node in matches:
+        limit = min(k, int(limits.max_spec_factor * n + 1e-9))
+        tokens, probs = _most_frequent_path(node, limit, limits.min_token_prob)
+        if tokens and (best is None or sum(probs) >= best.score):  # ties: the longer match
+            best = SuffixMatch(n, tokens, probs)
+    return best
 
 
 def _most_frequent_path(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], list[float]]:
@@ -236,7 +245,8 @@ class SuffixIndex:
         self._index(tokens)
         if k < 1:
             return None
-        own, shared = self.tree.propose(tokens, k, self.limits), self.cache.propose(tokens, k, self.limits)
+        own = _best_proposal(self.tree.suffixes(0), k, self.limits)  # the tree's sequence is ``tokens``
+        shared = self.cache.propose(tokens, k, self.limits)
         if own is None or (shared is not None and shared.score > own.score):
             return shared
         return own
