@@ -1,12 +1,14 @@
 """deploy/ (Kubernetes manifests and container images). test_check_script runs deploy/check.sh:
 every overlay rendered with `kubectl kustomize`, validated against the Kubernetes schemas, then
 checkov and hadolint. The other tests check what the rendered manifests promise the services:
-setting names they read, probe ports, shutdown timing, GPU placement, where models come from.
+setting names they read, probe ports, the coordinator's HTTP port and API keys Secret, which
+ports the NetworkPolicies admit, shutdown timing, GPU placement, where models come from.
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,104 @@ def test_probes_and_ports(overlay):
         env = {var["name"]: var.get("value") for var in container["env"]}
         metrics_port = int(env[env_name(service, "metrics_port")])  # the service serves /metrics there
         assert {"name": "metrics", "containerPort": metrics_port} in container["ports"], service
+
+
+def coordinator(resources) -> tuple[dict, dict]:
+    """(pod spec, server container) of the coordinator."""
+    (found,) = [(pod, container) for service, pod, container in services(resources) if service == "coordinator"]
+    return found
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) selects ``labels``."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions), "only In expressions are understood here"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        labels.get(e["key"]) in e["values"] for e in expressions
+    )
+
+
+def admitted_from(policy: dict, port: str) -> list:
+    """The `from` of every ingress rule of a NetworkPolicy that admits the named port (None: anywhere)."""
+    return [rule.get("from") for rule in policy["ingress"] if any(p["port"] == port for p in rule.get("ports", []))]
+
+
+def test_http_api_port(overlay):
+    """The coordinator's OpenAI-compatible HTTP API: the http_port setting is the container's port
+    named http, the Service exposes it, the NetworkPolicy admits it from wherever gRPC is."""
+    _, resources = overlay
+    _, container = coordinator(resources)
+    default = CoordinatorSettings.model_fields["http_port"].default
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    port = int(env.get(env_name("coordinator", "http_port"), default))
+    assert port == default != 0
+    assert {"name": "http", "containerPort": port} in container["ports"]
+    service_ports = resources[("Service", "specdec-coordinator")]["spec"]["ports"]
+    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": "http"} in service_ports
+    policy = resources[("NetworkPolicy", "specdec-coordinator")]["spec"]
+    assert admitted_from(policy, "http") == admitted_from(policy, "grpc") != []
+
+
+def test_network_policy_ports_exist(overlay):
+    """A port name no selected pod has would admit nothing, silently."""
+    _, resources = overlay
+    pods = [doc["spec"]["template"] for (kind, _), doc in resources.items() if kind == "Deployment"]
+    for (kind, name), doc in resources.items():
+        if kind != "NetworkPolicy":
+            continue
+        selected = [pod for pod in pods if selects(doc["spec"]["podSelector"], pod["metadata"]["labels"])]
+        assert selected, f"NetworkPolicy {name} selects no pod"
+        for rule in doc["spec"]["ingress"]:
+            for port in rule.get("ports", []):
+                for pod in selected:
+                    names = {p.get("name") for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+                    assert port["port"] in names, f"NetworkPolicy {name}: {pod['metadata']['labels']} has no port {port['port']}"
+
+
+def test_api_keys_from_optional_secret(overlay):
+    """The coordinator reads its API keys from a file (SPECDEC_COORDINATOR_API_KEY_FILE) that an
+    init container writes from the optional Secret specdec-api-keys (key `keys`): the keys when
+    the Secret is there, none (open APIs) when it is not, a failed pod when it lacks `keys`. Runs
+    that init container's script against temporary folders, then the coordinator's settings."""
+    _, resources = overlay
+    assert not [name for kind, name in resources if kind == "Secret"], "keys are never committed"
+    pod, container = coordinator(resources)
+    env = {var["name"]: var for var in container["env"]}
+    assert env_name("coordinator", "api_keys") not in env, "keys come from the Secret, not the manifest"
+    key_file = env[env_name("coordinator", "api_key_file")]["value"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if key_file.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] and volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    (init,) = [c for c in pod["initContainers"] if any(m["name"] == mount["name"] for m in c["volumeMounts"])]
+    (secret_mount,) = [m for m in init["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert secret_mount["readOnly"]
+    assert volumes[secret_mount["name"]]["secret"] == {
+        "secretName": "specdec-api-keys", "optional": True, "defaultMode": 0o440,
+    }
+    (written,) = [m for m in init["volumeMounts"] if m["name"] == mount["name"]]
+    assert init["command"] == ["sh", "-c"]
+
+    def run(secret_files: dict) -> tuple[subprocess.CompletedProcess, Path]:
+        tmp = Path(tempfile.mkdtemp(dir=work))
+        (tmp / "secret").mkdir()
+        (tmp / "keys").mkdir()
+        for name, text in secret_files.items():
+            (tmp / "secret" / name).write_text(text)
+        script = init["args"][0].replace(secret_mount["mountPath"], str(tmp / "secret"))
+        script = script.replace(written["mountPath"], str(tmp / "keys"))
+        result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
+        return result, tmp / "keys" / key_file[len(mount["mountPath"]) + 1:]
+
+    with tempfile.TemporaryDirectory() as work:
+        result, path = run({})  # no Secret: a file of no keys
+        assert result.returncode == 0, result.stderr
+        assert CoordinatorSettings(api_key_file=str(path)).api_keys == []
+        result, path = run({"keys": "key-one\n# a comment\n\nkey-two\n"})
+        assert result.returncode == 0, result.stderr
+        assert CoordinatorSettings(api_key_file=str(path)).api_keys == ["key-one", "key-two"]
+        assert path.stat().st_mode & 0o077 == 0
+        result, path = run({"key": "key-one\n"})  # misnamed key: fail, never run open
+        assert result.returncode != 0 and "no key named keys" in result.stderr and not path.exists()
 
 
 def test_shutdown_drains_before_kill(overlay):
