@@ -258,6 +258,7 @@ def bench(
     requests_per_client: Annotated[Optional[int], typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell).")] = None,
     methods: Annotated[Optional[str], typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, transformers-serve (default all).")] = None,
     drafter: Annotated[Optional[str], typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or ngram; default llama-cpp).")] = None,
+    api: Annotated[Optional[str], typer.Option(help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as transformers serve).")] = None,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -274,10 +275,10 @@ def bench(
             stderr.print("[red]error: --pipeline and --hf-k apply to the batch-1 benchmark, not to --concurrency[/red]")
             raise typer.Exit(1)
         _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                           concurrency, requests_per_client, methods, drafter)
+                           concurrency, requests_per_client, methods, drafter, api)
         return
-    if requests_per_client is not None or methods is not None or drafter is not None:
-        stderr.print("[red]error: --requests-per-client, --methods and --drafter apply with --concurrency[/red]")
+    if requests_per_client is not None or methods is not None or drafter is not None or api is not None:
+        stderr.print("[red]error: --requests-per-client, --methods, --drafter and --api apply with --concurrency[/red]")
         raise typer.Exit(1)
     from specdec.bench.report import overall_table, speedup_table
     from specdec.bench.run import REPORT_FILES, BenchConfig, run_bench
@@ -303,7 +304,7 @@ def bench(
 
 
 def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                       concurrency, requests_per_client, methods, drafter) -> None:
+                       concurrency, requests_per_client, methods, drafter, api) -> None:
     """``specdec bench --concurrency``: see :mod:`specdec.bench.concurrency`."""
     from specdec.bench.concurrency import (
         METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
@@ -317,7 +318,7 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
             seed=seed, concurrency=parse_concurrency(concurrency),
             requests_per_client=2 if requests_per_client is None else requests_per_client,
             methods=parse_methods(methods) if methods else list(METHODS), target=target, draft_model=draft_model,
-            drafter=drafter or "llama-cpp", dtype=dtype,
+            drafter=drafter or "llama-cpp", api=api or "grpc", dtype=dtype,
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")

@@ -177,6 +177,28 @@ def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
     assert "| pipeline/K=0 | 2 |" in run.stdout
 
 
+def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
+    """--api openai: both pipeline methods go through the coordinator's HTTP API with the openai
+    SDK (the transformers serve client path); the reference stays Generate's token ids."""
+    questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "bench", "--concurrency", "2", "--requests-per-client", "1", "--api", "openai",
+         "--methods", "pipeline/adaptive,pipeline/K=0", "--drafter", "ngram", "--questions", str(questions),
+         "--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
+         "--dtype", "float32", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report-concurrency.json").read_text())
+    assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
+    for cell in report["cells"]:
+        s = cell["stats"]
+        assert cell["errors"] == [] and s["num_requests"] == 2 and s["num_compared"] == 2 and s["identical_rate"] == 1.0
+        assert s["mean_batch_size"] >= 1  # the specdec metrics came with the stream
+    assert "pipeline API `openai`" in (out / "report-concurrency.md").read_text()
+
+
 def test_margin_at_the_first_difference(tiny_models):
     """The margin is the target's top-2 logit gap after the prompt (through the chat template, as
     the coordinator builds it) and the reference's tokens before the first difference."""

@@ -11,6 +11,9 @@ warm-up request per method:
   K every round) and name the drafter (``llama-cpp`` by default);
 - ``pipeline/K=0``: the same cluster, ``num_speculative_tokens = 0``: plain decode through the same
   batched verify service;
+- with ``--api openai`` both pipeline methods go through the coordinator's OpenAI-compatible HTTP
+  API with the same client code as ``transformers serve`` (``extra_body``: ``drafter`` or
+  ``num_speculative_tokens``), so the two are measured on the identical client path;
 - ``transformers-serve``: ``transformers serve --continuous-batching`` on the same target (a GGUF
   target is de-quantized once and saved with ``save_pretrained`` under the specdec cache folder),
   started as a subprocess and driven through its OpenAI-compatible streaming chat completions API
@@ -29,7 +32,8 @@ included), so the two are comparable; the prompt token counts are recorded too, 
 both applied the same chat template.
 
 Greedy identity: the reference is the ``pipeline/K=0`` output of each prompt at N = 1 (its N = 1
-cell, plus one sequential K = 0 request for each prompt that cell did not cover). The pipeline
+cell, plus one sequential K = 0 ``Generate`` request for each prompt that cell did not cover, or
+for every prompt under ``--api openai``, whose streams carry text, not token ids). The pipeline
 methods compare token ids; ``transformers-serve`` compares the text, and a differing text is mapped
 to the reference token where it starts. For every output that differs, the target (loaded in the
 bench process) runs one forward over the prompt and the reference's tokens before the first
@@ -52,6 +56,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 from rich.console import Console
@@ -70,6 +75,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADAPTIVE, PLAIN, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
 METHODS = (ADAPTIVE, PLAIN, SERVE)
+APIS = ("grpc", "openai")
 REFERENCE = PLAIN
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 WARM_UP_TOKENS = 16
@@ -100,12 +106,15 @@ NOTES = [
 @dataclass
 class ConcurrencyConfig(BenchInputs):
     """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
-    ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram)."""
+    ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram);
+    ``api`` the API the pipeline methods are driven through (``grpc``: ``Generate``; ``openai``:
+    the coordinator's OpenAI-compatible HTTP API, the client path of transformers serve)."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     drafter: str = "llama-cpp"
+    api: str = "grpc"
 
 
 @dataclass
@@ -152,6 +161,17 @@ class RequestRecord:
     def to_json(self) -> dict:
         record = {name: value for name, value in vars(self).items() if name not in ("token_ids", "text")}
         return record | {"tpot_ms": self.tpot_ms}
+
+    def add_metrics(self, metrics) -> None:
+        """Fills the draft, round and batch fields from the request's ``RequestMetrics`` (the
+        message, or an object with its fields as attributes)."""
+        self.num_draft_tokens = metrics.num_draft_tokens
+        self.num_accepted_tokens = metrics.num_accepted_draft_tokens
+        self.num_rounds = metrics.num_target_forwards
+        self.rounds_per_k = list(metrics.rounds_per_k)
+        self.mean_batch_size = metrics.mean_batch_size
+        self.mean_batched_tokens = metrics.mean_batched_tokens
+        self.queue_time_ms = metrics.queue_time_ms
 
 
 def parse_concurrency(spec: str) -> list[int]:
@@ -252,24 +272,19 @@ class PipelineClient:
             raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
         record.num_tokens = len(record.token_ids)
         record.num_prompt_tokens = metrics.num_prompt_tokens
-        record.num_draft_tokens = metrics.num_draft_tokens
-        record.num_accepted_tokens = metrics.num_accepted_draft_tokens
-        record.num_rounds = metrics.num_target_forwards
-        record.rounds_per_k = list(metrics.rounds_per_k)
-        record.mean_batch_size = metrics.mean_batch_size
-        record.mean_batched_tokens = metrics.mean_batched_tokens
-        record.queue_time_ms = metrics.queue_time_ms
+        record.add_metrics(metrics)
         return record
 
 
-class ServeClient:
-    """``transformers serve`` through its OpenAI-compatible streaming chat completions API (the
-    ``openai`` SDK's async client). ``model`` must be the server's forced model, verbatim."""
+class OpenAIClient:
+    """A method driven through an OpenAI-compatible streaming chat completions API with the
+    ``openai`` SDK's async client: ``transformers serve`` (``model`` its forced model, verbatim),
+    or the coordinator's HTTP API (``model`` the target; ``extra_body`` the request's
+    ``num_speculative_tokens`` and ``drafter``; the final chunk's ``specdec`` key fills the draft,
+    round and batch fields). Both count tokens from ``usage``."""
 
-    name = SERVE
-
-    def __init__(self, base_url: str, model: str):
-        self.base_url, self.model = base_url, model
+    def __init__(self, name: str, base_url: str, model: str, extra_body: dict | None = None):
+        self.name, self.base_url, self.model, self.extra_body = name, base_url, model, extra_body
         self._client = None
 
     async def open(self) -> None:
@@ -290,12 +305,15 @@ class ServeClient:
         start = time.perf_counter()
         stream = await self._client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": question.prompt}],
-            max_tokens=max_new_tokens, temperature=0.0, stream=True,
+            max_tokens=max_new_tokens, temperature=0.0, seed=seed, stream=True,
+            stream_options={"include_usage": True}, extra_body=self.extra_body,
         )
         async for chunk in stream:
-            error = (chunk.model_extra or {}).get("error")
-            if error:
-                raise RuntimeError(f"transformers serve: {error}")
+            extra = chunk.model_extra or {}
+            if extra.get("error"):
+                raise RuntimeError(f"{self.name}: {extra['error']}")
+            if extra.get("specdec"):
+                record.add_metrics(SimpleNamespace(**extra["specdec"]))
             for choice in chunk.choices:
                 if choice.delta.content:
                     if record.ttft_ms is None:
@@ -468,7 +486,7 @@ async def _run_cells(clients: list, reference_client, sequence: list[Question], 
         references: dict[int, RequestRecord] = {}
         for cell in cells:
             if cell["method"] == REFERENCE and cell["concurrency"] == 1:
-                references |= {r.question_id: r for r in cell["records"] if r.error is None}
+                references |= {r.question_id: r for r in cell["records"] if r.error is None and r.token_ids is not None}
         if reference_client is not None:
             used = {r.question_id: r for cell in cells for r in cell["records"]}
             missing = [q for q in dict.fromkeys(q for q in sequence if q.question_id in used) if q.question_id not in references]
@@ -546,6 +564,8 @@ def _validated(config: ConcurrencyConfig) -> list[Question]:
     unknown = [m for m in config.methods if m not in METHODS]
     if not config.methods or unknown:
         raise ValueError(f"--methods: use a subset of {', '.join(METHODS)}")
+    if config.api not in APIS:
+        raise ValueError(f"--api {config.api!r}: use {' or '.join(APIS)}")
     return interleave_categories(config.load_questions())
 
 
@@ -612,17 +632,16 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
             with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
-                cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs")
-            address = cluster.address("coordinator")
-            by_name = {ADAPTIVE: PipelineClient(ADAPTIVE, address, None, config.drafter), PLAIN: PipelineClient(PLAIN, address, 0)}
-            clients += [by_name[m] for m in pipelines]
-            reference_client = by_name[PLAIN]
+                cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs",
+                                        http_port=free_port() if config.api == "openai" else 0)
+            reference_client = PipelineClient(PLAIN, cluster.address("coordinator"), 0)
+            clients += [_pipeline_client(method, cluster, config) for method in pipelines]
         if SERVE in config.methods:
             source = serve_model_source(config.target, config.dtype, console)
             serve = ServeProcess(source, config.dtype, config.out / "logs" / "transformers-serve.log")
             console.print(f"starting transformers serve --continuous-batching on {source}...")
             serve.start()
-            clients.append(ServeClient(serve.base_url, source))
+            clients.append(OpenAIClient(SERVE, serve.base_url, source))
         clients.sort(key=lambda c: METHODS.index(c.name))
         cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, console))
         processes = {**(cluster.processes if cluster else {}), **({SERVE: serve.process} if serve else {})}
@@ -653,6 +672,16 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     write_concurrency_markdown(report, config.out / REPORT_FILES[1])
     write_concurrency_chart(report, config.out / REPORT_FILES[2])
     return report
+
+
+def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
+    """The client of a pipeline method through ``config.api``. ``pipeline/adaptive`` names the
+    drafter and leaves K to the coordinator; ``pipeline/K=0`` asks for plain decode."""
+    k, drafter = (None, config.drafter) if method == ADAPTIVE else (0, "")
+    if config.api == "grpc":
+        return PipelineClient(method, cluster.address("coordinator"), k, drafter)
+    extra_body = {"drafter": drafter} if drafter else {"num_speculative_tokens": k}
+    return OpenAIClient(method, cluster.http_url, config.target, extra_body)
 
 
 def _report(config, sequence, clients, cells, references, mismatches, memory, machine) -> dict:

@@ -12,11 +12,13 @@ from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 
 
-def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path) -> LocalCluster:
+def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path,
+                  http_port: int = 0) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
-    ``draft_model``. Services also read their ``SPECDEC_*`` variables (e.g.
-    ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
-    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir)
+    ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off). Services also
+    read their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises
+    RuntimeError when one fails to start."""
+    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port)
     cluster.extra_args = {
         "verify": ["--model", target, "--dtype", dtype],
         "draft": ["--drafters", ",".join(drafters), "--default-drafter", drafters[0],

@@ -329,7 +329,8 @@ def concurrency_markdown(report: dict) -> str:
     lines = [
         *_header(
             report, "specdec bench --concurrency",
-            f"; drafter `{config['drafter']}`; closed loop: N clients, {config['requests_per_client']} requests each "
+            f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; closed loop: N clients, "
+            f"{config['requests_per_client']} requests each "
             f"per cell, over {report['num_questions']} prompts (categories round-robin).",
         ),
         "",
