@@ -135,6 +135,19 @@ def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
+def run_tiny_bench(tiny_models, questions, out, *args):
+    """``specdec bench`` with ``args``, both pipeline methods (the ngram drafter, which needs no
+    model) on the tiny target, 8 new tokens; returns the finished process and its JSON report."""
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "bench", *args, "--methods", "pipeline/adaptive,pipeline/K=0",
+         "--drafter", "ngram", "--questions", str(questions), "--max-new-tokens", "8", "--target",
+         str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir), "--dtype", "float32", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads((out / "report-concurrency.json").read_text())
+
+
 def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
     """N = 1 and 2, two pipeline methods on the tiny target (services as subprocesses; the ngram
     drafter, which needs no model), 8 new tokens."""
@@ -143,15 +156,7 @@ def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
         "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
     })
     out = tmp_path / "out"
-    run = subprocess.run(
-        [sys.executable, "-m", "specdec", "bench", "--concurrency", "1,2", "--requests-per-client", "2",
-         "--methods", "pipeline/adaptive,pipeline/K=0", "--drafter", "ngram", "--questions", str(questions),
-         "--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
-         "--dtype", "float32", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((out / "report-concurrency.json").read_text())
+    run, report = run_tiny_bench(tiny_models, questions, out, "--concurrency", "1,2", "--requests-per-client", "2")
     assert report["methods"] == ["pipeline/adaptive", "pipeline/K=0"]
     assert [(c["method"], c["concurrency"]) for c in report["cells"]] == [
         ("pipeline/adaptive", 1), ("pipeline/adaptive", 2), ("pipeline/K=0", 1), ("pipeline/K=0", 2)]
@@ -182,15 +187,7 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
     SDK (the transformers serve client path); the reference stays Generate's token ids."""
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
     out = tmp_path / "out"
-    run = subprocess.run(
-        [sys.executable, "-m", "specdec", "bench", "--concurrency", "2", "--requests-per-client", "1", "--api", "openai",
-         "--methods", "pipeline/adaptive,pipeline/K=0", "--drafter", "ngram", "--questions", str(questions),
-         "--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
-         "--dtype", "float32", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((out / "report-concurrency.json").read_text())
+    _, report = run_tiny_bench(tiny_models, questions, out, "--concurrency", "2", "--requests-per-client", "1", "--api", "openai")
     assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
     for cell in report["cells"]:
         s = cell["stats"]
