@@ -7,7 +7,8 @@ would send (:mod:`coordinator.openai_schema`) and run it through
 round loop, session store, metrics and traces, and the same error messages. Streamed responses are
 server-sent events ending in ``data: [DONE]``; a client that disconnects cancels its request (both
 sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
-``--served-model-name`` aliases; ``GET /health`` is open even with API keys set.
+``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI
+document, ``GET /openapi.json`` (what schema fuzzers and client generators read).
 """
 
 import asyncio
@@ -98,7 +99,7 @@ def _sse(data: dict) -> str:
 
 def create_app(servicer, keys: ApiKeys, served_model_names: list[str]) -> FastAPI:
     """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`)."""
-    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     models = ModelNames(servicer.clients, served_model_names)
     started = int(time.time())
 
