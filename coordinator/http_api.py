@@ -5,8 +5,8 @@ loop beside the gRPC server).
 would send (:mod:`coordinator.openai_schema`) and run it through
 :meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
 round loop, session store, metrics and traces, and the same error messages. Streamed responses are
-server-sent events ending in ``data: [DONE]``; a client that disconnects cancels its request (both
-sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
+server-sent events ending in ``data: [DONE]``. A client that disconnects cancels its request, streamed
+or not (both sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
 ``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI
 document, ``GET /openapi.json`` (what schema fuzzers and client generators read).
 """
@@ -16,12 +16,13 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException
 
@@ -29,13 +30,15 @@ from coordinator.auth import ApiKeys
 from coordinator.client import FINISH_REASONS, Completion
 from coordinator.clients import ServiceClients
 from coordinator.openai_schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, specdec_metrics,
+    ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, StreamOptions, specdec_metrics, usage,
 )
+from coordinator.request import prompt_ids
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.v1 import coordinator_pb2
 
 tracer = trace.get_tracer(__name__)
+T = TypeVar("T")
 
 
 class ModelNames:
@@ -93,6 +96,49 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class ClientDisconnected(Exception):
+    """The HTTP client closed its connection before its response was ready."""
+
+
+class _Disconnect:
+    """Watches a request's connection from the moment its body has been read: ``unless`` awaits a
+    step of the request, or cancels it and raises ClientDisconnected when the client leaves first
+    (uvicorn's ``receive`` answers ``http.disconnect`` once the body is consumed and the
+    connection is closed)."""
+
+    def __init__(self, http: Request):
+        self.task: asyncio.Future | None = asyncio.ensure_future(self._left(http))
+
+    @staticmethod
+    async def _left(http: Request) -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    async def unless(self, step: Awaitable[T]) -> T:
+        """The result of ``step``. Raises ClientDisconnected (``step`` cancelled) when the client
+        disconnects first, and what ``step`` raises."""
+        work = asyncio.ensure_future(step)
+        if self.task is not None:
+            try:
+                await asyncio.wait({work, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                work.cancel()
+                raise
+            if not work.done() and (self.task.cancelled() or self.task.exception() is not None):
+                self.task = None  # the watch itself failed: the step goes on unwatched
+            elif not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, SpecdecError):
+                    await work
+                raise ClientDisconnected()
+        return await work
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -131,44 +177,64 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str]) -> FastAP
             f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
         )
         steps = _Steps(servicer.responses(request), span)
+        disconnect = _Disconnect(http)
         try:
-            first = await steps.next()  # validation and prefill: their errors get their own status
-        except SpecdecError as err:
-            await steps.close()
-            raise ApiError.from_specdec(err, body.params()) from None
-        shape = ResponseShape(chat, first.request_id, body.model)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return _EventStream(_events(steps, first, shape, include_usage), headers=headers)
-        completion = Completion()
-        try:
+            # validation and prefill: their errors get their own status
+            first = await disconnect.unless(steps.next())
+            shape = ResponseShape(chat, first.request_id, body.model)
+            if body.stream:
+                disconnect.stop()  # from here on the event stream sees the client leave
+                options = body.stream_options or StreamOptions()
+                prompt_tokens = None
+                if options.include_usage and options.continuous_usage_stats:
+                    prompt_tokens = len(prompt_ids(request, servicer.tokenizer))
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                events = _events(steps, first, shape, options.include_usage, prompt_tokens)
+                return _EventStream(events, headers=headers)
+            completion = Completion()
             response = first
             while response is not None:
                 completion.add(response)
-                response = await steps.next()
+                response = await disconnect.unless(steps.next())
         except SpecdecError as err:
-            raise ApiError.from_specdec(err, body.params()) from None
-        finally:
             await steps.close()
+            raise ApiError.from_specdec(err, body.params()) from None
+        except ClientDisconnected:
+            await steps.close()  # cancels the request: both sessions released
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        except BaseException:
+            await steps.close()
+            raise
+        finally:
+            disconnect.stop()
+        await steps.close()
         return shape.completion(completion)
 
     _add_error_handlers(app)
     return app
 
 
-async def _events(steps: _Steps, response, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
-    """The chunks of a streamed request, from its first message ``response`` on."""
+async def _events(steps: _Steps, response, shape: ResponseShape, include_usage: bool,
+                  continuous_prompt_tokens: int | None = None) -> AsyncIterator[str]:
+    """The chunks of a streamed request, from its first message ``response`` on;
+    ``continuous_prompt_tokens`` (``stream_options.continuous_usage_stats``): the prompt's token
+    count, and every chunk carries the usage so far."""
     num_completion_tokens = 0
+
+    def so_far() -> dict[str, int] | None:
+        if continuous_prompt_tokens is None:
+            return None
+        return usage(continuous_prompt_tokens, num_completion_tokens)
+
     try:
         if shape.chat:
-            yield _sse(shape.chunk("", role=True))
+            yield _sse(shape.chunk("", role=True, usage_so_far=so_far()))
         while response is not None:
             num_completion_tokens += len(response.token_ids)
             if response.text:
-                yield _sse(shape.chunk(response.text))
+                yield _sse(shape.chunk(response.text, usage_so_far=so_far()))
             if response.finish_reason:
-                finish = shape.chunk(None, FINISH_REASONS[response.finish_reason])
+                finish = shape.chunk(None, FINISH_REASONS[response.finish_reason], usage_so_far=so_far())
                 yield _sse(finish | {"specdec": specdec_metrics(response.metrics)})
                 if include_usage:
                     yield _sse(shape.usage_chunk(response.metrics.num_prompt_tokens, num_completion_tokens))

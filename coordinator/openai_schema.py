@@ -95,9 +95,14 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's usage and no choices (OpenAI).
+    ``continuous_usage_stats`` (vLLM's extension, sent by load generators such as guidellm): with
+    ``include_usage``, every chunk also carries the usage so far."""
+
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(BaseModel):
@@ -280,16 +285,19 @@ class ResponseShape:
         prompt_tokens = completion.metrics.num_prompt_tokens if completion.metrics else 0
         return body | {"usage": usage(prompt_tokens, len(completion.token_ids)), "specdec": specdec_metrics(completion.metrics)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              usage_so_far: dict[str, int] | None = None) -> dict:
         """A stream chunk carrying ``text`` (None: nothing, as with the finish chunk), the first
-        of a chat also the assistant role."""
+        of a chat also the assistant role; ``usage_so_far``: the ``usage`` of a chunk under
+        ``continuous_usage_stats``."""
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
         choice |= {"finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return body if usage_so_far is None else body | {"usage": usage_so_far}
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""

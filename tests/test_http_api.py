@@ -36,6 +36,7 @@ class Api:
     grpc_address: str
     port: int
     model: str  # the target's name
+    metrics_port: int = 0
 
     @property
     def base_url(self) -> str:
@@ -58,10 +59,12 @@ def coordinator_settings(tiny_pipeline, tiny_models, **fields) -> CoordinatorSet
 @pytest.fixture(scope="module")
 def api(tiny_pipeline, tiny_models):
     """A coordinator with its HTTP API and an API key, on the tiny pipeline's draft and verify services."""
+    metrics_port = free_port()
     coordinator = CoordinatorThread(coordinator_settings(
         tiny_pipeline, tiny_models, http_port=free_port(), api_keys=[KEY], served_model_name=["tiny"],
+        metrics_port=metrics_port,
     ))
-    yield Api(f"127.0.0.1:{coordinator.port}", coordinator.http_port, str(tiny_models.target_dir))
+    yield Api(f"127.0.0.1:{coordinator.port}", coordinator.http_port, str(tiny_models.target_dir), metrics_port)
     coordinator.stop()
 
 
@@ -372,6 +375,65 @@ def test_client_disconnect_mid_stream_releases_both_sessions(api, tiny_pipeline)
     assert status == 200 and got["usage"]["completion_tokens"] == 4
 
 
+def generated_tokens(api: Api) -> float:
+    """The coordinator's ``specdec:generation_tokens`` counter (tokens committed to requests)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{api.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec:generation_tokens_total "))
+
+
+def test_client_disconnect_before_a_non_streamed_answer_cancels_it(api, tiny_pipeline):
+    """A non-streamed request whose client gives up (a read timeout) is cancelled: both sessions
+    are released long before its 250 tokens, and the coordinator stops generating for it."""
+    before = generated_tokens(api)
+    body = {"model": api.model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 250,
+            "temperature": 0, "num_speculative_tokens": 0}  # plain decode: 250 rounds
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 30
+    while generated_tokens(api) == before:  # decoding has begun
+        assert time.monotonic() < deadline, "the request did not start"
+        time.sleep(0.01)
+    connection.sock.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        connection.getresponse()  # the client's timeout: nothing came yet
+    connection.close()
+    wait_no_sessions(tiny_pipeline)
+    time.sleep(0.2)  # a request still running would keep adding tokens
+    cancelled_at = generated_tokens(api) - before
+    assert cancelled_at < 250
+    assert generated_tokens(api) - before == cancelled_at
+    status, got = call(api, "POST", "/v1/chat/completions", CHAT | {"model": api.model})
+    assert status == 200 and got["usage"]["completion_tokens"] == 4
+
+
+def sse_chunks(api: Api, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed request, checked to end with ``data: [DONE]``."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{api.port}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=60) as response:
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_continuous_usage_stats(api):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): with
+    ``include_usage``, every chunk carries the usage so far, ending at the final usage."""
+    body = {"model": api.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_chunks(api, body)
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 12
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-2] == 12 and len(set(counts)) > 2
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["prompt_tokens"]}
+    body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: no usage at all, as in vLLM
+    assert not any("usage" in c for c in sse_chunks(api, body))
+
 def test_fuzzed_requests_never_get_a_server_error(api):
     """Requests generated from the coordinator's OpenAPI document (schemathesis) for every
     operation, with the API key: every answer is a success or a client error in OpenAI's shape,
@@ -396,3 +458,5 @@ def test_fuzzed_requests_never_get_a_server_error(api):
 def test_still_serving_after_the_fuzzing(api):
     completion = api.client().completions.create(model=api.model, prompt=PROMPT, max_tokens=4, temperature=0)
     assert completion.usage.completion_tokens == 4
+
+
