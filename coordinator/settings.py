@@ -24,7 +24,8 @@ class CoordinatorSettings(ServiceSettings):
         "target's own (repeatable or comma-separated).",
     )
     api_keys: CommaSeparated = Field(
-        [], description="API keys (--api-key, repeatable, or comma-separated): every call to the public APIs "
+        [], validation_alias="SPECDEC_API_KEYS", description="API keys (--api-key, repeatable, or "
+        "comma-separated; also SPECDEC_API_KEYS, or SPECDEC_COORDINATOR_API_KEYS): every call to the public APIs "
         "must carry one, as `Authorization: Bearer <key>` on HTTP and `authorization` metadata on gRPC "
         "(health checks stay open); none = no authentication.",
     )

@@ -326,8 +326,13 @@ def test_api_key_settings(tmp_path, monkeypatch):
     key_file.write_text("# rotated monthly\nc\n\n  d  \n")
     args = ["--api-key", "a", "--api-key", "b", "--api-key-file", str(key_file)]
     assert parse_settings(CoordinatorSettings, args, prog="test").api_keys == ["a", "b", "c", "d"]
-    monkeypatch.setenv("SPECDEC_COORDINATOR_API_KEYS", "e,f")
+    monkeypatch.setenv("SPECDEC_API_KEYS", "e,f")  # the name
     assert parse_settings(CoordinatorSettings, [], prog="test").api_keys == ["e", "f"]
+    assert parse_settings(CoordinatorSettings, ["--api-key", "a"], prog="test").api_keys == ["a"]  # the flag wins
+    monkeypatch.delenv("SPECDEC_API_KEYS")
+    monkeypatch.setenv("SPECDEC_COORDINATOR_API_KEYS", "g,h")  # the prefixed name still works
+    assert parse_settings(CoordinatorSettings, [], prog="test").api_keys == ["g", "h"]
+    assert CoordinatorSettings(api_keys=["i"]).api_keys == ["i"]
     with pytest.raises(ValidationError, match="No such file"):
         CoordinatorSettings(api_key_file=str(tmp_path / "missing"))
     keys = ApiKeys(["a", "b"])
