@@ -76,7 +76,17 @@ def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str
     if cluster.http_url:
         stderr.print(f"  {'HTTP API':<12} {cluster.http_url}  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
                      soft_wrap=True)
+    if _keys_required():
+        stderr.print("  API keys are set (SPECDEC_API_KEYS or the coordinator's key settings): clients send "
+                     "`Authorization: Bearer <key>` (gRPC: `authorization` metadata; specdec generate --api-key)", soft_wrap=True)
     return cluster
+
+
+def _keys_required() -> bool:
+    try:
+        return configured_api_key() is not None
+    except ValueError:  # an unreadable key file: the coordinator says so in its log
+        return False
 
 
 @app.command()
@@ -215,25 +225,43 @@ def generate(
     _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key)
 
 
+def configured_api_key() -> str | None:
+    """The first API key a coordinator started from this environment requires (its
+    ``SPECDEC_API_KEYS``, ``SPECDEC_COORDINATOR_API_KEYS`` or ``SPECDEC_COORDINATOR_API_KEY_FILE``);
+    None when it requires none."""
+    from coordinator.settings import CoordinatorSettings
+
+    keys = CoordinatorSettings().api_keys
+    return keys[0] if keys else None
+
+
 @app.command()
 def demo(
     prompt: Annotated[str, typer.Argument(help="The user message.")] = DEMO_PROMPT,
     num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k")] = 4,
     max_new_tokens: Annotated[int, typer.Option()] = 128,
+    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key to send (default: the first key the demo's coordinator is given by SPECDEC_API_KEYS, SPECDEC_COORDINATOR_API_KEYS or SPECDEC_COORDINATOR_API_KEY_FILE; none when it has none).")] = None,
 ) -> None:
     """The main job: start the three services on free ports with the default models, stream one
-    completion through them, print it with its acceptance metrics, stop the services."""
+    completion through them, print it with its acceptance metrics, stop the services. The
+    coordinator reads its SPECDEC_COORDINATOR_* variables; with API keys set there, the demo sends
+    one."""
     import tempfile
     from pathlib import Path
 
     from specdec.launcher import free_port
 
+    try:
+        api_key = api_key or configured_api_key()
+    except ValueError as err:  # e.g. an unreadable key file: the coordinator would not start either
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     cluster = _cluster(free_port(), free_port(), free_port(), "127.0.0.1", log_dir=log_dir, http_port=free_port())
     try:
         stderr.print(f"prompt: {prompt}\n")
         request = _request(prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens)
-        _stream_to_stdout(cluster.address("coordinator"), request, as_json=False)
+        _stream_to_stdout(cluster.address("coordinator"), request, as_json=False, api_key=api_key)
     finally:
         cluster.stop()
 

@@ -344,6 +344,22 @@ def test_api_key_settings(tmp_path, monkeypatch):
     ApiKeys([]).check(None)  # no keys: open
 
 
+def test_demo_sends_the_key_its_coordinator_requires(tmp_path, monkeypatch):
+    """``specdec demo`` starts a coordinator from this environment: it sends the first key that
+    coordinator will require, from either variable or the key file, and none when there is none."""
+    from specdec.cli import configured_api_key
+
+    for name in ("SPECDEC_API_KEYS", "SPECDEC_COORDINATOR_API_KEYS", "SPECDEC_COORDINATOR_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert configured_api_key() is None
+    monkeypatch.setenv("SPECDEC_API_KEYS", "k1,k2")
+    assert configured_api_key() == "k1"
+    monkeypatch.delenv("SPECDEC_API_KEYS")
+    (tmp_path / "keys").write_text("# keys\nfrom-file\n")
+    monkeypatch.setenv("SPECDEC_COORDINATOR_API_KEY_FILE", str(tmp_path / "keys"))
+    assert configured_api_key() == "from-file"
+
+
 def test_cli_generate_sends_the_api_key(api):
     from typer.testing import CliRunner
 
