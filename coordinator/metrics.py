@@ -8,6 +8,7 @@ from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 
 PLAIN = ""  # the drafter name of a plain decode round
+HIT, MISS = "hit", "miss"  # the outcomes of a proposal drafted ahead (RoundRecord.draft_ahead)
 
 
 def histogram(values: Iterable[int], size: int) -> list[int]:
@@ -27,7 +28,9 @@ class RoundRecord:
     protobuf bytes of the round's requests and responses; ``batch_size``, ``batched_tokens`` and
     ``step_ms``: the verify service's step that served the round (sequences, new tokens, forward
     time), ``queue_ms`` the round's wait before it, ``running_seqs`` the sequences running on the
-    verify service then (see ``StepStats``)."""
+    verify service then (see ``StepStats``); ``draft_ahead``: ``"hit"`` when the proposal was
+    drafted ahead during the previous round, ``"miss"`` when one was but verification went
+    another way, else ``""`` (the draft time of a hit is the round's wait for it, often 0)."""
 
     drafter: str
     k: int
@@ -42,6 +45,7 @@ class RoundRecord:
     queue_ms: float = 0.0
     running_seqs: int = 0
     step_ms: float = 0.0
+    draft_ahead: str = ""
 
 
 @dataclass
@@ -64,6 +68,8 @@ class MetricsRecorder:
         total_ms = ms_since(self.start)
         draft_ms = sum(r.draft_ms for r in self.rounds)
         verify_ms = sum(r.verify_ms for r in self.rounds)
+        ahead = [r.draft_ahead for r in self.rounds if r.draft_ahead]
+        hits = ahead.count(HIT)
         return coordinator_pb2.RequestMetrics(
             num_spec_steps=len(spec),
             num_draft_tokens=drafted,
@@ -89,6 +95,9 @@ class MetricsRecorder:
             mean_batch_size=mean(r.batch_size for r in self.rounds),
             mean_batched_tokens=mean(r.batched_tokens for r in self.rounds),
             queue_time_ms=sum(r.queue_ms for r in self.rounds),
+            num_draft_ahead_proposals=len(ahead),
+            num_draft_ahead_hits=hits,
+            draft_ahead_hit_rate=hits / len(ahead) if ahead else 0.0,
             **identity,
         )
 

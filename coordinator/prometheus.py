@@ -61,6 +61,11 @@ class CoordinatorMetrics(ServiceMetrics):
         )
         self.round_draft_time = histogram("specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS)
         self.round_verify_time = histogram("specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS)
+        self.draft_ahead = counter(
+            "specdec:draft_ahead_proposals", "Proposals drafted ahead (during the previous round's verification) that "
+            "a round checked, by outcome (hit: verification went down their branch and the round used them; miss).",
+            ("outcome",),
+        )
         self.draft_failures = counter(
             "specdec:draft_failures", "Times a request's draft service failed (the request went on without it for a while)."
         )
@@ -93,6 +98,8 @@ class CoordinatorMetrics(ServiceMetrics):
                 self.num_draft_tokens_per_pos.labels(record.drafter, str(position)).inc()
                 if position < record.num_accepted:
                     self.num_accepted_tokens_per_pos.labels(record.drafter, str(position)).inc()
+        if record.draft_ahead:
+            self.draft_ahead.labels(record.draft_ahead).inc()
         self.round_draft_time.observe(record.draft_ms / 1000)
         self.round_verify_time.observe(record.verify_ms / 1000)
         self.round_coordination_time.observe((record.wall_ms - record.draft_ms - record.verify_ms) / 1000)

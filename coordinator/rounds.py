@@ -7,6 +7,15 @@ draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the v
 Under adaptive K a round's proposal may instead come from the coordinator's own n-gram index
 (:meth:`SpeculativeSession.ngram_match`); the draft session then catches up at its next Propose.
 
+Draft-ahead (model drafters, ``draft_ahead``): while the verify service checks a round's
+proposal, the draft service already drafts the next round's, on the branch where verification
+accepts every proposed token and the bonus token is the draft's own most likely next token (as in
+PEARL, Liu et al. 2025, and SSD, Kumar et al. 2025, with a single branch). When verification goes
+down that branch (a hit) the next round's proposal is ready, and the draft's time hides behind the
+verifier's; otherwise (a miss) the next round asks for a proposal as usual, and the draft rolls
+back what it drafted ahead. Verification is unchanged, so output is too: under greedy decoding
+and seeded sampling a pre-drafted proposal is the one a plain Propose would have drawn.
+
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
 collide; the old one is released in the background):
@@ -25,9 +34,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from coordinator.clients import ServiceClients
-from coordinator.metrics import PLAIN, RoundRecord
+from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
@@ -39,13 +49,34 @@ log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
 
 
+@dataclass
+class DraftAhead:
+    """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
+    ``start`` tokens: its branch is every ``predicted`` token accepted, then the bonus token the
+    draft guessed. ``task`` gives the ProposeResponse or raises SpecdecError."""
+
+    task: asyncio.Future
+    round: int
+    start: int
+    predicted: list[int]
+    request_bytes: int
+
+    def hit(self, committed: list[int], response: draft_pb2.ProposeResponse) -> bool:
+        """Whether verification went down the branch (and the branch has a proposal)."""
+        branch = [*self.predicted, response.predicted_bonus_token_id]
+        return bool(response.token_ids) and response.HasField("predicted_bonus_token_id") and committed[self.start :] == branch
+
+
 class SpeculativeSession:
     """Args: ``committed`` the request's committed log (prompt plus generated tokens, when a
-    resumed request starts from stored ones); ``draft_retry_s``, ``failover_timeout_s`` in seconds."""
+    resumed request starts from stored ones); ``draft_ahead``: draft the next round while this
+    one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
+    Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
         self, clients: ServiceClients, session_id: str, request: ResolvedRequest, committed: list[int],
         ngram: NgramIndex | None = None, draft_retry_s: float = 2.0, failover_timeout_s: float = 60.0,
+        draft_ahead: bool = False,
     ):
         self.clients = clients
         self.session_id = session_id
@@ -65,6 +96,9 @@ class SpeculativeSession:
         self._round_bytes = 0  # protobuf bytes of the current round's messages
         self._background: set[asyncio.Task] = set()
         self._draft_prefill: asyncio.Future | None = None  # the draft's background prefill
+        self.draft_ahead = draft_ahead and self.uses_draft
+        self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
+        self.num_rounds = 0
 
     def _new_session_id(self, service: str) -> str:
         self._generation += 1
@@ -197,6 +231,46 @@ class SpeculativeSession:
             self._draft_failed(err)
             return None
 
+    def _send_ahead(self, predicted: list[int], k: int) -> None:
+        """Sends the Propose of the branch after ``predicted`` (see :class:`DraftAhead`) and goes on
+        without waiting for it."""
+        request = draft_pb2.ProposeRequest(
+            session_id=self.draft_session, appended_token_ids=self.committed[self.draft_seen :],
+            num_speculative_tokens=k, predicted_token_ids=predicted,
+        )
+        self.draft_seen = len(self.committed)
+        task = asyncio.ensure_future(self.clients.call_draft("Propose", request))
+        self._ahead = DraftAhead(task, self.num_rounds, len(self.committed), predicted, request.ByteSize())
+
+    async def _take_ahead(self) -> tuple[draft_pb2.ProposeResponse | None, str]:
+        """Waits for the draft-ahead Propose in flight, if any (no other draft call may overtake
+        it: it carries committed tokens). Returns its proposal if verification went down its
+        branch (else None) and the outcome, HIT or MISS, or ``""`` when there was none or it is
+        stale (a round in between did not use the draft)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, ""
+        try:
+            response = await ahead.task
+        except NotFound:
+            return None, ""  # the next Propose finds the session gone too, and prefills it again
+        except SpecdecError as err:
+            self._draft_failed(err)
+            return None, ""
+        self._round_bytes += ahead.request_bytes + response.ByteSize()
+        if ahead.round != self.num_rounds - 1:
+            return None, ""
+        if ahead.hit(self.committed, response):
+            return response, HIT
+        return None, MISS
+
+    async def _cancel_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SpecdecError):
+                await ahead.task
+
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
             session_id=self.draft_session, appended_token_ids=self.committed[self.draft_seen :], num_speculative_tokens=k
@@ -214,26 +288,32 @@ class SpeculativeSession:
 
     async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
         """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
-        when given (the coordinator's n-gram lookup), else a proposal from the draft service (a
-        plain decode round while the draft is unavailable, its opening started in the background
-        if it is not open). Returns the newly committed tokens and the round's record
+        when given (the coordinator's n-gram lookup), else a proposal from the draft service:
+        drafted ahead during the previous round when verification went down its branch, or asked
+        for now (a plain decode round while the draft is unavailable, its opening started in the
+        background if it is not open). Returns the newly committed tokens and the round's record
         (``drafter`` names the source)."""
         start, self._round_bytes = time.perf_counter(), 0
+        self.num_rounds += 1
         self._check_draft_prefill()
-        draft_ms, proposal, distributions = 0.0, [], []
+        draft_ms, proposal, distributions, ahead = 0.0, [], [], ""
         if local_proposal is not None:
             proposal = local_proposal[:k]
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
         elif k > 0:
-            proposed = None
-            if self.draft_available():
+            proposed, ahead = await self._take_ahead()
+            draft_ms = ms_since(start)  # the wait for the Propose drafting ahead
+            if proposed is None and self.draft_available():
                 proposed = await self._proposal(k)
-            else:
+                draft_ms += proposed.compute_ms if proposed else 0.0
+            elif proposed is None:
                 self.open_draft()  # this round is a plain one while the draft opens
             if proposed is None:
                 drafter, k = PLAIN, 0
             else:
-                proposal, distributions, draft_ms = list(proposed.token_ids), proposed.distributions, proposed.compute_ms
+                proposal, distributions = list(proposed.token_ids[:k]), proposed.distributions[:k]
+                if self.draft_ahead and self.draft_available():
+                    self._send_ahead(proposal, k)
         if proposal:
             verified = await self._call_verify(
                 "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
@@ -246,7 +326,7 @@ class SpeculativeSession:
         self.committed.extend(new)
         record = RoundRecord(
             drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
-            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms,
+            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms, ahead,
         )
         log.debug("session %s round: %s", self.session_id, record)
         return new, record
@@ -259,6 +339,7 @@ class SpeculativeSession:
             self._draft_prefill.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._draft_prefill
+        await self._cancel_ahead()
         if self.verify_session:
             self._release_verify()
         if self.draft_session is not None:

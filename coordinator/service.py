@@ -163,6 +163,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         session = SpeculativeSession(
             self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], ngram,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,
+            draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
         outcome, final = CANCELLED, None
 
@@ -243,6 +244,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def _save_priors(self, target: str) -> None:
         with contextlib.suppress(StoreUnavailable):
             await self.store.save_priors(target, self.adaptive.priors_of(target))
+
+    def _is_model_drafter(self, name: str) -> bool:
+        """Whether the draft service's drafter ``name`` runs a model (draft-ahead hides its time;
+        a model-free drafter has none to hide)."""
+        return self._draft_info is not None and any(d.name == name and d.model for d in self._draft_info.drafters)
 
     @staticmethod
     def _opens_draft_at_once(policy: AdaptiveK | None, resolved) -> bool:

@@ -53,6 +53,12 @@ class CoordinatorSettings(ServiceSettings):
         True, description="Under adaptive K, let the coordinator's own n-gram prompt lookup compete "
         "with the request's drafter every round (hybrid drafting); off: the drafter and plain decode only.",
     )
+    draft_ahead: bool = Field(
+        True, description="While the verify service checks a round's proposal, have a model drafter draft the "
+        "next round's on the branch where all of it is accepted and the bonus token is the draft's guess, so "
+        "that it is ready when verification goes that way (hiding the draft's time); off: every round drafts "
+        "after the previous one is verified.",
+    )
     ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under adaptive K) matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first).")
     num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")

@@ -113,14 +113,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         k = request.num_speculative_tokens
         if not 1 <= k <= self.max_k:
             raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}]")
+        predicted = request.predicted_token_ids
         with self.sessions.use(request.session_id) as session:
             session.sync(request.appended_token_ids)
-            proposal = session.propose(k)
-        trace.get_current_span().set_attributes({"specdec.num_speculative_tokens": k, "specdec.num_drafted": len(proposal.tokens)})
+            proposal = session.propose_ahead(predicted, k) if predicted else session.propose(k)
+        trace.get_current_span().set_attributes({
+            "specdec.num_speculative_tokens": k, "specdec.num_drafted": len(proposal.tokens),
+            "specdec.draft_ahead": bool(predicted),
+        })
         return draft_pb2.ProposeResponse(
             token_ids=proposal.tokens,
             distributions=[] if session.sampling.greedy else proposal.distributions(),
             compute_ms=ms_since(start),
+            predicted_bonus_token_id=proposal.bonus_token_id,
         )
 
     @grpc_errors

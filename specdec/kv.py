@@ -71,12 +71,14 @@ class SequenceKV:
         self.appended(step)
         return logits
 
-    def reconcile(self, committed: Sequence[int]) -> list[int]:
+    def reconcile(self, committed: Sequence[int], num_committed: int | None = None) -> list[int]:
         """Rolls back to the committed prefix; returns the committed tokens not yet in the cache
-        (never empty for a non-empty ``committed``).
+        (never empty for a non-empty ``committed``). Drafting ahead, ``committed`` goes on past
+        the committed log with predicted tokens: only its first ``num_committed`` (default: all)
+        are committed.
 
         Within a session the committed log only grows by appending, so the comparison starts
-        where the previous reconcile ended: O(K) per round, not O(context).
+        where the previous reconcile's committed part ended: O(K) per round, not O(context).
         """
         agreed = common_prefix_length(self.cached_tokens, committed, min(self._agreed, len(self.cached_tokens)))
         keep = min(agreed, len(committed) - 1)
@@ -84,7 +86,7 @@ class SequenceKV:
             attributes = {"specdec.cache_length": len(self.cached_tokens), "specdec.num_dropped": len(self.cached_tokens) - keep}
             with tracer.start_as_current_span("rollback", attributes=attributes):
                 self.rollback(keep)
-        self._agreed = keep
+        self._agreed = min(keep, len(committed) if num_committed is None else num_committed)
         return list(committed[keep:])
 
     def cache_bytes(self) -> int:

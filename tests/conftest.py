@@ -211,6 +211,9 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
     drafters = {
         "transformers": TransformersDrafter.load(str(tiny_models.draft_dir), dtype="float32"),
         "self": TransformersDrafter(tiny_target.lm.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
+        "close": TransformersDrafter(  # a draft that agrees with the target mostly: hits and misses
+            perturbed_copy(tiny_target.lm.model, 0.03, seed=5), load_tokenizer(str(tiny_models.target_dir)), "tiny-close"
+        ),
         "ngram": NgramDrafter(1, 3),
         "wrong": WrongDrafter(),
         "other-vocab": TransformersDrafter(other_model, other_tokenizer, str(tiny_models.other_vocab_dir)),

@@ -9,6 +9,7 @@ from opentelemetry import trace
 
 from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
+from specdec.errors import FailedPrecondition
 from specdec.kv import SequenceKV, prefill
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
@@ -28,6 +29,7 @@ class Proposal:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    bonus_token_id: int | None = None  # draft-ahead: the guessed bonus token the tokens continue
 
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
@@ -52,6 +54,15 @@ class DraftSession(abc.ABC):
     @abc.abstractmethod
     def propose(self, k: int) -> Proposal:
         """Proposes up to ``k`` tokens continuing ``committed``."""
+
+    def propose_ahead(self, predicted: Sequence[int], k: int) -> Proposal:
+        """Drafts ahead: up to ``k`` tokens continuing ``committed`` + ``predicted`` + the draft's
+        guess of the bonus token (``Proposal.bonus_token_id``), none of them committed. Raises
+        FailedPrecondition here: only a model drafter has a draft's time to hide."""
+        raise FailedPrecondition(
+            f"drafter {type(self).__name__} proposes without a model: send Propose without "
+            "predicted_token_ids (draft-ahead is for model drafters)"
+        )
 
     def close(self) -> None:
         """Frees the session's cache."""
@@ -91,24 +102,37 @@ class Drafter(abc.ABC):
 
 
 class _Propose(Work):
-    """Engine work for one proposal of up to ``k`` tokens: the first step feeds the committed
-    tokens the sequence has not cached, each later one the token drawn from the previous step's
-    logits (one step per draft position, batched with every other session's proposal)."""
+    """Engine work for one proposal of up to ``k`` tokens: the first step feeds the tokens of the
+    context the sequence has not cached, each later one the token chosen at the previous step (one
+    step per draft position, batched with every other session's proposal).
 
-    def __init__(self, session: "ModelDraftSession", k: int):
+    The context is the session's committed tokens, plus, when drafting ahead, the ``predicted``
+    ones and a guess of the bonus token: the first step's argmax, which is not a draft token.
+    Under sampling the draft tokens are drawn with the generator of their first position, so a
+    proposal drafted ahead is the one a plain proposal after the same committed tokens draws."""
+
+    def __init__(self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = ()):
         self.session, self.seq_id, self.k = session, session.kv.seq_id, k
+        self.context = [*session.committed, *predicted]
+        self.bonus: int | None = None  # the guessed bonus token, drafting ahead
+        self.guess_bonus = bool(predicted)
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []
         sampling = session.sampling
-        self.generator = None if sampling.greedy else round_generator(sampling.seed, len(session.committed), "draft")
+        first = len(self.context) + self.guess_bonus  # the position of the first draft token
+        self.generator = None if sampling.greedy else round_generator(sampling.seed, first, "draft")
 
     def next_step(self, budget: int) -> SequenceStep:
         kv = self.session.kv
-        return kv.step(self.tokens[-1:] if self.tokens else kv.reconcile(self.session.committed))
+        chosen = [*([self.bonus] if self.bonus is not None else []), *self.tokens]
+        return kv.step(chosen[-1:] if chosen else kv.reconcile(self.context, len(self.session.committed)))
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv.appended(step)
         sampling = self.session.sampling
+        if self.guess_bonus and self.bonus is None:
+            self.bonus = int(logits[-1].argmax())
+            return False
         if sampling.greedy:
             self.tokens.append(int(logits[-1].argmax()))
         else:
@@ -117,7 +141,7 @@ class _Propose(Work):
             self.probs.append(q)
         if len(self.tokens) < self.k:
             return False
-        self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None)
+        self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus)
         return True
 
 
@@ -146,6 +170,12 @@ class ModelDraftSession(DraftSession):
         if len(self.committed) + k > self.window:
             return Proposal([])
         proposal, _ = self.engine.run(_Propose(self, k))
+        return proposal
+
+    def propose_ahead(self, predicted: Sequence[int], k: int) -> Proposal:
+        if len(self.committed) + len(predicted) + 1 + k > self.window:
+            return Proposal([])
+        proposal, _ = self.engine.run(_Propose(self, k, predicted))
         return proposal
 
     def kv_cache_bytes(self) -> int:

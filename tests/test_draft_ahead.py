@@ -1,0 +1,113 @@
+"""Draft-ahead: the draft service drafts the next round while the verify service checks this one.
+
+A proposal drafted ahead must be the one a plain Propose after the same committed tokens gives
+(greedy and seeded sampling alike), so the pipeline's output does not depend on whether a
+round's proposal was drafted ahead, hit or missed."""
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.client import generate
+from coordinator.clients import ServiceClients
+from coordinator.metrics import HIT, MISS
+from coordinator.request import ResolvedRequest
+from coordinator.rounds import SpeculativeSession
+from specdec.errors import FailedPrecondition
+from specdec.sampling import SamplingParams
+from specdec.v1 import coordinator_pb2
+
+PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]
+MAX_NEW = 40
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
+def test_proposal_drafted_ahead_is_the_plain_proposal(tiny_drafters, sampling):
+    """propose_ahead(predicted, K) = the bonus guess (the draft's argmax after predicted) and the
+    K tokens (and, under sampling, the draft distributions) that propose(K) gives once predicted
+    and that bonus are committed."""
+    drafter = tiny_drafters["transformers"]
+    ahead, plain = drafter.new_session(sampling), drafter.new_session(sampling)
+    try:
+        ahead.prefill(PROMPT)
+        plain.prefill(PROMPT)
+        predicted = ahead.propose(4).tokens
+        branch = ahead.propose_ahead(predicted, 5)
+        plain.sync(predicted)
+        greedy_bonus = drafter.new_session(SamplingParams())
+        greedy_bonus.prefill([*PROMPT, *predicted])
+        assert branch.bonus_token_id == greedy_bonus.propose(1).tokens[0]
+        greedy_bonus.close()
+        plain.sync([branch.bonus_token_id])
+        expected = plain.propose(5)
+        assert branch.tokens == expected.tokens and len(branch.tokens) == 5
+        if not sampling.greedy:
+            torch.testing.assert_close(branch.probs, expected.probs, rtol=1e-4, atol=1e-6)
+        # a miss: the next proposal, after what verification really committed, rolls the draft back
+        committed = [*predicted[:2], (predicted[2] + 1) % 500]
+        ahead.sync(committed)
+        fresh = drafter.new_session(sampling)
+        fresh.prefill([*PROMPT, *committed])
+        assert ahead.propose(3).tokens == fresh.propose(3).tokens
+        fresh.close()
+    finally:
+        ahead.close()
+        plain.close()
+
+
+def test_model_free_drafter_refuses_draft_ahead(tiny_drafters):
+    session = tiny_drafters["ngram"].new_session(SamplingParams())
+    session.prefill(PROMPT)
+    with pytest.raises(FailedPrecondition, match="without predicted_token_ids"):
+        session.propose_ahead([1, 2], 3)
+
+
+async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, draft_ahead: bool):
+    """Runs one request's rounds with a fixed K through the real services; returns the generated
+    tokens and the rounds' draft-ahead outcomes."""
+    clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
+    request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
+    session = SpeculativeSession(clients, f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
+    generated, outcomes = [], []
+    try:
+        await session.prefill()
+        while len(generated) < MAX_NEW:
+            new, record = await session.round(drafter, min(k, MAX_NEW - len(generated) - 1))
+            generated += new
+            outcomes.append(record.draft_ahead)
+    finally:
+        await session.release()
+        await clients.close()
+    return generated, outcomes
+
+
+@pytest.mark.parametrize(
+    "drafter, k, sampling",
+    [("close", 1, SamplingParams()), ("self", 3, SamplingParams(temperature=0.4, seed=3))],
+    ids=["greedy", "seeded"],
+)
+def test_draft_ahead_changes_no_token(tiny_pipeline, drafter, k, sampling):
+    """The same request with and without draft-ahead, through the real draft and verify services:
+    identical tokens, with rounds that hit and rounds that missed the pre-drafted branch (the
+    draft and the settings are chosen so that both happen: a near copy of the target under
+    greedy decoding; the target itself under sampling, where the sampled bonus token is not
+    always the draft's argmax guess)."""
+    serial, serial_outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=False))
+    ahead, outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=True))
+    assert ahead == serial
+    assert set(serial_outcomes) == {""}
+    assert HIT in outcomes and MISS in outcomes, outcomes
+
+
+def test_request_reports_draft_ahead(tiny_pipeline):
+    """Through the coordinator (draft-ahead on by default): the self-draft's proposals are always
+    accepted and its bonus guess is the target's token, so (nearly) every branch hits; the
+    request's metrics say so, and its tokens are plain greedy decoding's."""
+    request = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter="self")
+    completion = generate(tiny_pipeline.address, request, timeout_s=120)
+    plain = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=0)
+    assert completion.token_ids == generate(tiny_pipeline.address, plain, timeout_s=120).token_ids
+    m = completion.metrics
+    assert m.num_draft_ahead_proposals > 0 and m.num_draft_ahead_hits >= m.num_draft_ahead_proposals - 1
+    assert m.draft_ahead_hit_rate == pytest.approx(m.num_draft_ahead_hits / m.num_draft_ahead_proposals)
