@@ -278,6 +278,7 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
     pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
     hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
+    placement: Annotated[str, typer.Option(help="shared: every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Batch-1 benchmark only.")] = "shared",
     target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
@@ -287,6 +288,7 @@ def bench(
     methods: Annotated[Optional[str], typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, transformers-serve (default all).")] = None,
     drafter: Annotated[Optional[str], typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or ngram; default llama-cpp).")] = None,
     api: Annotated[Optional[str], typer.Option(help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as transformers serve).")] = None,
+    load_generator: Annotated[Optional[str], typer.Option(help="With --concurrency: after the cells, also load every method's OpenAI-compatible endpoint (the coordinator's HTTP API, transformers serve's) with this third-party load generator at each N, the cells' prompts, request count and max tokens: guidellm. Its figures go into the reports.")] = None,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -299,14 +301,15 @@ def bench(
     Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
     identity against pipeline/K=0 at N=1 per method and N."""
     if concurrency is not None:
-        if pipeline or hf_k:
-            stderr.print("[red]error: --pipeline and --hf-k apply to the batch-1 benchmark, not to --concurrency[/red]")
+        if pipeline or hf_k or placement != "shared":
+            stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to --concurrency[/red]")
             raise typer.Exit(1)
         _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                           concurrency, requests_per_client, methods, drafter, api)
+                           concurrency, requests_per_client, methods, drafter, api, load_generator)
         return
-    if requests_per_client is not None or methods is not None or drafter is not None or api is not None:
-        stderr.print("[red]error: --requests-per-client, --methods, --drafter and --api apply with --concurrency[/red]")
+    if any(option is not None for option in (requests_per_client, methods, drafter, api, load_generator)):
+        stderr.print("[red]error: --requests-per-client, --methods, --drafter, --api and --load-generator apply "
+                     "with --concurrency[/red]")
         raise typer.Exit(1)
     from specdec.bench.report import overall_table, speedup_table
     from specdec.bench.run import REPORT_FILES, BenchConfig, run_bench
@@ -314,7 +317,7 @@ def bench(
     config = BenchConfig(
         questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
         categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
-        seed=seed, target=target, draft_model=draft_model, dtype=dtype,
+        seed=seed, target=target, draft_model=draft_model, dtype=dtype, placement=placement,
         **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k}.items() if value},
     )
     try:
@@ -332,7 +335,7 @@ def bench(
 
 
 def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                       concurrency, requests_per_client, methods, drafter, api) -> None:
+                       concurrency, requests_per_client, methods, drafter, api, load_generator=None) -> None:
     """``specdec bench --concurrency``: see :mod:`specdec.bench.concurrency`."""
     from specdec.bench.concurrency import (
         METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
@@ -346,7 +349,7 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
             seed=seed, concurrency=parse_concurrency(concurrency),
             requests_per_client=2 if requests_per_client is None else requests_per_client,
             methods=parse_methods(methods) if methods else list(METHODS), target=target, draft_model=draft_model,
-            drafter=drafter or "llama-cpp", api=api or "grpc", dtype=dtype,
+            drafter=drafter or "llama-cpp", api=api or "grpc", dtype=dtype, load_generator=load_generator or "",
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")
@@ -355,6 +358,10 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
         stderr.print(f"[red]error: {err}[/red]")
         raise typer.Exit(1) from None
     print("\n".join([*concurrency_table(report), "", *identity_table(report)]))
+    if report.get("load_generator"):
+        from specdec.bench.load_generator import markdown
+
+        print("\n" + "\n".join(line for line in markdown(report["load_generator"]) if line.startswith("|")))
     for m in report["mismatches"]:
         stderr.print(f"[yellow]{m['method']} at N={m['concurrency']} differs from the reference on question "
                      f"{m['question_id']} at token {m['first_mismatch']} (margin {m.get('margin')})[/yellow]")

@@ -127,6 +127,8 @@ def test_option_parsing():
     (["--concurrency", "1", "--pipeline", "ngram:4"], "--pipeline and --hf-k apply to the batch-1 benchmark"),
     (["--methods", "pipeline/K=0"], "apply with --concurrency"),
     (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+    (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
+    (["--load-generator", "guidellm"], "apply with --concurrency"),
 ])
 def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
@@ -194,6 +196,30 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
         assert cell["errors"] == [] and s["num_requests"] == 2 and s["num_compared"] == 2 and s["identical_rate"] == 1.0
         assert s["mean_batch_size"] >= 1  # the specdec metrics came with the stream
     assert "pipeline API `openai`" in (out / "report-concurrency.md").read_text()
+
+
+def test_load_generator_section_and_options(tmp_path):
+    """The report's guidellm section from hand-made runs (one failed), and the option's checks."""
+    from specdec.bench.load_generator import check_installed, markdown, scenario, LoadTarget
+
+    figures = {"num_completed": 8, "num_errored": 0, "num_incomplete": 0, "requests_per_second": 0.5,
+               "output_tokens_per_second": 40.04, "ttft_ms_p50": 812.4, "ttft_ms_p99": 1500.0, "itl_ms_p50": 60.0,
+               "itl_ms_p99": 90.25, "tpot_ms_p50": 66.0, "tpot_ms_p99": None, "errors": []}
+    section = {"version": "0.8.1", "folder": "guidellm", "runs": [
+        {"method": "pipeline/K=0", "concurrency": 4} | figures,
+        {"method": "transformers-serve", "concurrency": 4, "error": "guidellm exited with code 1\nlog"},
+    ]}
+    lines = markdown(section)
+    assert lines[0] == "## Load generator: guidellm 0.8.1"
+    assert "| pipeline/K=0 | 4 | 8 | 0 | 0 | 0.50 | 40.0 | 812 | 1500 | 60.0 | 90.2 | 66.0 | - |" in lines
+    assert any(line.startswith("| transformers-serve | 4 | failed: guidellm exited with code 1 |") for line in lines)
+    spec = scenario(LoadTarget("m", "http://h:1/v1", "smollm2", "/tok", None, {"temperature": 0}), ["p"], 4, 8, 16,
+                    tmp_path / "r.json")["spec"]
+    assert spec["profile"] == {"kind": "concurrent", "streams": [4]} and spec["constraints"][0]["count"] == 8
+    assert "api_key" not in spec["backend"] and spec["backend"]["extras"] == {"body": {"temperature": 0}}
+    with pytest.raises(ValueError, match="--load-generator 'aiperf': use guidellm"):
+        check_installed("aiperf")
+    check_installed("guidellm")
 
 
 def test_margin_at_the_first_difference(tiny_models):

@@ -21,6 +21,12 @@ warm-up request per method:
   ``max_tokens``). The first turn goes as one user message, so the server puts it through the
   same chat template as the pipeline's ``text`` prompt.
 
+With ``--load-generator guidellm``, after the cells every method's OpenAI-compatible endpoint (the
+coordinator's HTTP API for the pipeline methods, ``transformers serve``'s own) is also loaded by
+guidellm (:mod:`specdec.bench.load_generator`) at every N with the cells' prompts, request count
+and max tokens; its figures (requests/s, output tokens/s, TTFT, ITL and TPOT percentiles, errors)
+go into the report's ``load_generator`` entry and a Markdown section beside the tables.
+
 The prompts: the Spec-Bench questions (``--limit`` per category), categories taken round-robin;
 request j of client c in a cell of N clients gets prompt ``(j * N + c) mod len``, so every method
 gets the same prompts in every cell.
@@ -63,6 +69,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coordinator.client import FINISH_REASONS
+from specdec.bench import load_generator
 from specdec.bench.chart import write_concurrency_chart
 from specdec.bench.pipeline_method import peak_rss_bytes, start_cluster
 from specdec.bench.questions import Question
@@ -108,13 +115,16 @@ class ConcurrencyConfig(BenchInputs):
     """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
     ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram);
     ``api`` the API the pipeline methods are driven through (``grpc``: ``Generate``; ``openai``:
-    the coordinator's OpenAI-compatible HTTP API, the client path of transformers serve)."""
+    the coordinator's OpenAI-compatible HTTP API, the client path of transformers serve);
+    ``load_generator`` a third-party load generator (``guidellm``) also run against every method's
+    OpenAI-compatible endpoint after the cells (empty: none)."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     drafter: str = "llama-cpp"
     api: str = "grpc"
+    load_generator: str = ""
 
 
 @dataclass
@@ -566,6 +576,8 @@ def _validated(config: ConcurrencyConfig) -> list[Question]:
         raise ValueError(f"--methods: use a subset of {', '.join(METHODS)}")
     if config.api not in APIS:
         raise ValueError(f"--api {config.api!r}: use {' or '.join(APIS)}")
+    if config.load_generator:
+        load_generator.check_installed(config.load_generator)
     return interleave_categories(config.load_questions())
 
 
@@ -626,6 +638,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     reference_client = None
     memory: dict[str, int | None] = {}
     service_env: dict[str, str] = {}
+    load_section = None
     try:
         if pipelines:
             drafters = list(dict.fromkeys([config.drafter, "ngram"]))
@@ -633,7 +646,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
                 cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs",
-                                        http_port=free_port() if config.api == "openai" else 0)
+                                        http_port=free_port() if config.api == "openai" or config.load_generator else 0)
             reference_client = PipelineClient(PLAIN, cluster.address("coordinator"), 0)
             clients += [_pipeline_client(method, cluster, config) for method in pipelines]
         if SERVE in config.methods:
@@ -644,6 +657,8 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             clients.append(OpenAIClient(SERVE, serve.base_url, source))
         clients.sort(key=lambda c: METHODS.index(c.name))
         cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, console))
+        if config.load_generator:
+            load_section = _run_load_generator(config, sequence, cluster, serve, console)
         processes = {**(cluster.processes if cluster else {}), **({SERVE: serve.process} if serve else {})}
         memory = {name: peak_rss_bytes(p.pid) for name, p in processes.items()}
     finally:
@@ -668,10 +683,41 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     report = _report(config, sequence, clients, cells, references, mismatches, memory, machine_info())
     report["environment"] = service_env
     report["transformers_serve_command"] = shlex.join(serve.command()) if serve else None
+    report["load_generator"] = load_section
     write_json(report, config.out / REPORT_FILES[0])
     write_concurrency_markdown(report, config.out / REPORT_FILES[1])
+    if load_section:
+        with open(config.out / REPORT_FILES[1], "a") as markdown:
+            markdown.write("\n" + "\n".join(load_generator.markdown(load_section)) + "\n")
     write_concurrency_chart(report, config.out / REPORT_FILES[2])
     return report
+
+
+def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], cluster, serve, console: Console) -> dict:
+    """guidellm against every method's OpenAI-compatible endpoint (the coordinator's HTTP API,
+    with the request fields of the method's cells; transformers serve's API), its raw reports in
+    ``out/guidellm/``; returns the report's ``load_generator`` entry. The tokenizer it counts
+    prompt tokens with is the target's, saved to a temporary folder (nothing is downloaded)."""
+    import tempfile
+
+    from specdec.models import load_tokenizer
+
+    greedy = {"temperature": 0.0, "seed": config.seed}
+    targets = []
+    with tempfile.TemporaryDirectory(prefix="specdec-tokenizer-") as tokenizer_dir:
+        load_tokenizer(config.target).save_pretrained(tokenizer_dir)
+        for method in config.methods:
+            if method == SERVE:
+                targets.append(load_generator.LoadTarget(SERVE, serve.base_url, serve.model, tokenizer_dir,
+                                                         extra_body=greedy))
+            else:
+                extra = {"drafter": config.drafter} if method == ADAPTIVE else {"num_speculative_tokens": 0}
+                targets.append(load_generator.LoadTarget(method, cluster.http_url, config.target, tokenizer_dir,
+                                                         extra_body=greedy | extra))
+        folder = "guidellm"
+        runs = load_generator.run_all(targets, [q.prompt for q in sequence], config.concurrency,
+                                      config.requests_per_client, config.max_new_tokens, config.out / folder, console)
+    return {"name": config.load_generator, "version": load_generator.version(), "folder": folder, "runs": runs}
 
 
 def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
