@@ -36,8 +36,9 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
 class ServiceProcess:
     """One service (``coordinator``, ``draft`` or ``verify``) as an OS process: ``specdec serve
     <service> --host <host> --port <port> [--metrics-port <metrics_port>] <args>`` in this
-    process's environment plus ``env``, logging to ``log_file`` (None: this terminal). A
-    coordinator also gets ``--http-port <http_port>`` (0: its HTTP API off)."""
+    process's environment plus ``env``, logging to ``log_file`` (None: this terminal), on the
+    CPUs ``cpus`` (empty: every CPU this process may use). A coordinator also gets
+    ``--http-port <http_port>`` (0: its HTTP API off)."""
 
     service: str
     port: int
@@ -47,6 +48,7 @@ class ServiceProcess:
     log_file: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     http_port: int = 0
+    cpus: frozenset[int] = frozenset()
     process: subprocess.Popen | None = None
 
     @property
@@ -73,6 +75,7 @@ class ServiceProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "specdec", "serve", self.service, *args],
             stdout=out, stderr=subprocess.STDOUT if out else None, env={**os.environ, **self.env},
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
 
     def wait_serving(self, deadline: float) -> None:
@@ -107,8 +110,8 @@ class ServiceProcess:
 class LocalCluster:
     """The three services on ``host``. ``extra_args`` adds flags per service (``verify``, ``draft``,
     ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); ``http_port`` the
-    coordinator's HTTP API (0: off); with ``log_dir`` each service logs to
-    ``<log_dir>/<service>.log`` instead of this terminal."""
+    coordinator's HTTP API (0: off); ``cpus`` the CPUs a service is pinned to (absent: all); with
+    ``log_dir`` each service logs to ``<log_dir>/<service>.log`` instead of this terminal."""
 
     coordinator_port: int = 50051
     draft_port: int = 50052
@@ -118,6 +121,7 @@ class LocalCluster:
     log_dir: Path | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)
     http_port: int = 0
+    cpus: dict[str, frozenset[int]] = field(default_factory=dict)
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -142,7 +146,7 @@ class LocalCluster:
         self.services[service] = ServiceProcess(
             service, getattr(self, f"{service}_port"), self.host, [*args, *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
-            http_port=self.http_port,
+            http_port=self.http_port, cpus=self.cpus.get(service, frozenset()),
         )
         self.services[service].start()
 

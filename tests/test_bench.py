@@ -2,13 +2,16 @@
 (real services as subprocesses) that writes the JSON, Markdown and PNG reports."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from specdec.bench.measurement import Measurement
+from specdec.bench.placement import pinned, placement
 from specdec.bench.questions import load_questions
 from specdec.bench.report import OVERALL, expected_tokens_per_round, predicted_speedup, summarize
 from specdec.bench.run import parse_pipeline
@@ -124,6 +127,7 @@ def test_bad_pipeline_spec(spec):
     (["--pipeline", "eagle:4"], "--pipeline 'eagle:4': use DRAFTER:K"),
     (["--limit", "0"], "--limit must be at least 1"),
     (["--categories", "code"], "categories ['code'] are not in"),
+    (["--placement", "everywhere"], "--placement 'everywhere': use one of shared, split"),
 ])
 def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
@@ -132,7 +136,18 @@ def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
+def test_split_placement_pins_one_cpu_each():
+    split = placement("split")
+    assert split.cpus["draft"].isdisjoint(split.cpus["verify"]) and len(split.cpus["verify"]) == 1
+    assert split.service_args["verify"] == ["--num-threads", "1"] and placement("shared").cpus == {}
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    with pinned(split.cpus["verify"]):
+        assert os.sched_getaffinity(0) == split.cpus["verify"] and torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+
+
 def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
+    """The split placement: the services pinned one CPU each, plain also pinned to the verify CPU."""
     questions = write_questions(tmp_path / "q.jsonl", {
         "qa": ["What is the capital of France?", "unused: --limit 1"],
         "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
@@ -142,11 +157,12 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
         [sys.executable, "-m", "specdec", "bench", "--questions", str(questions), "--limit", "1", "--max-new-tokens", "12",
          "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
          "--pipeline", "ngram:2", "--pipeline", "transformers:3", "--pipeline", "transformers:auto", "--hf-k", "3",
-         "--out", str(out)],
+         "--placement", "split", "--out", str(out)],
         check=True, timeout=600,
     )
     report = json.loads((out / "report.json").read_text())
-    methods = ["plain", "hf-prompt-lookup/K=3", "hf-assisted/K=3", "ngram/K=2", "transformers/K=3", "transformers/adaptive"]
+    methods = ["plain", "plain/verify-cpu", "hf-prompt-lookup/K=3", "hf-assisted/K=3", "ngram/K=2", "transformers/K=3",
+               "transformers/adaptive"]
     assert report["methods"] == methods
     assert report["categories"] == ["qa", "summarization"] and report["num_questions"] == 2
     assert len(report["measurements"]) == 2 * len(methods)
@@ -159,6 +175,7 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["tokens_per_target_forward"] == 1.0
     assert overall["transformers/K=3"]["num_draft_tokens"] > 0 and overall["hf-assisted/K=3"]["num_draft_tokens"] > 0
     assert overall["transformers/K=3"]["wire_bytes_per_round"] > 0
+    assert overall["transformers/K=3"]["draft_ahead_hit_rate"] is not None and overall["ngram/K=2"]["draft_ahead_hit_rate"] is None
     assert set(overall["transformers/adaptive"]["rounds_per_drafter"]) <= {"plain", "ngram", "transformers"}
     assert overall["transformers/K=3"]["rounds_per_drafter"]["transformers"] > 0 and overall["plain"]["rounds_per_drafter"] is None
     assert set(report["peak_rss_bytes"]) >= {"coordinator", "draft", "verify"}
@@ -166,4 +183,5 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
     markdown = (out / "report.md").read_text()
     assert "| method | qa | summarization | overall |" in markdown and "transformers/K=3" in markdown
+    assert "placement split: draft service on one CPU, verify service on another" in markdown
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,8 +11,9 @@ class Measurement:
     step (``draft_ms``, ``verify_ms``). ``num_target_forwards`` counts every forward pass of the
     target, the prefill included, so plain decoding of N tokens makes N. ``verify_ms`` covers the
     ``num_verify_rounds`` decode-phase target forwards (verify calls, or plain decode steps).
-    ``coordination_ms``, ``wire_bytes`` and ``rounds_per_drafter`` (decode-phase rounds by the
-    drafter that proposed, ``plain`` for plain decode steps) are the pipeline's only (None elsewhere).
+    ``coordination_ms``, ``wire_bytes``, ``rounds_per_drafter`` (decode-phase rounds by the
+    drafter that proposed, ``plain`` for plain decode steps) and ``draft_ahead`` (proposals drafted
+    ahead that a round checked, and the hits among them) are the pipeline's only (None elsewhere).
     """
 
     method: str
@@ -32,6 +33,7 @@ class Measurement:
     coordination_ms: float | None = None
     wire_bytes: int | None = None
     rounds_per_drafter: dict[str, int] | None = None
+    draft_ahead: tuple[int, int] | None = None  # (proposals checked, hits)
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical
 
     @property

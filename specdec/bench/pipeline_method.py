@@ -6,6 +6,7 @@ from pathlib import Path
 
 from coordinator.client import Completion, stream
 from specdec.bench.measurement import Measurement
+from specdec.bench.placement import SHARED, Placement
 from specdec.bench.questions import Question
 from specdec.launcher import LocalCluster, free_port
 from specdec.timing import ms_since
@@ -13,16 +14,18 @@ from specdec.v1 import coordinator_pb2
 
 
 def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path,
-                  http_port: int = 0) -> LocalCluster:
+                  http_port: int = 0, placement: Placement = SHARED) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
-    ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off). Services also
-    read their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises
-    RuntimeError when one fails to start."""
-    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port)
+    ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
+    run where ``placement`` puts them. Services also read their ``SPECDEC_*`` variables (e.g.
+    ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
+    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus)
+    pinning = placement.service_args
     cluster.extra_args = {
-        "verify": ["--model", target, "--dtype", dtype],
+        "verify": ["--model", target, "--dtype", dtype, *pinning.get("verify", [])],
         "draft": ["--drafters", ",".join(drafters), "--default-drafter", drafters[0],
-                  "--llama-cpp-model", draft_model, "--transformers-model", draft_model, "--transformers-dtype", dtype],
+                  "--llama-cpp-model", draft_model, "--transformers-model", draft_model, "--transformers-dtype", dtype,
+                  *pinning.get("draft", [])],
         "coordinator": ["--tokenizer", target],
     }
     cluster.start_all()
@@ -75,4 +78,5 @@ class PipelineMethod:
             coordination_ms=metrics.coordination_time_ms, wire_bytes=metrics.round_wire_bytes,
             rounds_per_drafter={"plain": metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
+            draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),
         )

@@ -44,6 +44,7 @@ def _stats(runs: list[Measurement]) -> dict:
     for m in runs:
         for name, count in (m.rounds_per_drafter or {}).items():
             rounds_per_drafter[name] = rounds_per_drafter.get(name, 0) + count
+    ahead = [m.draft_ahead for m in runs if m.draft_ahead]
     return {
         "num_prompts": len(runs),
         "num_generated_tokens": tokens,
@@ -62,6 +63,7 @@ def _stats(runs: list[Measurement]) -> dict:
         "coordination_ms_per_round": _ratio(sum(m.coordination_ms for m in runs), rounds) if pipeline else None,
         "wire_bytes_per_round": _ratio(sum(m.wire_bytes for m in runs), rounds) if pipeline else None,
         "rounds_per_drafter": rounds_per_drafter if pipeline else None,
+        "draft_ahead_hit_rate": _ratio(sum(hits for _, hits in ahead), sum(checked for checked, _ in ahead)),
     }
 
 
@@ -143,9 +145,11 @@ def round_cost_table(report: dict) -> list[str]:
             method, _cell(s["draft_ms_per_round"], ".1f"), _cell(s["verify_ms_per_round"], ".1f"),
             _cell(s["coordination_ms_per_round"], ".1f"), _cell(s["wire_bytes_per_round"], ".0f"),
             " ".join(map(str, s["acceptance_histogram"])) or "-", _drafter_shares(s["rounds_per_drafter"]),
+            _cell(s["draft_ahead_hit_rate"], ".0%"),
         ])
     return _table(
-        ["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram", "rounds by drafter"], rows
+        ["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram", "rounds by drafter",
+         "draft-ahead hits"], rows
     )
 
 
@@ -171,10 +175,18 @@ def _header(report: dict, title: str, details: str) -> list[str]:
     ]
 
 
+def _placement(report: dict) -> str:
+    """The line saying where the processes ran (see :mod:`specdec.bench.placement`)."""
+    if report["config"].get("placement", "shared") == "shared":
+        return "placement shared: every process on every core"
+    return ("placement split: draft service on one CPU, verify service on another, one thread each; "
+            "plain on every core, plain/verify-cpu pinned to the verify service's CPU")
+
+
 def to_markdown(report: dict) -> str:
     """The report as Markdown: speedups per category, the overall figures, round costs, memory."""
     lines = [
-        *_header(report, "specdec bench", f", {report['num_questions']} prompts."),
+        *_header(report, "specdec bench", f", {report['num_questions']} prompts; {_placement(report)}."),
         "",
         "## Speedup over plain decoding (ratio of tokens/s)",
         "",
@@ -187,6 +199,11 @@ def to_markdown(report: dict) -> str:
         *overall_table(report),
         "",
         "## Per round (overall): ms per target forward after prefill, protobuf bytes per round",
+        "",
+        "`draft ms`: the time a round waited for its proposal (0 when it was drafted ahead during the "
+        "previous round's verification and ready); `verify ms`: the pipeline's Verify or Decode call in the "
+        "verify service, against the in-process forward of `plain` and the `hf-*` methods; `draft-ahead hits`: "
+        "the share of proposals drafted ahead that the next round could use.",
         "",
         *round_cost_table(report),
         "",

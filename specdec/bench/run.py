@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec.bench.chart import write_chart
 from specdec.bench.measurement import Measurement
 from specdec.bench.pipeline_method import PipelineMethod, peak_rss_bytes, start_cluster
+from specdec.bench.placement import PINNED_PLAIN, Placement, placement
 from specdec.bench.questions import Question, load_questions
 from specdec.bench.report import BASELINE, summarize, write_json, write_markdown
 from specdec.bench.transformers_methods import TransformersMethod
@@ -60,6 +61,7 @@ class BenchConfig(BenchInputs):
         default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8", "ngram:auto", "llama-cpp:auto"]
     )
     hf_k: list[int] = field(default_factory=lambda: [4])
+    placement: str = "shared"
 
 
 def parse_pipeline(spec: str) -> tuple[str, int | None]:
@@ -91,11 +93,13 @@ def machine_info() -> dict:
     }
 
 
-def _transformers_methods(config: BenchConfig, use_assistant: bool, console: Console) -> list[TransformersMethod]:
+def _transformers_methods(config: BenchConfig, where: Placement, use_assistant: bool, console: Console) -> list[TransformersMethod]:
     transformers.utils.logging.disable_progress_bar()
     console.print(f"loading the target {config.target} in transformers (plain and hf-* methods)...")
     target, tokenizer = load_causal_lm(config.target, config.dtype)
     methods = [TransformersMethod(target, tokenizer)]
+    if where.cpus:
+        methods.append(TransformersMethod(target, tokenizer, cpus=where.cpus["verify"], name=PINNED_PLAIN))
     methods += [TransformersMethod(target, tokenizer, k, "hf-prompt-lookup") for k in config.hf_k]
     if use_assistant:
         assistant, _ = load_causal_lm(config.draft_model, config.dtype)
@@ -124,8 +128,8 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
     return measurements
 
 
-def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]]]:
-    return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines]
+def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]], Placement]:
+    return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placement(config.placement)
 
 
 def _report(config, questions, methods, measurements, memory) -> dict:
@@ -146,15 +150,15 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     """Runs the benchmark and writes ``report.json``, ``report.md`` and ``speedup.png`` to
     ``config.out``; returns the report. Raises ValueError for bad options, RuntimeError when a
     service fails to start, grpc.RpcError when a pipeline request fails."""
-    questions, pipelines = _validated(config)
+    questions, pipelines, where = _validated(config)
     config.out.mkdir(parents=True, exist_ok=True)
     drafters = list(dict.fromkeys(drafter for drafter, _ in pipelines))
-    methods: list = _transformers_methods(config, "transformers" in drafters, console)
+    methods: list = _transformers_methods(config, where, "transformers" in drafters, console)
     cluster = None
     try:
         if pipelines:
             console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
-            cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs")
+            cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs", placement=where)
             methods += [PipelineMethod(cluster.address("coordinator"), drafter, k) for drafter, k in pipelines]
         measurements = _run_all(methods, questions, config, console)
         memory = {name: peak_rss_bytes(p.pid) for name, p in (cluster.processes.items() if cluster else [])}

@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from coordinator.metrics import histogram
 from coordinator.request import prompt_ids
 from specdec.bench.measurement import Measurement
+from specdec.bench.placement import pinned
 from specdec.bench.questions import Question
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
@@ -92,11 +93,13 @@ class _FirstTokenTimer(BaseStreamer):
 class TransformersMethod:
     """One way of running the target's ``generate``: ``plain``, ``hf-prompt-lookup/K=k`` or
     ``hf-assisted/K=k`` (``assistant`` = the draft model; constant K, no confidence cut-off, so
-    that it matches a fixed-K pipeline)."""
+    that it matches a fixed-K pipeline). ``cpus``: run pinned to them with one torch thread
+    (:func:`specdec.bench.placement.pinned`; ``name`` then says where)."""
 
-    def __init__(self, target, tokenizer, k: int = 0, kind: str = "plain", assistant=None):
-        self.target, self.tokenizer, self.k, self.kind = target, tokenizer, k, kind
-        self.name = "plain" if kind == "plain" else f"{kind}/K={k}"
+    def __init__(self, target, tokenizer, k: int = 0, kind: str = "plain", assistant=None,
+                 cpus: frozenset[int] | None = None, name: str | None = None):
+        self.target, self.tokenizer, self.k, self.kind, self.cpus = target, tokenizer, k, kind, cpus
+        self.name = name or ("plain" if kind == "plain" else f"{kind}/K={k}")
         self.probe = ForwardProbe(target)
         self.draft_probe = ForwardProbe(assistant) if assistant is not None else None
         self.extra: dict = {}
@@ -117,7 +120,7 @@ class TransformersMethod:
         if self.draft_probe:
             self.draft_probe.take()
         timer = _FirstTokenTimer()
-        with torch.inference_mode():
+        with pinned(self.cpus), torch.inference_mode():
             output = self.target.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, streamer=timer, **self.extra,
