@@ -25,24 +25,32 @@ is the formula above. As load grows K shrinks, and reaches 0 (plain decode) wher
 longer pays.
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
-n-gram index (:mod:`specdec.ngram`, no network hop, no draft cost). Its proposal competes with the
-model drafter's under the same formula, with acceptance tracked per matched suffix length n
-(a 3-token match predicts better than a 1-token one) and a round cost of the verify call alone.
-The lookup's acceptance is observed every round, whether or not its proposal was used, by
-comparing it with the tokens the round committed: under greedy decoding that is exactly the
-acceptance test's outcome; under sampling the committed tokens follow the target distribution p,
-so a match at a position has probability p(token), the acceptance probability of a point-mass
-draft (Leviathan et al. 2023). So n-gram estimates need no probing and cost nothing to keep.
+model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.ngram`, what
+followed the latest match) and SuffixDecoding (:mod:`specdec.suffix`, the most frequent
+continuation over the request and earlier outputs). Their proposals compete with the model
+drafter's under the same formula, with acceptance tracked per lookup and matched suffix length n
+(a 3-token match predicts better than a 1-token one; suffix matches from 4 tokens up share one
+estimate) and a round cost of the verify call alone. A lookup's acceptance is observed every
+round, whether or not its proposal was used, by comparing it with the tokens the round committed:
+under greedy decoding that is exactly the acceptance test's outcome; under sampling the committed
+tokens follow the target distribution p, so a match at a position has probability p(token), the
+acceptance probability of a point-mass draft (Leviathan et al. 2023). So lookup estimates need no
+probing and cost nothing to keep.
 """
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.metrics import PLAIN, RoundRecord
 from specdec.kv import common_prefix_length
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
+from specdec.ngram import NgramMatch
+from specdec.suffix import SuffixMatch
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
+
+SUFFIX_LENGTHS = 4  # suffix matches of 4 tokens and more share one acceptance estimate
+Matches = Mapping[str, NgramMatch | SuffixMatch]  # this round's proposal of each lookup that matched
 
 def ema(old: float, new: float, weight: float) -> float:
     """Exponential moving average: ``weight`` on the new observation."""
@@ -175,17 +183,18 @@ class Load:
 @dataclass
 class AdaptiveK:
     """One session's choice of drafter and K. Each round's options: plain decode, the model
-    ``drafter`` (None: none) with K in [1, k_max], and the n-gram ``match`` with K up to its
-    length; the one with the most expected tokens per ms wins (the cheaper on a tie). While plain
-    decode wins (the fallback), every ``probe_interval``-th round asks the model drafter for
-    ``probe_k`` tokens anyway (less often where a probe costs more, see
+    ``drafter`` (None: none) with K in [1, k_max], and each lookup's match (``matches``, by
+    lookup) with K up to its length; the one with the most expected tokens per ms wins (the
+    cheaper on a tie). While plain decode wins (the fallback), every ``probe_interval``-th round
+    asks the model drafter for ``probe_k`` tokens anyway (less often where a probe costs more, see
     :meth:`_rounds_between_probes`), so that a session whose text becomes predictable is noticed.
-    ``ngram[n - 1]`` is the acceptance of proposals from an n-token suffix match."""
+    ``lookups[name][i]`` is the acceptance of lookup ``name``'s proposals from a suffix match of
+    i + 1 tokens (the last one: of that many or more)."""
 
     k_max: int
     drafter: str | None
     acceptance: AcceptanceModel | None  # the model drafter's
-    ngram: list[AcceptanceModel]
+    lookups: dict[str, list[AcceptanceModel]]
     costs: StepCosts
     target: str = ""
     probe_interval: int = 16
@@ -193,7 +202,11 @@ class AdaptiveK:
     load: Load = field(default_factory=Load)
     _fallback_rounds: int = 0
 
-    def options(self, match: NgramMatch | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
+    def _lookup_model(self, name: str, match: NgramMatch | SuffixMatch) -> AcceptanceModel:
+        models = self.lookups[name]
+        return models[min(match.n, len(models)) - 1]
+
+    def options(self, matches: Matches | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
         """(drafter, K, expected tokens per ms of the whole batch, see the module docstring) of
         every choice this round; the model drafter's only while ``draft_available``."""
         k_max = min(self.k_max, len(self.costs.verify_ms) - 1)
@@ -208,37 +221,38 @@ class AdaptiveK:
                 (self.drafter, k, goodput(self.acceptance.expected_tokens(k), k))
                 for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
             ]
-        if match:
-            model = self.ngram[match.n - 1]
-            options += [
-                (NGRAM, k, goodput(model.expected_tokens(k), k, draft_call=False))
-                for k in range(1, min(k_max, len(match.tokens), len(model.rates)) + 1)
-            ]
+        for name, match in (matches or {}).items():
+            if match.tokens and name in self.lookups:
+                model = self._lookup_model(name, match)
+                options += [
+                    (name, k, goodput(model.expected_tokens(k), k, draft_call=False))
+                    for k in range(1, min(k_max, len(match.tokens), len(model.rates)) + 1)
+                ]
         return options
 
-    def next_round(self, match: NgramMatch | None, draft_available: bool = True) -> tuple[str, int]:
-        """The round's (drafter, K): ``self.drafter``, NGRAM (propose ``match.tokens[:K]``) or
-        (PLAIN, 0). ``draft_available`` False (the draft session is not open yet, or the draft
-        service failed recently): never the model drafter."""
-        drafter, k = self._best(match, draft_available)
+    def next_round(self, matches: Matches | None, draft_available: bool = True) -> tuple[str, int]:
+        """The round's (drafter, K): ``self.drafter``, a lookup's name (propose
+        ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
+        is not open yet, or the draft service failed recently): never the model drafter."""
+        drafter, k = self._best(matches, draft_available)
         self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
         if self.drafter and draft_available and self._fallback_rounds >= self._rounds_between_probes():
             self._fallback_rounds = 0
             return self.drafter, min(self.probe_k, self.k_max)
         return drafter, k
 
-    def wants_drafter(self, match: NgramMatch | None) -> bool:
+    def wants_drafter(self, matches: Matches | None) -> bool:
         """Whether this round would ask the model drafter if it were ready: it is the best option,
         or plain decode is and a probe is due. A session opens its draft only then, so that on a
         loaded service, where speculation does not pay, no draft prefill takes the shared
         hardware from the target's steps."""
         if not self.drafter:
             return False
-        drafter, _ = self._best(match, True)
+        drafter, _ = self._best(matches, True)
         return drafter == self.drafter or (drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes())
 
-    def _best(self, match: NgramMatch | None, draft_available: bool) -> tuple[str, int]:
-        drafter, k, _ = max(self.options(match, draft_available), key=lambda option: (option[2], -option[1]))
+    def _best(self, matches: Matches | None, draft_available: bool) -> tuple[str, int]:
+        drafter, k, _ = max(self.options(matches, draft_available), key=lambda option: (option[2], -option[1]))
         return drafter, k
 
     def _rounds_between_probes(self) -> float:
@@ -249,20 +263,21 @@ class AdaptiveK:
         probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others)
         return self.probe_interval * max(1.0, probe / self.costs.round_ms(0, False, others))
 
-    def observe(self, record: RoundRecord, match: NgramMatch | None, committed: list[int]) -> None:
-        """Learns from a finished round: its record, the n-gram match looked up before it (used
-        or not) and the tokens it committed."""
+    def observe(self, record: RoundRecord, matches: Matches | None, committed: list[int]) -> None:
+        """Learns from a finished round: its record, the lookups' matches looked up before it
+        (used or not) and the tokens it committed."""
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if draft_call:
             self.acceptance.observe(record.num_drafted, record.num_accepted)
-        if match:
-            self.ngram[match.n - 1].observe_tokens(match.tokens, committed)
+        for name, match in (matches or {}).items():
+            if match.tokens and name in self.lookups:
+                self._lookup_model(name, match).observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call)
         self.load.observe(record, len(committed))
 
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
         """Every acceptance model of the session, by the name its warm start is kept under."""
-        models = {f"{NGRAM}/{n}": model for n, model in enumerate(self.ngram, 1)}
+        models = {f"{name}/{n}": model for name, lookup in self.lookups.items() for n, model in enumerate(lookup, 1)}
         if self.drafter:
             models[self.drafter] = self.acceptance
         return models
@@ -271,27 +286,31 @@ class AdaptiveK:
 @dataclass
 class AdaptiveState:
     """What the coordinator's sessions share per target: step costs per drafter kept fresh by
-    every live round, and acceptance estimates per drafter (and per n-gram match length) that
+    every live round, and acceptance estimates per drafter (and per lookup and match length) that
     warm-start each new session (an EMA over the sessions that ended). ``prior_rate`` seeds a
     model drafter's estimates never seen: optimistic, so that the first sessions try it and measure
-    it (its acceptance is observed only in the rounds that use it). ``ngram_prior_rate`` seeds the
-    n-gram lookup's: a coin toss, as its acceptance is observed every round whether used or not,
+    it (its acceptance is observed only in the rounds that use it). ``lookup_prior_rate`` seeds the
+    lookups': a coin toss, as their acceptance is observed every round whether used or not,
     and an optimistic start made the first sessions on a loaded service verify long lookups that
     mostly failed (4 sessions at once, each its first: 66 drafts, 11 accepted, in 25 rounds)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
-    ngram_prior_rate: float = 0.5
+    lookup_prior_rate: float = 0.5
     session_weight: float = 0.5
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def policy(self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, ngram_max: int, others: int = 0) -> AdaptiveK:
+    def policy(
+        self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, lookups: Mapping[str, int], others: int = 0,
+    ) -> AdaptiveK:
         """A new session's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
-        None: n-gram lookup only (the request's drafter is ``ngram``). ``others``: the requests
-        running besides it, the load it assumes until its first round reports the service's."""
+        None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
+        the lookups that compete, each with its number of match-length estimates (the n-gram
+        index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
+        load it assumes until its first round reports the service's."""
         name = drafter.name if drafter else None
-        key = (name or NGRAM, target.model)
+        key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
             measured = list(target.verify_ms) or [1.0]  # unmeasured: every round costs the same
             measured += measured[-1:] * (k_max + 1 - len(measured))
@@ -301,7 +320,10 @@ class AdaptiveState:
             k_max,
             name,
             self._warm_start(name, target.model, k_max, self.prior_rate) if name else None,
-            [self._warm_start(f"{NGRAM}/{n}", target.model, k_max, self.ngram_prior_rate) for n in range(1, ngram_max + 1)],
+            {
+                lookup: [self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate) for n in range(1, lengths + 1)]
+                for lookup, lengths in lookups.items()
+            },
             self.costs[key],
             target.model,
             self.probe_interval,

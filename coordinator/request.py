@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+
+LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
@@ -22,9 +25,10 @@ class ResolvedRequest:
 
     @property
     def uses_draft_service(self) -> bool:
-        """False for plain decode, for adaptive n-gram lookup (which the coordinator does), and when
-        the draft service was never reached (no drafter)."""
-        return self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter == NGRAM)
+        """False for plain decode, for an adaptive request with a model-free drafter (ngram or
+        suffix: the coordinator runs the lookup itself), and when the draft service was never
+        reached (no drafter)."""
+        return self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
 
 
 def _field(request, name: str, default):
@@ -105,7 +109,7 @@ def resolve(
         if not 0 <= k <= max_k:
             raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
     drafter = request.drafter
-    if (k > 0 or drafter) and not (adaptive and drafter == NGRAM):  # adaptive n-gram: no draft service
+    if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
     return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0)
 
@@ -124,6 +128,6 @@ def _check_drafter(name: str, draft_info, verify_info) -> str:
         raise FailedPrecondition(
             f"drafter {name!r} ({drafters[name].model}) has a different vocabulary from the target "
             f"({verify_info.model}): choose a draft model that shares the target's tokenizer, "
-            "or the ngram drafter"
+            "or a model-free drafter (ngram, suffix)"
         )
     return name

@@ -4,8 +4,9 @@ on the draft service and on one verify replica.
 Each round: the draft proposes K tokens (carrying the committed tokens it has not yet seen), the
 verify service accepts n of them and returns the next token, and the committed log grows by
 draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
-Under adaptive K a round's proposal may instead come from the coordinator's own n-gram index
-(:meth:`SpeculativeSession.ngram_match`); the draft session then catches up at its next Propose.
+Under adaptive K a round's proposal may instead come from one of the coordinator's own lookups,
+n-gram or suffix (:meth:`SpeculativeSession.lookup_matches`); the draft session then catches up at
+its next Propose.
 
 Draft-ahead (model drafters, ``draft_ahead``): while the verify service checks a round's
 proposal, the draft service already drafts the next round's, on the branch where verification
@@ -41,6 +42,7 @@ from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
+from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, verify_pb2
 from specdec.wire import point_masses
@@ -69,13 +71,14 @@ class DraftAhead:
 
 class SpeculativeSession:
     """Args: ``committed`` the request's committed log (prompt plus generated tokens, when a
-    resumed request starts from stored ones); ``draft_ahead``: draft the next round while this
+    resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
+    lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while this
     one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
         self, clients: ServiceClients, session_id: str, request: ResolvedRequest, committed: list[int],
-        ngram: NgramIndex | None = None, draft_retry_s: float = 2.0, failover_timeout_s: float = 60.0,
+        lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0, failover_timeout_s: float = 60.0,
         draft_ahead: bool = False,
     ):
         self.clients = clients
@@ -83,7 +86,7 @@ class SpeculativeSession:
         self.request = request
         self.committed = committed
         self.uses_draft = request.uses_draft_service
-        self.ngram = ngram
+        self.lookups = lookups or {}
         self.draft_retry_s, self.failover_timeout_s = draft_retry_s, failover_timeout_s
         self.draft_session: str | None = None  # None: no open draft session
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
@@ -282,13 +285,16 @@ class SpeculativeSession:
 
     # --- rounds --------------------------------------------------------------------------
 
-    def ngram_match(self, k: int) -> NgramMatch | None:
-        """Up to ``k`` tokens from the session's n-gram index (None without one or a match)."""
-        return self.ngram.lookup(self.committed, k) if self.ngram else None
+    def lookup_matches(self, k: int) -> dict[str, NgramMatch | SuffixMatch]:
+        """Each lookup's proposal of up to ``k`` tokens after the committed log, by lookup name
+        (those without a match left out). Call it every round: the lookups index the tokens
+        committed since the last call."""
+        matches = {name: index.lookup(self.committed, k) for name, index in self.lookups.items()}
+        return {name: match for name, match in matches.items() if match}
 
     async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
         """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
-        when given (the coordinator's n-gram lookup), else a proposal from the draft service:
+        when given (one of the coordinator's lookups), else a proposal from the draft service:
         drafted ahead during the previous round when verification went down its branch, or asked
         for now (a plain decode round while the draft is unavailable, its opening started in the
         background if it is not open). Returns the newly committed tokens and the round's record

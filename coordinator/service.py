@@ -16,7 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from coordinator import request as request_validation
-from coordinator.adaptive import AdaptiveK, AdaptiveState
+from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.clients import ServiceClients
 from coordinator.http_api import HttpServer, create_app
@@ -33,6 +33,7 @@ from coordinator.store import (
 from coordinator.tracing import request_attributes, round_attributes
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
+from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.models import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, start_aio_server
 from specdec.timing import ms_since
@@ -55,6 +56,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
+        self.suffix_cache = SuffixCache()  # the outputs of earlier and running requests, for suffix lookups
         self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
         self._num_running = 0  # Generate calls in progress
         self._background: set[asyncio.Task] = set()
@@ -105,15 +107,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         policy = None
         if resolved.adaptive:
-            drafter = None  # n-gram lookup alone
+            drafter = None  # the request's lookup alone
             if resolved.uses_draft_service:
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
             with contextlib.suppress(StoreUnavailable):
                 self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
+            lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
             policy = self.adaptive.policy(
-                drafter, verify_info, resolved.num_speculative_tokens, self.settings.ngram_max, self._num_running - 1
+                drafter, verify_info, resolved.num_speculative_tokens,
+                {name: lengths[name] for name in self._lookup_names(resolved)}, self._num_running - 1,
             )
         return resolved, verify_info, policy
+
+    def _lookup_names(self, resolved) -> list[str]:
+        """The coordinator's own lookups an adaptive request drafts with: the request's drafter
+        when it is one (ngram, suffix), else, with hybrid drafting on, ``settings.hybrid_lookups``
+        beside the model drafter."""
+        if not resolved.uses_draft_service:
+            return [resolved.drafter]
+        return list(self.settings.hybrid_lookups) if self.settings.hybrid else []
+
+    def _lookups(self, resolved, names: list[str]) -> dict:
+        """A new request's lookup indexes (the suffix one shares the coordinator's output cache)."""
+        indexes = {
+            NGRAM: lambda: NgramIndex(self.settings.ngram_min, self.settings.ngram_max),
+            SUFFIX: lambda: SuffixIndex(self.suffix_cache, len(resolved.prompt_ids)),
+        }
+        return {name: indexes[name]() for name in names}
 
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
@@ -157,11 +177,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.max_new_tokens, request.resume_from,
         )
         metrics = MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids))
-        ngram = None  # hybrid drafting: the coordinator's own n-gram lookup competes every round
-        if policy and (self.settings.hybrid or not resolved.uses_draft_service):
-            ngram = NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
+        lookups = self._lookups(resolved, list(policy.lookups)) if policy else {}
         session = SpeculativeSession(
-            self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], ngram,
+            self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
@@ -264,13 +282,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if policy is None:
             request = session.request
             return await session.round(request.drafter, min(request.num_speculative_tokens, max_k))
-        match = session.ngram_match(min(policy.k_max, max_k))
-        if not session.draft_available() and policy.wants_drafter(match):
+        matches = session.lookup_matches(min(policy.k_max, max_k))
+        if not session.draft_available() and policy.wants_drafter(matches):
             session.open_draft()
-        drafter, k = policy.next_round(match, session.draft_available())
-        local = match.tokens if drafter == NGRAM else None
+        drafter, k = policy.next_round(matches, session.draft_available())
+        local = matches[drafter].tokens if drafter in matches else None
         new, record = await session.round(drafter, min(k, max_k), local)
-        policy.observe(record, match, new)
+        policy.observe(record, matches, new)
         return new, record
 
     def _in_background(self, coro) -> None:

@@ -53,6 +53,11 @@ class CoordinatorSettings(ServiceSettings):
         True, description="Under adaptive K, let the coordinator's own n-gram prompt lookup compete "
         "with the request's drafter every round (hybrid drafting); off: the drafter and plain decode only.",
     )
+    hybrid_lookups: CommaSeparated = Field(
+        ["ngram", "suffix"], description="The coordinator's own model-free lookups that compete in hybrid drafting "
+        "(comma-separated): ngram (prompt lookup: what followed the latest match) and suffix (SuffixDecoding: the "
+        "most frequent continuation over the request and earlier outputs).",
+    )
     draft_ahead: bool = Field(
         True, description="While the verify service checks a round's proposal, have a model drafter draft the "
         "next round's on the branch where all of it is accepted and the bonus token is the draft's guess, so "
@@ -88,6 +93,13 @@ class CoordinatorSettings(ServiceSettings):
             except OSError as err:  # fails the start
                 raise ValueError(f"api_key_file {self.api_key_file}: {err.strerror}: give a readable file of keys") from None
             self.api_keys = [*self.api_keys, *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#"))]
+        return self
+
+    @model_validator(mode="after")
+    def _known_lookups(self):
+        unknown = [name for name in self.hybrid_lookups if name not in ("ngram", "suffix")]
+        if unknown:
+            raise ValueError(f"hybrid_lookups {unknown}: choose among ngram, suffix")
         return self
 
     @model_validator(mode="after")

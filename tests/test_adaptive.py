@@ -4,11 +4,12 @@ and its recovery, over real gRPC with a scripted drafter whose accuracy switches
 import pytest
 import torch
 
-from coordinator.adaptive import NGRAM, PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
+from coordinator.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
 from coordinator.client import generate
 from coordinator.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
-from specdec.ngram import NgramMatch
+from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
+from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixMatch
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
 from tests.conftest import CoordinatorThread
 
@@ -38,7 +39,7 @@ def choose(rates, costs, k_max=4, match=None, ngram_rates=()):
     """The (drafter, K) of a llama-cpp session with per-position ``rates``; ``ngram_rates[n - 1]``:
     the rates of n-gram proposals from an n-token suffix match."""
     ngram = [AcceptanceModel(list(r)) for r in ngram_rates]
-    return AdaptiveK(k_max, "llama-cpp", AcceptanceModel(list(rates)), ngram, costs).next_round(match)
+    return AdaptiveK(k_max, "llama-cpp", AcceptanceModel(list(rates)), {NGRAM: ngram}, costs).next_round({NGRAM: match} if match else {})
 
 
 def test_choose_k_from_costs_and_acceptance():
@@ -66,15 +67,34 @@ def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
 
 
 def test_ngram_acceptance_is_observed_whether_or_not_it_was_used():
-    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.5] * 4), [AcceptanceModel([0.5] * 4, weight=0.5)], StepCosts(15.0, list(FLAT)))
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.5] * 4), {NGRAM: [AcceptanceModel([0.5] * 4, weight=0.5)]}, StepCosts(15.0, list(FLAT)))
     match = NgramMatch(1, [7, 8, 9, 10])
-    policy.observe(record(4, 4, 2), match, [7, 8, 3])  # a llama-cpp round committed 7 8 3
-    assert policy.ngram[0].rates == [0.75, 0.75, 0.25, 0.5]  # 7 and 8 would have passed, 9 not
+    policy.observe(record(4, 4, 2), {NGRAM: match}, [7, 8, 3])  # a llama-cpp round committed 7 8 3
+    assert policy.lookups[NGRAM][0].rates == [0.75, 0.75, 0.25, 0.5]  # 7 and 8 would have passed, 9 not
     assert policy.acceptance.rates[:3] == [0.625, 0.625, 0.375]  # the model's own round, weight 0.25
 
 
+def test_suffix_and_ngram_lookups_compete_with_estimates_of_their_own():
+    """Each lookup keeps its estimates per match length (suffix matches of 4 tokens and more share
+    one); both are observed every round against what it committed."""
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    lookups = {
+        NGRAM: [AcceptanceModel([0.1] * 4, weight=0.5) for _ in range(3)],
+        SUFFIX: [*(AcceptanceModel([0.2] * 4) for _ in range(3)), AcceptanceModel([0.9] * 4, weight=0.5)],
+    }
+    policy = AdaptiveK(4, None, None, lookups, costs)
+    matches = {NGRAM: NgramMatch(3, [7, 8, 9, 10]), SUFFIX: SuffixMatch(9, [7, 8, 5, 6], [0.9, 0.8, 0.5, 0.4])}
+    assert policy.next_round(matches) == (SUFFIX, 4)  # a 9-token suffix match: the 4+ estimate, 0.9
+    assert policy.next_round({NGRAM: matches[NGRAM]}) == (PLAIN, 0)  # the n-gram alone rarely passes
+    suffix_round = RoundRecord(SUFFIX, 4, 4, 2, draft_ms=0.0, verify_ms=FLAT[4], wall_ms=FLAT[4] + 2.0, wire_bytes=0)
+    policy.observe(suffix_round, matches, [7, 8, 9])  # 7 8 passed, 5 rejected for 9
+    assert policy.lookups[SUFFIX][3].rates == [0.95, 0.95, 0.45, 0.9]
+    assert policy.lookups[NGRAM][2].rates == [0.55, 0.55, 0.55, 0.1]  # 7 8 9 would have passed, 10 unseen
+    assert set(policy.acceptance_models()) == {"ngram/1", "ngram/2", "ngram/3", "suffix/1", "suffix/2", "suffix/3", "suffix/4"}
+
+
 def test_fallback_then_probe_then_recovery():
-    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.8] * 4), [], StepCosts(15.0, list(FLAT), [1.0, 3.0]), probe_interval=4, probe_k=2)
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.8] * 4), {}, StepCosts(15.0, list(FLAT), [1.0, 3.0]), probe_interval=4, probe_k=2)
     assert policy.next_round(None) == ("llama-cpp", 3)  # prior 0.8: K=3 gives 2.95 tokens in 128 ms, K=4 3.36 in 148
     for _ in range(6):  # the drafter turns wrong: every draft is rejected at the first position
         policy.observe(record(4, 4, 0), None, [1])
@@ -92,7 +112,7 @@ def test_probes_are_rarer_where_a_probe_costs_more():
     machine) is probed less often than a fast one."""
     def rounds_to_first_probe(draft_ms_per_token: float) -> int:
         costs = StepCosts(draft_ms_per_token, list(FLAT), [1.0, 3.0])
-        policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), [], costs, probe_interval=4, probe_k=2)
+        policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), {}, costs, probe_interval=4, probe_k=2)
         return next(i for i in range(1, 100) if policy.next_round(None)[1])
 
     assert rounds_to_first_probe(0.0) == 6  # a free draft: 78 ms against 61, after 4 x 1.28 rounds
@@ -117,17 +137,17 @@ def test_sessions_warm_start_from_the_previous_ones():
     state = AdaptiveState(prior_rate=0.8)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
     target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
-    first = state.policy(drafter, target, k_max=4, ngram_max=2)
+    first = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
     assert first.acceptance.rates == [0.8] * 4 and first.costs.verify_ms == [50.0, 55.0, 60.0, 60.0, 60.0]
-    assert [m.rates for m in first.ngram] == [[0.5] * 4] * 2  # observed every round: no optimism needed
+    assert [m.rates for m in first.lookups[NGRAM]] == [[0.5] * 4] * 2  # observed every round: no optimism needed
     first.acceptance.rates = [0.0] * 4
-    first.ngram[1].rates = [1.0] * 4
+    first.lookups[NGRAM][1].rates = [1.0] * 4
     state.remember(first)
-    second = state.policy(drafter, target, k_max=4, ngram_max=2)
+    second = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
     assert second.acceptance.rates == [0.4] * 4 and second.costs is first.costs
-    assert [m.rates for m in second.ngram] == [[0.5] * 4, [0.75] * 4]
-    lookup_only = state.policy(None, target, k_max=4, ngram_max=2)  # drafter "ngram": no model
-    assert lookup_only.drafter is None and lookup_only.ngram[1].rates == [0.75] * 4
+    assert [m.rates for m in second.lookups[NGRAM]] == [[0.5] * 4, [0.75] * 4]
+    lookup_only = state.policy(None, target, k_max=4, lookups={NGRAM: 2})  # drafter "ngram": no model
+    assert lookup_only.drafter is None and lookup_only.lookups[NGRAM][1].rates == [0.75] * 4
 
 
 def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
@@ -139,8 +159,8 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     target = verify_pb2.VerifyServiceGetInfoResponse(
         model="t", verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0], step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)]
     )
-    assert state.policy(drafter, target, k_max=4, ngram_max=2).wants_drafter(None)
-    loaded = state.policy(drafter, target, k_max=4, ngram_max=2, others=15)
+    assert state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
+    loaded = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=15)
     wanted = []
     for _ in range(12):
         wanted.append(loaded.wants_drafter(None))
@@ -195,7 +215,7 @@ def test_k_shrinks_to_plain_decode_as_the_batch_grows():
     assert [costs.step_ms(n) for n in (16, 40, 128)] == pytest.approx([150.0, 270.0, 710.0], rel=0.02)
     chosen = {}
     for others in (0, 3, 15):
-        policy = AdaptiveK(5, "llama-cpp", AcceptanceModel([0.7] * 5), [], costs)
+        policy = AdaptiveK(5, "llama-cpp", AcceptanceModel([0.7] * 5), {}, costs)
         policy.load = Load(others_seqs=others, others_tokens=others, round_tokens=1.0)
         chosen[others] = policy.next_round(None)[1]
     assert chosen[0] >= 3 and chosen[0] > chosen[3] >= chosen[15] and chosen[15] == 0

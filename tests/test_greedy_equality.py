@@ -11,7 +11,8 @@ from coordinator.client import generate
 from coordinator.clients import ServiceClients
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
-from specdec.ngram import NgramIndex
+from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
+from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2
 
@@ -55,9 +56,10 @@ def test_pipeline_equals_plain_greedy(tiny_pipeline, references, drafter, k):
             assert m.draft_acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("drafter", ["transformers", "self", "ngram", "wrong"])
+@pytest.mark.parametrize("drafter", ["transformers", "self", "ngram", "suffix", "wrong"])
 def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
-    """No K in the request: the coordinator chooses K every round, plain-decode fallback included."""
+    """No K in the request: the coordinator chooses K every round, plain-decode fallback included
+    (ngram and suffix: the coordinator's own lookup alone; a model drafter: with both lookups)."""
     for prompt, (_, expected) in references.items():
         request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, drafter=drafter)
         completion = generate(tiny_pipeline.address, request, timeout_s=120)
@@ -66,6 +68,7 @@ def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
         assert m.adaptive and sum(m.rounds_per_k) == m.num_target_forwards
         # every round is a plain decode step or was proposed by exactly one drafter
         assert m.rounds_per_k[0] + sum(u.num_rounds for u in m.drafter_usage.values()) == m.num_target_forwards
+        assert set(m.drafter_usage) <= {drafter, "ngram", "suffix"}
 
 
 def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
@@ -80,18 +83,20 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
 @pytest.mark.parametrize("drafter", ["transformers", "ngram"])
 def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter):
     """The round loop with a different K each round, plain-decode rounds (K = 0) included, and half
-    the proposals from the coordinator's own n-gram lookup (hybrid drafting)."""
+    the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting)."""
     schedule = random.Random(7)
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
-        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), NgramIndex(1, 3))
+        lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
+        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
         await session.prefill()
         generated: list[int] = []
         try:
             while len(generated) < MAX_NEW:
                 k = schedule.choice([0, 1, 2, 3, 5, 8])
-                match = session.ngram_match(k) if schedule.random() < 0.5 else None
+                matches = session.lookup_matches(k)  # every round, so the lookups index every token
+                match = matches.get(schedule.choice([NGRAM, SUFFIX])) if schedule.random() < 0.5 else None
                 new, _ = await session.round(drafter, k, match.tokens if match else None)
                 generated.extend(new)
         finally:

@@ -20,13 +20,13 @@ import torch
 from scipy.stats import chisquare
 
 import verify_service.target as target_module
-from coordinator.adaptive import NGRAM, AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
 from coordinator.metrics import RoundRecord
 from draft_service.drafters.base import Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from specdec.engine import EngineMetrics
-from specdec.ngram import NgramIndex
+from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 from tests.conftest import tiny_llama
 from tests.test_concurrency import StepRecorder
@@ -78,7 +78,7 @@ def adaptive_policy(ngram_max: int) -> AdaptiveK:
     the second token's round depends on the first round's random outcome. With ``ngram_max``, n-gram
     matches (free, so preferred while their estimate holds) compete with the model drafter."""
     rates = lambda: AcceptanceModel([0.8] * 3, weight=0.9)  # noqa: E731
-    return AdaptiveK(3, "model", rates(), [rates() for _ in range(ngram_max)], StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
+    return AdaptiveK(3, "model", rates(), {NGRAM: [rates() for _ in range(ngram_max)]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
 def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str) -> int:
@@ -93,7 +93,8 @@ def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str)
     generated: list[int] = []
     while len(generated) < 2:
         match = index.lookup(context, 3) if k == "hybrid" else None
-        source, round_k = policy.next_round(match) if policy else ("model", k)
+        matches = {NGRAM: match} if match else {}
+        source, round_k = policy.next_round(matches) if policy else ("model", k)
         if source == NGRAM:
             proposal = Proposal(match.tokens[:round_k])
         else:
@@ -104,7 +105,7 @@ def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str)
         n, token = verify.verify(proposal.tokens, probs)
         new = [*proposal.tokens[:n], token]
         if policy:
-            policy.observe(RoundRecord(source, round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0), match, new)
+            policy.observe(RoundRecord(source, round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0), matches, new)
         generated.extend(new)
         context.extend(new)
         draft.sync(new)

@@ -22,7 +22,7 @@ from specdec.bench.report import BASELINE, summarize, write_json, write_markdown
 from specdec.bench.transformers_methods import TransformersMethod
 from specdec.models import load_causal_lm
 
-DRAFTERS = ("llama-cpp", "transformers", "ngram")
+DRAFTERS = ("llama-cpp", "transformers", "ngram", "suffix")
 WARM_UP_TOKENS = 16
 REPORT_FILES = ("report.json", "report.md", "speedup.png")
 
