@@ -484,21 +484,25 @@ def test_still_serving_after_the_fuzzing(api):
 # --- a third-party load generator ---------------------------------------------------------------
 
 
-def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path):
+def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path, monkeypatch):
     """guidellm, the load generator of vLLM's project, run as its users run it (``guidellm run``,
     a subprocess) against the endpoint: 2 concurrent streams, 4 streamed chat requests of 8 tokens,
     the tokenizer from the tiny target's folder (nothing downloaded). Every request completes,
-    none errors, and its figures come from our usage (8 output tokens each)."""
+    none errors, and its figures come from our usage (8 output tokens each). The output folder is
+    relative, as the bench's --out usually is."""
+    from pathlib import Path
+
     from specdec.bench.load_generator import LoadTarget, run_guidellm
 
+    monkeypatch.chdir(tmp_path)
     target = LoadTarget("specdec", api.base_url, api.model, str(tiny_models.target_dir), KEY, {"temperature": 0})
     summary = run_guidellm(target, [PROMPT, "Name three colors."], concurrency=2, num_requests=4, max_tokens=8,
-                           out_dir=tmp_path, timeout_s=120)
+                           out_dir=Path("out"), timeout_s=120)
     assert summary["concurrency"] == 2
     assert (summary["num_completed"], summary["num_errored"], summary["num_incomplete"]) == (4, 0, 0), summary["errors"]
     assert summary["num_output_tokens"] == 4 * 8
     assert summary["requests_per_second"] > 0 and summary["output_tokens_per_second"] > 0
     assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["itl_ms_p50"] > 0
-    report = json.loads((tmp_path / summary["report_file"]).read_text())
+    report = json.loads((tmp_path / "out" / summary["report_file"]).read_text())
     sent = json.loads(report["benchmarks"][0]["requests"]["successful"][0]["request_args"])["body"]
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}

@@ -86,6 +86,7 @@ def run_guidellm(target: LoadTarget, prompts: list[str], concurrency: int, num_r
     the end of its log) when guidellm fails or writes no report, ValueError for no prompts."""
     if not prompts:
         raise ValueError("the load generator needs at least one prompt")
+    out_dir = out_dir.resolve()  # guidellm runs in it: its paths must not be relative to ours
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"guidellm-{target.name.replace('/', '-')}-N{concurrency}"
     report_path, log_path = out_dir / f"{stem}.json", out_dir / f"{stem}.log"
