@@ -58,6 +58,11 @@ class CoordinatorSettings(ServiceSettings):
         "(comma-separated): ngram (prompt lookup: what followed the latest match) and suffix (SuffixDecoding: the "
         "most frequent continuation over the request and earlier outputs).",
     )
+    suffix_max_cached_requests: int = Field(
+        256, description="The suffix lookup's cache of earlier and running requests' outputs, shared by this "
+        "coordinator's requests: at most this many outputs (0 = no cache: each request's own prompt and output only).",
+    )
+    suffix_max_cached_tokens: int = Field(16384, description="...and at most this many tokens, the oldest output evicted first.")
     draft_ahead: bool = Field(
         True, description="While the verify service checks a round's proposal, have a model drafter draft the "
         "next round's on the branch where all of it is accepted and the bonus token is the draft's guess, so "

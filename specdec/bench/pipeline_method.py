@@ -17,7 +17,9 @@ def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str
                   http_port: int = 0, placement: Placement = SHARED) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
-    run where ``placement`` puts them. Services also read their ``SPECDEC_*`` variables (e.g.
+    run where ``placement`` puts them. The suffix lookups (the coordinator's and the draft
+    service's) keep no cache of earlier outputs: the benchmark sends each prompt once per method,
+    and the cache would hold this prompt's answer from the methods before. Services also read their ``SPECDEC_*`` variables (e.g.
     ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus)
     pinning = placement.service_args
@@ -25,8 +27,8 @@ def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str
         "verify": ["--model", target, "--dtype", dtype, *pinning.get("verify", [])],
         "draft": ["--drafters", ",".join(drafters), "--default-drafter", drafters[0],
                   "--llama-cpp-model", draft_model, "--transformers-model", draft_model, "--transformers-dtype", dtype,
-                  *pinning.get("draft", [])],
-        "coordinator": ["--tokenizer", target],
+                  "--suffix-max-cached-requests", "0", *pinning.get("draft", [])],
+        "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0"],
     }
     cluster.start_all()
     return cluster
