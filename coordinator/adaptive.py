@@ -321,7 +321,9 @@ class AdaptiveState:
             name,
             self._warm_start(name, target.model, k_max, self.prior_rate) if name else None,
             {
-                lookup: [self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate) for n in range(1, lengths + 1)]
+                lookup: [
+                    self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate) for n in range(1, lengths + 1)
+                ]
                 for lookup, lengths in lookups.items()
             },
             self.costs[key],

@@ -72,14 +72,14 @@ class DraftAhead:
 class SpeculativeSession:
     """Args: ``committed`` the request's committed log (prompt plus generated tokens, when a
     resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
-    lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while this
-    one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
+    lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while
+    this one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
         self, clients: ServiceClients, session_id: str, request: ResolvedRequest, committed: list[int],
-        lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0, failover_timeout_s: float = 60.0,
-        draft_ahead: bool = False,
+        lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0,
+        failover_timeout_s: float = 60.0, draft_ahead: bool = False,
     ):
         self.clients = clients
         self.session_id = session_id

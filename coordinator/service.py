@@ -57,7 +57,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
         # the outputs of earlier and running requests, for suffix lookups (raises ValueError for negative bounds)
-        self.suffix_cache = SuffixCache(max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens)
+        self.suffix_cache = SuffixCache(
+            max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
+        )
         self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
         self._num_running = 0  # Generate calls in progress
         self._background: set[asyncio.Task] = set()

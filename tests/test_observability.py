@@ -196,6 +196,9 @@ def test_round_attributes_add_up_to_the_request_metrics(traced_run, tiny_pipelin
     assert [k_counts[k] for k in range(len(metrics["rounds_per_k"]))] == metrics["rounds_per_k"]
     assert all(r["specdec.round.fallback"] == (r["specdec.round.k"] == 0) for r in rounds)
     assert {r["specdec.round.drafter"] for r in rounds if r["specdec.round.k"]} == {"transformers"}
+    ahead = Counter(r["specdec.round.draft_ahead"] for r in rounds)
+    assert ahead["hit"] == metrics.get("num_draft_ahead_hits", 0)
+    assert ahead["hit"] + ahead["miss"] == metrics["num_draft_ahead_proposals"] > 0
     # the verify service's own acceptance spans agree with the coordinator's count
     acceptance = [s.attributes for s in spans if s.span.name == "acceptance"]
     assert sum(a["specdec.num_accepted"] for a in acceptance) == metrics["num_accepted_draft_tokens"]
@@ -274,6 +277,10 @@ def test_coordinator_counters_equal_the_request_metrics(traced_run):
         assert value(f"specdec:round_{part}_time_seconds_count") == m["num_target_forwards"]
         assert value(f"specdec:round_{part}_time_seconds_sum") == pytest.approx(m[f"{part}_time_ms"] / 1000)
     assert value("specdec:round_coordination_time_seconds_sum") == pytest.approx(m["coordination_time_ms"] / 1000)
+    proposals, hits = m.get("num_draft_ahead_proposals", 0), m.get("num_draft_ahead_hits", 0)
+    assert proposals > 0  # the transformers drafter drafts ahead
+    assert value("specdec:draft_ahead_proposals_total", (("outcome", "hit"),)) == hits
+    assert value("specdec:draft_ahead_proposals_total", (("outcome", "miss"),)) == proposals - hits
 
 
 def test_session_gauges_kv_bytes_and_errors(traced_run):
