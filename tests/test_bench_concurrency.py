@@ -124,7 +124,8 @@ def test_option_parsing():
 @pytest.mark.parametrize(("args", "message"), [
     (["--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
     (["--concurrency", "1", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
-    (["--concurrency", "1", "--pipeline", "ngram:4"], "--pipeline and --hf-k apply to the batch-1 benchmark"),
+    (["--concurrency", "1", "--pipeline", "ngram:4"], "--pipeline, --hf-k and --placement apply to the batch-1 benchmark"),
+    (["--concurrency", "1", "--placement", "split"], "--pipeline, --hf-k and --placement apply to the batch-1 benchmark"),
     (["--methods", "pipeline/K=0"], "apply with --concurrency"),
     (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
     (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
