@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from coordinator import request as request_validation
+from coordinator.request import LOOKUPS
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.clients import ServiceClients
@@ -124,19 +125,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _lookup_names(self, resolved) -> list[str]:
         """The coordinator's own lookups an adaptive request drafts with: the request's drafter
-        when it is one (ngram, suffix), else, with hybrid drafting on, ``settings.hybrid_lookups``
-        beside the model drafter."""
-        if not resolved.uses_draft_service:
+        when it is one (ngram, suffix); else ``settings.hybrid_lookups``, beside the model drafter
+        with hybrid drafting on, or alone when the draft service was never reached (no drafter)."""
+        if resolved.drafter in LOOKUPS:
             return [resolved.drafter]
-        return list(self.settings.hybrid_lookups) if self.settings.hybrid else []
+        return list(self.settings.hybrid_lookups) if self.settings.hybrid or not resolved.drafter else []
 
-    def _lookups(self, resolved, names: list[str]) -> dict:
-        """A new request's lookup indexes (the suffix one shares the coordinator's output cache)."""
-        indexes = {
-            NGRAM: lambda: NgramIndex(self.settings.ngram_min, self.settings.ngram_max),
-            SUFFIX: lambda: SuffixIndex(self.suffix_cache, len(resolved.prompt_ids)),
-        }
-        return {name: indexes[name]() for name in names}
+    def _new_lookup(self, name: str, resolved):
+        """A new request's index of lookup ``name`` (the suffix one shares the coordinator's output cache)."""
+        if name == NGRAM:
+            return NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
+        return SuffixIndex(self.suffix_cache, len(resolved.prompt_ids))
 
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
@@ -180,7 +179,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.max_new_tokens, request.resume_from,
         )
         metrics = MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids))
-        lookups = self._lookups(resolved, list(policy.lookups)) if policy else {}
+        lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         session = SpeculativeSession(
             self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,

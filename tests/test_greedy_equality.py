@@ -11,10 +11,13 @@ from coordinator.client import generate
 from coordinator.clients import ServiceClients
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
+from coordinator.settings import CoordinatorSettings
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.sampling import SamplingParams
+from specdec.launcher import free_port
 from specdec.v1 import coordinator_pb2
+from tests.conftest import CoordinatorThread
 
 PROMPTS = ["Tell me a story about a cat.", "List three prime numbers and explain why."]
 MAX_NEW = 40
@@ -69,6 +72,23 @@ def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
         # every round is a plain decode step or was proposed by exactly one drafter
         assert m.rounds_per_k[0] + sum(u.num_rounds for u in m.drafter_usage.values()) == m.num_target_forwards
         assert set(m.drafter_usage) <= {drafter, "ngram", "suffix"}
+
+
+def test_adaptive_without_a_reachable_draft_service_uses_the_lookups(tiny_pipeline, tiny_models, references):
+    """A coordinator that never reached its draft service: adaptive requests run on its own
+    lookups and plain decode, and still equal plain greedy decoding."""
+    coordinator = CoordinatorThread(CoordinatorSettings(
+        port=0, draft_address=f"127.0.0.1:{free_port()}", verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+    ))
+    try:
+        for prompt, (_, expected) in references.items():
+            request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW)
+            completion = generate(f"127.0.0.1:{coordinator.port}", request, timeout_s=120)
+            assert completion.token_ids == expected
+            assert set(completion.metrics.drafter_usage) <= {"ngram", "suffix"}
+    finally:
+        coordinator.stop()
 
 
 def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):

@@ -116,6 +116,7 @@ class _Propose(Work):
         self.context = [*session.committed, *predicted]
         self.bonus: int | None = None  # the guessed bonus token, drafting ahead
         self.guess_bonus = bool(predicted)
+        self.chosen: list[int] = []  # the bonus guess, then the draft tokens: what the next step feeds
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []
         sampling = session.sampling
@@ -124,14 +125,14 @@ class _Propose(Work):
 
     def next_step(self, budget: int) -> SequenceStep:
         kv = self.session.kv
-        chosen = [*([self.bonus] if self.bonus is not None else []), *self.tokens]
-        return kv.step(chosen[-1:] if chosen else kv.reconcile(self.context, len(self.session.committed)))
+        return kv.step(self.chosen[-1:] if self.chosen else kv.reconcile(self.context, len(self.session.committed)))
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv.appended(step)
         sampling = self.session.sampling
         if self.guess_bonus and self.bonus is None:
             self.bonus = int(logits[-1].argmax())
+            self.chosen.append(self.bonus)
             return False
         if sampling.greedy:
             self.tokens.append(int(logits[-1].argmax()))
@@ -139,6 +140,7 @@ class _Propose(Work):
             q = logits_to_probs(logits[-1], sampling)
             self.tokens.append(sample(q, self.generator))
             self.probs.append(q)
+        self.chosen.append(self.tokens[-1])
         if len(self.tokens) < self.k:
             return False
         self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus)

@@ -711,23 +711,26 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
                 targets.append(load_generator.LoadTarget(SERVE, serve.base_url, serve.model, tokenizer_dir,
                                                          extra_body=greedy))
             else:
-                extra = {"drafter": config.drafter} if method == ADAPTIVE else {"num_speculative_tokens": 0}
                 targets.append(load_generator.LoadTarget(method, cluster.http_url, config.target, tokenizer_dir,
-                                                         extra_body=greedy | extra))
+                                                         extra_body=greedy | _request_fields(method, config)))
         folder = "guidellm"
         runs = load_generator.run_all(targets, [q.prompt for q in sequence], config.concurrency,
                                       config.requests_per_client, config.max_new_tokens, config.out / folder, console)
     return {"name": config.load_generator, "version": load_generator.version(), "folder": folder, "runs": runs}
 
 
+def _request_fields(method: str, config: ConcurrencyConfig) -> dict:
+    """A pipeline method's request fields: ``pipeline/adaptive`` names the drafter and leaves K to
+    the coordinator; ``pipeline/K=0`` asks for plain decode."""
+    return {"drafter": config.drafter} if method == ADAPTIVE else {"num_speculative_tokens": 0}
+
+
 def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
-    """The client of a pipeline method through ``config.api``. ``pipeline/adaptive`` names the
-    drafter and leaves K to the coordinator; ``pipeline/K=0`` asks for plain decode."""
-    k, drafter = (None, config.drafter) if method == ADAPTIVE else (0, "")
+    """The client of a pipeline method (:func:`_request_fields`) through ``config.api``."""
     if config.api == "grpc":
+        k, drafter = (None, config.drafter) if method == ADAPTIVE else (0, "")
         return PipelineClient(method, cluster.address("coordinator"), k, drafter)
-    extra_body = {"drafter": drafter} if drafter else {"num_speculative_tokens": k}
-    return OpenAIClient(method, cluster.http_url, config.target, extra_body)
+    return OpenAIClient(method, cluster.http_url, config.target, _request_fields(method, config))
 
 
 def _report(config, sequence, clients, cells, references, mismatches, memory, machine) -> dict:
