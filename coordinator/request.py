@@ -88,18 +88,12 @@ def resolve(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
-    sampling = SamplingParams(
+    sampling = SamplingParams(  # raises InvalidArgument for a value out of range
         temperature=_field(request, "temperature", 0.0),
         top_k=_field(request, "top_k", 0),
         top_p=_field(request, "top_p", 1.0),
         seed=_field(request, "seed", secrets.randbits(63)),
     )
-    if not sampling.temperature >= 0:  # also catches NaN
-        raise InvalidArgument(f"temperature is {sampling.temperature}: it must be >= 0 (0 = greedy)")
-    if sampling.top_k < 0:
-        raise InvalidArgument(f"top_k is {sampling.top_k}: it must be >= 0 (0 = no top-k filter)")
-    if not 0 < sampling.top_p <= 1:
-        raise InvalidArgument(f"top_p is {sampling.top_p}: it must lie in (0, 1]")
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:

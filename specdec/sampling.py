@@ -6,21 +6,32 @@ invariant 2).
 """
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. Raises
+    InvalidArgument for a value out of range (NaN and infinities included)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise InvalidArgument(f"temperature is {self.temperature}: it must be finite and >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k is {self.top_k}: it must be >= 0 (0 = no top-k filter)")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p is {self.top_p}: it must lie in (0, 1]")
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +56,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     Returns:
         ``[..., V]`` float32 probabilities, each row summing to 1; filtered tokens are exactly 0.
     """
-    scores = logits.float() / params.temperature
+    scores = logits.float()
+    # shifted so that the largest score is 0: a tiny temperature cannot overflow it to inf - inf = NaN
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     vocab_size = scores.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
