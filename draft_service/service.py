@@ -101,7 +101,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         def open_session() -> DraftSession:
             session = drafter.new_session(sampling)
-            session.prefill(request.token_ids)
+            try:
+                session.prefill(request.token_ids)
+            except BaseException:
+                session.close()  # frees its KV sequence
+                raise
             return session
 
         self.sessions.open(request.session_id, open_session, abandoned=lambda: not context.is_active())

@@ -26,7 +26,7 @@ from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator
 from specdec.timing import min_ms
-from specdec.vocab import tokenizer_fingerprint
+from specdec.vocab import check_token_ids, tokenizer_fingerprint
 
 tracer = trace.get_tracer(__name__)
 
@@ -120,8 +120,7 @@ class Target:
                 f"context of {len(committed)} tokens does not fit the target's window of "
                 f"{self.max_context_length} tokens: shorten the prompt"
             )
-        if max(committed) >= self.vocab_size or min(committed) < 0:
-            raise InvalidArgument(f"token_ids must lie in [0, {self.vocab_size})")
+        check_token_ids(committed, self.vocab_size, "token_ids")
         session = TargetSession(self, sampling)
         try:
             session.prefill(committed, timeout_s, abandoned)
@@ -234,10 +233,15 @@ class TargetSession:
                 f"{len(self.committed)} committed + {k} draft tokens overflow the window of "
                 f"{target.max_context_length}: lower num_speculative_tokens or max_new_tokens"
             )
-        if draft_tokens and (max(draft_tokens) >= target.vocab_size or min(draft_tokens) < 0):
-            raise InvalidArgument(f"draft_token_ids must lie in [0, {target.vocab_size})")
-        if k and not self.sampling.greedy and (draft_probs is None or draft_probs.shape[0] != k):
-            raise InvalidArgument("sampling needs one draft distribution per draft token")
+        check_token_ids(draft_tokens, target.vocab_size, "draft_token_ids")
+        if k and not self.sampling.greedy:
+            if draft_probs is None or draft_probs.shape[0] != k:
+                raise InvalidArgument("sampling needs one draft distribution per draft token")
+            drawn = draft_probs[torch.arange(k), torch.tensor(draft_tokens)]
+            if not bool((drawn > 0).all()):
+                raise InvalidArgument(
+                    "a draft token has probability 0 in its draft distribution: send the distribution it was drawn from"
+                )
 
     def kv_cache_bytes(self) -> int:
         return self.kv.cache_bytes()

@@ -14,6 +14,7 @@ from specdec.kv import SequenceKV, prefill
 from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
+from specdec.vocab import check_token_ids
 from specdec.wire import encode_distributions, point_masses
 
 tracer = trace.get_tracer(__name__)
@@ -40,15 +41,21 @@ class Proposal:
 class DraftSession(abc.ABC):
     """One request's state on a drafter: the committed tokens and whatever cache serves them."""
 
+    vocab_size: int | None = None  # a model drafter's: every token id lies below it
+
     def __init__(self, sampling: SamplingParams):
         self.sampling = sampling
         self.committed: list[int] = []
 
     def prefill(self, committed: Sequence[int]) -> None:
+        """Starts from ``committed``. Raises InvalidArgument for an id outside the vocabulary."""
+        check_token_ids(committed, self.vocab_size, "token_ids")
         self.committed = list(committed)
 
     def sync(self, appended: Sequence[int]) -> None:
-        """Appends committed tokens; caches roll back lazily at the next proposal."""
+        """Appends committed tokens; caches roll back lazily at the next proposal. Raises
+        InvalidArgument for an id outside the vocabulary."""
+        check_token_ids(appended, self.vocab_size, "appended_token_ids")
         self.committed.extend(appended)
 
     @abc.abstractmethod
@@ -162,6 +169,7 @@ class ModelDraftSession(DraftSession):
         self.kv = kv
         self.window = window
         self.engine = engine
+        self.vocab_size = kv.lm.vocab_size
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
@@ -175,6 +183,7 @@ class ModelDraftSession(DraftSession):
         return proposal
 
     def propose_ahead(self, predicted: Sequence[int], k: int) -> Proposal:
+        check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
         if len(self.committed) + len(predicted) + 1 + k > self.window:
             return Proposal([])
         proposal, _ = self.engine.run(_Propose(self, k, predicted))
