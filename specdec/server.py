@@ -1,5 +1,6 @@
-"""gRPC server plumbing shared by the three services: message limits, the standard health
-service, server reflection (so grpcurl works) and graceful shutdown on SIGTERM / SIGINT."""
+"""gRPC server plumbing shared by the three services: message limits, INVALID_ARGUMENT for
+requests that do not parse (:mod:`specdec.decoding`), the standard health service, server
+reflection (so grpcurl works) and graceful shutdown on SIGTERM / SIGINT."""
 
 import logging
 import signal
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec.decoding import AioRejectUndecodable, RejectUndecodable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,9 @@ def start_server(
     ``register`` adds the servicers and returns their full service names. Returns the started
     server and its bound port (useful when ``port`` is 0). Every service reports SERVING.
     """
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS, interceptors=[RejectUndecodable()]
+    )
     names = register(server)
     health_servicer = _serving_health(server, names)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -83,7 +88,7 @@ async def start_aio_server(
     register: Callable[[grpc.aio.Server], list[str]], host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[AioRejectUndecodable()])
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
     bound = server.add_insecure_port(f"{host}:{port}")
