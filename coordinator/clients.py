@@ -6,27 +6,29 @@ import time
 import grpc
 
 from specdec.errors import SpecdecError, from_rpc_error
-from specdec.server import GRPC_OPTIONS
+from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 # A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
-CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class ServiceClients:
     """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
     call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
-    address. A verify replica that failed is tried last for ``replica_down_s`` seconds."""
+    address. A verify replica that failed is tried last for ``replica_down_s`` seconds; messages
+    are limited to ``max_message_bytes`` each way."""
 
     def __init__(
         self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
-        replica_down_s: float = 5.0,
+        replica_down_s: float = 5.0, max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         if not verify_addresses:
             raise ValueError("no verify service address: set --verify-addresses")
         self.draft_address, self.verify_addresses = draft_address, list(verify_addresses)
         self.rpc_timeout_s, self.prefill_timeout_s, self.replica_down_s = rpc_timeout_s, prefill_timeout_s, replica_down_s
-        self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS) for a in (draft_address, *verify_addresses)]
+        options = [*grpc_options(max_message_bytes), *RECONNECT_OPTIONS]
+        self._channels = [grpc.aio.insecure_channel(a, options=options) for a in (draft_address, *verify_addresses)]
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[0])
         self.verify = [verify_pb2_grpc.VerifyServiceStub(channel) for channel in self._channels[1:]]
         self._down_until = [0.0] * len(self.verify)

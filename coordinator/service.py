@@ -307,7 +307,8 @@ async def serve(
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
-        settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s
+        settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
+        max_message_bytes=settings.max_message_bytes,
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:
@@ -328,7 +329,7 @@ async def serve(
         http = HttpServer(create_app(servicer, keys, settings.served_model_name), settings.host, settings.http_port)
         await http.start()
         log.info("serving the OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, settings.http_port)
-    server, port = await start_aio_server(register, settings.host, settings.port)
+    server, port = await start_aio_server(register, settings.host, settings.port, settings.max_message_bytes)
     metrics.serve(settings.host, settings.metrics_port)
 
     def shutdown():

@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.server import GRPC_OPTIONS
+
 
 def free_port() -> int:
     """A TCP port that is free on localhost right now."""
@@ -24,7 +26,7 @@ def free_port() -> int:
 
 def is_serving(address: str, timeout_s: float = 1.0) -> bool:
     """True if ``address`` answers the gRPC health check with SERVING."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

@@ -17,12 +17,18 @@ from specdec.decoding import AioRejectUndecodable, RejectUndecodable
 
 log = logging.getLogger(__name__)
 
-# Sampling proposals carry K draft distributions over the vocabulary (K * V * 8 bytes).
+# The default of the services' max_message_bytes setting: sampling proposals carry K draft
+# distributions over the vocabulary (up to K * V * 8 bytes).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options of every server and channel: messages up to ``max_message_bytes`` each way (a
+    larger one fails with RESOURCE_EXHAUSTED); gRPC's own default receive limit is 4 MiB."""
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+GRPC_OPTIONS = grpc_options()  # for clients that do not know the server's setting: its default
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -36,7 +42,8 @@ def _serving_health(server, service_names: list[str], servicer_cls=health.Health
 
 
 def start_server(
-    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int
+    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
@@ -44,7 +51,8 @@ def start_server(
     server and its bound port (useful when ``port`` is 0). Every service reports SERVING.
     """
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS, interceptors=[RejectUndecodable()]
+        ThreadPoolExecutor(max_workers=max_workers), options=grpc_options(max_message_bytes),
+        interceptors=[RejectUndecodable()],
     )
     names = register(server)
     health_servicer = _serving_health(server, names)
@@ -85,10 +93,10 @@ class RunningService:
 
 
 async def start_aio_server(
-    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int
+    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`."""
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[AioRejectUndecodable()])
+    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=[AioRejectUndecodable()])
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -114,7 +122,7 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         add_to_server(servicer, server)
         return [service_name]
 
-    server, port = start_server(register, settings.host, settings.port, settings.max_workers)
+    server, port = start_server(register, settings.host, settings.port, settings.max_workers, settings.max_message_bytes)
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
     servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)
     servicer.metrics.serve(settings.host, settings.metrics_port)

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
+from specdec.server import MAX_MESSAGE_BYTES
+
 
 def _split_commas(value):
     return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
@@ -27,6 +29,11 @@ class ServiceSettings(BaseSettings):
         "text", description="Log lines as text, or as JSON objects (one per line); both carry the trace id."
     )
     metrics_port: int = Field(0, description="HTTP port of the Prometheus /metrics endpoint; 0 = off.")
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message this service sends or receives, and its "
+        "channels to other services, in bytes (a larger one fails with RESOURCE_EXHAUSTED); sampling proposals "
+        "carry K draft distributions of up to V * 8 bytes each.",
+    )
 
 
 class SessionServiceSettings(ServiceSettings):

@@ -13,6 +13,7 @@ from coordinator.client import generate
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, EngineMetrics, Work
 from specdec.errors import Unavailable
+from specdec.server import GRPC_OPTIONS
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.test_greedy_equality import plain_greedy
@@ -68,7 +69,7 @@ def test_concurrent_requests_each_equal_their_own_plain_greedy(tiny_pipeline, sm
 def test_a_cancelled_stream_leaves_no_trace_in_the_others(tiny_pipeline, smollm2_tokenizer):
     def cancelled():
         request = coordinator_pb2.GenerateRequest(text=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=4, drafter="transformers")
-        with grpc.insecure_channel(tiny_pipeline.address) as channel:
+        with grpc.insecure_channel(tiny_pipeline.address, options=GRPC_OPTIONS) as channel:
             responses = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120)
             for i, _ in enumerate(responses):
                 if i == 3:
@@ -179,7 +180,7 @@ def test_a_call_past_its_deadline_fails_with_unavailable():
 
 
 def test_prefill_beyond_the_session_limit_is_resource_exhausted(tiny_pipeline):
-    channel = grpc.insecure_channel(tiny_pipeline.verify_address)
+    channel = grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS)
     stub = verify_pb2_grpc.VerifyServiceStub(channel)
     limit = tiny_pipeline.verify.servicer.sessions.max_sessions
     ids = [f"limit-{i}" for i in range(limit)]

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
 from specdec.launcher import ServiceProcess, free_port, stop_all
+from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY
 
@@ -96,7 +97,7 @@ def stream_with_fault(address: str, request, fault) -> tuple[Completion, float]:
     """Streams ``request``, calls ``fault()`` once the client has FAULT_AFTER tokens, reads on to
     the end. Returns the completion and the seconds from the fault to the next message."""
     completion, fault_at, recovery_s = Completion(), None, None
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120):
             if fault_at is not None and recovery_s is None:
                 recovery_s = time.monotonic() - fault_at
@@ -167,7 +168,7 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     request_id = f"resume-after-kill-{sampling.replace(' ', '-')}"
     received = Completion()
     with pytest.raises(grpc.RpcError) as cut:
-        with grpc.insecure_channel(first.address) as channel:
+        with grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
                 received.add(response)
@@ -177,7 +178,7 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=len(received.token_ids))
     rest, recovery_s = Completion(), None
-    with grpc.insecure_channel(second.address) as channel:
+    with grpc.insecure_channel(second.address, options=GRPC_OPTIONS) as channel:
         for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(resume, timeout=120):
             recovery_s = recovery_s or time.monotonic() - killed_at
             rest.add(response)
@@ -263,7 +264,7 @@ def test_cancelled_requests_release_every_session(fleet):
         if adaptive:
             request.ClearField("num_speculative_tokens")
         read = 0
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
             call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120)
             if messages:
                 for _ in call:

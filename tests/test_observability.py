@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import generate
 from specdec.launcher import LocalCluster, free_port
+from specdec.server import GRPC_OPTIONS
 from specdec.telemetry import configure_tracing, exporter_names
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -296,7 +297,7 @@ def test_session_gauges_kv_bytes_and_errors(traced_run):
     }
     for service, (stub_cls, prefill, release) in services.items():
         url = cluster.metrics_url(service)
-        with grpc.insecure_channel(cluster.address(service)) as channel:
+        with grpc.insecure_channel(cluster.address(service), options=GRPC_OPTIONS) as channel:
             stub = stub_cls(channel)
             assert scrape_until(url, "specdec:num_sessions", 0)[("specdec:kv_cache_bytes", ())] == 0
             stub.Prefill(prefill, timeout=30)
@@ -310,7 +311,7 @@ def test_session_gauges_kv_bytes_and_errors(traced_run):
             samples = scrape(url)
             assert samples[("specdec:num_sessions", ())] == 0 and samples[("specdec:kv_cache_bytes", ())] == 0
             assert samples[("specdec:rpc_errors_total", (("code", "ALREADY_EXISTS"), ("method", "Prefill")))] == 1
-    with grpc.insecure_channel(cluster.address("coordinator")) as channel:
+    with grpc.insecure_channel(cluster.address("coordinator"), options=GRPC_OPTIONS) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=0), timeout=30))
