@@ -27,6 +27,7 @@ from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException
 
 from coordinator.auth import ApiKeys
+from coordinator.body_limit import BodyLimit
 from coordinator.client import FINISH_REASONS, Completion
 from coordinator.clients import ServiceClients
 from coordinator.openai_schema import (
@@ -143,9 +144,11 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def create_app(servicer, keys: ApiKeys, served_model_names: list[str]) -> FastAPI:
-    """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`)."""
+def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
+    """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`); request
+    bodies over ``max_body_bytes`` get 413 (:mod:`coordinator.body_limit`)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None)))
     models = ModelNames(servicer.clients, served_model_names)
     started = int(time.time())
 
@@ -176,7 +179,8 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str]) -> FastAP
         span = tracer.start_span(
             f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
         )
-        steps = _Steps(servicer.responses(request), span)
+        client = servicer.streams.client(http.headers.get("authorization"), http.client.host if http.client else "")
+        steps = _Steps(servicer.streams.run(client, servicer.responses(request)), span)
         disconnect = _Disconnect(http)
         try:
             # validation and prefill: their errors get their own status

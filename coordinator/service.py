@@ -31,6 +31,7 @@ from coordinator.store import (
     CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, SessionStore, StoredRequest,
     StoreUnavailable,
 )
+from coordinator.stream_limit import StreamLimit, peer_host
 from coordinator.tracing import request_attributes, round_attributes
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
@@ -61,13 +62,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.suffix_cache = SuffixCache(
             max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
         )
+        self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
         self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
         self._num_running = 0  # Generate calls in progress
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
+        client = self.streams.client(dict(context.invocation_metadata() or ()).get("authorization"), peer_host(context.peer()))
         try:
-            async for response in self.responses(request):
+            async for response in self.streams.run(client, self.responses(request)):
                 yield response
         except SpecdecError as err:
             await context.abort(err.code, str(err))
@@ -326,7 +329,8 @@ async def serve(
 
     http = None
     if settings.http_port:
-        http = HttpServer(create_app(servicer, keys, settings.served_model_name), settings.host, settings.http_port)
+        app = create_app(servicer, keys, settings.served_model_name, settings.max_request_body_bytes)
+        http = HttpServer(app, settings.host, settings.http_port)
         await http.start()
         log.info("serving the OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, settings.http_port)
     server, port = await start_aio_server(register, settings.host, settings.port, settings.max_message_bytes)

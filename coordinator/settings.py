@@ -29,6 +29,15 @@ class CoordinatorSettings(ServiceSettings):
         "must carry one, as `Authorization: Bearer <key>` on HTTP and `authorization` metadata on gRPC "
         "(health checks stay open); none = no authentication.",
     )
+    max_streams_per_client: int = Field(
+        64, ge=0, description="Requests one client may run at once: gRPC Generate streams and HTTP completions "
+        "(streamed or not) together, a client being its API key when keys are set, else its IP address; one more "
+        "gets RESOURCE_EXHAUSTED (HTTP 429); 0 = no limit.",
+    )
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1, description="Largest HTTP request body the HTTP API reads, in bytes; a larger one "
+        "gets 413 (the gRPC API's limit is --max-message-bytes).",
+    )
     api_key_file: str = Field("", description="A file of further API keys, one per line (blank lines and # comments skipped).")
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
     verify_addresses: CommaSeparated = Field(

@@ -1,0 +1,56 @@
+"""The per-client limit on running Generate calls: gRPC Generate streams and HTTP completions
+(streamed or not) of one client together. A client is its API key when the coordinator has keys,
+else its IP address. One call over the limit fails with RESOURCE_EXHAUSTED (HTTP 429) before any
+work starts; the calls in flight go on."""
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from specdec.errors import ResourceExhausted
+
+T = TypeVar("T")
+
+
+def peer_host(peer: str) -> str:
+    """The IP address of a gRPC peer: ``ipv4:127.0.0.1:5000`` -> ``127.0.0.1``, ``ipv6:[::1]:5000``
+    -> ``::1``; other forms (``unix:...``) unchanged."""
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    return address.rpartition(":")[0].strip("[]")
+
+
+class StreamLimit:
+    """At most ``max_per_client`` running calls per client (0: no limit); ``keyed``: the
+    coordinator has API keys, so clients are told apart by key. One event loop uses it: no lock."""
+
+    def __init__(self, max_per_client: int, keyed: bool):
+        self.max_per_client, self.keyed = max_per_client, keyed
+        self._running: Counter[str] = Counter()
+
+    def client(self, authorization: str | None, host: str) -> str:
+        """The client a call counts against: its (already checked) authorization value when the
+        coordinator has keys, else ``host``, its IP address."""
+        return f"key {authorization}" if self.keyed and authorization else f"host {host}"
+
+    async def run(self, client: str, responses: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``responses`` counted as one of ``client``'s running calls until it ends or is closed
+        (closing this closes ``responses``). Raises ResourceExhausted at the first step when the
+        client already runs ``max_per_client`` calls."""
+        try:
+            if self.max_per_client and self._running[client] >= self.max_per_client:
+                raise ResourceExhausted(
+                    f"this client already runs {self._running[client]} requests, the coordinator's limit per client "
+                    "(max_streams_per_client): wait for one to finish, or raise --max-streams-per-client"
+                )
+            self._running[client] += 1
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                self._running[client] -= 1
+                if not self._running[client]:
+                    del self._running[client]
+        finally:
+            await responses.aclose()
