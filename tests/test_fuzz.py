@@ -12,6 +12,7 @@ The runs are derandomized (the same examples every run); ``SPECDEC_FUZZ_EXAMPLES
 number of examples per test for a longer local run.
 """
 
+import functools
 import os
 import uuid
 from datetime import timedelta
@@ -25,12 +26,17 @@ from coordinator.client import generate
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from specdec.v1 import (
-    common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc,
+    common_pb2,
+    coordinator_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    verify_pb2,
+    verify_pb2_grpc,
 )
 from tests.conftest import TINY_VOCAB
 
 FUZZ = settings(
-    max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", 100)), deadline=timedelta(seconds=30),
+    max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "100")), deadline=timedelta(seconds=30),
     derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TIMEOUT_S = 20  # every call's deadline: a call that hangs fails the test with DEADLINE_EXCEEDED
@@ -52,7 +58,10 @@ floats = st.one_of(
 valid_ids = st.integers(0, TINY_VOCAB - 1)
 token_ids = st.one_of(valid_ids, st.sampled_from([-1, TINY_VOCAB, TINY_VOCAB + 1, INT32_MIN, INT32_MAX]))
 # half the lists are in the vocabulary throughout, so that sessions open and calls get past the checks
-token_lists = st.one_of(st.lists(valid_ids, min_size=1, max_size=24), st.lists(token_ids, max_size=24))
+token_lists = st.one_of(
+    st.lists(valid_ids, min_size=1, max_size=24), st.lists(token_ids, max_size=24),
+    st.integers(1, 2048).map(lambda n: [5] * n),  # up to 4 times the tiny models' window of 512
+)
 drafter_names = st.one_of(st.sampled_from(["", "transformers", "ngram", "self", "other-vocab", "eagle"]), st.text(max_size=8))
 sampling = st.one_of(
     st.builds(common_pb2.SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1e-30]), seed=uint64s),
@@ -130,6 +139,7 @@ generate_requests = st.builds(
     ),
     st.one_of(
         st.builds(lambda text: {"text": text}, st.text(max_size=40)),
+        st.integers(1, 1000).map(lambda n: {"text": "word " * n}),  # up to about 2 windows
         st.builds(lambda messages: {"chat": coordinator_pb2.ChatMessages(messages=messages)}, st.lists(
             st.builds(coordinator_pb2.ChatMessage, role=st.sampled_from(["system", "user", "assistant", "tool", ""]),
                       content=st.text(max_size=20)), max_size=3)),
@@ -184,7 +194,7 @@ def run_calls(stub, calls, release) -> None:
     prefix = uuid.uuid4().hex[:8] + "-"
     try:
         for method, request in calls:
-            expect_answered(lambda: getattr(stub, method)(namespaced(request, prefix), timeout=TIMEOUT_S))
+            expect_answered(functools.partial(getattr(stub, method), namespaced(request, prefix), timeout=TIMEOUT_S))
     finally:
         for name in ("a", "b"):
             stub.Release(release(session_id=prefix + name), timeout=TIMEOUT_S)
