@@ -30,9 +30,11 @@ class StreamLimit:
         self._running: Counter[str] = Counter()
 
     def client(self, authorization: str | None, host: str) -> str:
-        """The client a call counts against: its (already checked) authorization value when the
-        coordinator has keys, else ``host``, its IP address."""
-        return f"key {authorization}" if self.keyed and authorization else f"host {host}"
+        """The client a call counts against: the API key of its (already checked) ``Bearer <key>``
+        authorization when the coordinator has keys, else ``host``, its IP address."""
+        if self.keyed and authorization:
+            return f"key {authorization.strip().partition(' ')[2].strip()}"
+        return f"host {host}"
 
     async def run(self, client: str, responses: AsyncIterator[T]) -> AsyncIterator[T]:
         """``responses`` counted as one of ``client``'s running calls until it ends or is closed

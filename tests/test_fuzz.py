@@ -240,11 +240,16 @@ def test_verify_service_answers_every_call(channels, tiny_pipeline, calls):
     verify_still_works(verify, tiny_pipeline.target)
 
 
+@pytest.fixture(scope="module")
+def stored_request(tiny_pipeline):
+    """A finished request, "fuzz-reused", that generated requests resume or reuse the id of."""
+    request = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=3, request_id="fuzz-reused")
+    generate(tiny_pipeline.address, request, timeout_s=TIMEOUT_S)
+
+
 @FUZZ
 @given(request=generate_requests)
-def test_coordinator_answers_every_generate(tiny_pipeline, request):
-    if request.request_id == "fuzz-reused" and not request.HasField("resume_from"):
-        request.request_id = uuid.uuid4().hex  # a new request each time; resumes find the reused one
+def test_coordinator_answers_every_generate(tiny_pipeline, stored_request, request):
     expect_answered(lambda: generate(tiny_pipeline.address, request, timeout_s=TIMEOUT_S))
     completion = generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=2), TIMEOUT_S)
     assert len(completion.token_ids) == 2
