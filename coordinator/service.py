@@ -70,8 +70,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def Generate(self, request, context):
         client = self.streams.client(dict(context.invocation_metadata() or ()).get("authorization"), peer_host(context.peer()))
         try:
-            async for response in self.streams.run(client, self.responses(request)):
-                yield response
+            async with contextlib.aclosing(self.streams.run(client, self.responses(request))) as responses:
+                async for response in responses:
+                    yield response
         except SpecdecError as err:
             await context.abort(err.code, str(err))
 
