@@ -24,7 +24,7 @@ class BodyLimit:
     def _too_large(self) -> HTTPException:
         return HTTPException(
             413, f"the request body exceeds the coordinator's limit of {self.max_bytes} bytes "
-            "(max_request_body_bytes): shorten the prompt, or raise --max-request-body-bytes",
+            "(max_request_bytes): shorten the prompt, or raise --max-request-bytes",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -148,7 +148,9 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
     """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`); request
     bodies over ``max_body_bytes`` get 413 (:mod:`coordinator.body_limit`)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None)))
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
+    )
     models = ModelNames(servicer.clients, served_model_names)
     started = int(time.time())
 

@@ -68,7 +68,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
-        client = self.streams.client(dict(context.invocation_metadata() or ()).get("authorization"), peer_host(context.peer()))
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        client = self.streams.client(authorization, peer_host(context.peer()))
         try:
             async with contextlib.aclosing(self.streams.run(client, self.responses(request))) as responses:
                 async for response in responses:
@@ -330,11 +331,13 @@ async def serve(
 
     http = None
     if settings.http_port:
-        app = create_app(servicer, keys, settings.served_model_name, settings.max_request_body_bytes)
+        app = create_app(servicer, keys, settings.served_model_name, settings.max_request_bytes)
         http = HttpServer(app, settings.host, settings.http_port)
         await http.start()
         log.info("serving the OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, settings.http_port)
-    server, port = await start_aio_server(register, settings.host, settings.port, settings.max_message_bytes)
+    server, port = await start_aio_server(
+        register, settings.host, settings.port, settings.max_message_bytes, settings.max_request_bytes
+    )
     metrics.serve(settings.host, settings.metrics_port)
 
     def shutdown():

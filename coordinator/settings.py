@@ -34,9 +34,10 @@ class CoordinatorSettings(ServiceSettings):
         "(streamed or not) together, a client being its API key when keys are set, else its IP address; one more "
         "gets RESOURCE_EXHAUSTED (HTTP 429); 0 = no limit.",
     )
-    max_request_body_bytes: int = Field(
-        8 * 1024 * 1024, ge=1, description="Largest HTTP request body the HTTP API reads, in bytes; a larger one "
-        "gets 413 (the gRPC API's limit is --max-message-bytes).",
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request the public APIs read, in bytes: a gRPC GenerateRequest "
+        "(RESOURCE_EXHAUSTED beyond) or an HTTP request body (413 beyond). A prompt is tokenized before its length is "
+        "checked, so this also bounds that work.",
     )
     api_key_file: str = Field("", description="A file of further API keys, one per line (blank lines and # comments skipped).")
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")

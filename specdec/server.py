@@ -22,10 +22,14 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Options of every server and channel: messages up to ``max_message_bytes`` each way (a
-    larger one fails with RESOURCE_EXHAUSTED); gRPC's own default receive limit is 4 MiB."""
-    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+def grpc_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
+    """Options of every server and channel: messages up to ``max_message_bytes`` each way, or up to
+    ``max_receive_bytes`` received when given (a larger one fails with RESOURCE_EXHAUSTED); gRPC's
+    own default receive limit is 4 MiB."""
+    receive = max_message_bytes if max_receive_bytes is None else max_receive_bytes
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", receive)]
 
 
 GRPC_OPTIONS = grpc_options()  # for clients that do not know the server's setting: its default
@@ -93,10 +97,13 @@ class RunningService:
 
 
 async def start_aio_server(
-    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES
+    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Asyncio twin of :func:`start_server`."""
-    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=[AioRejectUndecodable()])
+    """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given."""
+    server = grpc.aio.server(
+        options=grpc_options(max_message_bytes, max_receive_bytes), interceptors=[AioRejectUndecodable()]
+    )
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -122,7 +129,9 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         add_to_server(servicer, server)
         return [service_name]
 
-    server, port = start_server(register, settings.host, settings.port, settings.max_workers, settings.max_message_bytes)
+    server, port = start_server(
+        register, settings.host, settings.port, settings.max_workers, settings.max_message_bytes
+    )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
     servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)
     servicer.metrics.serve(settings.host, settings.metrics_port)

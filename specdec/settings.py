@@ -32,7 +32,8 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message this service sends or receives, and its "
         "channels to other services, in bytes (a larger one fails with RESOURCE_EXHAUSTED); sampling proposals "
-        "carry K draft distributions of up to V * 8 bytes each.",
+        "carry K draft distributions of up to V * 8 bytes each. The coordinator reads its clients' requests up to "
+        "its --max-request-bytes.",
     )
 
 

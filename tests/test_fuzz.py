@@ -62,7 +62,9 @@ token_lists = st.one_of(
     st.lists(valid_ids, min_size=1, max_size=24), st.lists(token_ids, max_size=24),
     st.integers(1, 2048).map(lambda n: [5] * n),  # up to 4 times the tiny models' window of 512
 )
-drafter_names = st.one_of(st.sampled_from(["", "transformers", "ngram", "self", "other-vocab", "eagle"]), st.text(max_size=8))
+drafter_names = st.one_of(
+    st.sampled_from(["", "transformers", "ngram", "self", "other-vocab", "eagle"]), st.text(max_size=8)
+)
 sampling = st.one_of(
     st.builds(common_pb2.SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1e-30]), seed=uint64s),
     st.builds(common_pb2.SamplingParams, temperature=floats, top_k=int32s, top_p=floats, seed=uint64s),
@@ -72,7 +74,9 @@ paired = st.lists(st.tuples(token_ids, floats), max_size=4).map(
     lambda pairs: common_pb2.TokenDistribution(token_ids=[t for t, _ in pairs], probs=[p for _, p in pairs]))
 distributions = st.one_of(
     paired,
-    st.builds(common_pb2.TokenDistribution, token_ids=st.lists(token_ids, max_size=4), probs=st.lists(floats, max_size=4)),
+    st.builds(
+        common_pb2.TokenDistribution, token_ids=st.lists(token_ids, max_size=4), probs=st.lists(floats, max_size=4)
+    ),
 )
 
 
@@ -87,8 +91,10 @@ def _proposals(session_id):
     matched = drafts.map(lambda pairs: verify_pb2.VerifyRequest(
         session_id=session_id, draft_token_ids=[t for t, _ in pairs],
         draft_distributions=[_point_mass(t) if q is None else q for t, q in pairs]))
-    wild = st.builds(verify_pb2.VerifyRequest, session_id=st.just(session_id), draft_token_ids=st.lists(token_ids, max_size=20),
-                     draft_distributions=st.lists(distributions, max_size=5))
+    wild = st.builds(
+        verify_pb2.VerifyRequest, session_id=st.just(session_id), draft_token_ids=st.lists(token_ids, max_size=20),
+        draft_distributions=st.lists(distributions, max_size=5),
+    )
     return st.one_of(matched, wild)
 
 
@@ -184,7 +190,8 @@ def namespaced(request, prefix: str):
 
 @pytest.fixture(scope="module")
 def channels(tiny_pipeline):
-    opened = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in (tiny_pipeline.draft_address, tiny_pipeline.verify_address)]
+    addresses = (tiny_pipeline.draft_address, tiny_pipeline.verify_address)
+    opened = [grpc.insecure_channel(address, options=GRPC_OPTIONS) for address in addresses]
     yield draft_pb2_grpc.DraftServiceStub(opened[0]), verify_pb2_grpc.VerifyServiceStub(opened[1])
     for channel in opened:
         channel.close()
@@ -251,7 +258,8 @@ def stored_request(tiny_pipeline):
 @given(request=generate_requests)
 def test_coordinator_answers_every_generate(tiny_pipeline, stored_request, request):
     expect_answered(lambda: generate(tiny_pipeline.address, request, timeout_s=TIMEOUT_S))
-    completion = generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=2), TIMEOUT_S)
+    valid = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=2)
+    completion = generate(tiny_pipeline.address, valid, timeout_s=TIMEOUT_S)
     assert len(completion.token_ids) == 2
 
 

@@ -1,7 +1,7 @@
 """Each stated limit is enforced, with an error that names its setting, and the next request within
-the limit succeeds: gRPC message size (a service's and the coordinator's --max-message-bytes), the
-HTTP API's body size (--max-request-body-bytes) and the requests one client may run at once
-(--max-streams-per-client, per IP address, or per API key when keys are set)."""
+the limit succeeds: gRPC message size (a service's --max-message-bytes), the size of a request to
+the coordinator's public APIs, gRPC and HTTP (--max-request-bytes), and the requests one client may
+run at once (--max-streams-per-client, per IP address, or per API key when keys are set)."""
 
 import http.client
 import json
@@ -22,7 +22,7 @@ from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc
 from tests.conftest import CoordinatorThread
 
 SMALL_MESSAGE = 4096
-SMALL_BODY = 2048
+SMALL_REQUEST = 2048
 KEYS = ["key-one", "key-two"]
 LONG = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=400, num_speculative_tokens=0)
 SHORT = coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=2)
@@ -37,10 +37,11 @@ def coordinator(tiny_pipeline, tiny_models, **fields) -> CoordinatorThread:
 
 @pytest.fixture(scope="module")
 def limited(tiny_pipeline, tiny_models):
-    """A coordinator with small limits: 4 KiB gRPC messages, 2 KiB HTTP bodies, one request per client."""
+    """A coordinator with small limits: 4 KiB messages to and from the services, 2 KiB requests from its
+    clients, one request per client."""
     thread = coordinator(
         tiny_pipeline, tiny_models, http_port=free_port(), max_message_bytes=SMALL_MESSAGE,
-        max_request_body_bytes=SMALL_BODY, max_streams_per_client=1,
+        max_request_bytes=SMALL_REQUEST, max_streams_per_client=1,
     )
     yield thread
     thread.stop()
@@ -110,22 +111,23 @@ def test_service_refuses_a_message_over_its_limit(tiny_pipeline):
         draft.stop(0)
 
 
-def test_coordinator_refuses_a_message_over_its_limit(limited):
+def test_coordinator_refuses_a_grpc_request_over_its_limit(limited):
     address = f"127.0.0.1:{limited.port}"
-    err = grpc_error(address, coordinator_pb2.GenerateRequest(text="word " * SMALL_MESSAGE, max_new_tokens=2))
+    # over --max-request-bytes, under --max-message-bytes: the request limit answers
+    err = grpc_error(address, coordinator_pb2.GenerateRequest(text="x" * (SMALL_REQUEST + 1), max_new_tokens=2))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
     assert len(generate(address, SHORT, timeout_s=60).token_ids) == 2
 
 
-# --- HTTP body size ------------------------------------------------------------------------------
+# --- HTTP request size ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_http_body_over_the_limit_is_413(limited, tiny_models, chunked):
     model = str(tiny_models.target_dir)
-    status, body = post(limited.http_port, completion(model, "word " * SMALL_BODY), chunked=chunked)
+    status, body = post(limited.http_port, completion(model, "word " * SMALL_REQUEST), chunked=chunked)
     assert status == 413, body
-    assert "max_request_body_bytes" in body["error"]["message"] and str(SMALL_BODY) in body["error"]["message"]
+    assert "max_request_bytes" in body["error"]["message"] and str(SMALL_REQUEST) in body["error"]["message"]
     status, body = post(limited.http_port, completion(model), chunked=chunked)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
