@@ -278,7 +278,7 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
     pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
     hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
-    placement: Annotated[str, typer.Option(help="shared: every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Batch-1 benchmark only.")] = "shared",
+    placement: Annotated[Optional[list[str]], typer.Option(help="shared (default): every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: each placement gets its own services and every pipeline runs on each in the same run (methods named <method>@<placement>). Batch-1 benchmark only.")] = None,
     target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
@@ -301,7 +301,7 @@ def bench(
     Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
     identity against pipeline/K=0 at N=1 per method and N."""
     if concurrency is not None:
-        if pipeline or hf_k or placement != "shared":
+        if pipeline or hf_k or placement:
             stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to --concurrency[/red]")
             raise typer.Exit(1)
         _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
@@ -317,8 +317,8 @@ def bench(
     config = BenchConfig(
         questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
         categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
-        seed=seed, target=target, draft_model=draft_model, dtype=dtype, placement=placement,
-        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k}.items() if value},
+        seed=seed, target=target, draft_model=draft_model, dtype=dtype,
+        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}.items() if value},
     )
     try:
         report = run_bench(config, stderr)
