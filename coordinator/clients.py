@@ -1,5 +1,6 @@
 """The coordinator's gRPC clients of the draft service and the verify replicas, with deadlines on
-every call and a shared view of which verify replicas failed recently."""
+every call and a shared view of which verify replicas failed recently; over TLS (mutual TLS with a
+client certificate) when given credentials (:func:`specdec.tls.channel_credentials`)."""
 
 import time
 
@@ -13,20 +14,27 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+
+
 class ServiceClients:
     """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
     call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
-    address. A verify replica that failed is tried last for ``replica_down_s`` seconds."""
+    address. A verify replica that failed is tried last for ``replica_down_s`` seconds.
+    ``credentials``: TLS to every service, None for plaintext."""
 
     def __init__(
         self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
-        replica_down_s: float = 5.0,
+        replica_down_s: float = 5.0, credentials: grpc.ChannelCredentials | None = None,
     ):
         if not verify_addresses:
             raise ValueError("no verify service address: set --verify-addresses")
         self.draft_address, self.verify_addresses = draft_address, list(verify_addresses)
         self.rpc_timeout_s, self.prefill_timeout_s, self.replica_down_s = rpc_timeout_s, prefill_timeout_s, replica_down_s
-        self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS) for a in (draft_address, *verify_addresses)]
+        self._channels = [_channel(address, credentials) for address in (draft_address, *verify_addresses)]
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[0])
         self.verify = [verify_pb2_grpc.VerifyServiceStub(channel) for channel in self._channels[1:]]
         self._down_until = [0.0] * len(self.verify)
