@@ -196,7 +196,7 @@ class RedisStore(SessionStore):
             **{name: value for name, value in ssl_options.items() if value},
         )
         self.url = _without_password(url)  # logged and in error messages
-        self.errors, self.timeout_s, self.retry_after_s = url, errors, timeout_s, retry_after_s
+        self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
 
     async def _run(self, operation: str, make_call):
