@@ -38,7 +38,7 @@ from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.models import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
 from specdec.timing import ms_since
-from specdec.tls import ReloadingSSLContext, channel_credentials
+from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import tokenizer_fingerprint
 
@@ -309,7 +309,7 @@ async def serve(
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
         settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
-        credentials=_internal_credentials(settings),
+        tls=_internal_tls(settings),
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:
@@ -361,12 +361,12 @@ async def serve(
         metrics.close()
 
 
-def _internal_credentials(settings: CoordinatorSettings) -> grpc.ChannelCredentials | None:
+def _internal_tls(settings: CoordinatorSettings) -> Reloading[grpc.ChannelCredentials] | None:
     """TLS to the draft and verify services from the internal_tls_* files; None: plaintext."""
     if not settings.internal_tls_ca_file:
         return None
     names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
-    return channel_credentials(*(getattr(settings, name) for name in names), names)
+    return reloading_channel_credentials(*(getattr(settings, name) for name in names), names)
 
 
 def main(settings: CoordinatorSettings) -> None:

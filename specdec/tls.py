@@ -14,7 +14,9 @@ never takes a server down.
   callback (``sni_callback``, called on every ClientHello, with or without SNI) switches the
   connection to a context loaded from the new files. uvicorn takes it through its
   ``ssl_context_factory`` (uvicorn >= 0.47); uvicorn's own ``ssl_certfile`` would be read once.
-- gRPC clients: :func:`channel_credentials`, read when called.
+- gRPC clients: :func:`channel_credentials`, read when called; :func:`reloading_channel_credentials`
+  for a client that makes new channels when its files change (the coordinator's links to the
+  draft and verify services: a gRPC channel keeps the credentials it was made with).
 
 Misconfiguration (a missing file, a key that does not match its certificate, a file that is not
 PEM) raises :class:`TLSFileError` naming the setting, so a service fails at start, not at its first
@@ -92,9 +94,10 @@ def check_client_files(ca_file: str, cert_file: str, key_file: str, settings: tu
         _load_key_pair(context, cert_file, key_file, settings[1:])
 
 
-class _Reloading(Generic[T]):
-    """A value built from files, built again when their status changes (see the module docstring).
-    ``build`` raises TLSFileError for unusable files."""
+class Reloading(Generic[T]):
+    """``value``, built by ``build`` from the files at ``paths`` (empty ones ignored), built again
+    by :meth:`latest` when their status changed (see the module docstring). ``build`` raises
+    TLSFileError for unusable files; the first build's error fails the construction."""
 
     def __init__(self, paths: list[str], build: Callable[[], T]):
         self.paths, self.build = [p for p in paths if p], build
@@ -137,7 +140,7 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") 
         ca = read_pem(client_ca_file, "tls_client_ca_file") if client_ca_file else None
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
-    files = _Reloading([cert_file, key_file, client_ca_file], configuration)
+    files = Reloading([cert_file, key_file, client_ca_file], configuration)
     return grpc.dynamic_ssl_server_credentials(
         files.value, files.latest, require_client_authentication=bool(client_ca_file)
     )
@@ -149,7 +152,7 @@ class ReloadingSSLContext:
     loaded. The files as for :func:`server_ssl_context`, which raises TLSFileError for unusable ones."""
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = ""):
-        self._files = _Reloading([cert_file, key_file, client_ca_file], lambda: self._load(cert_file, key_file, client_ca_file))
+        self._files = Reloading([cert_file, key_file, client_ca_file], lambda: self._load(cert_file, key_file, client_ca_file))
         self.context = self._files.value
 
     def _load(self, cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext:
@@ -176,3 +179,11 @@ def channel_credentials(
         private_key=read_pem(key_file, settings[2]) if key_file else None,
         certificate_chain=read_pem(cert_file, settings[1]) if cert_file else None,
     )
+
+
+def reloading_channel_credentials(
+    ca_file: str, cert_file: str, key_file: str, settings: tuple[str, str, str]
+) -> Reloading[grpc.ChannelCredentials]:
+    """:func:`channel_credentials` of the files, built again (``latest()``) when they change.
+    Raises TLSFileError naming the setting of an unusable file."""
+    return Reloading([ca_file, cert_file, key_file], lambda: channel_credentials(ca_file, cert_file, key_file, settings))

@@ -24,17 +24,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
+from coordinator import clients as clients_module
 from coordinator.client import generate
+from coordinator.clients import ServiceClients
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
+from specdec.errors import Unavailable
 from specdec.launcher import free_port
 from specdec.local_ca import write_local_certificates
 from specdec.server import start_server
-from specdec.tls import ReloadingSSLContext, channel_credentials, server_credentials
+from specdec.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread
 from verify_service.service import build as build_verify
@@ -185,6 +188,30 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki, tmp_path):
         assert health(address, channel_credentials(new_ca_file)) == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(0)
+
+
+def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, tmp_path, monkeypatch):
+    """The coordinator's client certificate files rewritten: its next calls go over new channels
+    with the new certificate (one of another CA: refused; the CA's own again: accepted)."""
+    monkeypatch.setattr(clients_module, "TLS_CHECK_INTERVAL_S", 0.0)
+    files, ca = Files(tmp_path), pki["ca_obj"]
+    cert, key = files.leaf(ca.issue_cert("specdec-coordinator"), "coordinator")
+    names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
+    tls = reloading_channel_credentials(pki["ca"], cert, key, names)
+
+    async def run() -> None:
+        clients = ServiceClients(tls_pipeline["draft"], [tls_pipeline["verify"]], 10, 10, tls=tls)
+        try:
+            assert (await clients.draft_info()).drafters
+            files.leaf(trustme.CA().issue_cert("specdec-coordinator"), "coordinator")
+            with pytest.raises(Unavailable):
+                await clients.verify_info()
+            files.leaf(ca.issue_cert("specdec-coordinator"), "coordinator")
+            assert (await clients.verify_info()).model
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
 
 
 def test_http_api_serves_a_rotated_certificate(pki, tmp_path):
