@@ -332,7 +332,8 @@ async def serve(
     if settings.http_port:
         ssl_context = None
         if settings.tls_cert_file:
-            ssl_context = ReloadingSSLContext(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+            files = (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+            ssl_context = ReloadingSSLContext(*files)
         app = create_app(servicer, keys, settings.served_model_name)
         http = HttpServer(app, settings.host, settings.http_port, ssl_context)
         await http.start()

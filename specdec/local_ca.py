@@ -73,7 +73,8 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    encoding, key_format = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    return key.private_bytes(encoding, key_format, serialization.NoEncryption())
 
 
 def write_local_certificates(directory: Path, hosts: list[str]) -> LocalCertificates:
@@ -90,7 +91,9 @@ def write_local_certificates(directory: Path, hosts: list[str]) -> LocalCertific
                        data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
                        encipher_only=False, decipher_only=False), True),
     ])
-    server, server_key = _leaf("specdec server", ExtendedKeyUsageOID.SERVER_AUTH, ca_name, ca_key, _subject_alt_names(hosts))
+    server, server_key = _leaf(
+        "specdec server", ExtendedKeyUsageOID.SERVER_AUTH, ca_name, ca_key, _subject_alt_names(hosts)
+    )
     client, client_key = _leaf("specdec coordinator", ExtendedKeyUsageOID.CLIENT_AUTH, ca_name, ca_key,
                                [x509.DNSName("specdec-coordinator")])
     pem = serialization.Encoding.PEM

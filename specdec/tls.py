@@ -152,7 +152,8 @@ class ReloadingSSLContext:
     loaded. The files as for :func:`server_ssl_context`, which raises TLSFileError for unusable ones."""
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = ""):
-        self._files = Reloading([cert_file, key_file, client_ca_file], lambda: self._load(cert_file, key_file, client_ca_file))
+        paths = [cert_file, key_file, client_ca_file]
+        self._files = Reloading(paths, lambda: self._load(*paths))
         self.context = self._files.value
 
     def _load(self, cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext:
@@ -186,4 +187,5 @@ def reloading_channel_credentials(
 ) -> Reloading[grpc.ChannelCredentials]:
     """:func:`channel_credentials` of the files, built again (``latest()``) when they change.
     Raises TLSFileError naming the setting of an unusable file."""
-    return Reloading([ca_file, cert_file, key_file], lambda: channel_credentials(ca_file, cert_file, key_file, settings))
+    paths = [ca_file, cert_file, key_file]
+    return Reloading(paths, lambda: channel_credentials(*paths, settings))

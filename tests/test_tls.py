@@ -83,7 +83,8 @@ def pki(tmp_path_factory):
         "client": files.leaf(ca.issue_cert("specdec-coordinator"), "client"),
         "other_client": files.leaf(other_ca.issue_cert("specdec-coordinator"), "other-client"),
         "expired_client": files.leaf(
-            ca.issue_cert("specdec-coordinator", not_before=past - datetime.timedelta(days=1), not_after=past), "expired"
+            ca.issue_cert("specdec-coordinator", not_before=past - datetime.timedelta(days=1), not_after=past),
+            "expired",
         ),
     }
 
@@ -136,7 +137,8 @@ def request(max_new_tokens: int = 8) -> coordinator_pb2.GenerateRequest:
 
 
 def test_generate_over_tls(tls_pipeline, pki):
-    completion = generate(tls_pipeline["coordinator"], request(), timeout_s=60, credentials=channel_credentials(pki["ca"]))
+    credentials = channel_credentials(pki["ca"])
+    completion = generate(tls_pipeline["coordinator"], request(), timeout_s=60, credentials=credentials)
     assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
 
 
@@ -151,7 +153,7 @@ def test_http_api_over_tls(tls_pipeline, pki):
 
 def test_plaintext_to_tls_ports_fails_and_servers_go_on(tls_pipeline, pki):
     for service in ("coordinator", "draft", "verify"):
-        assert_unavailable(lambda: health(tls_pipeline[service], None))
+        assert_unavailable(lambda address=tls_pipeline[service]: health(address, None))
     assert_unavailable(lambda: generate(tls_pipeline["coordinator"], request(), timeout_s=10))
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{tls_pipeline['http_port']}/health", timeout=5)
