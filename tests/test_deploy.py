@@ -139,7 +139,8 @@ def admitted_from(policy: dict, port: str) -> list:
 
 def test_http_api_port(overlay):
     """The coordinator's OpenAI-compatible HTTP API: the http_port setting is the container's port
-    named http, the Service exposes it, the NetworkPolicy admits it from wherever gRPC is."""
+    named http, the Service exposes it (appProtocol https over TLS), the NetworkPolicy admits it
+    from wherever gRPC is."""
     _, resources = overlay
     _, container = coordinator(resources)
     default = CoordinatorSettings.model_fields["http_port"].default
@@ -148,7 +149,8 @@ def test_http_api_port(overlay):
     assert port == default != 0
     assert {"name": "http", "containerPort": port} in container["ports"]
     service_ports = resources[("Service", "specdec-coordinator")]["spec"]["ports"]
-    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": "http"} in service_ports
+    protocol = "https" if serves_tls("coordinator", container) else "http"
+    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": protocol} in service_ports
     policy = resources[("NetworkPolicy", "specdec-coordinator")]["spec"]
     assert admitted_from(policy, "http") == admitted_from(policy, "grpc") != []
 
