@@ -151,7 +151,8 @@ class LocalCluster:
         scheme = "https" if self.tls else "http"
         return f"{scheme}://{self.host}:{self.http_port}/v1" if self.http_port else None
 
-    def _tls_args(self, service: str) -> list[str]:
+    def tls_args(self, service: str) -> list[str]:
+        """The TLS flags ``service`` starts with (none without ``tls``)."""
         if self.tls is None:
             return []
         args = ["--tls-cert-file", str(self.tls.server_cert_file), "--tls-key-file", str(self.tls.server_key_file)]
@@ -168,7 +169,7 @@ class LocalCluster:
             credentials = channel_credentials(self.tls.ca_file, self.tls.client_cert_file, self.tls.client_key_file)
         self.services[service] = ServiceProcess(
             service, getattr(self, f"{service}_port"), self.host,
-            [*args, *self._tls_args(service), *self.extra_args.get(service, [])],
+            [*args, *self.tls_args(service), *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
             http_port=self.http_port, cpus=self.cpus.get(service, frozenset()), credentials=credentials,
         )

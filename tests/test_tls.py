@@ -34,9 +34,10 @@ from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.errors import Unavailable
-from specdec.launcher import free_port
+from specdec.launcher import LocalCluster, free_port
 from specdec.local_ca import write_local_certificates
 from specdec.server import start_server
+from specdec.settings import parse_settings
 from specdec.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread
@@ -46,6 +47,7 @@ from verify_service.settings import VerifySettings
 # a fresh connection per channel: gRPC would otherwise share one between channels to an address
 FRESH = [("grpc.use_local_subchannel_pool", 1)]
 HOSTS = ["127.0.0.1", "localhost"]
+SETTINGS = {"coordinator": CoordinatorSettings, "draft": DraftSettings, "verify": VerifySettings}
 
 
 class Files:
@@ -151,10 +153,13 @@ def test_http_api_over_tls(tls_pipeline, pki):
     assert completion.usage.completion_tokens == 6
 
 
-def test_plaintext_to_tls_ports_fails_and_servers_go_on(tls_pipeline, pki):
+def test_plaintext_or_a_wrong_ca_fails_and_servers_go_on(tls_pipeline, pki, tmp_path):
     for service in ("coordinator", "draft", "verify"):
         assert_unavailable(lambda address=tls_pipeline[service]: health(address, None))
     assert_unavailable(lambda: generate(tls_pipeline["coordinator"], request(), timeout_s=10))
+    other_ca = Files(tmp_path).ca(trustme.CA(), "other-ca")
+    other = channel_credentials(other_ca)
+    assert_unavailable(lambda: generate(tls_pipeline["coordinator"], request(), timeout_s=10, credentials=other))
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{tls_pipeline['http_port']}/health", timeout=5)
     with pytest.raises(httpx.ConnectError):  # a CA that did not sign the coordinator's certificate
@@ -173,6 +178,17 @@ def test_internal_services_take_only_the_cas_clients(tls_pipeline, pki, service)
     assert_unavailable(lambda: health(address, channel_credentials(ca)))  # no client certificate
     assert_unavailable(lambda: health(address, channel_credentials(ca, *pki["other_client"])))  # another CA's
     assert_unavailable(lambda: health(address, channel_credentials(ca, *pki["expired_client"])))  # expired
+
+
+def test_an_expired_server_certificate_is_refused(pki, tmp_path):
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    expired = pki["ca_obj"].issue_cert(*HOSTS, not_before=past - datetime.timedelta(days=1), not_after=past)
+    credentials = server_credentials(*Files(tmp_path).leaf(expired, "old"))
+    server, port = start_server(lambda _server: [], "127.0.0.1", 0, 2, credentials)
+    try:
+        assert_unavailable(lambda: health(f"127.0.0.1:{port}", channel_credentials(pki["ca"])))
+    finally:
+        server.stop(0)
 
 
 def test_a_rotated_certificate_is_served_without_a_restart(pki, tmp_path):
@@ -262,8 +278,15 @@ def test_misconfigured_tls_fails_at_start_naming_the_setting(pki, tmp_path):
 
 def test_local_ca_for_specdec_up_tls(tmp_path):
     """The CA `specdec up --tls` makes: its server certificate passes the server's checks, and a
-    client with its CA and client certificate gets through mutual TLS."""
+    client with its CA and client certificate gets through mutual TLS; the flags each service
+    starts with give mutual TLS inside and TLS outside."""
     files = write_local_certificates(tmp_path, ["127.0.0.1"])
+    cluster = LocalCluster(tls=files)
+    flags = {name: parse_settings(cls, cluster.tls_args(name), prog=name) for name, cls in SETTINGS.items()}
+    assert flags["draft"].tls_client_ca_file == flags["verify"].tls_client_ca_file == str(files.ca_file)
+    coordinator = flags["coordinator"]
+    assert coordinator.tls_cert_file and not coordinator.tls_client_ca_file
+    assert coordinator.internal_tls_cert_file == str(files.client_cert_file)
     assert oct(files.server_key_file.stat().st_mode & 0o777) == "0o600"
     credentials = server_credentials(str(files.server_cert_file), str(files.server_key_file), str(files.ca_file))
     server, port = start_server(lambda _server: [], "127.0.0.1", 0, 2, credentials)
