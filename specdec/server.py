@@ -1,5 +1,6 @@
 """gRPC server plumbing shared by the three services: message limits, the standard health
-service, server reflection (so grpcurl works) and graceful shutdown on SIGTERM / SIGINT."""
+service, server reflection (so grpcurl works), TLS from the ``tls_*`` settings (see
+:mod:`specdec.tls`) and graceful shutdown on SIGTERM / SIGINT."""
 
 import logging
 import signal
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec import tls
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +35,38 @@ def _serving_health(server, service_names: list[str], servicer_cls=health.Health
     return servicer
 
 
+def server_credentials(settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from a :class:`specdec.settings.ServiceSettings`' ``tls_*`` files (mutual
+    TLS with ``tls_client_ca_file``), re-read when they change; None (plaintext) when unset.
+    Raises TLSFileError naming the setting of an unusable file."""
+    if not settings.tls_cert_file:
+        return None
+    return tls.server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+
+
+def _add_port(server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    address = f"{host}:{port}"
+    return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+
+
 def start_server(
-    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int
+    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
-    ``register`` adds the servicers and returns their full service names. Returns the started
-    server and its bound port (useful when ``port`` is 0). Every service reports SERVING.
+    ``register`` adds the servicers and returns their full service names; ``credentials`` (see
+    :func:`server_credentials`): TLS, None for plaintext. Returns the started server and its bound
+    port (useful when ``port`` is 0). Every service reports SERVING.
     """
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
     names = register(server)
     health_servicer = _serving_health(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, host, port, credentials)
     server.start()
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    log.info("serving %s on %s:%d (%s)", ", ".join(names), host, bound, "TLS" if credentials else "plaintext")
     return server, bound
 
 
@@ -80,17 +99,18 @@ class RunningService:
 
 
 async def start_aio_server(
-    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int
+    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, host, port, credentials)
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    log.info("serving %s on %s:%d (%s)", ", ".join(names), host, bound, "TLS" if credentials else "plaintext")
     return server, bound
 
 
@@ -109,7 +129,9 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         add_to_server(servicer, server)
         return [service_name]
 
-    server, port = start_server(register, settings.host, settings.port, settings.max_workers)
+    server, port = start_server(
+        register, settings.host, settings.port, settings.max_workers, server_credentials(settings)
+    )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
     servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)
     servicer.metrics.serve(settings.host, settings.metrics_port)
