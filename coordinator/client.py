@@ -37,21 +37,32 @@ class Completion:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason, "metrics": metrics}
 
 
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to ``address``: over TLS with ``credentials`` (see
+    :func:`specdec.tls.channel_credentials`), else plaintext."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
+
+
 def stream(
-    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None
+    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[coordinator_pb2.GenerateResponse]:
-    """Streams a Generate call, with ``api_key`` when the coordinator requires one. Raises
-    grpc.RpcError with the coordinator's status on failure."""
+    """Streams a Generate call, with ``api_key`` when the coordinator requires one, over TLS with
+    ``credentials``. Raises grpc.RpcError with the coordinator's status on failure (UNAVAILABLE
+    when the TLS handshake fails: plaintext to a TLS port, a certificate the CA did not sign)."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=timeout_s, metadata=metadata)
+    with channel(address, credentials) as channel_:
+        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel_).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def generate(
-    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None
+    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Completion:
     """Runs a Generate call to the end and returns the whole completion."""
     completion = Completion()
-    for response in stream(address, request, timeout_s, api_key):
+    for response in stream(address, request, timeout_s, api_key, credentials):
         completion.add(response)
     return completion

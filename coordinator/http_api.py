@@ -36,6 +36,7 @@ from coordinator.openai_schema import (
 from coordinator.request import prompt_ids
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
+from specdec.tls import ReloadingSSLContext
 from specdec.v1 import coordinator_pb2
 
 tracer = trace.get_tracer(__name__)
@@ -303,10 +304,12 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving ``app`` on ``host``:``port`` in the running event loop. The port is bound at
-    construction, so a taken port fails the coordinator's start with OSError."""
+    """uvicorn serving ``app`` on ``host``:``port`` in the running event loop; over TLS with
+    ``ssl_context`` (its ``.context``, handed to uvicorn's ``ssl_context_factory``, switches new
+    connections to new certificate files), else plaintext. The port is bound at construction, so a
+    taken port fails the coordinator's start with OSError."""
 
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, ssl_context: ReloadingSSLContext | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self.socket = socket.create_server((host, port), family=family)
@@ -316,6 +319,7 @@ class HttpServer:
         config = uvicorn.Config(
             app, host=host, port=port, log_config=None, lifespan="off", access_log=False,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+            ssl_context_factory=(lambda _config, _default: ssl_context.context) if ssl_context else None,
         )
         self.server = _Server(config)
         self.task: asyncio.Task | None = None

@@ -98,6 +98,7 @@ class MetricsRecorder:
             num_draft_ahead_proposals=len(ahead),
             num_draft_ahead_hits=hits,
             draft_ahead_hit_rate=hits / len(ahead) if ahead else 0.0,
+            verify_costs=verify_costs(self.rounds),
             **identity,
         )
 
@@ -111,6 +112,19 @@ def mean(values: Iterable[float]) -> float:
 def k_histogram(rounds: list[RoundRecord]) -> list[int]:
     """``counts[K]``: rounds that asked for K draft tokens."""
     return histogram((r.k for r in rounds), max((r.k for r in rounds), default=-1) + 1)
+
+
+def verify_costs(rounds: list[RoundRecord]) -> list[coordinator_pb2.VerifyCost]:
+    """The rounds' verify calls and forwards summed per number of new tokens (K drafted + 1)."""
+    by_tokens: dict[int, list[RoundRecord]] = {}
+    for r in rounds:
+        by_tokens.setdefault(r.num_drafted + 1, []).append(r)
+    return [
+        coordinator_pb2.VerifyCost(
+            num_tokens=n, num_rounds=len(own), call_ms=sum(r.verify_ms for r in own), forward_ms=sum(r.step_ms for r in own)
+        )
+        for n, own in sorted(by_tokens.items())
+    ]
 
 
 def drafter_usage(rounds: list[RoundRecord]) -> dict[str, coordinator_pb2.DrafterUsage]:

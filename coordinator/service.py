@@ -37,8 +37,9 @@ from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.models import load_tokenizer
-from specdec.server import SHUTDOWN_GRACE_S, start_aio_server
+from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
 from specdec.timing import ms_since
+from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import tokenizer_fingerprint
 
@@ -313,11 +314,14 @@ async def serve(
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
         settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
-        max_message_bytes=settings.max_message_bytes,
+        tls=_internal_tls(settings), max_message_bytes=settings.max_message_bytes,
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:
-        store = RedisStore(settings.redis_url, settings.request_ttl_s, metrics.store_errors)
+        store = RedisStore(
+            settings.redis_url, settings.request_ttl_s, metrics.store_errors, ssl_ca_certs=settings.redis_tls_ca_file,
+            ssl_certfile=settings.redis_tls_cert_file, ssl_keyfile=settings.redis_tls_key_file,
+        )
     else:
         store = MemoryStore(settings.request_ttl_s)
     servicer = CoordinatorServicer(settings, tokenizer, clients, metrics, store)
@@ -331,12 +335,18 @@ async def serve(
 
     http = None
     if settings.http_port:
+        ssl_context = None
+        if settings.tls_cert_file:
+            files = (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+            ssl_context = ReloadingSSLContext(*files)
         app = create_app(servicer, keys, settings.served_model_name, settings.max_request_bytes)
-        http = HttpServer(app, settings.host, settings.http_port)
+        http = HttpServer(app, settings.host, settings.http_port, ssl_context)
         await http.start()
-        log.info("serving the OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, settings.http_port)
+        scheme = "https" if ssl_context else "http"
+        log.info("serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, settings.http_port)
     server, port = await start_aio_server(
-        register, settings.host, settings.port, settings.max_message_bytes, settings.max_request_bytes
+        register, settings.host, settings.port, server_credentials(settings), settings.max_message_bytes,
+        settings.max_request_bytes,
     )
     metrics.serve(settings.host, settings.metrics_port)
 
@@ -358,6 +368,14 @@ async def serve(
         await clients.close()
         await store.close()
         metrics.close()
+
+
+def _internal_tls(settings: CoordinatorSettings) -> Reloading[grpc.ChannelCredentials] | None:
+    """TLS to the draft and verify services from the internal_tls_* files; None: plaintext."""
+    if not settings.internal_tls_ca_file:
+        return None
+    names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
+    return reloading_channel_credentials(*(getattr(settings, name) for name in names), names)
 
 
 def main(settings: CoordinatorSettings) -> None:

@@ -5,6 +5,7 @@ from pydantic import Field, model_validator
 from specdec.models import DEFAULT_MODEL
 from specdec.ngram import NgramIndex
 from specdec.settings import CommaSeparated, ServiceSettings
+from specdec.tls import check_client_files
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -98,6 +99,25 @@ class CoordinatorSettings(ServiceSettings):
         "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the session store shared by the "
         "coordinator replicas (redis://host:6379/0); empty: a store inside this process.",
     )
+    redis_tls_ca_file: str = Field(
+        "", description="PEM CA bundle Redis's certificate is checked against, for a rediss:// redis_url (redis-py's "
+        "ssl_ca_certs); empty: the system's roots.",
+    )
+    redis_tls_cert_file: str = Field(
+        "", description="PEM client certificate for a Redis that asks for one (redis-py's ssl_certfile), with "
+        "redis_tls_key_file; empty: none. The password goes in the URL: rediss://:PASSWORD@host:6379/0.",
+    )
+    redis_tls_key_file: str = Field("", description="PEM private key of redis_tls_cert_file (redis-py's ssl_keyfile).")
+    internal_tls_ca_file: str = Field(
+        "", description="PEM CA bundle the draft and verify services' certificates are checked against; set: the "
+        "coordinator connects to them over TLS; empty: plaintext.",
+    )
+    internal_tls_cert_file: str = Field(
+        "", description="PEM client certificate the coordinator presents to the draft and verify services (mutual "
+        "TLS: theirs --tls-client-ca-file signed it), with internal_tls_key_file; needs internal_tls_ca_file. "
+        "Re-read when the file changes (new connections).",
+    )
+    internal_tls_key_file: str = Field("", description="PEM private key of internal_tls_cert_file.")
     request_ttl_s: float = Field(3600.0, description="How long the session store keeps a request after its last write (resumable that long), seconds.")
 
     @model_validator(mode="after")
@@ -108,6 +128,20 @@ class CoordinatorSettings(ServiceSettings):
             except OSError as err:  # fails the start
                 raise ValueError(f"api_key_file {self.api_key_file}: {err.strerror}: give a readable file of keys") from None
             self.api_keys = [*self.api_keys, *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#"))]
+        return self
+
+    @model_validator(mode="after")
+    def _client_tls_files(self):
+        """Fails the start on unusable client TLS files, naming the setting."""
+        if (self.internal_tls_cert_file or self.internal_tls_key_file) and not self.internal_tls_ca_file:
+            raise ValueError("internal_tls_cert_file needs internal_tls_ca_file: set the CA of the draft and verify "
+                             "services' certificates")
+        redis_tls = self.redis_tls_ca_file or self.redis_tls_cert_file or self.redis_tls_key_file
+        if redis_tls and not self.redis_url.startswith("rediss://"):
+            raise ValueError("redis_tls_* files are for a TLS connection: make redis_url rediss://host:port/db")
+        for prefix in ("internal_tls_", "redis_tls_"):
+            names = (f"{prefix}ca_file", f"{prefix}cert_file", f"{prefix}key_file")
+            check_client_files(*(getattr(self, name) for name in names), names)
         return self
 
     @model_validator(mode="after")

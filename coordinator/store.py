@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis.asyncio as redis
@@ -170,17 +171,32 @@ class MemoryStore(SessionStore):
         self._priors.setdefault(target, {}).update(copy.deepcopy(priors))
 
 
-class RedisStore(SessionStore):
-    """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS), shared by
-    every coordinator replica. ``errors``: a prometheus_client Counter with an ``operation`` label."""
+def _without_password(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
-    def __init__(self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0):
+
+class RedisStore(SessionStore):
+    """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, a password
+    as ``rediss://:PASSWORD@host:port/db``), shared by every coordinator replica. ``errors``: a
+    prometheus_client Counter with an ``operation`` label. ``ssl_options``: redis-py's ``ssl_*``
+    connection arguments (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``: PEM file paths),
+    only for a rediss:// URL; empty ones are left out (redis-py's defaults: the system's roots, no
+    client certificate)."""
+
+    def __init__(self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0,
+                 **ssl_options: str):
         super().__init__(ttl_s)
         # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
         self.redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1),
+            **{name: value for name, value in ssl_options.items() if value},
         )
-        self.url, self.errors, self.timeout_s, self.retry_after_s = url, errors, timeout_s, retry_after_s
+        self.url = _without_password(url)  # logged and in error messages
+        self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
 
     async def _run(self, operation: str, make_call):

@@ -41,6 +41,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.llama_cpp_n_gpu_layers,
                 max_num_seqs=min(settings.llama_cpp_max_num_seqs, settings.max_sessions),
                 max_num_batched_tokens=settings.max_num_batched_tokens,
+                requantize=settings.llama_cpp_requantize,
             )
         elif name == "transformers":
             from draft_service.drafters.transformers_lm import TransformersDrafter

@@ -62,11 +62,11 @@ def coordinator(ctx: typer.Context) -> None:
 
 
 def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None,
-             http_port: int = 0):
+             http_port: int = 0, tls=None):
     from specdec.launcher import LocalCluster
 
     cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {},
-                           http_port=http_port)
+                           http_port=http_port, tls=tls)
     stderr.print("starting verify, draft and coordinator services (loading models)...")
     cluster.start_all()
     for service in ("coordinator", "draft", "verify"):
@@ -75,6 +75,10 @@ def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str
                      + (f"  metrics {metrics}" if metrics else ""), soft_wrap=True)
     if cluster.http_url:
         stderr.print(f"  {'HTTP API':<12} {cluster.http_url}  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+                     soft_wrap=True)
+    if tls:
+        stderr.print(f"  TLS: public APIs over TLS, mutual TLS inside; CA {tls.ca_file}\n"
+                     f"  specdec generate --coordinator {cluster.address('coordinator')} --tls-ca {tls.ca_file} 'Hi'",
                      soft_wrap=True)
     if _keys_required():
         stderr.print("  API keys are set (SPECDEC_API_KEYS or the coordinator's key settings): clients send "
@@ -99,12 +103,25 @@ def up(
     coordinator_metrics_port: Annotated[int, typer.Option(help="Coordinator Prometheus /metrics port; 0 = off.")] = 9091,
     draft_metrics_port: Annotated[int, typer.Option(help="Draft service Prometheus /metrics port; 0 = off.")] = 9092,
     verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
+    tls: Annotated[bool, typer.Option(help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the coordinator's links to the draft and verify services over mutual TLS, and print the CA file's path.")] = False,
+    tls_dir: Annotated[Optional[Path], typer.Option(help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, server-key.pem, client.pem, client-key.pem; default: a new temporary directory).")] = None,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
     its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC, HTTP and
     metrics addresses, and serve until interrupted."""
+    import tempfile
+
+    from specdec.local_ca import write_local_certificates
+
+    if tls_dir is not None and not tls:
+        stderr.print("[red]error: --tls-dir applies with --tls[/red]")
+        raise typer.Exit(1)
+    certificates = None
+    if tls:
+        certificates = write_local_certificates(tls_dir or Path(tempfile.mkdtemp(prefix="specdec-tls-")), [host])
     metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
-    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports, http_port=http_port)
+    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports, http_port=http_port,
+                       tls=certificates)
     stderr.print("all services SERVING; Ctrl-C (or SIGTERM) stops them")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
     try:
@@ -166,14 +183,15 @@ def _print_metrics(completion) -> None:
     stderr.print(table)
 
 
-def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False, api_key: str | None = None) -> None:
+def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False, api_key: str | None = None,
+                      credentials: grpc.ChannelCredentials | None = None) -> None:
     """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
-    ``resumable``: also tells on stderr the request id to resume with."""
+    ``resumable``: also tells on stderr the request id to resume with; ``credentials``: TLS."""
     from coordinator.client import Completion, stream
 
     completion = Completion()
     try:
-        for response in stream(address, request, api_key=api_key):
+        for response in stream(address, request, api_key=api_key, credentials=credentials):
             if response.request_id and resumable and not as_json:
                 stderr.print(f"request_id {response.request_id} (resume with --request-id and --resume-from)")
             completion.add(response)
@@ -207,22 +225,35 @@ def generate(
     request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
     resume_from: Annotated[Optional[int], typer.Option(help="Resume --request-id after this many received tokens.")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there).")] = None,
+    tls: Annotated[bool, typer.Option(help="Connect over TLS, checking the coordinator's certificate against the system's roots (implied by --tls-ca).")] = False,
+    tls_ca: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CA", help="PEM CA bundle the coordinator's certificate is checked against (specdec up --tls prints its CA file); connects over TLS.")] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CERT", help="PEM client certificate, when the coordinator asks for one (its --tls-client-ca-file), with --tls-key.")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_KEY", help="PEM private key of --tls-cert.")] = None,
 ) -> None:
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
     off after N tokens with `--request-id ID --resume-from N` (no prompt)."""
     from specdec.telemetry import configure_tracing
+    from specdec.tls import TLSFileError, channel_credentials
 
     if prompt is None and resume_from is None:
         stderr.print("[red]error: give a PROMPT, or --request-id and --resume-from to resume a request[/red]")
         raise typer.Exit(1)
+    credentials = None
+    if tls or tls_ca or tls_cert or tls_key:
+        files = [str(path or "") for path in (tls_ca, tls_cert, tls_key)]
+        try:
+            credentials = channel_credentials(*files, ("--tls-ca", "--tls-cert", "--tls-key"))
+        except TLSFileError as err:
+            stderr.print(f"[red]error: {err}[/red]")
+            raise typer.Exit(1) from None
     configure_tracing("cli")
     request = _request(
         prompt, raw_prompt=raw or None, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
         request_id=request_id, resume_from=resume_from,
     )
-    _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key)
+    _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key, credentials=credentials)
 
 
 def configured_api_key() -> str | None:
@@ -278,7 +309,7 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
     pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
     hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
-    placement: Annotated[str, typer.Option(help="shared: every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Batch-1 benchmark only.")] = "shared",
+    placement: Annotated[Optional[list[str]], typer.Option(help="shared (default): every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: each placement gets its own services and every pipeline runs on each in the same run (methods named <method>@<placement>). Batch-1 benchmark only.")] = None,
     target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
@@ -301,7 +332,7 @@ def bench(
     Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
     identity against pipeline/K=0 at N=1 per method and N."""
     if concurrency is not None:
-        if pipeline or hf_k or placement != "shared":
+        if pipeline or hf_k or placement:
             stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to --concurrency[/red]")
             raise typer.Exit(1)
         _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
@@ -317,8 +348,8 @@ def bench(
     config = BenchConfig(
         questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
         categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
-        seed=seed, target=target, draft_model=draft_model, dtype=dtype, placement=placement,
-        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k}.items() if value},
+        seed=seed, target=target, draft_model=draft_model, dtype=dtype,
+        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}.items() if value},
     )
     try:
         report = run_bench(config, stderr)

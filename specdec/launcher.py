@@ -1,5 +1,6 @@
 """Starts the verify, draft and coordinator services as separate OS processes on this machine
-and waits until each reports SERVING on the standard gRPC health service (``specdec up``)."""
+and waits until each reports SERVING on the standard gRPC health service (``specdec up``); with
+certificates (:mod:`specdec.local_ca`), mutual TLS between them and TLS on the public APIs."""
 
 import os
 import signal
@@ -14,7 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.local_ca import LocalCertificates
 from specdec.server import GRPC_OPTIONS
+from specdec.tls import channel_credentials
 
 
 def free_port() -> int:
@@ -24,9 +27,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
-    """True if ``address`` answers the gRPC health check with SERVING."""
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True if ``address`` answers the gRPC health check with SERVING (over TLS with ``credentials``)."""
+    if credentials:
+        channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -40,7 +47,8 @@ class ServiceProcess:
     <service> --host <host> --port <port> [--metrics-port <metrics_port>] <args>`` in this
     process's environment plus ``env``, logging to ``log_file`` (None: this terminal), on the
     CPUs ``cpus`` (empty: every CPU this process may use). A coordinator also gets
-    ``--http-port <http_port>`` (0: its HTTP API off)."""
+    ``--http-port <http_port>`` (0: its HTTP API off). ``credentials``: TLS for the health check
+    (None: plaintext)."""
 
     service: str
     port: int
@@ -51,6 +59,7 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     http_port: int = 0
     cpus: frozenset[int] = frozenset()
+    credentials: grpc.ChannelCredentials | None = None
     process: subprocess.Popen | None = None
 
     @property
@@ -84,7 +93,7 @@ class ServiceProcess:
         """Waits until SERVING. Raises RuntimeError if the process exits or time.monotonic()
         passes ``deadline`` first."""
         hint = f" (see {self.log_file})" if self.log_file else ""
-        while not is_serving(self.address):
+        while not is_serving(self.address, credentials=self.credentials):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the {self.service} service exited with code {self.process.returncode}{hint}")
             if time.monotonic() > deadline:
@@ -113,7 +122,9 @@ class LocalCluster:
     """The three services on ``host``. ``extra_args`` adds flags per service (``verify``, ``draft``,
     ``coordinator``); ``metrics_ports`` their Prometheus ports (absent or 0: off); ``http_port`` the
     coordinator's HTTP API (0: off); ``cpus`` the CPUs a service is pinned to (absent: all); with
-    ``log_dir`` each service logs to ``<log_dir>/<service>.log`` instead of this terminal."""
+    ``log_dir`` each service logs to ``<log_dir>/<service>.log`` instead of this terminal; with
+    ``tls`` the draft and verify services take only the coordinator's client certificate, and the
+    coordinator serves its public APIs over TLS (every certificate signed by ``tls.ca_file``)."""
 
     coordinator_port: int = 50051
     draft_port: int = 50052
@@ -124,6 +135,7 @@ class LocalCluster:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     http_port: int = 0
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
+    tls: LocalCertificates | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -140,15 +152,30 @@ class LocalCluster:
     @property
     def http_url(self) -> str | None:
         """Base URL of the coordinator's OpenAI-compatible API, None when off."""
-        return f"http://{self.host}:{self.http_port}/v1" if self.http_port else None
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{self.host}:{self.http_port}/v1" if self.http_port else None
+
+    def tls_args(self, service: str) -> list[str]:
+        """The TLS flags ``service`` starts with (none without ``tls``)."""
+        if self.tls is None:
+            return []
+        args = ["--tls-cert-file", str(self.tls.server_cert_file), "--tls-key-file", str(self.tls.server_key_file)]
+        if service == "coordinator":
+            return [*args, "--internal-tls-ca-file", str(self.tls.ca_file), "--internal-tls-cert-file",
+                    str(self.tls.client_cert_file), "--internal-tls-key-file", str(self.tls.client_key_file)]
+        return [*args, "--tls-client-ca-file", str(self.tls.ca_file)]
 
     def start(self, service: str) -> None:
         """Starts (or restarts) one service process."""
         args = ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")] if service == "coordinator" else []
+        credentials = None
+        if self.tls:
+            credentials = channel_credentials(self.tls.ca_file, self.tls.client_cert_file, self.tls.client_key_file)
         self.services[service] = ServiceProcess(
-            service, getattr(self, f"{service}_port"), self.host, [*args, *self.extra_args.get(service, [])],
+            service, getattr(self, f"{service}_port"), self.host,
+            [*args, *self.tls_args(service), *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
-            http_port=self.http_port, cpus=self.cpus.get(service, frozenset()),
+            http_port=self.http_port, cpus=self.cpus.get(service, frozenset()), credentials=credentials,
         )
         self.services[service].start()
 

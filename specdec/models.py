@@ -61,11 +61,18 @@ def resolve_model(spec: str) -> ModelRef:
     return ModelRef(spec)
 
 
-def _converted_dir(ref: ModelRef) -> Path:
-    stat = os.stat(ref.gguf_path)
-    key = f"{os.path.abspath(ref.gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
+def derived_path(source: str, kind: str) -> Path:
+    """Where a conversion of kind ``kind`` of the file ``source`` is cached: under
+    ``SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``), keyed by the file's path, size and
+    modification time, so a changed file is converted again."""
+    stat = os.stat(source)
+    key = f"{os.path.abspath(source)}:{stat.st_size}:{stat.st_mtime_ns}"
     cache = Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
-    return cache / "gguf-float" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache / kind / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _converted_dir(ref: ModelRef) -> Path:
+    return derived_path(ref.gguf_path, "gguf-float")
 
 
 def _hf_source(ref: ModelRef) -> tuple[str, dict]:

@@ -1,6 +1,7 @@
 """gRPC server plumbing shared by the three services: message limits, INVALID_ARGUMENT for
 requests that do not parse (:mod:`specdec.decoding`), the standard health service, server
-reflection (so grpcurl works) and graceful shutdown on SIGTERM / SIGINT."""
+reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.tls`) and
+graceful shutdown on SIGTERM / SIGINT."""
 
 import logging
 import signal
@@ -13,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import tls
 from specdec.decoding import AioRejectUndecodable, RejectUndecodable
 
 log = logging.getLogger(__name__)
@@ -45,14 +47,29 @@ def _serving_health(server, service_names: list[str], servicer_cls=health.Health
     return servicer
 
 
+def server_credentials(settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from a :class:`specdec.settings.ServiceSettings`' ``tls_*`` files (mutual
+    TLS with ``tls_client_ca_file``), re-read when they change; None (plaintext) when unset.
+    Raises TLSFileError naming the setting of an unusable file."""
+    if not settings.tls_cert_file:
+        return None
+    return tls.server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+
+
+def _add_port(server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    address = f"{host}:{port}"
+    return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+
+
 def start_server(
     register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int,
-    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    credentials: grpc.ServerCredentials | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
-    ``register`` adds the servicers and returns their full service names. Returns the started
-    server and its bound port (useful when ``port`` is 0). Every service reports SERVING.
+    ``register`` adds the servicers and returns their full service names; ``credentials`` (see
+    :func:`server_credentials`): TLS, None for plaintext. Returns the started server and its bound
+    port (useful when ``port`` is 0). Every service reports SERVING.
     """
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers), options=grpc_options(max_message_bytes),
@@ -60,11 +77,11 @@ def start_server(
     )
     names = register(server)
     health_servicer = _serving_health(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, host, port, credentials)
     server.start()
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    log.info("serving %s on %s:%d (%s)", ", ".join(names), host, bound, "TLS" if credentials else "plaintext")
     return server, bound
 
 
@@ -97,7 +114,8 @@ class RunningService:
 
 
 async def start_aio_server(
-    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES,
+    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
+    credentials: grpc.ServerCredentials | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given."""
@@ -106,11 +124,11 @@ async def start_aio_server(
     )
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, host, port, credentials)
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d", ", ".join(names), host, bound)
+    log.info("serving %s on %s:%d (%s)", ", ".join(names), host, bound, "TLS" if credentials else "plaintext")
     return server, bound
 
 
@@ -130,7 +148,8 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         return [service_name]
 
     server, port = start_server(
-        register, settings.host, settings.port, settings.max_workers, settings.max_message_bytes
+        register, settings.host, settings.port, settings.max_workers, server_credentials(settings),
+        settings.max_message_bytes,
     )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
     servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)

@@ -3,10 +3,11 @@ environment variable (pydantic-settings); the flag wins over the variable."""
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from specdec.server import MAX_MESSAGE_BYTES
+from specdec.tls import TLSFileError, server_ssl_context
 
 
 def _split_commas(value):
@@ -35,6 +36,25 @@ class ServiceSettings(BaseSettings):
         "carry K draft distributions of up to V * 8 bytes each. The coordinator reads its clients' requests up to "
         "its --max-request-bytes.",
     )
+    tls_cert_file: str = Field(
+        "", description="PEM certificate chain this service presents on its gRPC port (the coordinator: on its "
+        "HTTP API too), with tls_key_file; empty: plaintext. Re-read when the file changes (new connections).",
+    )
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file; re-read when the file changes.")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA bundle a client's certificate must be signed by (mutual TLS: a client without "
+        "one is refused); needs tls_cert_file; empty: no client certificate asked for. Re-read when it changes.",
+    )
+
+    @model_validator(mode="after")
+    def _tls_files(self):
+        """Fails the start on unusable TLS files, naming the setting (TLSFileError is a ValueError)."""
+        if not (self.tls_cert_file or self.tls_key_file or self.tls_client_ca_file):
+            return self
+        if not (self.tls_cert_file and self.tls_key_file):
+            raise TLSFileError("tls_cert_file and tls_key_file: set both to serve TLS (tls_client_ca_file needs them)")
+        server_ssl_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        return self
 
 
 class SessionServiceSettings(ServiceSettings):

@@ -35,6 +35,34 @@ def test_observe_updates_only_the_observed_positions():
     assert model.rates == [0.875, 0.625, 0.5, 0.5]
 
 
+def test_positions_never_reached_count_the_deepest_observed_rate():
+    """Optimism under uncertainty: rounds of K = 2 that always pass lift positions 3 and 4, which
+    no round reached, to position 2's rate, so that K grows; before any observation, and below
+    the deepest observed position's rate, the estimates count as they are."""
+    model = AcceptanceModel([0.3] * 4, weight=0.5)
+    assert model.expected_tokens(4) == pytest.approx(1 + 0.3 + 0.09 + 0.027 + 0.0081)
+    for _ in range(4):
+        model.observe(drafted=2, accepted=2)
+    assert model.observed == 2 and model.rates[2:] == [0.3, 0.3]
+    rate = model.rates[1]
+    assert model.expected_tokens(4) == pytest.approx(sum(rate**i for i in range(5)))
+    costs = StepCosts(draft_ms_per_token=5.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    policy = AdaptiveK(4, "llama-cpp", model, {}, costs)
+    assert policy.next_round({}) == ("llama-cpp", 4)
+    model.observe(drafted=4, accepted=2)  # position 3 rejected: now observed, and low
+    assert model.observed == 3 and model.expected_tokens(4) < 1 + rate + rate**2 + rate**3
+
+
+def test_verify_rounds_are_costed_on_a_line_not_one_noisy_measurement_per_k():
+    """A start-up measurement that came out 40 ms high for K = 3 does not keep rounds off K = 3:
+    verify rounds cost the least-squares line through every K's measurement (the plain step
+    aside), and the plain step its own measurement."""
+    noisy = StepCosts(draft_ms_per_token=1.0, verify_ms=[60.0, 70.0, 75.0, 120.0, 85.0], overhead_ms=[1.0, 3.0])
+    assert noisy.round_ms(0) == pytest.approx(60.0 + 1.0)
+    assert noisy.round_ms(3) < noisy.round_ms(4)
+    assert choose([0.9, 0.9, 0.9, 0.2], noisy) == ("llama-cpp", 3)
+
+
 def choose(rates, costs, k_max=4, match=None, ngram_rates=()):
     """The (drafter, K) of a llama-cpp session with per-position ``rates``; ``ngram_rates[n - 1]``:
     the rates of n-gram proposals from an n-token suffix match."""

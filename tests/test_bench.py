@@ -128,6 +128,7 @@ def test_bad_pipeline_spec(spec):
     (["--limit", "0"], "--limit must be at least 1"),
     (["--categories", "code"], "categories ['code'] are not in"),
     (["--placement", "everywhere"], "--placement 'everywhere': use one of shared, split"),
+    (["--placement", "split", "--placement", "split"], "--placement: name each placement once"),
 ])
 def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
@@ -147,7 +148,8 @@ def test_split_placement_pins_one_cpu_each():
 
 
 def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
-    """The split placement: the services pinned one CPU each, plain also pinned to the verify CPU."""
+    """Both placements in one run: the services of each (split: pinned one CPU each), every
+    pipeline on each, plain also pinned to the split verify CPU."""
     questions = write_questions(tmp_path / "q.jsonl", {
         "qa": ["What is the capital of France?", "unused: --limit 1"],
         "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
@@ -157,12 +159,13 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
         [sys.executable, "-m", "specdec", "bench", "--questions", str(questions), "--limit", "1", "--max-new-tokens", "12",
          "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
          "--pipeline", "ngram:2", "--pipeline", "transformers:3", "--pipeline", "transformers:auto", "--hf-k", "3",
-         "--placement", "split", "--out", str(out)],
+         "--placement", "shared", "--placement", "split", "--out", str(out)],
         check=True, timeout=600,
     )
     report = json.loads((out / "report.json").read_text())
-    methods = ["plain", "plain/verify-cpu", "hf-prompt-lookup/K=3", "hf-assisted/K=3", "ngram/K=2", "transformers/K=3",
-               "transformers/adaptive"]
+    pipelines = ["ngram/K=2", "transformers/K=3", "transformers/adaptive"]
+    methods = ["plain", "plain/verify-cpu", "hf-prompt-lookup/K=3", "hf-assisted/K=3",
+               *(f"{name}@{where}" for where in ("shared", "split") for name in pipelines)]
     assert report["methods"] == methods
     assert report["categories"] == ["qa", "summarization"] and report["num_questions"] == 2
     assert len(report["measurements"]) == 2 * len(methods)
@@ -173,15 +176,21 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
             assert stats["identical_rate"] == 1.0 and stats["tokens_per_second"] > 0
     overall = report["summary"][OVERALL]
     assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["tokens_per_target_forward"] == 1.0
-    assert overall["transformers/K=3"]["num_draft_tokens"] > 0 and overall["hf-assisted/K=3"]["num_draft_tokens"] > 0
-    assert overall["transformers/K=3"]["wire_bytes_per_round"] > 0
-    assert overall["transformers/K=3"]["draft_ahead_hit_rate"] is not None and overall["ngram/K=2"]["draft_ahead_hit_rate"] is None
-    assert set(overall["transformers/adaptive"]["rounds_per_drafter"]) <= {"plain", "ngram", "transformers"}
-    assert overall["transformers/K=3"]["rounds_per_drafter"]["transformers"] > 0 and overall["plain"]["rounds_per_drafter"] is None
-    assert set(report["peak_rss_bytes"]) >= {"coordinator", "draft", "verify"}
+    assert list(overall["plain"]["verify_costs"]) == ["1"] and overall["plain"]["verify_costs"]["1"]["rounds"] == 22
+    assert overall["hf-assisted/K=3"]["num_draft_tokens"] > 0 and overall["plain"]["rounds_per_drafter"] is None
+    for where in ("shared", "split"):
+        fixed = overall[f"transformers/K=3@{where}"]
+        assert fixed["num_draft_tokens"] > 0 and fixed["wire_bytes_per_round"] > 0
+        assert fixed["rounds_per_drafter"]["transformers"] > 0 and fixed["draft_ahead_hit_rate"] is not None
+        assert overall[f"ngram/K=2@{where}"]["draft_ahead_hit_rate"] is None
+        costs = fixed["verify_costs"]  # per tokens per forward, from the verify service's responses
+        assert costs["4"]["rounds"] > 0 and 0 < costs["4"]["forward_ms"] <= costs["4"]["call_ms"]
+        assert set(overall[f"transformers/adaptive@{where}"]["rounds_per_drafter"]) <= {"plain", "ngram", "suffix", "transformers"}
+        assert {f"coordinator@{where}", f"draft@{where}", f"verify@{where}"} <= set(report["peak_rss_bytes"])
     assert all(value > 0 for value in report["peak_rss_bytes"].values())
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
     markdown = (out / "report.md").read_text()
-    assert "| method | qa | summarization | overall |" in markdown and "transformers/K=3" in markdown
-    assert "placement split: draft service on one CPU, verify service on another" in markdown
+    assert "| method | qa | summarization | overall |" in markdown and "transformers/K=3@split" in markdown
+    assert "shared: every process on every core; split: draft service on one CPU, verify service on another" in markdown
+    assert "## Verify cost by tokens per forward" in markdown and "| method | 1 token | 4 tokens |" in markdown
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -94,13 +94,21 @@ def test_settings_names_exist(overlay):
         assert key.startswith("FETCH_") or key in known, f"models ConfigMap: {key} is no setting"
 
 
+def serves_tls(service: str, container: dict) -> bool:
+    return any(var["name"] == env_name(service, "tls_cert_file") for var in container.get("env", []))
+
+
 def test_probes_and_ports(overlay):
+    """gRPC health probes; over TLS, which the kubelet's gRPC probe does not speak, a TCP open of the port."""
     _, resources = overlay
     for service, _, container in services(resources):
         port = SETTINGS[service].model_fields["port"].default
         assert {"name": "grpc", "containerPort": port} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, f"{service} {probe}"
+            if serves_tls(service, container):
+                assert container[probe]["tcpSocket"] == {"port": "grpc"} and "grpc" not in container[probe]
+            else:
+                assert container[probe]["grpc"] == {"port": port}, f"{service} {probe}"
         service_ports = resources[("Service", f"specdec-{service}")]["spec"]["ports"]
         assert {"name": "grpc", "port": port, "targetPort": "grpc", "appProtocol": "grpc"} in service_ports
         assert any(p["name"] == "metrics" for p in service_ports)
@@ -131,7 +139,8 @@ def admitted_from(policy: dict, port: str) -> list:
 
 def test_http_api_port(overlay):
     """The coordinator's OpenAI-compatible HTTP API: the http_port setting is the container's port
-    named http, the Service exposes it, the NetworkPolicy admits it from wherever gRPC is."""
+    named http, the Service exposes it (appProtocol https over TLS), the NetworkPolicy admits it
+    from wherever gRPC is."""
     _, resources = overlay
     _, container = coordinator(resources)
     default = CoordinatorSettings.model_fields["http_port"].default
@@ -140,7 +149,8 @@ def test_http_api_port(overlay):
     assert port == default != 0
     assert {"name": "http", "containerPort": port} in container["ports"]
     service_ports = resources[("Service", "specdec-coordinator")]["spec"]["ports"]
-    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": "http"} in service_ports
+    protocol = "https" if serves_tls("coordinator", container) else "http"
+    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": protocol} in service_ports
     policy = resources[("NetworkPolicy", "specdec-coordinator")]["spec"]
     assert admitted_from(policy, "http") == admitted_from(policy, "grpc") != []
 
@@ -205,6 +215,30 @@ def test_api_keys_from_optional_secret(overlay):
         assert path.stat().st_mode & 0o077 == 0
         result, path = run({"key": "key-one\n"})  # misnamed key: fail, never run open
         assert result.returncode != 0 and "no key named keys" in result.stderr and not path.exists()
+
+
+def test_tls_files_come_from_secrets(overlay):
+    """With TLS on, every *_tls_*_file setting names a file in a Secret mounted as a directory
+    (never subPath: the kubelet then updates the files and the services reload them), the draft and
+    verify services want client certificates, and, where cert-manager issues the Secrets, each is
+    a Certificate's; plaintext overlays set no TLS file."""
+    name, resources = overlay
+    issued = {doc["spec"]["secretName"] for (kind, _), doc in resources.items() if kind == "Certificate"}
+    tls_services = set()
+    for service, pod, container in services(resources):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for var in container.get("env", []):
+            if not ("_TLS_" in var["name"] and var["name"].endswith("_FILE")):
+                continue
+            tls_services.add(service)
+            (mount,) = [m for m in container["volumeMounts"] if var["value"].startswith(m["mountPath"] + "/")]
+            assert "subPath" not in mount and mount["readOnly"], f"{service}: {var['name']}"
+            secret = volumes[mount["name"]]["secret"]["secretName"]
+            assert not issued or secret in issued, f"{service}: Secret {secret} is no Certificate's"
+        if service in tls_services and service != "coordinator":
+            assert serves_tls(service, container)
+            assert any(var["name"] == env_name(service, "tls_client_ca_file") for var in container["env"])
+    assert tls_services in (set(), set(SETTINGS)), f"{name}: TLS on some services only: {tls_services}"
 
 
 def test_shutdown_drains_before_kill(overlay):

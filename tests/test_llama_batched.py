@@ -3,15 +3,18 @@ step decodes many sequences in one ``llama_decode``. Each sequence must behave a
 (in a fresh context), through ragged steps, rollback and reuse of freed sequences. Uses the
 bundled SmolLM2 GGUF."""
 
+import os
 import threading
 
+import gguf
 import pytest
 import torch
 
-from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM
+from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requantized
 from specdec.batching import SequenceStep
 from specdec.engine import EngineMetrics
 from specdec.errors import ResourceExhausted
+from specdec.models import derived_path, resolve_model
 from specdec.sampling import SamplingParams
 
 PROMPTS = [
@@ -169,3 +172,25 @@ def test_allocating_beyond_max_num_seqs_is_resource_exhausted(drafter):
         for session in sessions:
             session.close()
     drafter.new_session(SamplingParams()).close()  # room again
+
+
+def test_requantized_is_converted_once_and_cached():
+    """The draft's re-quantization (``--llama-cpp-requantize``): a Q8_0 copy in the cache (the one
+    the services' default settings use), made once; a file already of the type is used as it is;
+    an unknown type is refused."""
+    source = resolve_model("smollm2").gguf_path
+    converted = requantized(source, "q8_0")
+    assert converted == str(derived_path(source, "gguf-q8_0").with_suffix(".gguf"))
+    field = gguf.GGUFReader(converted).fields["general.file_type"]
+    assert int(field.parts[field.data[0]][0]) == gguf.LlamaFileType.MOSTLY_Q8_0
+    mtime = os.stat(converted).st_mtime_ns
+    assert requantized(source, "q8_0") == converted and os.stat(converted).st_mtime_ns == mtime
+    assert requantized(converted, "q8_0") == converted
+    assert requantized(source, "") == source
+    with pytest.raises(ValueError, match="q8_0"):
+        requantized(source, "q3_k")
+    lm = LlamaCppLM(converted, n_ctx=64, max_num_seqs=1, n_threads=1)
+    try:
+        assert lm.vocab_size == 49152
+    finally:
+        lm.close()

@@ -14,6 +14,9 @@ class Measurement:
     ``coordination_ms``, ``wire_bytes``, ``rounds_per_drafter`` (decode-phase rounds by the
     drafter that proposed, ``plain`` for plain decode steps) and ``draft_ahead`` (proposals drafted
     ahead that a round checked, and the hits among them) are the pipeline's only (None elsewhere).
+    ``verify_costs``: ``[num_tokens, rounds, call_ms, forward_ms]`` summed per number of new tokens
+    of a decode-phase target forward (the pipeline's verify service call and its step's forward;
+    in process, the forward both).
     """
 
     method: str
@@ -34,6 +37,7 @@ class Measurement:
     wire_bytes: int | None = None
     rounds_per_drafter: dict[str, int] | None = None
     draft_ahead: tuple[int, int] | None = None  # (proposals checked, hits)
+    verify_costs: list[list] = field(default_factory=list)
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical
 
     @property

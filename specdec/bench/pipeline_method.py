@@ -45,14 +45,15 @@ def peak_rss_bytes(pid: int) -> int | None:
 
 
 class PipelineMethod:
-    """``<drafter>/K=<k>`` through the coordinator at ``address``; ``k`` None is
+    """``<drafter>/K=<k><suffix>`` through the coordinator at ``address``; ``k`` None is
     ``<drafter>/adaptive``, the coordinator choosing K every round (``self.k`` is then 0: the
-    report's formula needs a fixed K)."""
+    report's formula needs a fixed K); ``suffix`` tells the placement apart (``@split``) where a
+    run has several."""
 
-    def __init__(self, address: str, drafter: str, k: int | None):
+    def __init__(self, address: str, drafter: str, k: int | None, suffix: str = ""):
         self.address, self.drafter, self.fixed_k = address, drafter, k
         self.k = k or 0
-        self.name = f"{drafter}/adaptive" if k is None else f"{drafter}/K={k}"
+        self.name = (f"{drafter}/adaptive" if k is None else f"{drafter}/K={k}") + suffix
 
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
         """Raises grpc.RpcError with the coordinator's status when the request fails, RuntimeError
@@ -81,4 +82,5 @@ class PipelineMethod:
             rounds_per_drafter={"plain": metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
             draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),
+            verify_costs=[[c.num_tokens, c.num_rounds, c.call_ms, c.forward_ms] for c in metrics.verify_costs],
         )

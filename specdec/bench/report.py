@@ -64,6 +64,23 @@ def _stats(runs: list[Measurement]) -> dict:
         "wire_bytes_per_round": _ratio(sum(m.wire_bytes for m in runs), rounds) if pipeline else None,
         "rounds_per_drafter": rounds_per_drafter if pipeline else None,
         "draft_ahead_hit_rate": _ratio(sum(hits for _, hits in ahead), sum(checked for checked, _ in ahead)),
+        "verify_costs": _verify_costs(runs),
+    }
+
+
+def _verify_costs(runs: list[Measurement]) -> dict[int, dict]:
+    """Per number of new tokens of a decode-phase target forward: its rounds, and the mean ms of a
+    verify call and of its forward (see :attr:`Measurement.verify_costs`)."""
+    sums: dict[int, list[float]] = {}
+    for m in runs:
+        for n, rounds, call_ms, forward_ms in m.verify_costs:
+            total = sums.setdefault(n, [0, 0.0, 0.0])
+            total[0] += rounds
+            total[1] += call_ms
+            total[2] += forward_ms
+    return {
+        n: {"rounds": rounds, "call_ms": call_ms / rounds, "forward_ms": forward_ms / rounds}
+        for n, (rounds, call_ms, forward_ms) in sorted(sums.items())
     }
 
 
@@ -153,6 +170,28 @@ def round_cost_table(report: dict) -> list[str]:
     )
 
 
+def verify_cost_table(report: dict, min_share: float = 0.2) -> list[str]:
+    """Methods x tokens per forward (those making at least ``min_share`` of some method's rounds):
+    the mean forward ms, and for the pipeline the verify call's ms after it."""
+    summary = report["summary"][OVERALL]
+    columns = set()
+    for s in summary.values():
+        total = sum(cost["rounds"] for cost in s["verify_costs"].values())
+        columns |= {int(n) for n, cost in s["verify_costs"].items() if cost["rounds"] >= min_share * total}
+    rows = []
+    for method, s in summary.items():
+        costs = {int(n): cost for n, cost in s["verify_costs"].items()}
+        pipeline = s["coordination_ms_per_round"] is not None
+        rows.append([method, *(_verify_cost_cell(costs.get(n), pipeline) for n in sorted(columns))])
+    return _table(["method", *(f"{n} token{'s' * (n > 1)}" for n in sorted(columns))], rows)
+
+
+def _verify_cost_cell(cost: dict | None, pipeline: bool) -> str:
+    if cost is None:
+        return "-"
+    return f"{cost['forward_ms']:.1f} ({cost['call_ms']:.1f})" if pipeline else f"{cost['forward_ms']:.1f}"
+
+
 def _drafter_shares(rounds_per_drafter: dict[str, int] | None) -> str:
     """``plain 10%, ngram 30%, llama-cpp 60%``: the share of rounds each drafter proposed in."""
     total = sum((rounds_per_drafter or {}).values())
@@ -175,12 +214,19 @@ def _header(report: dict, title: str, details: str) -> list[str]:
     ]
 
 
+PLACEMENT_TEXTS = {
+    "shared": "shared: every process on every core",
+    "split": "split: draft service on one CPU, verify service on another, one thread each; plain on every core, "
+             "plain/verify-cpu pinned to the verify service's CPU",
+}
+
+
 def _placement(report: dict) -> str:
     """The line saying where the processes ran (see :mod:`specdec.bench.placement`)."""
-    if report["config"].get("placement", "shared") == "shared":
-        return "placement shared: every process on every core"
-    return ("placement split: draft service on one CPU, verify service on another, one thread each; "
-            "plain on every core, plain/verify-cpu pinned to the verify service's CPU")
+    names = report["config"]["placements"]
+    if len(names) == 1:
+        return f"placement {PLACEMENT_TEXTS[names[0]]}"
+    return "placements (pipeline `<method>@<placement>`): " + "; ".join(PLACEMENT_TEXTS[name] for name in names)
 
 
 def to_markdown(report: dict) -> str:
@@ -206,6 +252,14 @@ def to_markdown(report: dict) -> str:
         "the share of proposals drafted ahead that the next round could use.",
         "",
         *round_cost_table(report),
+        "",
+        "## Verify cost by tokens per forward (overall, ms)",
+        "",
+        "The mean forward of the target over that many new tokens: in process for `plain` and the `hf-*` "
+        "methods, in the verify service's step for the pipeline, followed by the service's handling of the call "
+        "(queue included) in brackets. The gRPC hop and the coordinator's work are the `coordination ms` above.",
+        "",
+        *verify_cost_table(report),
         "",
         "## Peak resident memory",
         "",

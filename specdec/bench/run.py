@@ -61,7 +61,7 @@ class BenchConfig(BenchInputs):
         default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8", "ngram:auto", "llama-cpp:auto"]
     )
     hf_k: list[int] = field(default_factory=lambda: [4])
-    placement: str = "shared"
+    placements: list[str] = field(default_factory=lambda: ["shared"])
 
 
 def parse_pipeline(spec: str) -> tuple[str, int | None]:
@@ -93,13 +93,13 @@ def machine_info() -> dict:
     }
 
 
-def _transformers_methods(config: BenchConfig, where: Placement, use_assistant: bool, console: Console) -> list[TransformersMethod]:
+def _transformers_methods(config: BenchConfig, pinned_cpus: frozenset[int] | None, use_assistant: bool, console: Console) -> list[TransformersMethod]:
     transformers.utils.logging.disable_progress_bar()
     console.print(f"loading the target {config.target} in transformers (plain and hf-* methods)...")
     target, tokenizer = load_causal_lm(config.target, config.dtype)
     methods = [TransformersMethod(target, tokenizer)]
-    if where.cpus:
-        methods.append(TransformersMethod(target, tokenizer, cpus=where.cpus["verify"], name=PINNED_PLAIN))
+    if pinned_cpus:
+        methods.append(TransformersMethod(target, tokenizer, cpus=pinned_cpus, name=PINNED_PLAIN))
     methods += [TransformersMethod(target, tokenizer, k, "hf-prompt-lookup") for k in config.hf_k]
     if use_assistant:
         assistant, _ = load_causal_lm(config.draft_model, config.dtype)
@@ -128,8 +128,11 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
     return measurements
 
 
-def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]], Placement]:
-    return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placement(config.placement)
+def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]], list[Placement]]:
+    if not config.placements or len(set(config.placements)) < len(config.placements):
+        raise ValueError("--placement: name each placement once (shared, split or both)")
+    placements = [placement(name) for name in config.placements]
+    return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placements
 
 
 def _report(config, questions, methods, measurements, memory) -> dict:
@@ -148,22 +151,31 @@ def _report(config, questions, methods, measurements, memory) -> dict:
 
 def run_bench(config: BenchConfig, console: Console) -> dict:
     """Runs the benchmark and writes ``report.json``, ``report.md`` and ``speedup.png`` to
-    ``config.out``; returns the report. Raises ValueError for bad options, RuntimeError when a
-    service fails to start, grpc.RpcError when a pipeline request fails."""
-    questions, pipelines, where = _validated(config)
+    ``config.out``; returns the report. With several placements, each gets a cluster of its own
+    and every pipeline runs on each (named ``<method>@<placement>``), all in the same run, against
+    the same plain baselines. Raises ValueError for bad options, RuntimeError when a service fails
+    to start, grpc.RpcError when a pipeline request fails."""
+    questions, pipelines, placements = _validated(config)
     config.out.mkdir(parents=True, exist_ok=True)
     drafters = list(dict.fromkeys(drafter for drafter, _ in pipelines))
-    methods: list = _transformers_methods(config, where, "transformers" in drafters, console)
-    cluster = None
+    split = next((where for where in placements if where.cpus), None)
+    methods: list = _transformers_methods(config, split and split.cpus["verify"], "transformers" in drafters, console)
+    clusters = {}
     try:
-        if pipelines:
-            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
-            cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs", placement=where)
-            methods += [PipelineMethod(cluster.address("coordinator"), drafter, k) for drafter, k in pipelines]
+        for where in placements if pipelines else []:
+            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services ({where.name})...")
+            suffix = f"@{where.name}" if len(placements) > 1 else ""
+            clusters[suffix] = start_cluster(
+                config.target, config.draft_model, drafters, config.dtype, config.out / "logs" / where.name, placement=where
+            )
+            address = clusters[suffix].address("coordinator")
+            methods += [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
         measurements = _run_all(methods, questions, config, console)
-        memory = {name: peak_rss_bytes(p.pid) for name, p in (cluster.processes.items() if cluster else [])}
+        memory = {
+            f"{name}{suffix}": peak_rss_bytes(p.pid) for suffix, cluster in clusters.items() for name, p in cluster.processes.items()
+        }
     finally:
-        if cluster:
+        for cluster in clusters.values():
             cluster.stop()
     # ru_maxrss is in KiB on Linux
     memory["bench process (plain and hf-* methods)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -75,6 +75,15 @@ def rounds_from_forwards(records: list[ForwardRecord], prompt_len: int, num_gene
     return rounds
 
 
+def forward_costs(records: list[ForwardRecord]) -> list[list]:
+    """``[num_tokens, forwards, ms, ms]`` per number of new tokens (a :class:`Measurement`'s
+    ``verify_costs``: in process, a call is its forward)."""
+    by_tokens: dict[int, list[float]] = {}
+    for record in records:
+        by_tokens.setdefault(record.input_len, []).append(record.ms)
+    return [[n, len(ms), sum(ms), sum(ms)] for n, ms in sorted(by_tokens.items())]
+
+
 class _FirstTokenTimer(BaseStreamer):
     """generate() puts the prompt first, then each step's new tokens: the second put is the first token."""
 
@@ -137,4 +146,5 @@ class TransformersMethod:
             acceptance_histogram=histogram((a for _, a in rounds), max((d for d, _ in rounds), default=-1) + 1),
             draft_ms=sum(r.ms for r in self.draft_probe.take()) if self.draft_probe else 0.0,
             verify_ms=sum(r.ms for r in forwards[1:]), num_verify_rounds=len(forwards) - 1,
+            verify_costs=forward_costs(forwards[1:]),
         )
