@@ -93,7 +93,11 @@ def machine_info() -> dict:
     }
 
 
-def _transformers_methods(config: BenchConfig, pinned_cpus: frozenset[int] | None, use_assistant: bool, console: Console) -> list[TransformersMethod]:
+def _transformers_methods(
+    config: BenchConfig, pinned_cpus: frozenset[int] | None, use_assistant: bool, console: Console
+) -> list[TransformersMethod]:
+    """plain, plain/verify-cpu when ``pinned_cpus`` (the split placement's verify CPU), and the
+    hf-* methods, on one transformers copy of the target."""
     transformers.utils.logging.disable_progress_bar()
     console.print(f"loading the target {config.target} in transformers (plain and hf-* methods)...")
     target, tokenizer = load_causal_lm(config.target, config.dtype)
