@@ -4,7 +4,6 @@ import json
 import shlex
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -105,13 +104,19 @@ def up(
     verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
     tls: Annotated[bool, typer.Option(help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the coordinator's links to the draft and verify services over mutual TLS, and print the CA file's path.")] = False,
     tls_dir: Annotated[Optional[Path], typer.Option(help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, server-key.pem, client.pem, client-key.pem; default: a new temporary directory).")] = None,
+    restart_backoff_s: Annotated[float, typer.Option(help="Seconds before a service that exited is started again; doubled for each restart in a row, up to 30 s.", min=0.0)] = 1.0,
+    max_restarts_per_minute: Annotated[int, typer.Option(help="Restarts of one service in any 60 s after which it is left down (the others keep serving).", min=0)] = 5,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
     its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC, HTTP and
-    metrics addresses, and serve until interrupted."""
+    metrics addresses, and serve until interrupted. A service that exits is restarted (with
+    exponential backoff, at most --max-restarts-per-minute times a minute); the others keep
+    serving meanwhile. Only Ctrl-C or SIGTERM stops them all."""
     import tempfile
 
+    from specdec.launcher import RestartPolicy, Supervisor
     from specdec.local_ca import write_local_certificates
+    from specdec.telemetry import configure_logging
 
     if tls_dir is not None and not tls:
         stderr.print("[red]error: --tls-dir applies with --tls[/red]")
@@ -120,21 +125,21 @@ def up(
     if tls:
         certificates = write_local_certificates(tls_dir or Path(tempfile.mkdtemp(prefix="specdec-tls-")), [host])
     metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
     cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports, http_port=http_port,
                        tls=certificates)
-    stderr.print("all services SERVING; Ctrl-C (or SIGTERM) stops them")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
+    stderr.print("all services SERVING; a service that exits is restarted; Ctrl-C (or SIGTERM) stops them")
+    configure_logging("launcher", "INFO", "text")
+    supervisor = Supervisor(cluster, RestartPolicy(backoff_s=restart_backoff_s, max_per_minute=max_restarts_per_minute))
     try:
-        while all(p.poll() is None for p in cluster.processes.values()):
-            time.sleep(1.0)
+        supervisor.run()
     except KeyboardInterrupt:
         pass
     finally:
         cluster.stop()
-    failed = {name: p.returncode for name, p in cluster.processes.items() if p.returncode not in (0, -15, None)}
-    if failed:
-        stderr.print(f"[red]services exited: {failed}[/red]")
-        raise typer.Exit(1)
+    restarts = {name: count for name, count in supervisor.restarts.items() if count}
+    if restarts:
+        stderr.print(f"restarts: {restarts}")
 
 
 def _request(prompt: str | None, **fields):

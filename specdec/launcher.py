@@ -1,7 +1,9 @@
 """Starts the verify, draft and coordinator services as separate OS processes on this machine
 and waits until each reports SERVING on the standard gRPC health service (``specdec up``); with
-certificates (:mod:`specdec.local_ca`), mutual TLS between them and TLS on the public APIs."""
+certificates (:mod:`specdec.local_ca`), mutual TLS between them and TLS on the public APIs.
+:class:`Supervisor` then restarts a service that exits, while the others keep serving."""
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.local_ca import LocalCertificates
 from specdec.server import GRPC_OPTIONS
 from specdec.tls import channel_credentials
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -109,6 +113,14 @@ class ServiceProcess:
         self.signal(signal.SIGKILL)
         self.process.wait()
 
+    def exit_status(self) -> str | None:
+        """None while the process runs (or was never started), else how it ended, e.g. ``exit
+        code 1`` or ``killed by SIGKILL``."""
+        code = self.process.poll() if self.process is not None else None
+        if code is None:
+            return None
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
     def wait_stopped(self, deadline: float) -> None:
         """Waits for the process to exit until time.monotonic() passes ``deadline``, then kills it."""
         try:
@@ -181,17 +193,15 @@ class LocalCluster:
 
     def start_all(self, timeout_s: float = 600.0) -> None:
         """Starts all three and waits until every one is SERVING. Raises RuntimeError if one exits
-        or ``timeout_s`` (seconds, covering model loading) passes first."""
-        for service in ("verify", "draft", "coordinator"):
-            self.start(service)
-        self.wait_serving(timeout_s)
-
-    def wait_serving(self, timeout_s: float) -> None:
+        or ``timeout_s`` (seconds, covering model loading) passes first; then, or when interrupted
+        (KeyboardInterrupt), every service started is stopped before it raises."""
         deadline = time.monotonic() + timeout_s
         try:
+            for service in ("verify", "draft", "coordinator"):
+                self.start(service)
             for service in self.services.values():
                 service.wait_serving(deadline)
-        except RuntimeError:
+        except BaseException:
             self.stop()
             raise
 
@@ -209,3 +219,92 @@ def stop_all(services: Iterable[ServiceProcess], grace_s: float = 15.0) -> None:
     deadline = time.monotonic() + grace_s
     for service in services:
         service.wait_stopped(deadline)
+
+
+@dataclass
+class RestartPolicy:
+    """How :class:`Supervisor` restarts a service that exited: after ``backoff_s`` seconds, doubled
+    for each restart in a row up to ``max_backoff_s`` (the count starts again once the service
+    has run ``healthy_after_s`` seconds); at most ``max_per_minute`` restarts of one service in
+    any 60 s, after which the service is left down (as systemd's StartLimitBurst does) and the
+    others keep serving."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_per_minute: int = 5
+    healthy_after_s: float = 60.0
+
+
+@dataclass
+class _Restarts:
+    """One service's restart history."""
+
+    times: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+    in_a_row: int = 0
+    due_at: float | None = None  # when the next restart is due; None: the service is not down
+    started_at: float = field(default_factory=time.monotonic)
+    given_up: bool = False
+    back: bool = True  # False from a restart until the service is SERVING again
+
+
+class Supervisor:
+    """Keeps a started :class:`LocalCluster`'s services running: a service whose process exits
+    (crash, SIGKILL, out of memory) is started again on the same port under ``policy``, and each
+    exit, restart and return to SERVING is logged (logger ``specdec.launcher``) with the restart
+    count and the seconds the service was down. The other services are not touched: the
+    coordinator goes on without the draft service (plain decode) and rebuilds sessions on a
+    restarted verify service from its committed log. :meth:`run` returns only on Ctrl-C or SIGTERM
+    (KeyboardInterrupt); stopping the services is the caller's (:meth:`LocalCluster.stop`)."""
+
+    def __init__(self, cluster: LocalCluster, policy: RestartPolicy | None = None):
+        self.cluster, self.policy = cluster, policy or RestartPolicy()
+        self._restarts = {name: _Restarts() for name in cluster.services}
+        self._down_since: dict[str, float] = {}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, by service."""
+        return {name: len(history.times) for name, history in self._restarts.items()}
+
+    def run(self, poll_interval_s: float = 0.5) -> None:
+        """Watches the services until KeyboardInterrupt (Ctrl-C, or SIGTERM mapped to it)."""
+        while True:
+            self.poll()
+            time.sleep(poll_interval_s)
+
+    def poll(self) -> None:
+        """One pass over the services: notes exits, restarts those whose backoff has passed, and
+        logs those back to SERVING."""
+        now = time.monotonic()
+        for name, service in self.cluster.services.items():
+            history = self._restarts[name]
+            status = service.exit_status()
+            if status is not None and history.due_at is None and not history.given_up:
+                self._exited(name, status, history, now)
+            elif history.due_at is not None and now >= history.due_at:
+                self._restart(name, history, now)
+            elif not history.back and status is None and is_serving(service.address, 0.2, service.credentials):
+                history.back = True
+                log.warning("%s service SERVING again, %.1f s after it went down", name, now - self._down_since.pop(name))
+
+    def _exited(self, name: str, status: str, history: _Restarts, now: float) -> None:
+        self._down_since.setdefault(name, now)
+        if now - history.started_at >= self.policy.healthy_after_s:
+            history.in_a_row = 0
+        recent = [t for t in history.times if now - t < 60.0]
+        if len(recent) >= self.policy.max_per_minute:
+            history.given_up = True
+            log.error("%s service exited (%s); it was restarted %d times in the last minute (the limit): left "
+                      "down, the other services keep serving", name, status, len(recent))
+            return
+        delay = min(self.policy.backoff_s * 2 ** history.in_a_row, self.policy.max_backoff_s)
+        history.due_at = now + delay
+        log.warning("%s service exited (%s); restarting it in %g s", name, status, delay)
+
+    def _restart(self, name: str, history: _Restarts, now: float) -> None:
+        history.times.append(now)
+        history.in_a_row += 1
+        history.due_at, history.started_at, history.back = None, now, False
+        self.cluster.services[name].start()
+        log.warning("%s service restarted (restart %d, pid %d)", name, len(history.times),
+                    self.cluster.services[name].process.pid)

@@ -1,0 +1,156 @@
+"""The supervising launcher: under ``specdec up`` (a real subprocess, the tiny models through the
+services' SPECDEC_* variables) the draft service, then the verify service, is killed with
+SIGKILL while a request streams. The request completes with the token ids of plain decoding, the
+launcher restarts the service, and the next request speculates again. The restart policy
+(backoff, limit per minute) is tested directly on processes that exit at once."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from coordinator.client import generate
+from specdec.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import SUMMARY
+
+pytestmark = pytest.mark.multiprocess
+
+PROMPT = "Tell me a long story about a lighthouse keeper and the ships she guided home."
+MAX_NEW, FAULT_AFTER = 200, 12
+
+
+class Output:
+    """The lines a process writes, read by a thread (the services inherit the pipe too)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
+        """The first line matching ``pattern``; fails after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout_s} s; last lines:\n{''.join(self.lines[-40:])}")
+
+
+@pytest.fixture(scope="module")
+def specdec_up(tiny_models):
+    """``specdec up`` on free ports with the tiny target as the verify model and as its own
+    draft (every draft passes, so lost speculation shows)."""
+    env = {
+        **os.environ,
+        "SPECDEC_VERIFY_MODEL": str(tiny_models.target_dir), "SPECDEC_VERIFY_NUM_THREADS": "1",
+        "SPECDEC_DRAFT_DRAFTERS": "transformers", "SPECDEC_DRAFT_DEFAULT_DRAFTER": "transformers",
+        "SPECDEC_DRAFT_TRANSFORMERS_MODEL": str(tiny_models.target_dir), "SPECDEC_DRAFT_NUM_THREADS": "1",
+        "SPECDEC_COORDINATOR_TOKENIZER": str(tiny_models.target_dir), "SPECDEC_COORDINATOR_DRAFT_RETRY_S": "0.5",
+    }
+    port = free_port()
+    args = ["--coordinator-port", str(port), "--draft-port", str(free_port()), "--verify-port", str(free_port()),
+            "--http-port", "0", "--coordinator-metrics-port", "0", "--draft-metrics-port", "0",
+            "--verify-metrics-port", "0", "--restart-backoff-s", "0.2"]
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "up", *args], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = Output(process.stdout)
+    try:
+        output.wait_for("all services SERVING")
+        yield process, output, f"127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def pid_of(output: Output, service: str, restarts: int) -> int:
+    """The pid of ``service`` after ``restarts`` restarts, from ``specdec up``'s output."""
+    if restarts == 0:
+        return int(output.wait_for(rf"^\s+{service}\s+\S+\s+pid (\d+)").group(1))
+    return int(output.wait_for(rf"{service} service restarted \(restart {restarts}, pid (\d+)\)").group(1))
+
+
+def request(k: int) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=k, drafter="transformers")
+
+
+def stream_and_kill(address: str, pid: int) -> tuple[list[int], coordinator_pb2.RequestMetrics, float]:
+    """Streams a K = 4 request, SIGKILLs ``pid`` once FAULT_AFTER tokens arrived. Returns the
+    token ids, the final metrics and the seconds from the kill to the next message."""
+    tokens, metrics, killed_at, recovery_s = [], None, None, None
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request(4), timeout=180):
+            if killed_at is not None and recovery_s is None:
+                recovery_s = time.monotonic() - killed_at
+            tokens.extend(response.token_ids)
+            if response.HasField("metrics"):
+                metrics = response.metrics
+            if killed_at is None and len(tokens) >= FAULT_AFTER:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert recovery_s is not None, "the stream ended before the kill"
+    return tokens, metrics, recovery_s
+
+
+@pytest.mark.parametrize("service", ["draft", "verify"])
+def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
+    process, output, address = specdec_up
+    plain = generate(address, request(0), timeout_s=180)  # plain decoding: K = 0 on the target
+    assert len(plain.token_ids) > 2 * FAULT_AFTER
+    killed_pid = pid_of(output, service, 0)
+
+    tokens, metrics, recovery_s = stream_and_kill(address, killed_pid)
+    assert tokens == plain.token_ids
+    if service == "draft":
+        assert metrics.num_draft_failures >= 1
+    else:
+        assert metrics.num_verify_rebuilds >= 1
+    restarted_pid = pid_of(output, service, 1)
+    assert restarted_pid != killed_pid
+    back = output.wait_for(rf"{service} service SERVING again, ([\d.]+) s after it went down")
+    assert process.poll() is None, "specdec up stopped"
+    SUMMARY.append(f"specdec up, {service} SIGKILLed: {recovery_s * 1000:.0f} ms from the kill to the client's next "
+                   f"message; the launcher had it SERVING again after {back.group(1)} s")
+
+    later = generate(address, request(4), timeout_s=180)
+    assert later.token_ids == plain.token_ids
+    assert later.metrics.num_accepted_draft_tokens > 0  # speculating again, on the restarted service
+
+
+class ExitsAtOnce(ServiceProcess):
+    """A service process that exits with code 3 as soon as it starts (a crash at start-up)."""
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_restarts_back_off_and_stop_at_the_limit_per_minute(caplog):
+    cluster = LocalCluster()
+    cluster.services["draft"] = ExitsAtOnce("draft", free_port())
+    cluster.services["draft"].start()
+    supervisor = Supervisor(cluster, RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_per_minute=4))
+    caplog.set_level("WARNING", logger="specdec.launcher")
+    deadline = time.monotonic() + 30
+    while not any("left down" in r.message for r in caplog.records):
+        assert time.monotonic() < deadline, [r.message for r in caplog.records]
+        supervisor.poll()
+        time.sleep(0.01)
+    assert supervisor.restarts == {"draft": 4}
+    delays = [float(m.group(1)) for r in caplog.records if (m := re.search(r"restarting it in ([\d.]+) s", r.message))]
+    assert delays == [0.05, 0.1, 0.2, 0.2]  # doubled each time, capped at max_backoff_s
+    assert "exit code 3" in caplog.records[0].message
+    for _ in range(20):  # left down: no more restarts
+        supervisor.poll()
+    assert supervisor.restarts == {"draft": 4}
