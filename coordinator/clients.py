@@ -3,11 +3,12 @@ every call and a shared view of which verify replicas failed recently; over TLS 
 client certificate) when given credentials (:func:`specdec.tls.reloading_channel_credentials`)."""
 
 import asyncio
+import collections
 import time
 
 import grpc
 
-from specdec.errors import SpecdecError, from_rpc_error
+from specdec.errors import SpecdecError, Unavailable, from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
 from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -15,6 +16,37 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 # A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 TLS_CHECK_INTERVAL_S = 1.0  # how often the client certificate files are looked at, seconds
+
+
+class ProposeDeadline:
+    """The deadline of a Propose call that processes ``num_tokens`` tokens (appended, predicted
+    and drafted), seconds: ``factor`` times the slowest of the last ``window`` Propose calls that
+    succeeded, each scaled linearly to ``num_tokens`` (so a long catch-up after rounds without the
+    draft neither misses its deadline nor stretches the next short call's); at least
+    ``floor_s``, at most ``ceiling_s``, and
+    ``10 * floor_s`` (capped) until a Propose has been measured. Round trips are measured as the
+    coordinator sees them, the draft service's queue included, so the deadline grows with load. A
+    draft that stops answering then costs a round this deadline instead of the RPC deadline."""
+
+    def __init__(self, floor_s: float, factor: float, ceiling_s: float, window: int = 64):
+        self.floor_s, self.factor, self.ceiling_s = floor_s, factor, ceiling_s
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=window)
+
+    def seconds(self, num_tokens: int) -> float:
+        if self._recent:
+            estimate = self.factor * max(s * num_tokens / max(n, 1) for s, n in self._recent)
+        else:
+            estimate = 10 * self.floor_s
+        return min(max(estimate, self.floor_s), self.ceiling_s)
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        """Records a successful Propose: its round trip in seconds and the tokens it processed."""
+        self._recent.append((seconds, num_tokens))
+
+    @staticmethod
+    def tokens(request: draft_pb2.ProposeRequest) -> int:
+        """The tokens a Propose makes the draft process: appended, predicted and K drafted."""
+        return len(request.appended_token_ids) + len(request.predicted_token_ids) + request.num_speculative_tokens
 
 
 def _channel(address: str, credentials: grpc.ChannelCredentials | None, options: list) -> grpc.aio.Channel:
@@ -26,8 +58,10 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, options:
 class ServiceClients:
     """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
     call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
-    address. A verify replica that failed is tried last for ``replica_down_s`` seconds; messages
-    are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
+    address. A verify replica that failed is tried last for ``replica_down_s`` seconds; the draft
+    service, once it failed to answer in time or at all, is not asked for ``draft_down_s`` seconds
+    (:meth:`draft_down`). Propose calls have the deadline ``propose_deadline`` (default: the
+    ``rpc_timeout_s``); messages are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
     plaintext; when its files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new
     calls go over new channels made with the new certificate, and calls in flight finish on the
     old ones."""
@@ -35,7 +69,8 @@ class ServiceClients:
     def __init__(
         self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
         replica_down_s: float = 5.0, tls: Reloading[grpc.ChannelCredentials] | None = None,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES, propose_deadline: ProposeDeadline | None = None,
+        draft_down_s: float = 2.0,
     ):
         if not verify_addresses:
             raise ValueError("no verify service address: set --verify-addresses")
@@ -47,6 +82,8 @@ class ServiceClients:
         self._connect(tls.value if tls else None)
         self._down_until = [0.0] * len(self.verify)
         self._next = 0
+        self.propose_deadline = propose_deadline or ProposeDeadline(rpc_timeout_s, 1.0, rpc_timeout_s)
+        self.draft_down_s, self._draft_down_until = draft_down_s, 0.0
 
     def _connect(self, credentials: grpc.ChannelCredentials | None) -> None:
         addresses = (self.draft_address, *self.verify_addresses)
@@ -82,9 +119,29 @@ class ServiceClients:
             raise from_rpc_error(err, where) from None
 
     async def call_draft(self, method: str, request, timeout: float | None = None):
-        """Calls DraftService.<method>; ``timeout`` in seconds defaults to rpc_timeout_s."""
+        """Calls DraftService.<method>; ``timeout`` in seconds defaults to the Propose deadline for
+        Propose, rpc_timeout_s for the others. A call that finds the service unreachable or misses
+        its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
         self._follow_certificate()
-        return await self._call(getattr(self.draft, method), request, f"draft service at {self.draft_address}", timeout)
+        where = f"draft service at {self.draft_address}"
+        propose = method == "Propose" and timeout is None
+        if propose:
+            timeout = self.propose_deadline.seconds(ProposeDeadline.tokens(request))
+            where += f" (Propose deadline {timeout * 1000:.0f} ms)"
+        start = time.monotonic()
+        try:
+            response = await self._call(getattr(self.draft, method), request, where, timeout)
+        except Unavailable:
+            self._draft_down_until = time.monotonic() + self.draft_down_s
+            raise
+        if propose:
+            self.propose_deadline.observe(time.monotonic() - start, ProposeDeadline.tokens(request))
+        return response
+
+    def draft_down(self) -> bool:
+        """Whether a draft call failed to answer (unreachable, or past its deadline) in the last
+        ``draft_down_s`` seconds: requests then run without the draft instead of waiting on it."""
+        return time.monotonic() < self._draft_down_until
 
     async def call_verify(self, replica: int, method: str, request, timeout: float | None = None):
         """Calls VerifyService.<method> on replica number ``replica``; ``timeout`` in seconds
@@ -106,8 +163,8 @@ class ServiceClients:
         """Records that a verify replica failed a call."""
         self._down_until[replica] = time.monotonic() + self.replica_down_s
 
-    async def draft_info(self) -> draft_pb2.DraftServiceGetInfoResponse:
-        return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest())
+    async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
+        return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
 
     async def verify_info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
         """GetInfo of the first replica that answers. Raises the last replica's error if none does."""

@@ -20,7 +20,8 @@ and seeded sampling a pre-drafted proposal is the one a plain Propose would have
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
 collide; the old one is released in the background):
-- the draft service fails (unreachable, deadline missed, session limit, session lost twice): the
+- the draft service fails (unreachable, its Propose deadline missed — see
+  :class:`coordinator.clients.ProposeDeadline` —, session limit, session lost twice): the
   round goes on as a plain decode step and later rounds run without the draft (plain decode, or
   the coordinator's n-gram lookup under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
@@ -185,13 +186,14 @@ class SpeculativeSession:
 
     def draft_available(self) -> bool:
         """Whether this round may ask the draft service: its session is open (prefilled) and the
-        draft has not failed recently."""
-        return self.draft_session is not None and time.monotonic() >= self.draft_retry_at
+        draft has not failed recently, for this request or (unreachable, late) for any."""
+        return self.draft_session is not None and time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
 
     def open_draft(self) -> None:
         """Starts the draft session's prefill in the background, unless the request uses no draft,
         the session is open or opening, or the draft failed recently; rounds go on without it."""
-        if self.uses_draft and self.draft_session is None and self._draft_prefill is None and time.monotonic() >= self.draft_retry_at:
+        retry = time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
+        if self.uses_draft and self.draft_session is None and self._draft_prefill is None and retry:
             self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
 
     async def _open_draft(self) -> None:
@@ -336,6 +338,24 @@ class SpeculativeSession:
         )
         log.debug("session %s round: %s", self.session_id, record)
         return new, record
+
+    def open_sessions(self) -> dict[str, str]:
+        """The ids of the sessions this request holds now, by service (``verify``, ``draft``)."""
+        held = {"verify": self.verify_session, "draft": self.draft_session or ""}
+        return {service: session_id for service, session_id in held.items() if session_id}
+
+    def release_left_behind(self, sessions: dict[str, str]) -> None:
+        """Releases, in the background, the sessions (by service, as :meth:`open_sessions` gives
+        them) that another coordinator opened for this request before it died: the draft
+        service's, and the verify session on every replica (the others hold no session by that id:
+        Release is a no-op there). They would otherwise hold KV cache until the services' idle
+        timeout."""
+        if sessions.get("draft"):
+            self._in_background(self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=sessions["draft"])))
+        if sessions.get("verify"):
+            request = verify_pb2.VerifyServiceReleaseRequest(session_id=sessions["verify"])
+            for replica in range(len(self.clients.verify)):
+                self._in_background(self.clients.call_verify(replica, "Release", request))
 
     async def release(self) -> None:
         """Releases both sessions and waits for the background releases; failures are logged (the

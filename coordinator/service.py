@@ -19,7 +19,7 @@ from coordinator import request as request_validation
 from coordinator.request import LOOKUPS
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.clients import ServiceClients
+from coordinator.clients import ProposeDeadline, ServiceClients
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
@@ -102,9 +102,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._num_running -= 1
 
     async def _draft_info_or_last(self):
-        """The draft service's GetInfo; while it is unreachable, the last one seen (None if none)."""
+        """The draft service's GetInfo; while it is unreachable or late, the last one seen (None if
+        none). Once one was seen, the draft gets the Propose deadline to answer (a hung draft
+        then delays a new request that long, once per retry interval)."""
+        if self._draft_info is not None and self.clients.draft_down():
+            return self._draft_info
+        timeout = self.clients.propose_deadline.seconds(0) if self._draft_info is not None else None
         try:
-            self._draft_info = await self.clients.draft_info()
+            self._draft_info = await self.clients.draft_info(timeout)
         except Unavailable:
             pass
         return self._draft_info
@@ -206,7 +211,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         try:
             kept = output.add(resumed)
             if resuming:
-                await journal.commit(kept)  # the resumed request, running here now
+                session.release_left_behind(stored.sessions)
+                await journal.commit(kept, sessions={})  # the resumed request, running here now
             caught_up = message(kept)
             if caught_up:
                 yield caught_up
@@ -222,7 +228,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         span.set_attributes(round_attributes(record, len(kept)))
                 metrics.rounds.append(record)
                 self.metrics.observe_round(record, len(kept))
-                await journal.commit(kept)  # stored before the client has them
+                await journal.commit(kept, session.open_sessions())  # stored before the client has them
                 response = message(kept)
                 if response:
                     yield response
@@ -315,6 +321,8 @@ async def serve(
     clients = ServiceClients(
         settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
         tls=_internal_tls(settings), max_message_bytes=settings.max_message_bytes,
+        propose_deadline=ProposeDeadline(settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s),
+        draft_down_s=settings.draft_retry_s,
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:

@@ -9,7 +9,8 @@ request's two keys in one cluster slot):
 
     specdec:request:{<id>}         hash: request (GenerateRequest bytes, seed filled in), target,
                                    vocab_fingerprint, status, finish_reason, metrics
-                                   (RequestMetrics bytes), created_at, updated_at (unix seconds)
+                                   (RequestMetrics bytes), created_at, updated_at (unix seconds),
+                                   sessions (JSON: service -> session id held while running)
     specdec:request:{<id>}:tokens  string: the generated token ids, int32 little-endian
     specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
 
@@ -50,7 +51,9 @@ class StoreUnavailable(Unavailable):
 class StoredRequest:
     """One request as the store keeps it. ``request`` is the GenerateRequest as the client sent
     it, with the seed filled in; ``generated`` the committed token ids after the prompt;
-    ``finish_reason`` and ``metrics`` are set once ``status`` is FINISHED."""
+    ``finish_reason`` and ``metrics`` are set once ``status`` is FINISHED; ``sessions`` the ids of
+    the sessions a running request holds, by service (``draft``, ``verify``), so that a resume on
+    another coordinator can release those its dead coordinator left behind."""
 
     request_id: str
     request: coordinator_pb2.GenerateRequest
@@ -62,6 +65,7 @@ class StoredRequest:
     metrics: coordinator_pb2.RequestMetrics | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    sessions: dict[str, str] = field(default_factory=dict)
 
     def header(self) -> dict[str, bytes | str | int | float]:
         """Every field but the tokens, as Redis hash fields."""
@@ -70,7 +74,7 @@ class StoredRequest:
             "vocab_fingerprint": self.vocab_fingerprint, "status": self.status,
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.SerializeToString() if self.metrics else b"",
-            "created_at": self.created_at, "updated_at": self.updated_at,
+            "created_at": self.created_at, "updated_at": self.updated_at, "sessions": json.dumps(self.sessions),
         }
 
     @classmethod
@@ -87,6 +91,7 @@ class StoredRequest:
             coordinator_pb2.RequestMetrics.FromString(fields["metrics"]) if fields["metrics"] else None,
             float(fields["created_at"]),
             float(fields["updated_at"]),
+            json.loads(fields.get("sessions", b"{}")),
         )
 
 
@@ -106,9 +111,10 @@ class SessionStore(abc.ABC):
         """Writes the whole record (creating or replacing it)."""
 
     @abc.abstractmethod
-    async def append(self, request_id: str, tokens: list[int]) -> int:
-        """Appends generated tokens to a stored record; returns how many it holds now, or 0 when
-        the record was missing (the store lost it): then :meth:`put` it again."""
+    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
+        """Appends generated tokens to a stored record (and replaces its ``sessions``, unless
+        None); returns how many tokens it holds now, or 0 when the record was missing (the store
+        lost it): then :meth:`put` it again."""
 
     @abc.abstractmethod
     async def load(self, request_id: str) -> StoredRequest | None:
@@ -151,11 +157,13 @@ class MemoryStore(SessionStore):
             del self._requests[expired]
         self._requests[record.request_id] = (copy.deepcopy(record), now + self.ttl_s)
 
-    async def append(self, request_id: str, tokens: list[int]) -> int:
+    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
         record = self._live(request_id)
         if record is None:
             return 0
         record.generated.extend(tokens)
+        if sessions is not None:
+            record.sessions = dict(sessions)
         record.updated_at = time.time()
         self._requests[request_id] = (record, time.monotonic() + self.ttl_s)
         return len(record.generated)
@@ -243,18 +251,21 @@ class RedisStore(SessionStore):
 
         await self._run("put", call)
 
-    async def append(self, request_id: str, tokens: list[int]) -> int:
+    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
         header, token_key = self._keys(request_id)
+        fields = {"updated_at": time.time()}
+        if sessions is not None:
+            fields["sessions"] = json.dumps(sessions)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.append(token_key, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
-                pipe.hset(header, "updated_at", time.time()).hlen(header)
+                pipe.hset(header, mapping=fields).hlen(header)
                 pipe.expire(header, int(self.ttl_s)).expire(token_key, int(self.ttl_s))
                 return await pipe.execute()
 
-        length, _, fields, *_ = await self._run("append", call)
-        return length // TOKEN_DTYPE.itemsize if fields > 1 else 0  # 1 field: only updated_at, the rest lost
+        length, _, num_fields, *_ = await self._run("append", call)
+        return length // TOKEN_DTYPE.itemsize if num_fields > len(fields) else 0  # only these fields: the rest lost
 
     async def load(self, request_id: str) -> StoredRequest | None:
         header, tokens = self._keys(request_id)
@@ -301,21 +312,28 @@ class RequestJournal:
             self._stored = None
         return True
 
-    async def commit(self, tokens: list[int]) -> None:
+    async def commit(self, tokens: list[int], sessions: dict[str, str] | None = None) -> None:
+        """Stores the newly committed ``tokens`` and, when they changed, the ids of the sessions
+        the request holds (``sessions``, by service)."""
         self.record.generated.extend(tokens)
-        await self._sync()
+        changed = sessions is not None and sessions != self.record.sessions
+        if changed:
+            self.record.sessions = dict(sessions)
+        await self._sync(self.record.sessions if changed else None)
 
     async def end(self, status: str, finish_reason: int = 0, metrics: coordinator_pb2.RequestMetrics | None = None) -> None:
+        """Stores the outcome; the request's sessions are released by then, so none are kept."""
         self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics
+        self.record.sessions = {}
         self._stored = None
         await self._sync()
 
-    async def _sync(self) -> None:
+    async def _sync(self, sessions: dict[str, str] | None = None) -> None:
         record = self.record
         record.updated_at = time.time()
         try:
             if self._stored is not None:
-                held = await self.store.append(record.request_id, record.generated[self._stored :])
+                held = await self.store.append(record.request_id, record.generated[self._stored :], sessions)
                 if held == len(record.generated):
                     self._stored = held
                     return

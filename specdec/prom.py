@@ -5,11 +5,12 @@ prometheus-client appends ``_total`` to counters and ``_bucket`` / ``_sum`` / ``
 histograms. Each service owns its registry: several services may share one process (the tests).
 """
 
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from specdec.engine import EngineMetrics
+from specdec.sessions import SessionRegistry
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -53,6 +54,20 @@ class _EngineView(EngineMetrics):
         self._queue.observe(queue_ms / 1000)
 
 
+class _Evictions(Collector):
+    """``specdec:sessions_evicted_total``, read from the registry's count at every scrape."""
+
+    def __init__(self, sessions: SessionRegistry):
+        self.sessions = sessions
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "specdec:sessions_evicted", "Sessions released for being idle longer than session_idle_timeout_s "
+            "(left by a coordinator that died, or a client that vanished), not by a Release.",
+            value=self.sessions.num_evicted,
+        )
+
+
 class ServiceMetrics:
     """A service's registry, with the counter of the RPCs it failed (labels ``method`` and
     ``code``, the gRPC status name)."""
@@ -72,12 +87,14 @@ class ServiceMetrics:
             self._engines = _EngineHistograms(self.registry)
         return _EngineView(self._engines, engine)
 
-    def track_sessions(self, num_sessions: Callable[[], int], kv_cache_bytes: Callable[[], int]) -> None:
-        """Exports the open sessions and the bytes their KV caches hold, read at every scrape."""
+    def track_sessions(self, sessions: SessionRegistry) -> None:
+        """Exports the open sessions, the bytes their KV caches hold and the sessions evicted as
+        idle (a coordinator that died without releasing them), read at every scrape."""
         Gauge("specdec:num_sessions", "Open sessions (requests with KV state) on this service.",
-              registry=self.registry).set_function(num_sessions)
+              registry=self.registry).set_function(lambda: len(sessions))
         Gauge("specdec:kv_cache_bytes", "Bytes held by the KV caches of the open sessions.",
-              registry=self.registry).set_function(kv_cache_bytes)
+              registry=self.registry).set_function(sessions.kv_cache_bytes)
+        self.registry.register(_Evictions(sessions))
 
     def serve(self, host: str, port: int) -> None:
         """Serves ``/metrics`` over HTTP on ``host:port`` from a daemon thread; port 0 = off."""

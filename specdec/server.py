@@ -152,6 +152,6 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         settings.max_message_bytes,
     )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
-    servicer.metrics.track_sessions(lambda: len(sessions), sessions.kv_cache_bytes)
+    servicer.metrics.track_sessions(sessions)
     servicer.metrics.serve(settings.host, settings.metrics_port)
     return RunningService(server, port, servicer, janitor)

@@ -44,6 +44,7 @@ class SessionRegistry(Generic[S]):
         self.idle_timeout_s = idle_timeout_s
         self._entries: dict[str, _Entry[S]] = {}
         self._lock = threading.Lock()
+        self.num_evicted = 0  # sessions released for being idle, not by a Release
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,6 +107,7 @@ class SessionRegistry(Generic[S]):
             idle = [sid for sid, e in self._entries.items() if e.last_used < deadline and not e.lock.locked()]
         evicted = [sid for sid in idle if self.release(sid)]
         if evicted:
+            self.num_evicted += len(evicted)
             log.info("evicted %d idle sessions", len(evicted))
         return evicted
 

@@ -8,6 +8,7 @@ import promql_parser
 
 from coordinator.prometheus import CoordinatorMetrics
 from specdec.prom import ServiceMetrics
+from specdec.sessions import SessionRegistry
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/specdec-dashboard.json"
 GRAFANA_RANGES = {"$__rate_interval": "1m", "$__range": "1h"}  # Grafana fills these in before querying
@@ -17,7 +18,7 @@ SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucke
 def exported_sample_names() -> set[str]:
     """Every sample name the coordinator and a session service (draft, verify) expose."""
     session_service = ServiceMetrics()
-    session_service.track_sessions(lambda: 0, lambda: 0)
+    session_service.track_sessions(SessionRegistry(1, 60.0))
     session_service.engine_metrics("verify")
     return {
         family.name + suffix

@@ -6,6 +6,7 @@ recovery time) is printed at the end of the module."""
 
 import asyncio
 import random
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,7 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
     finally:
         stop_all(fleet.all)
         for fault, seconds in RECOVERY_S.items():
-            SUMMARY.append(f"recovery after {fault}: {seconds * 1000:.0f} ms from the kill to the client's next message")
+            SUMMARY.append(f"{fault}: {seconds * 1000:.0f} ms")
 
 
 def make_request(**fields) -> coordinator_pb2.GenerateRequest:
@@ -130,7 +131,7 @@ def test_draft_killed_mid_stream(fleet, reference):
     """The request goes on in plain decode without the draft and completes with identical ids;
     once the draft service is back, requests speculate again."""
     completion, recovery_s = stream_with_fault(fleet.coordinators[0].address, make_request(), fleet.draft.kill)
-    RECOVERY_S["the draft service was killed"] = recovery_s
+    RECOVERY_S["the draft service was killed: from the kill to the client's next message"] = recovery_s
     assert_same_completion(completion, reference)
     assert completion.metrics.num_draft_failures >= 1
     assert completion.metrics.rounds_per_k[0] > 0, "no plain decode round after the draft was lost"
@@ -138,6 +139,39 @@ def test_draft_killed_mid_stream(fleet, reference):
     later = generate(fleet.coordinators[0].address, make_request(), timeout_s=120)
     assert_same_completion(later, reference)
     assert later.metrics.num_accepted_draft_tokens > 0  # speculating again
+
+
+def test_draft_stopped_mid_stream(fleet, reference):
+    """A draft service that stops answering (SIGSTOP) costs the request one Propose deadline (the
+    draft's measured cost, floored), not the 30 s RPC deadline: the request completes with
+    identical ids, and the longest wait for a message after the stop is reported."""
+    arrivals, stopped_at = [], None
+
+    def stop():
+        nonlocal stopped_at
+        fleet.draft.signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+
+    completion = Completion()
+    try:
+        with grpc.insecure_channel(fleet.coordinators[0].address, options=GRPC_OPTIONS) as channel:
+            for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(make_request(), timeout=120):
+                arrivals.append(time.monotonic())
+                completion.add(response)
+                if stopped_at is None and len(completion.token_ids) >= FAULT_AFTER:
+                    stop()
+    finally:
+        fleet.draft.signal(signal.SIGCONT)
+    assert_same_completion(completion, reference)
+    assert completion.metrics.num_draft_failures >= 1
+    after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
+    longest_s = max(b - a for a, b in zip(after, after[1:]))
+    RECOVERY_S["the draft service stopped (SIGSTOP): the client's longest wait for a message after it"] = longest_s
+    assert longest_s < 10, "the stopped draft held the request for an RPC deadline"
+    time.sleep(1.0)  # past --draft-retry-s: the draft is asked again
+    later = generate(fleet.coordinators[0].address, make_request(), timeout_s=120)
+    assert_same_completion(later, reference)
+    assert later.metrics.num_accepted_draft_tokens > 0  # the resumed draft speculates again
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
@@ -154,7 +188,7 @@ def test_verify_replica_killed_mid_stream(fleet, references, sampling):
     completion, recovery_s = stream_with_fault(
         fleet.coordinators[1].address, make_request(**SAMPLING[sampling]), kill_the_replica_holding_the_session
     )
-    RECOVERY_S[f"the verify replica was killed ({sampling})"] = recovery_s
+    RECOVERY_S[f"the verify replica was killed ({sampling}): from the kill to the client's next message"] = recovery_s
     assert_same_completion(completion, references[sampling])
     assert completion.metrics.num_verify_rebuilds >= 1
     fleet.restart(killed[0])
@@ -166,6 +200,8 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     received: the concatenation equals the undisturbed run, without gaps or duplicates."""
     first, second, reference = *fleet.coordinators, references[sampling]
     request_id = f"resume-after-kill-{sampling.replace(' ', '-')}"
+    services = [fleet.draft, *fleet.verify]
+    evicted_before = [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services]
     received = Completion()
     with pytest.raises(grpc.RpcError) as cut:
         with grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
@@ -182,11 +218,16 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
         for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(resume, timeout=120):
             recovery_s = recovery_s or time.monotonic() - killed_at
             rest.add(response)
-    RECOVERY_S[f"the coordinator was killed, resumed on another ({sampling})"] = recovery_s
+    RECOVERY_S[f"the coordinator was killed, resumed on another ({sampling}): from the kill to the client's next message"] = recovery_s
     assert rest.token_ids and received.token_ids + rest.token_ids == reference.token_ids
     assert received.text + rest.text == reference.text
     assert rest.finish_reason == reference.finish_reason
     assert rest.metrics.num_resumed_tokens >= len(received.token_ids)
+    # the resume released the sessions the killed coordinator left (their ids are in the store):
+    # none is left for the services' idle eviction (3 s, checked every second)
+    time.sleep(max(0.0, killed_at + 5 - time.monotonic()))
+    assert [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services] == evicted_before
+    assert sum(scrape(s.metrics_url)["specdec:num_sessions"] for s in services) == 0
     fleet.restart(first)
 
 
@@ -196,7 +237,7 @@ def test_redis_killed_mid_stream(fleet, reference, redis_server):
     coordinator = fleet.coordinators[0]
     errors_before = scrape(coordinator.metrics_url).get("specdec:session_store_errors_total", 0.0)
     completion, recovery_s = stream_with_fault(coordinator.address, make_request(request_id="redis-lost"), redis_server.kill)
-    RECOVERY_S["Redis was killed"] = recovery_s
+    RECOVERY_S["Redis was killed: from the kill to the client's next message"] = recovery_s
     assert_same_completion(completion, reference)
     assert scrape(coordinator.metrics_url)["specdec:session_store_errors_total"] > errors_before
     redis_server.start()  # empty: nothing was persisted

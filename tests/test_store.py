@@ -62,6 +62,24 @@ def test_put_append_load_and_expire(with_store):
     with_store(scenario, ttl_s=1)
 
 
+def test_journal_keeps_the_ids_of_the_sessions_a_running_request_holds(with_store):
+    """Written when they change (a resume on another coordinator releases them), cleared at the end."""
+
+    async def scenario(store):
+        journal = RequestJournal(store, record("r-sessions"))
+        assert await journal.create()
+        await journal.commit([1], {"verify": "s.v1", "draft": "s.d2"})
+        assert (await store.load("r-sessions")).sessions == {"verify": "s.v1", "draft": "s.d2"}
+        await journal.commit([2], {"verify": "s.v3", "draft": "s.d2"})  # the verify session was rebuilt
+        await journal.commit([3], {"verify": "s.v3", "draft": "s.d2"})
+        loaded = await store.load("r-sessions")
+        assert loaded.sessions == {"verify": "s.v3", "draft": "s.d2"} and loaded.generated == [1, 2, 3]
+        await journal.end(FINISHED)
+        assert (await store.load("r-sessions")).sessions == {}
+
+    with_store(scenario)
+
+
 def test_create_is_atomic(with_store):
     async def scenario(store):
         created = await asyncio.gather(*(store.create(record("contested", [i])) for i in range(5)))
