@@ -150,7 +150,7 @@ class _Request(BaseModel):
                     "unsupported_parameter",
                 )
             raise invalid(
-                name, f"unsupported field {name!r}: remove it (the README's HTTP API section lists the fields specdec takes)",
+                name, f"unsupported field {name!r}: remove it (docs/api.md lists the fields specdec takes)",
                 "unsupported_parameter",
             )
         if self.n is not None and self.n != 1:

@@ -40,7 +40,10 @@ class CoordinatorSettings(ServiceSettings):
         "(RESOURCE_EXHAUSTED beyond) or an HTTP request body (413 beyond). A prompt is tokenized before its length is "
         "checked, so this also bounds that work.",
     )
-    api_key_file: str = Field("", description="A file of further API keys, one per line (blank lines and # comments skipped).")
+    api_key_file: str = Field(
+        "", description="A file of further API keys, one per line (blank lines and # comments skipped); a file that "
+        "cannot be read stops the coordinator's start.",
+    )
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
     verify_addresses: CommaSeparated = Field(
         ["127.0.0.1:50053"], description="host:port of every verify replica, comma-separated; a session that "
@@ -61,7 +64,7 @@ class CoordinatorSettings(ServiceSettings):
         "probe costs over a plain round) a 2-token proposal probes whether speculation pays again.",
     )
     hybrid: bool = Field(
-        True, description="Under adaptive K, let the coordinator's own n-gram prompt lookup compete "
+        True, description="Under adaptive K, let the coordinator's own lookups (hybrid_lookups) compete "
         "with the request's drafter every round (hybrid drafting); off: the drafter and plain decode only.",
     )
     hybrid_lookups: CommaSeparated = Field(
@@ -104,7 +107,7 @@ class CoordinatorSettings(ServiceSettings):
     )
     redis_url: str = Field(
         "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the session store shared by the "
-        "coordinator replicas (redis://host:6379/0); empty: a store inside this process.",
+        "coordinator replicas (redis://host:6379/0; rediss:// for TLS); empty: a store inside this process.",
     )
     redis_tls_ca_file: str = Field(
         "", description="PEM CA bundle Redis's certificate is checked against, for a rediss:// redis_url (redis-py's "

@@ -14,7 +14,9 @@ class DraftSettings(SessionServiceSettings):
         ["llama-cpp", "ngram"],
         description="Drafters to host, comma-separated: llama-cpp, transformers, ngram, suffix.",
     )
-    default_drafter: str = Field("llama-cpp", description="Drafter used when a request names none.")
+    default_drafter: str = Field(
+        "llama-cpp", description="Drafter used when a request names none; one of drafters, or the service does not start."
+    )
     llama_cpp_model: str = Field(
         DEFAULT_MODEL, description="GGUF file for the llama-cpp drafter ('smollm2' = the bundled SmolLM2 Q4_1)."
     )
@@ -34,7 +36,7 @@ class DraftSettings(SessionServiceSettings):
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."
     )
-    transformers_dtype: str = Field("auto", description="dtype of the transformers drafter.")
+    transformers_dtype: str = Field("auto", description="dtype of the transformers drafter: auto, float32, bfloat16 or float16.")
     ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
     suffix_max_depth: int = Field(24, description="Depth in tokens of the suffix drafter's trees (bounds match plus proposal length).")

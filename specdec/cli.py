@@ -224,7 +224,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")] = None,
-    drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers or ngram.")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers, ngram or suffix.")] = None,
     raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
     request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,

@@ -29,7 +29,7 @@ class ServiceSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text, or as JSON objects (one per line); both carry the trace id."
     )
-    metrics_port: int = Field(0, description="HTTP port of the Prometheus /metrics endpoint; 0 = off.")
+    metrics_port: int = Field(0, description="HTTP port of the Prometheus /metrics endpoint (on host); 0 = off.")
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message this service sends or receives, and its "
         "channels to other services, in bytes (a larger one fails with RESOURCE_EXHAUSTED); sampling proposals "
