@@ -133,13 +133,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             predicted_bonus_token_id=proposal.bonus_token_id,
         )
 
-    @grpc_errors
-    def Sync(self, request, context):
-        start = time.perf_counter()
-        with self.sessions.use(request.session_id) as session:
-            session.sync(request.appended_token_ids)
-        return draft_pb2.SyncResponse(compute_ms=ms_since(start))
-
     def Release(self, request, context):
         self.sessions.release(request.session_id)
         return draft_pb2.DraftServiceReleaseResponse()

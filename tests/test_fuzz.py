@@ -122,7 +122,6 @@ draft_calls = _ops(
                           token_ids=token_lists, sampling=sampling)),
     ("Propose", st.builds(draft_pb2.ProposeRequest, session_id=session_names, appended_token_ids=token_lists,
                           num_speculative_tokens=int32s, predicted_token_ids=st.lists(token_ids, max_size=4))),
-    ("Sync", st.builds(draft_pb2.SyncRequest, session_id=session_names, appended_token_ids=token_lists)),
     ("Release", st.builds(draft_pb2.DraftServiceReleaseRequest, session_id=session_names)),
 )
 verify_calls = _ops(
@@ -269,7 +268,6 @@ def test_coordinator_answers_every_generate(tiny_pipeline, stored_request, reque
 METHODS = [
     ("draft", "/specdec.v1.DraftService/Prefill", (1, 2)),
     ("draft", "/specdec.v1.DraftService/Propose", (1,)),
-    ("draft", "/specdec.v1.DraftService/Sync", (1,)),
     ("draft", "/specdec.v1.DraftService/Release", (1,)),
     ("draft", "/specdec.v1.DraftService/GetInfo", ()),
     ("verify", "/specdec.v1.VerifyService/Prefill", (1,)),
