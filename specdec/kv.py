@@ -4,8 +4,8 @@ The bookkeeping rule shared by the draft and the verify side: ``cached_tokens`` 
 whose keys and values are in the cache. Before each step the cache is cropped to the longest
 common prefix of ``cached_tokens`` and the committed tokens, and never holds the last committed
 token, whose logits the next step needs. Rejected draft positions therefore vanish at the next
-reconcile, and the next logits equal those of a fresh prefill of the committed prefix (design
-brief, invariant 3).
+reconcile, and the next logits equal those of a fresh prefill of the committed prefix (invariant
+*KV consistency*, docs/architecture.md#invariants).
 
 Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`) and every
 ``rollback`` that drops cached positions; the engine adds the ``forward`` spans.

@@ -1,8 +1,8 @@
 """Sampling parameters and the logits -> probabilities transform shared by draft and target.
 
 Both sides must apply exactly the same transform (temperature, then top-k, then top-p, the order
-transformers and vLLM use) so that the acceptance test compares like with like (design brief,
-invariant 2).
+transformers and vLLM use) so that the acceptance test compares like with like (invariant
+*lossless, sampling*, docs/architecture.md#invariants).
 """
 
 import hashlib

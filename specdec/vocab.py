@@ -1,4 +1,4 @@
-"""Vocabulary fingerprints (design brief, invariant 4).
+"""Vocabulary fingerprints (invariant *same vocabulary*, docs/architecture.md#invariants).
 
 A draft and a target can only cooperate if token id i means the same string on both sides. Each
 side hashes its vocabulary, id by id, and the coordinator compares the hashes at session start.

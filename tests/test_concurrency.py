@@ -1,5 +1,5 @@
 """Serving under load: many sessions share each batched forward (continuous batching) and every
-request still gets exactly its own output (invariants 1, 3 and 5), with the engine's limits."""
+request still gets exactly its own output (invariants *lossless, greedy*, *KV consistency* and *batch independence*), with the engine's limits."""
 
 import threading
 import time

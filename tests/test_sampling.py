@@ -7,7 +7,7 @@ harness with a deliberately wrong acceptance rule (resampling from p instead of 
 rejection) must be rejected by the same test: the negative control shows the test has power.
 
 The seeded runs go through CONCURRENT_SESSIONS threads at once, so their sessions share the
-target's and the model draft's batched steps (invariant 5 under sampling; it also makes the runs
+target's and the model draft's batched steps (invariant *batch independence* under sampling; it also makes the runs
 2.5x faster than one at a time).
 """
 

@@ -5,7 +5,7 @@ every call runs as work of one engine loop (:mod:`specdec.engine`): a Prefill is
 steps' leftover token budget, a Verify (K + 1 new tokens) or Decode (1) joins the next step, and
 the acceptance test runs on the session's own rows of the batched logits, seeded by (request
 seed, committed length), so a request's output does not depend on what else was in its batch
-beyond floating-point rounding (design brief, invariant 5).
+beyond floating-point rounding (invariant *batch independence*, docs/architecture.md#invariants).
 
 Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test
 and ``rollback`` (see :mod:`specdec.kv`).
