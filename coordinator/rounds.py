@@ -38,14 +38,16 @@ import logging
 import time
 from dataclasses import dataclass
 
+from coordinator.adaptive import AdaptiveK
 from coordinator.clients import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
+from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
-from specdec.v1 import draft_pb2, verify_pb2
+from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ class SpeculativeSession:
         self.verify_rebuilds = 0
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
-        self._background: set[asyncio.Task] = set()
+        self._releases = BackgroundTasks()
         self._draft_prefill: asyncio.Future | None = None  # the draft's background prefill
         self.draft_ahead = draft_ahead and self.uses_draft
         self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
@@ -294,50 +296,88 @@ class SpeculativeSession:
         matches = {name: index.lookup(self.committed, k) for name, index in self.lookups.items()}
         return {name: match for name, match in matches.items() if match}
 
-    async def round(self, drafter: str, k: int, local_proposal: list[int] | None = None) -> tuple[list[int], RoundRecord]:
-        """Runs one round with K = ``k`` draft tokens (0 = plain decode): ``local_proposal[:k]``
-        when given (one of the coordinator's lookups), else a proposal from the draft service:
-        drafted ahead during the previous round when verification went down its branch, or asked
-        for now (a plain decode round while the draft is unavailable, its opening started in the
-        background if it is not open). Returns the newly committed tokens and the round's record
-        (``drafter`` names the source)."""
+    async def step(self, policy: AdaptiveK | None, max_k: int) -> tuple[list[int], RoundRecord]:
+        """Runs one round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens:
+        never draft past the request's budget). Returns the newly committed tokens and the
+        round's record. Read top to bottom, like gpt-fast's ``speculative_decode``:
+
+        1. choose the proposer and K: fixed by the request, or by the adaptive ``policy`` among the
+           draft model and the coordinator's lookups, from their acceptance estimates;
+        2. propose: a lookup's match, or the draft service's proposal (drafted ahead during the
+           previous round when verification went down its branch, else asked for now); none while
+           the draft is unavailable, which makes the round a plain decode step;
+        3. verify the proposal on the target (accepted tokens plus the bonus or recovered token),
+           or decode one token when there is none;
+        4. commit the new tokens to the log;
+        5. let the policy learn from the outcome.
+        """
         start, self._round_bytes = time.perf_counter(), 0
         self.num_rounds += 1
         self._check_draft_prefill()
-        draft_ms, proposal, distributions, ahead = 0.0, [], [], ""
-        if local_proposal is not None:
-            proposal = local_proposal[:k]
+        # 1. choose the proposer and K
+        matches: dict[str, NgramMatch | SuffixMatch] = {}
+        if policy is None:
+            proposer, k = self.request.drafter, min(self.request.num_speculative_tokens, max_k)
+        else:
+            matches = self.lookup_matches(min(policy.k_max, max_k))
+            if not self.draft_available() and policy.wants_drafter(matches):
+                self.open_draft()
+            proposer, k = policy.next_round(matches, self.draft_available())
+            k = min(k, max_k)
+        # 2. propose
+        proposal, distributions, draft_ms, ahead = [], [], 0.0, ""
+        if proposer in matches:
+            proposal = matches[proposer].tokens[:k]
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
         elif k > 0:
-            proposed, ahead = await self._take_ahead()
-            draft_ms = ms_since(start)  # the wait for the Propose drafting ahead
-            if proposed is None and self.draft_available():
-                proposed = await self._proposal(k)
-                draft_ms += proposed.compute_ms if proposed else 0.0
-            elif proposed is None:
-                self.open_draft()  # this round is a plain one while the draft opens
-            if proposed is None:
-                drafter, k = PLAIN, 0
+            proposed, draft_ms, ahead = await self._draft_proposal(k, start)
+            if proposed is None:  # the draft is unavailable: a plain decode round
+                proposer, k = PLAIN, 0
             else:
                 proposal, distributions = list(proposed.token_ids[:k]), proposed.distributions[:k]
-                if self.draft_ahead and self.draft_available():
-                    self._send_ahead(proposal, k)
+        if k == 0:
+            proposer = PLAIN
+        # 3. verify, or decode one token
+        n, new, verify_ms, step = await self._verify_or_decode(proposal, distributions)
+        # 4. commit
+        self.committed.extend(new)
+        record = RoundRecord(
+            proposer, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
+            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms, ahead,
+        )
+        log.debug("session %s round: %s", self.session_id, record)
+        # 5. learn
+        if policy is not None:
+            policy.observe(record, matches, new)
+        return new, record
+
+    async def _draft_proposal(self, k: int, start: float) -> tuple[draft_pb2.ProposeResponse | None, float, str]:
+        """The draft service's proposal of up to ``k`` tokens, the ms the round waited for it, and
+        the draft-ahead outcome (HIT, MISS or ``""``). None when the draft is unavailable or failed
+        (its opening started in the background if it is not open). With draft-ahead on, the next
+        round's Propose is sent before returning."""
+        proposed, ahead = await self._take_ahead()
+        draft_ms = ms_since(start)  # the wait for the Propose drafting ahead
+        if proposed is None and self.draft_available():
+            proposed = await self._proposal(k)
+            draft_ms += proposed.compute_ms if proposed else 0.0
+        elif proposed is None:
+            self.open_draft()  # this round is a plain one while the draft opens
+        if proposed is not None and proposed.token_ids and self.draft_ahead and self.draft_available():
+            self._send_ahead(list(proposed.token_ids[:k]), k)
+        return proposed, draft_ms, ahead
+
+    async def _verify_or_decode(self, proposal: list[int], distributions) -> tuple[int, list[int], float, common_pb2.StepStats]:
+        """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, the
+        target's compute ms, the engine step's statistics)."""
         if proposal:
             verified = await self._call_verify(
                 "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
             )
-            n, new, verify_ms = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id], verified.compute_ms
-            step = verified.step
-        else:
-            decoded = await self._call_verify("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
-            n, new, verify_ms, step = 0, [decoded.token_id], decoded.compute_ms, decoded.step
-        self.committed.extend(new)
-        record = RoundRecord(
-            drafter if k else PLAIN, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
-            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms, ahead,
-        )
-        log.debug("session %s round: %s", self.session_id, record)
-        return new, record
+            n = verified.num_accepted
+            return n, [*proposal[:n], verified.next_token_id], verified.compute_ms, verified.step
+        decoded = await self._call_verify("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
+        return 0, [decoded.token_id], decoded.compute_ms, decoded.step
 
     def open_sessions(self) -> dict[str, str]:
         """The ids of the sessions this request holds now, by service (``verify``, ``draft``)."""
@@ -370,7 +410,7 @@ class SpeculativeSession:
             self._release_verify()
         if self.draft_session is not None:
             self._release_draft()
-        await asyncio.gather(*self._background)
+        await self._releases.wait()
 
     def _in_background(self, release) -> None:
         """Runs a Release call without waiting for it; a failure is logged (the service's idle
@@ -382,6 +422,4 @@ class SpeculativeSession:
             except SpecdecError as err:
                 log.info("session %s: a release failed: %s", self.session_id, err)
 
-        task = asyncio.ensure_future(logged())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._releases.run(logged())

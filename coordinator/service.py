@@ -10,13 +10,14 @@ import contextlib
 import logging
 import signal
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
 from coordinator import request as request_validation
-from coordinator.request import LOOKUPS
+from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.clients import ProposeDeadline, ServiceClients
@@ -33,6 +34,7 @@ from coordinator.store import (
 )
 from coordinator.stream_limit import StreamLimit, peer_host
 from coordinator.tracing import request_attributes, round_attributes
+from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
@@ -45,6 +47,25 @@ from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+
+
+@dataclass
+class RunningRequest:
+    """One request while this coordinator runs it. ``target``: the verify service's model name;
+    ``resumed``: the tokens a resumed request had generated before; ``left_behind``: for a resume,
+    the ids of the sessions its previous coordinator held (None for a new request); ``final``:
+    the metrics of its last message, once sent."""
+
+    resolved: ResolvedRequest
+    target: str
+    policy: AdaptiveK | None
+    session: SpeculativeSession
+    journal: RequestJournal
+    output: StreamOutput
+    metrics: MetricsRecorder
+    resumed: list[int]
+    left_behind: dict[str, str] | None
+    final: coordinator_pb2.RequestMetrics | None = None
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -66,7 +87,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
         self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
         self._num_running = 0  # Generate calls in progress
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
     async def Generate(self, request, context):
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
@@ -165,22 +186,41 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return stored
 
     async def _generate(self, request, request_id: str) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """Opens the request (or replays a finished one), streams what its rounds commit, and
+        closes it: its sessions released and its outcome stored, whether it finished, failed or
+        was cancelled."""
         stored = await self._stored(request, request_id)
         if stored is not None and stored.status == FINISHED:
             yield self._replay_finished(stored, request.resume_from)
             return
+        running = await self._open(request, request_id, stored)
+        outcome = CANCELLED
+        try:
+            async for response in self._stream(running):
+                yield response
+            outcome = FINISHED
+        except SpecdecError:
+            outcome = FAILED
+            raise
+        finally:
+            self._close(running, outcome)
+
+    async def _open(self, request, request_id: str, stored: StoredRequest | None) -> RunningRequest:
+        """Validates a new request (or a resumed ``stored`` one), writes its record to the store and
+        makes its rounds' state. Raises what :meth:`_resolve` raises, FAILED_PRECONDITION for a
+        resume on another target, ALREADY_EXISTS for a new request whose id is taken."""
         resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
         resuming = stored is not None
-        if not resuming:
+        if resuming:
+            check_same_target(stored, verify_info)
+        else:
             original = coordinator_pb2.GenerateRequest()
             original.CopyFrom(request)
             original.ClearField("request_id")
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
             original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
             stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint)
-        else:
-            check_same_target(stored, verify_info)
-        resumed = list(stored.generated)
+        resumed, left_behind = list(stored.generated), dict(stored.sessions)
         stored.generated, stored.status = [], RUNNING
         journal = RequestJournal(self.store, stored)
         if not resuming and not await journal.create():
@@ -189,65 +229,69 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.tokenizer, resolved.prompt_ids, resolved.stop, verify_info.eos_token_ids,
             resolved.max_new_tokens, request.resume_from,
         )
-        metrics = MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids))
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         session = SpeculativeSession(
             self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
-        outcome, final = CANCELLED, None
+        return RunningRequest(
+            resolved, verify_info.model, policy, session, journal, output,
+            MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)), resumed, left_behind if resuming else None,
+        )
 
-        def message(kept: list[int]) -> coordinator_pb2.GenerateResponse | None:
-            nonlocal final
-            response = output.response(kept)
-            if response:
-                metrics.record_first_token()
-            if output.finish:
-                final = self._request_metrics(metrics, output, resolved, session, len(resumed))
-                response.metrics.CopyFrom(final)
-            return response
+    async def _stream(self, running: RunningRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """The request's messages: the resumed tokens first, then the prefill and one message per
+        round, each round's tokens stored before the client has them."""
+        session, output = running.session, running.output
+        kept = output.add(running.resumed)
+        if running.left_behind is not None:
+            session.release_left_behind(running.left_behind)
+            await running.journal.commit(kept, sessions={})  # the resumed request, running here now
+        if caught_up := self._message(running, kept):
+            yield caught_up
+        if not output.finish:
+            with tracer.start_as_current_span("prefill"):
+                await session.prefill(open_draft=self._opens_draft_at_once(running.policy, running.resolved))
+        running.metrics.prefill_ms = ms_since(running.metrics.start)
+        while not output.finish:
+            with tracer.start_as_current_span("round") as span:
+                new, record = await session.step(running.policy, output.remaining - 1)
+                kept = output.add(new)
+                if span.is_recording():
+                    span.set_attributes(round_attributes(record, len(kept)))
+            running.metrics.rounds.append(record)
+            self.metrics.observe_round(record, len(kept))
+            await running.journal.commit(kept, session.open_sessions())  # stored before the client has them
+            if response := self._message(running, kept):
+                yield response
 
-        try:
-            kept = output.add(resumed)
-            if resuming:
-                session.release_left_behind(stored.sessions)
-                await journal.commit(kept, sessions={})  # the resumed request, running here now
-            caught_up = message(kept)
-            if caught_up:
-                yield caught_up
-            if not output.finish:
-                with tracer.start_as_current_span("prefill"):
-                    await session.prefill(open_draft=self._opens_draft_at_once(policy, resolved))
-            metrics.prefill_ms = ms_since(metrics.start)
-            while not output.finish:
-                with tracer.start_as_current_span("round") as span:
-                    new, record = await self._round(session, policy, output.remaining - 1)
-                    kept = output.add(new)
-                    if span.is_recording():
-                        span.set_attributes(round_attributes(record, len(kept)))
-                metrics.rounds.append(record)
-                self.metrics.observe_round(record, len(kept))
-                await journal.commit(kept, session.open_sessions())  # stored before the client has them
-                response = message(kept)
-                if response:
-                    yield response
-            outcome = FINISHED
-        except SpecdecError:
-            outcome = FAILED
-            raise
-        finally:
-            self._in_background(session.release())
-            self._in_background(journal.end(outcome, output.finish, final))
-            self.metrics.observe_faults(session.draft_failures, session.verify_rebuilds)
-            if policy:
-                self.adaptive.remember(policy)
-                self._in_background(self._save_priors(verify_info.model))
+    def _message(self, running: RunningRequest, kept: list[int]) -> coordinator_pb2.GenerateResponse | None:
+        """The message carrying ``kept`` (None if it carries nothing); the last one carries the
+        request's metrics."""
+        response = running.output.response(kept)
+        if response:
+            running.metrics.record_first_token()
+        if running.output.finish:
+            running.final = self._request_metrics(running)
+            response.metrics.CopyFrom(running.final)
+        return response
 
-    def _request_metrics(self, metrics, output, resolved, session, num_resumed) -> coordinator_pb2.RequestMetrics:
+    def _close(self, running: RunningRequest, outcome: str) -> None:
+        """Releases the request's sessions and stores its outcome, in the background."""
+        session = running.session
+        self._background.run(session.release())
+        self._background.run(running.journal.end(outcome, running.output.finish, running.final))
+        self.metrics.observe_faults(session.draft_failures, session.verify_rebuilds)
+        if running.policy:
+            self.adaptive.remember(running.policy)
+            self._background.run(self._save_priors(running.target))
+
+    def _request_metrics(self, running: RunningRequest) -> coordinator_pb2.RequestMetrics:
         """The final message's metrics (also the Prometheus request histograms and span attributes)."""
-        final = metrics.to_proto(
-            len(output.generated) - num_resumed,
+        resolved, session, num_resumed = running.resolved, running.session, len(running.resumed)
+        final = running.metrics.to_proto(
+            len(running.output.generated) - num_resumed,
             seed=resolved.sampling.seed,
             drafter=resolved.drafter,
             num_speculative_tokens=resolved.num_speculative_tokens,
@@ -288,27 +332,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         or sampling (see :meth:`SpeculativeSession.prefill`); under adaptive K and greedy decoding
         only if the first round would use the drafter, else when a later one would."""
         return policy is None or not resolved.sampling.greedy or policy.wants_drafter(None)
-
-    @staticmethod
-    async def _round(session: SpeculativeSession, policy: AdaptiveK | None, max_k: int):
-        """One round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens: never
-        draft past the budget), its drafter and K chosen by ``policy`` or fixed by the request."""
-        if policy is None:
-            request = session.request
-            return await session.round(request.drafter, min(request.num_speculative_tokens, max_k))
-        matches = session.lookup_matches(min(policy.k_max, max_k))
-        if not session.draft_available() and policy.wants_drafter(matches):
-            session.open_draft()
-        drafter, k = policy.next_round(matches, session.draft_available())
-        local = matches[drafter].tokens if drafter in matches else None
-        new, record = await session.round(drafter, min(k, max_k), local)
-        policy.observe(record, matches, new)
-        return new, record
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 async def serve(

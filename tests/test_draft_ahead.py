@@ -73,7 +73,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     try:
         await session.prefill()
         while len(generated) < MAX_NEW:
-            new, record = await session.round(drafter, min(k, MAX_NEW - len(generated) - 1))
+            new, record = await session.step(None, MAX_NEW - len(generated) - 1)
             generated += new
             outcomes.append(record.draft_ahead)
     finally:

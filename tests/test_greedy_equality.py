@@ -106,6 +106,22 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting)."""
     schedule = random.Random(7)
 
+    class RandomPolicy:
+        """Chooses K and the proposer at random each round (the adaptive policy's interface)."""
+
+        k_max = 8
+
+        def wants_drafter(self, matches) -> bool:
+            return True
+
+        def next_round(self, matches, draft_available: bool) -> tuple[str, int]:
+            k = schedule.choice([0, 1, 2, 3, 5, 8])
+            lookup = schedule.choice([NGRAM, SUFFIX]) if schedule.random() < 0.5 else None
+            return (lookup if lookup in matches else drafter), k
+
+        def observe(self, record, matches, new) -> None:
+            pass
+
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
@@ -114,10 +130,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         generated: list[int] = []
         try:
             while len(generated) < MAX_NEW:
-                k = schedule.choice([0, 1, 2, 3, 5, 8])
-                matches = session.lookup_matches(k)  # every round, so the lookups index every token
-                match = matches.get(schedule.choice([NGRAM, SUFFIX])) if schedule.random() < 0.5 else None
-                new, _ = await session.round(drafter, k, match.tokens if match else None)
+                new, _ = await session.step(RandomPolicy(), MAX_NEW)
                 generated.extend(new)
         finally:
             await session.release()
