@@ -23,11 +23,11 @@ collide; the old one is released in the background):
 - the draft service fails (unreachable, its Propose deadline missed — see
   :class:`coordinator.clients.ProposeDeadline` —, session limit, session lost twice): the
   round goes on as a plain decode step and later rounds run without the draft (plain decode, or
-  the coordinator's n-gram lookup under adaptive K) until ``draft_retry_s`` has passed; then the
+  the coordinator's n-gram and suffix lookups under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
 - a verify call fails (the replica is unreachable or missed its deadline, or answers NOT_FOUND):
-  the session is prefilled on a replica (the healthy ones first, round robin) and the call is
-  retried, until ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
+  the session is rebuilt on a replica and the call retried (:mod:`coordinator.failover`), until
+  ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
 A retried call is exact: Verify and Decode depend only on the committed log and the per-position
 seed, so greedy and seeded sampling output is the same as without the fault.
 """
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.clients import ServiceClients
+from coordinator.failover import VerifySession
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
 from specdec.background import BackgroundTasks
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
@@ -51,7 +52,6 @@ from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
-RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
 
 
 @dataclass
@@ -95,9 +95,9 @@ class SpeculativeSession:
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
         self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.draft_failures = 0
-        self.replica = 0  # the verify replica holding verify_session
-        self.verify_session = ""
-        self.verify_rebuilds = 0
+        self.verify = VerifySession(
+            clients, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
+        )
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
         self._releases = BackgroundTasks()
@@ -121,56 +121,9 @@ class SpeculativeSession:
         completion only if the same rounds use the draft whatever the timing."""
         if open_draft:
             self.open_draft()
-        await self._open_verify(deadline=None)
+        await self.verify.open()
         if self._draft_prefill is not None and not self.request.sampling.greedy:
             await self._draft_prefill
-
-    # --- verify side ---------------------------------------------------------------------
-
-    async def _open_verify(self, deadline: float | None) -> None:
-        """Prefills the committed log on a verify replica, the healthy ones first. Without a
-        ``deadline`` (time.monotonic()) one pass over the replicas; with one, passes until it."""
-        session_id = self._new_session_id("v")
-        request = verify_pb2.VerifyServicePrefillRequest(
-            session_id=session_id, token_ids=self.committed, sampling=self.request.sampling.to_proto()
-        )
-        while True:
-            for replica in self.clients.replica_order():
-                try:
-                    await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
-                except (Unavailable, ResourceExhausted) as err:
-                    if isinstance(err, Unavailable):
-                        self.clients.mark_down(replica)
-                    error = err
-                    continue
-                self.replica, self.verify_session = replica, session_id
-                return
-            if deadline is None or time.monotonic() >= deadline:
-                raise error
-            await asyncio.sleep(RETRY_INTERVAL_S)
-
-    async def _call_verify(self, method: str, make_request):
-        """VerifyService.<method> with ``make_request(session_id)``; a replica that fails or lost
-        the session is replaced (see the module docstring)."""
-        deadline = None
-        while True:
-            try:
-                request = make_request(self.verify_session)
-                response = await self.clients.call_verify(self.replica, method, request)
-                self._round_bytes += request.ByteSize() + response.ByteSize()
-                return response
-            except (Unavailable, NotFound) as err:
-                log.warning("session %s: %s; rebuilding it from the committed log", self.session_id, err)
-                if isinstance(err, Unavailable):
-                    self.clients.mark_down(self.replica)
-                self._release_verify()
-                deadline = deadline or time.monotonic() + self.failover_timeout_s
-                await self._open_verify(deadline)
-                self.verify_rebuilds += 1
-
-    def _release_verify(self) -> None:
-        request = verify_pb2.VerifyServiceReleaseRequest(session_id=self.verify_session)
-        self._in_background(self.clients.call_verify(self.replica, "Release", request))
 
     def _release_draft(self) -> None:
         request = draft_pb2.DraftServiceReleaseRequest(session_id=self.draft_session)
@@ -371,17 +324,19 @@ class SpeculativeSession:
         """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, the
         target's compute ms, the engine step's statistics)."""
         if proposal:
-            verified = await self._call_verify(
+            verified, size = await self.verify.call(
                 "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
             )
+            self._round_bytes += size
             n = verified.num_accepted
             return n, [*proposal[:n], verified.next_token_id], verified.compute_ms, verified.step
-        decoded = await self._call_verify("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
+        decoded, size = await self.verify.call("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
+        self._round_bytes += size
         return 0, [decoded.token_id], decoded.compute_ms, decoded.step
 
     def open_sessions(self) -> dict[str, str]:
         """The ids of the sessions this request holds now, by service (``verify``, ``draft``)."""
-        held = {"verify": self.verify_session, "draft": self.draft_session or ""}
+        held = {"verify": self.verify.session_id, "draft": self.draft_session or ""}
         return {service: session_id for service, session_id in held.items() if session_id}
 
     def release_left_behind(self, sessions: dict[str, str]) -> None:
@@ -406,8 +361,7 @@ class SpeculativeSession:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._draft_prefill
         await self._cancel_ahead()
-        if self.verify_session:
-            self._release_verify()
+        self.verify.release()
         if self.draft_session is not None:
             self._release_draft()
         await self._releases.wait()

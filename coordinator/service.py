@@ -282,7 +282,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         session = running.session
         self._background.run(session.release())
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
-        self.metrics.observe_faults(session.draft_failures, session.verify_rebuilds)
+        self.metrics.observe_faults(session.draft_failures, session.verify.rebuilds)
         if running.policy:
             self.adaptive.remember(running.policy)
             self._background.run(self._save_priors(running.target))
@@ -298,7 +298,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             adaptive=resolved.adaptive,
             num_resumed_tokens=num_resumed,
             num_draft_failures=session.draft_failures,
-            num_verify_rebuilds=session.verify_rebuilds,
+            num_verify_rebuilds=session.verify.rebuilds,
         )
         self.metrics.observe_request(final)
         request_span = trace.get_current_span()

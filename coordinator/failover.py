@@ -1,0 +1,90 @@
+"""Failover between verify replicas: a request's session on the verify service lives on one
+replica at a time, and is rebuilt on another from the coordinator's committed log when its
+replica fails or loses it.
+
+A call that finds its replica unreachable, past its deadline, or without the session (NOT_FOUND:
+restarted, or evicted as idle) marks the replica down (it is then tried last for
+``replica_down_s``, see :meth:`coordinator.clients.ServiceClients.replica_order`), releases the
+old session in the background, prefills the committed log on a replica (the healthy ones first,
+round robin) under a new session id (so a late call to the old one cannot collide), and retries
+the call; passes over the replicas repeat every RETRY_INTERVAL_S until ``failover_timeout_s``
+has passed, and the request then fails with UNAVAILABLE. A retried call is exact: Verify and
+Decode depend only on the committed log and the per-position seed.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from coordinator.clients import ServiceClients
+from specdec.errors import NotFound, ResourceExhausted, Unavailable
+from specdec.sampling import SamplingParams
+from specdec.v1 import verify_pb2
+
+log = logging.getLogger(__name__)
+RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
+
+
+class VerifySession:
+    """A request's session on the verify service: its id and the replica holding it.
+    ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
+    names each new session; ``in_background`` runs a Release without waiting for it."""
+
+    def __init__(
+        self, clients: ServiceClients, committed: list[int], sampling: SamplingParams,
+        new_session_id: Callable[[], str], in_background: Callable, failover_timeout_s: float,
+    ):
+        self.clients, self.committed, self.sampling = clients, committed, sampling
+        self.new_session_id, self.in_background = new_session_id, in_background
+        self.failover_timeout_s = failover_timeout_s
+        self.replica = 0  # the verify replica holding session_id
+        self.session_id = ""  # empty: not opened yet
+        self.rebuilds = 0
+
+    async def open(self, deadline: float | None = None) -> None:
+        """Prefills the committed log on a replica, the healthy ones first. Without a
+        ``deadline`` (time.monotonic()) one pass over the replicas; with one, passes until it.
+        Raises the last replica's UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it."""
+        session_id = self.new_session_id()
+        request = verify_pb2.VerifyServicePrefillRequest(
+            session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto()
+        )
+        while True:
+            for replica in self.clients.replica_order():
+                try:
+                    await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
+                except (Unavailable, ResourceExhausted) as err:
+                    if isinstance(err, Unavailable):
+                        self.clients.mark_down(replica)
+                    error = err
+                    continue
+                self.replica, self.session_id = replica, session_id
+                return
+            if deadline is None or time.monotonic() >= deadline:
+                raise error
+            await asyncio.sleep(RETRY_INTERVAL_S)
+
+    async def call(self, method: str, make_request) -> tuple:
+        """VerifyService.<method> with ``make_request(session_id)``, failing over as the module
+        docstring says. Returns the response and the protobuf bytes both ways."""
+        deadline = None
+        while True:
+            try:
+                request = make_request(self.session_id)
+                response = await self.clients.call_verify(self.replica, method, request)
+                return response, request.ByteSize() + response.ByteSize()
+            except (Unavailable, NotFound) as err:
+                log.warning("verify session %s: %s; rebuilding it from the committed log", self.session_id, err)
+                if isinstance(err, Unavailable):
+                    self.clients.mark_down(self.replica)
+                self.release()
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                await self.open(deadline)
+                self.rebuilds += 1
+
+    def release(self) -> None:
+        """Releases the session in the background (nothing when none is open)."""
+        if self.session_id:
+            request = verify_pb2.VerifyServiceReleaseRequest(session_id=self.session_id)
+            self.in_background(self.clients.call_verify(self.replica, "Release", request))
