@@ -27,7 +27,7 @@ from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
 from specdec.launcher import free_port  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.sampling import SamplingParams, sample  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
 from verify_service.target import Target  # noqa: E402
@@ -287,3 +287,32 @@ def redis_server():
     yield server
     if server.process.poll() is None:
         server.kill()
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The chi-square p-value of observed ``counts`` against the exact distribution ``probs`` (both
+    ``[N]``); 0.0 when a count fell where the probability is 0. Cells expecting fewer than 5 are
+    pooled into one (the test needs at least 5 expected per cell)."""
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    if counts[expected == 0].sum() > 0:  # an outcome that can never happen
+        return 0.0
+    large, small = expected >= 5, (expected > 0) & (expected < 5)
+    observed, wanted = counts[large], expected[large]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum(0, keepdim=True)])
+        wanted = torch.cat([wanted, expected[small].sum(0, keepdim=True)])
+    wanted *= observed.sum() / wanted.sum()
+    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
+
+
+def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
+    """A plausible bug in :func:`specdec.acceptance.rejection_sample`, for negative controls: at a
+    rejection, resample from p instead of normalise(max(0, p - q))."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        return i, sample(p, generator)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
