@@ -25,6 +25,7 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
+from specdec.engine import EngineMetrics  # noqa: E402
 from specdec.launcher import free_port  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.sampling import SamplingParams, sample  # noqa: E402
@@ -316,3 +317,13 @@ def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
             continue
         return i, sample(p, generator)
     return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
+
+
+class StepRecorder(EngineMetrics):
+    """Engine metrics that keep every step's batch size (set it as an engine's ``metrics``)."""
+
+    def __init__(self):
+        self.batch_sizes: list[int] = []
+
+    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
+        self.batch_sizes.append(num_seqs)
