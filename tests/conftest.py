@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random Llama models saved to disk, the three services started as real
-gRPC servers on free ports inside the test process, and a real Redis server."""
+gRPC servers on free ports inside the test process, and a real Redis server; and the helpers
+several test modules use (plain greedy decoding, chat prompts, a chi-square test, a wrong
+acceptance rule for negative controls, a recorder of the engine's batch sizes, question files)."""
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -327,3 +330,31 @@ class StepRecorder(EngineMetrics):
 
     def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
         self.batch_sizes.append(num_seqs)
+
+
+def plain_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    """Plain greedy decoding of the target with transformers' own generate."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of ``prompt`` as one user message through the chat template, as the
+    coordinator builds a request's prompt."""
+    return list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"])
+
+
+def write_questions(path: Path, per_category: dict[str, list[str]]) -> Path:
+    """A Spec-Bench style question file: one JSON line per prompt, numbered from 1 in order."""
+    qid = 1
+    with path.open("w") as out:
+        for category, prompts in per_category.items():
+            for prompt in prompts:
+                out.write(json.dumps({"question_id": qid, "category": category, "turns": [prompt]}) + "\n")
+                qid += 1
+    return path

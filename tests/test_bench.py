@@ -17,6 +17,7 @@ from specdec.bench.report import OVERALL, expected_tokens_per_round, predicted_s
 from specdec.bench.run import parse_pipeline
 from specdec.bench.transformers_methods import ForwardRecord, rounds_from_forwards
 from specdec.cli import app
+from tests.conftest import write_questions
 
 
 def measurement(method, category, tokens, wall_ms, forwards, histogram=(), drafted=0, draft_ms=0.0,
@@ -90,16 +91,6 @@ def test_first_mismatch():
     assert m.first_mismatch == 3
     m.compare_to([0, 1, 2])
     assert m.first_mismatch is None
-
-
-def write_questions(path, per_category: dict[str, list[str]]):
-    qid = 1
-    with path.open("w") as out:
-        for category, prompts in per_category.items():
-            for prompt in prompts:
-                out.write(json.dumps({"question_id": qid, "category": category, "turns": [prompt]}) + "\n")
-                qid += 1
-    return path
 
 
 def test_questions_grouped_and_limited(tmp_path):

@@ -1,5 +1,5 @@
-"""Invariant 2 end to end: speculative sampling through the real round code and services
-generates exactly the target's distribution.
+"""specdec.sampling's filters, and invariant 2 end to end: speculative sampling through the real
+round code and services generates exactly the target's distribution.
 
 The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
 tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first two
@@ -54,6 +54,15 @@ PARAMS = SamplingParams(temperature=1.2, top_k=6, top_p=0.95)  # top-k and top-p
 SAMPLES = 1500
 CONCURRENT_SESSIONS = 16
 ALPHA = 1e-3
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, False, False, False]
+    kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0
+    assert kept.tolist() == [True, True, True, False, False]  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
 class _Tokenizer:
