@@ -19,6 +19,8 @@ from specdec.bench.transformers_methods import ForwardRecord, rounds_from_forwar
 from specdec.cli import app
 from tests.conftest import write_questions
 
+pytestmark = pytest.mark.multiprocess
+
 
 def measurement(method, category, tokens, wall_ms, forwards, histogram=(), drafted=0, draft_ms=0.0,
                 verify_ms=0.0, rounds=None, pipeline=False, same=True) -> Measurement:

@@ -20,6 +20,8 @@ from specdec.bench.report import (
 from specdec.cli import app
 from tests.conftest import write_questions
 
+pytestmark = pytest.mark.multiprocess
+
 
 def record(tokens, ttft_ms, latency_ms, rounds=None, batch=None, batched=None, queue=None, drafted=None,
            accepted=None, rounds_per_k=None, identical=None, error=None) -> dict:

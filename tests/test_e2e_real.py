@@ -14,7 +14,7 @@ from specdec.launcher import LocalCluster, free_port
 from specdec.models import load_causal_lm
 from specdec.v1 import coordinator_pb2
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
 PROMPTS = [
     "Translate German to English: Pfandhäuser boomen in Singapur, da die Krise in der Mittelschicht angekommen ist",
     "What is the capital of France? Answer in one sentence, then repeat the answer.",
