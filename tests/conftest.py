@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random Llama models saved to disk, the three services started as real
-gRPC servers on free ports inside the test process, and a real Redis server."""
+gRPC servers on free ports inside the test process, and a real Redis server; and the helpers
+several test modules use (plain greedy decoding, chat prompts, a chi-square test, a wrong
+acceptance rule for negative controls, a recorder of the engine's batch sizes, question files)."""
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -25,9 +28,10 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
+from specdec.engine import EngineMetrics  # noqa: E402
 from specdec.launcher import free_port  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.sampling import SamplingParams, sample  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
 from verify_service.target import Target  # noqa: E402
@@ -287,3 +291,70 @@ def redis_server():
     yield server
     if server.process.poll() is None:
         server.kill()
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The chi-square p-value of observed ``counts`` against the exact distribution ``probs`` (both
+    ``[N]``); 0.0 when a count fell where the probability is 0. Cells expecting fewer than 5 are
+    pooled into one (the test needs at least 5 expected per cell)."""
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    if counts[expected == 0].sum() > 0:  # an outcome that can never happen
+        return 0.0
+    large, small = expected >= 5, (expected > 0) & (expected < 5)
+    observed, wanted = counts[large], expected[large]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum(0, keepdim=True)])
+        wanted = torch.cat([wanted, expected[small].sum(0, keepdim=True)])
+    wanted *= observed.sum() / wanted.sum()
+    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
+
+
+def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
+    """A plausible bug in :func:`specdec.acceptance.rejection_sample`, for negative controls: at a
+    rejection, resample from p instead of normalise(max(0, p - q))."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        return i, sample(p, generator)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
+
+
+class StepRecorder(EngineMetrics):
+    """Engine metrics that keep every step's batch size (set it as an engine's ``metrics``)."""
+
+    def __init__(self):
+        self.batch_sizes: list[int] = []
+
+    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
+        self.batch_sizes.append(num_seqs)
+
+
+def plain_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    """Plain greedy decoding of the target with transformers' own generate."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of ``prompt`` as one user message through the chat template, as the
+    coordinator builds a request's prompt."""
+    return list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"])
+
+
+def write_questions(path: Path, per_category: dict[str, list[str]]) -> Path:
+    """A Spec-Bench style question file: one JSON line per prompt, numbered from 1 in order."""
+    qid = 1
+    with path.open("w") as out:
+        for category, prompts in per_category.items():
+            for prompt in prompts:
+                out.write(json.dumps({"question_id": qid, "category": category, "turns": [prompt]}) + "\n")
+                qid += 1
+    return path

@@ -2,7 +2,6 @@
 and its recovery, over real gRPC with a scripted drafter whose accuracy switches mid-request."""
 
 import pytest
-import torch
 
 from coordinator.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
 from coordinator.client import generate
@@ -11,7 +10,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixMatch
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
-from tests.conftest import CoordinatorThread
+from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
 
@@ -196,12 +195,6 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     assert wanted.index(True) > 0  # a probe is due: the draft opens for it
 
 
-def plain_greedy(model, prompt_ids, max_new):
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
 @pytest.fixture
 def drafter_alone(tiny_pipeline, tiny_models):
     """A second coordinator on the same draft and verify services, without hybrid drafting: the
@@ -218,10 +211,8 @@ def test_switching_drafter_falls_back_and_recovers(drafter_alone, tiny_pipeline,
     """Drafts right for the first 20 tokens, wrong until 60, right again after: the request falls
     back to plain decode in the middle, speculates again at the end, and stays lossless."""
     prompt, max_new = "Tell me a story about a cat.", 200
-    ids = smollm2_tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"]
-    expected = plain_greedy(tiny_pipeline.plain_model, list(ids), max_new)
+    ids = chat_ids(smollm2_tokenizer, prompt)
+    expected = plain_greedy(tiny_pipeline.plain_model, ids, max_new)
     tiny_drafters["switching"].script = [*ids, *expected]
     completion = generate(drafter_alone, coordinator_pb2.GenerateRequest(
         text=prompt, max_new_tokens=max_new, drafter="switching"), timeout_s=120)

@@ -18,7 +18,9 @@ from specdec.bench.report import (
     concurrency_cell_stats, mean_k, merge_rounds_per_k, percentile, weighted_mean,
 )
 from specdec.cli import app
-from tests.test_bench import write_questions
+from tests.conftest import write_questions
+
+pytestmark = pytest.mark.multiprocess
 
 
 def record(tokens, ttft_ms, latency_ms, rounds=None, batch=None, batched=None, queue=None, drafted=None,

@@ -16,7 +16,7 @@ from specdec.errors import Unavailable
 from specdec.server import GRPC_OPTIONS
 from specdec.sampling import SamplingParams
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
-from tests.test_greedy_equality import plain_greedy
+from tests.conftest import StepRecorder, chat_ids, plain_greedy
 
 PROMPTS = [
     "Tell me a story about a cat.", "List three prime numbers.", "Why is the sky blue?", "Write a haiku about rain.",
@@ -26,20 +26,6 @@ PROMPTS = [
 # different lengths leave the batch while others go on.
 MIXES = [("transformers", 1, 24), ("self", 8, 40), ("ngram", 3, 16), ("wrong", 2, 32),
          ("transformers", None, 40), ("ngram", None, 20), ("transformers", 0, 28), ("self", 4, 12)]
-
-
-class StepRecorder(EngineMetrics):
-    def __init__(self):
-        self.batch_sizes: list[int] = []
-
-    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
-        self.batch_sizes.append(num_seqs)
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return list(tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"])
 
 
 def test_concurrent_requests_each_equal_their_own_plain_greedy(tiny_pipeline, smollm2_tokenizer):

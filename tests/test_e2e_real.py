@@ -18,9 +18,9 @@ from specdec.launcher import LocalCluster, free_port
 from specdec.models import load_causal_lm
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import SUMMARY
+from tests.conftest import SUMMARY, chat_ids
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
 PROMPTS = [
     "Translate German to English: Pfandhäuser boomen in Singapur, da die Krise in der Mittelschicht angekommen ist",
     "What is the capital of France? Answer in one sentence, then repeat the answer.",
@@ -42,15 +42,22 @@ def smollm2():
     return load_causal_lm("smollm2", dtype="float32")
 
 
-@pytest.mark.parametrize("drafter", ["llama-cpp", "ngram"])
-def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2, drafter):
+@pytest.fixture(scope="module")
+def references(smollm2) -> dict[str, list[int]]:
+    """transformers' plain greedy generate of each prompt (computed once for every drafter)."""
     model, tokenizer = smollm2
+    outputs = {}
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+        ids = chat_ids(tokenizer, prompt)
         with torch.inference_mode():
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :].tolist()
+            outputs[prompt] = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :].tolist()
+    return outputs
+
+
+@pytest.mark.parametrize("drafter", ["llama-cpp", "ngram"])
+def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2, references, drafter):
+    _, tokenizer = smollm2
+    for prompt, expected in references.items():
         request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter=drafter)
         completion = generate(real_cluster.address("coordinator"), request, timeout_s=300)
         assert completion.token_ids == expected

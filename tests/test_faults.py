@@ -24,6 +24,7 @@ from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY
 
+pytestmark = pytest.mark.multiprocess
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guided home."
 MAX_NEW, K, FAULT_AFTER = 300, 4, 12  # the fault comes once the client has FAULT_AFTER tokens
 RECOVERY_S: dict[str, float] = {}

@@ -5,7 +5,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from coordinator.client import generate
 from coordinator.clients import ServiceClients
@@ -17,29 +16,18 @@ from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.sampling import SamplingParams
 from specdec.launcher import free_port
 from specdec.v1 import coordinator_pb2
-from tests.conftest import CoordinatorThread
+from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 PROMPTS = ["Tell me a story about a cat.", "List three prime numbers and explain why."]
 MAX_NEW = 40
-
-
-def plain_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
-    """Plain greedy decoding of the target with transformers' own generate."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
 def references(tiny_pipeline, smollm2_tokenizer):
     refs = {}
     for prompt in PROMPTS:
-        ids = smollm2_tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-        refs[prompt] = (list(ids), plain_greedy(tiny_pipeline.plain_model, list(ids), MAX_NEW))
+        ids = chat_ids(smollm2_tokenizer, prompt)
+        refs[prompt] = (ids, plain_greedy(tiny_pipeline.plain_model, ids, MAX_NEW))
     return refs
 
 

@@ -283,6 +283,7 @@ def test_unavailable_target_is_503(tiny_pipeline, tiny_models):
         coordinator.stop()
 
 
+@pytest.mark.multiprocess
 def test_coordinator_process_serves_http_and_stops_on_sigterm(tiny_models):
     """``specdec serve coordinator`` as ``specdec up`` starts it (through the launcher): HTTP on
     the given port beside gRPC, both stopped by SIGTERM."""

@@ -30,6 +30,8 @@ from specdec.server import GRPC_OPTIONS
 from specdec.telemetry import configure_tracing, exporter_names
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "Tell me a story about a cat."
 MAX_NEW, K = 32, 4
 SERVICES = ("coordinator", "draft", "verify")

@@ -1,42 +1,67 @@
-"""Invariant 2: speculative sampling generates exactly the target's distribution.
+"""specdec.sampling's filters, and invariant *lossless sampling* end to end: speculative sampling through the real
+round code and services generates exactly the target's distribution.
 
-On an 8-token vocabulary the exact distribution of the first two generated tokens is enumerated
-from the target; many seeded pipeline runs (draft proposals + the verify service's acceptance
-test, called in-process) must match it by a chi-square test at significance 0.001. The same
-harness with a deliberately wrong acceptance rule (resampling from p instead of max(0, p - q) at a
-rejection) must be rejected by the same test: the negative control shows the test has power.
+The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
+tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first two
+generated tokens is enumerated from the target; many seeded requests run through the
+coordinator's round code (:meth:`coordinator.rounds.SpeculativeSession.step`, one round at a
+time, under an adaptive policy) against real draft and verify services
+over gRPC, and must match it by a chi-square test at significance 0.001. The one case covers the
+rest of the path: temperature, top-k and top-p applied on both sides; the model drafter's
+distributions and the coordinator's n-gram lookup (a point mass) on the wire; K = 3 in the first
+round and K chosen from the first round's random outcome in the second. The same harness with a
+deliberately wrong acceptance rule (resampling from p instead of max(0, p - q) at a rejection)
+must fail the same test: the negative control shows the test has power.
 
-The seeded runs go through CONCURRENT_SESSIONS threads at once, so their sessions share the
-target's and the model draft's batched steps (invariant *batch independence* under sampling; it also makes the runs
-2.5x faster than one at a time).
+The requests run CONCURRENT_SESSIONS at a time, so their sessions share the target's and the
+model draft's batched steps (invariant *batch independence* under sampling).
 """
 
+import asyncio
 import copy
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
-from coordinator.metrics import RoundRecord
-from draft_service.drafters.base import Proposal
-from draft_service.drafters.ngram import NgramDrafter
+from coordinator.clients import ServiceClients
+from coordinator.metrics import PLAIN
+from coordinator.request import ResolvedRequest
+from coordinator.rounds import SpeculativeSession
 from draft_service.drafters.transformers_lm import TransformersDrafter
-from specdec.engine import EngineMetrics
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
-from specdec.sampling import SamplingParams, logits_to_probs, sample
-from tests.conftest import tiny_llama
-from tests.test_concurrency import StepRecorder
+from draft_service.service import build as build_draft
+from draft_service.settings import DraftSettings
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramIndex
+from specdec.sampling import SamplingParams, logits_to_probs
+from tests.conftest import (
+    StepRecorder,
+    chi_square_p_value,
+    tiny_llama,
+    wrong_rejection_sample,
+)
+from verify_service.service import build as build_verify
+from verify_service.settings import VerifySettings
 from verify_service.target import Target
 
 VOCAB = 8
 PROMPT = [3, 1, 4, 1, 5]
-SAMPLES = 3000
+K_MAX = 3
+PARAMS = SamplingParams(temperature=1.2, top_k=6, top_p=0.95)  # top-k and top-p each remove tokens
+SAMPLES = 1500
 CONCURRENT_SESSIONS = 16
 ALPHA = 1e-3
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, False, False, False]
+    kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0
+    assert kept.tolist() == [True, True, True, False, False]  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
 class _Tokenizer:
@@ -49,18 +74,30 @@ class _Tokenizer:
         return [f"t{i}" for i in ids]
 
 
+@dataclasses.dataclass
+class SmallVocab:
+    target: Target
+    reference: torch.nn.Module  # the target with transformers' own attention
+    draft_address: str
+    verify_address: str
+
+
 @pytest.fixture(scope="module")
 def small_vocab():
+    """Draft and verify services on free ports serving two random 8-token-vocabulary models."""
     target_model = tiny_llama(seed=10, vocab_size=VOCAB, init_std=0.15)
     draft_model = tiny_llama(seed=11, vocab_size=VOCAB, init_std=0.15)
     reference = copy.deepcopy(target_model)  # Target switches its copy to the ragged attention
     target = Target(target_model, _Tokenizer(), "small-target", max_num_speculative_tokens=8)
-    target.reference = reference
-    drafters = {
-        "model": TransformersDrafter(draft_model, _Tokenizer(), "small-draft"),
-        "ngram": NgramDrafter(1, 2),
-    }
-    return target, drafters
+    sessions = 2 * CONCURRENT_SESSIONS
+    verify = build_verify(VerifySettings(port=0, max_sessions=sessions), target=target)
+    draft = build_draft(
+        DraftSettings(port=0, default_drafter="model", max_sessions=sessions),
+        drafters={"model": TransformersDrafter(draft_model, _Tokenizer(), "small-draft")},
+    )
+    yield SmallVocab(target, reference, f"127.0.0.1:{draft.port}", f"127.0.0.1:{verify.port}")
+    draft.stop(0)
+    verify.stop(0)
 
 
 def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
@@ -72,110 +109,81 @@ def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
     return (first[:, None] * second).reshape(-1)
 
 
-def adaptive_policy(ngram_max: int) -> AdaptiveK:
+def adaptive_policy() -> AdaptiveK:
     """Adaptive K whose choice follows the last round closely (EMA weight 0.9): a rejection at the
     first position makes the next round a plain decode step, a full acceptance makes it K = 3. So
-    the second token's round depends on the first round's random outcome. With ``ngram_max``, n-gram
-    matches (free, so preferred while their estimate holds) compete with the model drafter."""
-    rates = lambda: AcceptanceModel([0.8] * 3, weight=0.9)  # noqa: E731
-    return AdaptiveK(3, "model", rates(), {NGRAM: [rates() for _ in range(ngram_max)]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
+    the second token's round depends on the first round's random outcome. N-gram matches (free,
+    so preferred while their estimate holds) compete with the model drafter."""
+    def rates() -> AcceptanceModel:
+        return AcceptanceModel([0.8] * K_MAX, weight=0.9)
+
+    return AdaptiveK(K_MAX, "model", rates(), {NGRAM: [rates(), rates()]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
-def pipeline_pair(target: Target, drafter, params: SamplingParams, k: int | str) -> int:
-    """Runs rounds of K = ``k`` draft tokens (``"adaptive"``: drafter and K chosen by
-    :func:`adaptive_policy`; ``"hybrid"``: also n-gram lookup) until two tokens are committed;
-    returns them as one index a * VOCAB + b."""
-    verify = target.new_session(PROMPT, params)
-    draft = drafter.new_session(params)
-    draft.prefill(PROMPT)
-    policy = adaptive_policy(2 if k == "hybrid" else 0) if isinstance(k, str) else None
-    index, context = NgramIndex(1, 2), list(PROMPT)
-    generated: list[int] = []
-    while len(generated) < 2:
-        match = index.lookup(context, 3) if k == "hybrid" else None
-        matches = {NGRAM: match} if match else {}
-        source, round_k = policy.next_round(matches) if policy else ("model", k)
-        if source == NGRAM:
-            proposal = Proposal(match.tokens[:round_k])
-        else:
-            proposal = draft.propose(round_k) if round_k else Proposal([])
-        probs = proposal.probs
-        if probs is None:  # a point-mass drafter
-            probs = torch.nn.functional.one_hot(torch.tensor(proposal.tokens, dtype=torch.long), VOCAB).float()
-        n, token = verify.verify(proposal.tokens, probs)
-        new = [*proposal.tokens[:n], token]
-        if policy:
-            policy.observe(RoundRecord(source, round_k, len(proposal.tokens), n, 0.0, 1.0, 1.0, 0), matches, new)
-        generated.extend(new)
-        context.extend(new)
-        draft.sync(new)
-    verify.close()
-    draft.close()
-    return generated[0] * VOCAB + generated[1]
-
-
-def chi_square_p_value(target, drafter, params, k, samples: int = SAMPLES) -> float:
-    """The p-value of ``samples`` seeded runs against the exact distribution; asserts that their
-    sessions did share steps."""
-    counts = torch.zeros(VOCAB * VOCAB)
-    run = lambda seed: pipeline_pair(target, drafter, dataclasses.replace(params, seed=seed), k)  # noqa: E731
-    recorder = StepRecorder()
-    target.engine.metrics = recorder
+async def pipeline_pair(clients: ServiceClients, params: SamplingParams, session_id: str) -> tuple[int, list[tuple[str, int]]]:
+    """One request's rounds, as the coordinator runs them, until two tokens are committed; returns
+    them as one index a * VOCAB + b, and each round's (drafter, K)."""
+    request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
+    session = SpeculativeSession(clients, session_id, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
+    policy, rounds = adaptive_policy(), []
     try:
-        with ThreadPoolExecutor(CONCURRENT_SESSIONS) as pool:
-            for pair in pool.map(run, range(samples)):
-                counts[pair] += 1
+        await session.prefill()
+        while len(session.committed) < len(PROMPT) + 2:
+            _, record = await session.step(policy, K_MAX)
+            rounds.append((record.drafter, record.k))
     finally:
-        target.engine.metrics = EngineMetrics()
+        await session.release()
+    first, second = session.committed[len(PROMPT) : len(PROMPT) + 2]
+    return first * VOCAB + second, rounds
+
+
+def pipeline_pairs(services: SmallVocab, params: SamplingParams, seeds) -> list[tuple[int, list[tuple[str, int]]]]:
+    """:func:`pipeline_pair` for every seed, CONCURRENT_SESSIONS requests at a time."""
+
+    async def run_all():
+        clients = ServiceClients(services.draft_address, [services.verify_address], 60, 60)
+        limit = asyncio.Semaphore(CONCURRENT_SESSIONS)
+
+        async def one(i: int, seed: int):
+            async with limit:
+                return await pipeline_pair(clients, dataclasses.replace(params, seed=seed), f"pair-{i}")
+
+        try:
+            return await asyncio.gather(*(one(i, seed) for i, seed in enumerate(seeds)))
+        finally:
+            await clients.close()
+
+    return asyncio.run(run_all())
+
+
+def pipeline_p_value(services: SmallVocab, params: SamplingParams, samples: int) -> float:
+    """The chi-square p-value of ``samples`` seeded requests against the exact distribution;
+    asserts that their sessions did share steps and that every kind of round ran: the model
+    drafter's at K = 3, the n-gram lookup's, and plain decode steps."""
+    recorder, metrics = StepRecorder(), services.target.engine.metrics
+    services.target.engine.metrics = recorder
+    try:
+        runs = pipeline_pairs(services, params, range(samples))
+    finally:
+        services.target.engine.metrics = metrics
     assert max(recorder.batch_sizes) > 1, "no step batched two sessions"
-    expected = exact_pair_distribution(target.reference, params) * samples
-    if counts[expected == 0].sum() > 0:  # a pair the target can never generate
-        return 0.0
-    large, small = expected >= 5, (expected > 0) & (expected < 5)
-    observed, wanted = counts[large], expected[large]
-    if small.any():  # chi-square needs >= 5 expected per cell: pool the small cells into one
-        observed = torch.cat([observed, counts[small].sum(0, keepdim=True)])
-        wanted = torch.cat([wanted, expected[small].sum(0, keepdim=True)])
-    wanted *= observed.sum() / wanted.sum()
-    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
+    rounds = {r for _, rs in runs for r in rs}
+    assert ("model", K_MAX) in rounds and (PLAIN, 0) in rounds and NGRAM in {drafter for drafter, _ in rounds}, rounds
+    counts = torch.bincount(torch.tensor([pair for pair, _ in runs]), minlength=VOCAB * VOCAB).float()
+    return chi_square_p_value(counts, exact_pair_distribution(services.reference, params))
 
 
-CASES = [
-    ("model", SamplingParams(temperature=1.0), 3),
-    ("model", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
-    ("ngram", SamplingParams(temperature=1.0), 2),
-    ("model", SamplingParams(temperature=1.0), "adaptive"),
-    ("model", SamplingParams(temperature=1.0), "hybrid"),
-]
-
-
-@pytest.mark.parametrize("drafter,params,k", CASES)
-def test_speculative_sampling_matches_target_distribution(small_vocab, drafter, params, k):
-    target, drafters = small_vocab
-    assert chi_square_p_value(target, drafters[drafter], params, k) > ALPHA
-
-
-def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
-    """A plausible bug: at a rejection, resample from p instead of normalise(max(0, p - q))."""
-    for i, token in enumerate(draft_tokens):
-        p, q = target_probs[i], draft_probs[i]
-        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
-            continue
-        return i, sample(p, generator)
-    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
+def test_speculative_sampling_matches_target_distribution(small_vocab):
+    assert pipeline_p_value(small_vocab, PARAMS, SAMPLES) > ALPHA
 
 
 def test_negative_control_wrong_rule_is_detected(small_vocab, monkeypatch):
-    target, drafters = small_vocab
     monkeypatch.setattr(target_module, "rejection_sample", wrong_rejection_sample)
-    # the wrong rule's bias is large: a sixth of the samples finds it (p about 6e-16 at 500)
-    p_value = chi_square_p_value(target, drafters["model"], SamplingParams(temperature=1.0), 3, samples=SAMPLES // 6)
+    # the wrong rule's bias is large: a third of the samples finds it (p about 1e-10 at 500)
+    p_value = pipeline_p_value(small_vocab, PARAMS, SAMPLES // 3)
     print(f"wrong rule: chi-square p-value {p_value:.2e}")
     assert p_value < ALPHA
 
 
 def test_same_seed_reproduces_a_sampled_completion(small_vocab):
-    target, drafters = small_vocab
-    params = SamplingParams(temperature=1.0, seed=1234)
-    runs = {pipeline_pair(target, drafters["model"], params, 3) for _ in range(5)}
-    assert len(runs) == 1
+    assert len({pair for pair, _ in pipeline_pairs(small_vocab, PARAMS, [1234] * 5)}) == 1

@@ -13,8 +13,7 @@ from draft_service.settings import DraftSettings
 from specdec.sampling import SamplingParams
 from specdec.suffix import ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
 from specdec.v1 import coordinator_pb2
-from tests.conftest import CoordinatorThread
-from tests.test_greedy_equality import plain_greedy
+from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 UNLIMITED = ProposalLimits(max_spec_factor=100.0, min_token_prob=0.0)
 
@@ -191,10 +190,7 @@ def test_suffix_drafter_equals_plain_greedy(suffix_pipeline, tiny_pipeline, smol
     """The same prompt twice: both equal plain greedy decoding, and the second drafts from the
     first's output in the shared cache."""
     prompt, max_new = "Repeat after me: one two three, one two three.", 40
-    ids = smollm2_tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"]
-    expected = plain_greedy(tiny_pipeline.plain_model, list(ids), max_new)
+    expected = plain_greedy(tiny_pipeline.plain_model, chat_ids(smollm2_tokenizer, prompt), max_new)
     runs = []
     for _ in range(2):
         request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=max_new, drafter="suffix")

@@ -1,0 +1,25 @@
+"""A request's metrics (:mod:`coordinator.metrics`) from hand-made round records."""
+
+import pytest
+
+from coordinator.metrics import MetricsRecorder, RoundRecord
+
+
+def test_metrics_arithmetic():
+    recorder = MetricsRecorder(num_prompt_tokens=10)
+    rounds = [("llama-cpp", 4, 4, 4), ("ngram", 4, 4, 1), ("llama-cpp", 4, 4, 0), ("ngram", 4, 0, 0), ("ngram", 2, 2, 2), ("", 0, 0, 0)]
+    for drafter, k, drafted, accepted in rounds:
+        recorder.rounds.append(RoundRecord(drafter, k, drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30))
+    m = recorder.to_proto(num_generated=12, seed=3, drafter="ngram", num_speculative_tokens=4)
+    assert (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_draft_tokens) == (4, 14, 7)
+    assert m.draft_acceptance_rate == pytest.approx(0.5)
+    assert m.mean_acceptance_length == pytest.approx(1 + 7 / 4)
+    assert list(m.acceptance_histogram) == [1, 1, 1, 0, 1]
+    assert m.num_target_forwards == 6
+    assert m.coordination_time_ms == pytest.approx(6 * 20.0 - 6 * 5.0 - 6 * 10.0)
+    assert m.round_wire_bytes == 6 * 30
+    assert list(m.rounds_per_k) == [1, 0, 1, 0, 4]
+    assert sorted(m.drafter_usage) == ["llama-cpp", "ngram"]
+    ngram = m.drafter_usage["ngram"]
+    assert (ngram.num_rounds, ngram.num_draft_tokens, ngram.num_accepted_draft_tokens) == (3, 6, 3)
+    assert list(ngram.rounds_per_k) == [0, 0, 1, 0, 2]

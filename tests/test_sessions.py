@@ -1,0 +1,23 @@
+"""The services' session registry (:mod:`specdec.sessions`)."""
+
+from specdec.sessions import SessionRegistry
+
+
+class _Closable:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.closed else 100
+
+
+def test_a_session_whose_prefill_was_abandoned_is_released_at_once():
+    """A Prefill the caller cancelled while it ran (its Release may have come first) leaves no session."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    kept, abandoned = _Closable(), _Closable()
+    sessions.open("kept", lambda: kept)
+    sessions.open("abandoned", lambda: abandoned, abandoned=lambda: True)
+    assert len(sessions) == 1 and abandoned.closed and not kept.closed
+    assert sessions.kv_cache_bytes() == 100
