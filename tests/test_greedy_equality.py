@@ -14,7 +14,7 @@ from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.launcher import free_port
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread

@@ -27,7 +27,8 @@ from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from specdec.engine import EngineMetrics
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import logits_to_probs, sample
+from specdec.sampling_params import SamplingParams
 from tests.conftest import tiny_llama
 from tests.test_concurrency import StepRecorder
 from verify_service.target import Target

@@ -6,7 +6,8 @@ import torch
 from coordinator.metrics import MetricsRecorder, RoundRecord
 from coordinator.text import IncrementalDetokenizer
 from draft_service.drafters.ngram import NgramDrafter
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import logits_to_probs
+from specdec.sampling_params import SamplingParams
 from specdec.sessions import SessionRegistry
 
 

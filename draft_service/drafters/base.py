@@ -11,7 +11,8 @@ from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
 from specdec.errors import FailedPrecondition
 from specdec.kv import SequenceKV, prefill
-from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
+from specdec.sampling import logits_to_probs, round_generator, sample
+from specdec.sampling_params import SamplingParams
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids

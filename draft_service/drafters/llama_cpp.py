@@ -42,7 +42,7 @@ from specdec.engine import Engine
 from specdec.errors import ResourceExhausted
 from specdec.kv import SequenceKV
 from specdec.models import derived_path, resolve_model
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.vocab import vocab_fingerprint
 
 _backend_lock = threading.Lock()
