@@ -45,8 +45,8 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
+from specdec.token_ids import point_masses
 from specdec.v1 import draft_pb2, verify_pb2
-from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
