@@ -36,7 +36,7 @@ from coordinator.tracing import request_attributes, round_attributes
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials

@@ -14,7 +14,7 @@ from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requan
 from specdec.batching import SequenceStep
 from specdec.engine import EngineMetrics
 from specdec.errors import ResourceExhausted
-from specdec.models import derived_path, resolve_model
+from specdec.model_files import derived_path, resolve_model
 from specdec.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -348,7 +348,8 @@ def serve_model_source(target: str, dtype: str, console: Console) -> str:
     target, a float copy saved with ``save_pretrained`` (model, generation config, tokenizer with
     its chat template) under ``$SPECDEC_CACHE_DIR/serve-model/<key>`` (default
     ``~/.cache/specdec``; written once per GGUF file and dtype, outside the report folder)."""
-    from specdec.models import load_causal_lm, parse_dtype, resolve_model
+    from specdec.model_files import resolve_model
+    from specdec.models import load_causal_lm, parse_dtype
 
     ref = resolve_model(target)
     if ref.gguf_file is None:
@@ -629,7 +630,8 @@ def _stopped_by_sigterm():
 def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
     import transformers
 
-    from specdec.models import load_causal_lm, load_tokenizer
+    from specdec.model_files import load_tokenizer
+    from specdec.models import load_causal_lm
 
     transformers.utils.logging.disable_progress_bar()
     pipelines = [m for m in config.methods if m != SERVE]
@@ -700,7 +702,7 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
     prompt tokens with is the target's, saved to a temporary folder (nothing is downloaded)."""
     import tempfile
 
-    from specdec.models import load_tokenizer
+    from specdec.model_files import load_tokenizer
 
     greedy = {"temperature": 0.0, "seed": config.seed}
     targets = []
