@@ -19,7 +19,7 @@ from coordinator import request as request_validation
 from coordinator.request import LOOKUPS
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.clients import ProposeDeadline, ServiceClients
+from coordinator.upstream import ProposeDeadline, ServiceClients
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
+from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2

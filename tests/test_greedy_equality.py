@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
+from coordinator.upstream import ServiceClients
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.sampling_params import SamplingParams

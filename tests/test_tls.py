@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from coordinator import clients as clients_module
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
+from coordinator.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
