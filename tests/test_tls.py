@@ -2,7 +2,7 @@
 draft and verify services accepting only clients whose certificate the configured CA signed,
 certificate rotation without a restart, startup errors naming the setting, Redis over rediss://
 with a password. Certificates come from trustme (the services' own CA for ``specdec up --tls``,
-specdec/local_ca.py, is checked too)."""
+specdec_app/local_ca.py, is checked too)."""
 
 import asyncio
 import datetime
@@ -34,12 +34,12 @@ from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.errors import Unavailable
-from specdec.launcher import LocalCluster, free_port
-from specdec.local_ca import write_local_certificates
 from specdec.server import start_server
 from specdec.settings import parse_settings
 from specdec.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.v1 import coordinator_pb2
+from specdec_app.launcher import LocalCluster, free_port
+from specdec_app.local_ca import write_local_certificates
 from tests.conftest import CoordinatorThread
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings

@@ -23,7 +23,7 @@ warm-up request per method:
 
 With ``--load-generator guidellm``, after the cells every method's OpenAI-compatible endpoint (the
 coordinator's HTTP API for the pipeline methods, ``transformers serve``'s own) is also loaded by
-guidellm (:mod:`specdec.bench.load_generator`) at every N with the cells' prompts, request count
+guidellm (:mod:`specdec_app.bench.load_generator`) at every N with the cells' prompts, request count
 and max tokens; its figures (requests/s, output tokens/s, TTFT, ITL and TPOT percentiles, errors)
 go into the report's ``load_generator`` entry and a Markdown section beside the tables.
 
@@ -69,16 +69,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coordinator.client import FINISH_REASONS
-from specdec.bench import load_generator
-from specdec.bench.chart import write_concurrency_chart
-from specdec.bench.pipeline_method import peak_rss_bytes, start_cluster
-from specdec.bench.questions import Question
-from specdec.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
-from specdec.bench.run import BenchInputs, machine_info
-from specdec.launcher import free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.bench import load_generator
+from specdec_app.bench.chart import write_concurrency_chart
+from specdec_app.bench.pipeline_method import peak_rss_bytes, start_cluster
+from specdec_app.bench.questions import Question
+from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
+from specdec_app.bench.run import BenchInputs, machine_info
+from specdec_app.launcher import free_port
 
 ADAPTIVE, PLAIN, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
 METHODS = (ADAPTIVE, PLAIN, SERVE)
