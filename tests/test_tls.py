@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from coordinator import clients as clients_module
+from coordinator import upstream
 from coordinator.client import generate
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
@@ -211,7 +211,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki, tmp_path):
 def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, tmp_path, monkeypatch):
     """The coordinator's client certificate files rewritten: its next calls go over new channels
     with the new certificate (one of another CA: refused; the CA's own again: accepted)."""
-    monkeypatch.setattr(clients_module, "TLS_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(upstream, "TLS_CHECK_INTERVAL_S", 0.0)
     files, ca = Files(tmp_path), pki["ca_obj"]
     cert, key = files.leaf(ca.issue_cert("specdec-coordinator"), "coordinator")
     names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
