@@ -43,9 +43,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.metrics import PLAIN, RoundRecord
-from specdec.kv import common_prefix_length
 from specdec.ngram import NgramMatch
 from specdec.suffix import SuffixMatch
+from specdec.token_ids import common_prefix_length
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 

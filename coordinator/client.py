@@ -1,4 +1,6 @@
-"""A client of the coordinator's Generate API (used by ``specdec generate`` and the tests)."""
+"""The public client of the coordinator's Generate API (used by ``specdec generate``, the
+benchmark, the HTTP API and the tests). The coordinator's own clients of the draft and verify
+services are :mod:`coordinator.upstream`."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field

@@ -4,7 +4,7 @@ replica fails or loses it.
 
 A call that finds its replica unreachable, past its deadline, or without the session (NOT_FOUND:
 restarted, or evicted as idle) marks the replica down (it is then tried last for
-``replica_down_s``, see :meth:`coordinator.clients.ServiceClients.replica_order`), releases the
+``replica_down_s``, see :meth:`coordinator.upstream.ServiceClients.replica_order`), releases the
 old session in the background, prefills the committed log on a replica (the healthy ones first,
 round robin) under a new session id (so a late call to the old one cannot collide), and retries
 the call; passes over the replicas repeat every RETRY_INTERVAL_S until ``failover_timeout_s``
@@ -17,9 +17,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.clients import ServiceClients
+from coordinator.upstream import ServiceClients
 from specdec.errors import NotFound, ResourceExhausted, Unavailable
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import verify_pb2
 
 log = logging.getLogger(__name__)

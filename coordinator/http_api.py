@@ -29,11 +29,11 @@ from starlette.exceptions import HTTPException
 from coordinator.auth import ApiKeys
 from coordinator.body_limit import BodyLimit
 from coordinator.client import FINISH_REASONS, Completion
-from coordinator.clients import ServiceClients
 from coordinator.openai_schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, StreamOptions, specdec_metrics, usage,
 )
 from coordinator.request import prompt_ids
+from coordinator.upstream import ServiceClients
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.tls import ReloadingSSLContext

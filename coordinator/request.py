@@ -9,7 +9,7 @@ from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.suffix import DRAFTER_NAME as SUFFIX
 
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 

@@ -21,7 +21,7 @@ Faults. The committed log here is the truth; a service's session is a cache of i
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
 collide; the old one is released in the background):
 - the draft service fails (unreachable, its Propose deadline missed — see
-  :class:`coordinator.clients.ProposeDeadline` —, session limit, session lost twice): the
+  :class:`coordinator.upstream.ProposeDeadline` —, session limit, session lost twice): the
   round goes on as a plain decode step and later rounds run without the draft (plain decode, or
   the coordinator's n-gram and suffix lookups under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.clients import ServiceClients
 from coordinator.failover import VerifySession
+from coordinator.upstream import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
 from specdec.background import BackgroundTasks
@@ -48,8 +48,8 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Specde
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
+from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
-from specdec.wire import point_masses
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from coordinator import request as request_validation
 from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.clients import ProposeDeadline, ServiceClients
+from coordinator.upstream import ProposeDeadline, ServiceClients
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
@@ -38,7 +38,7 @@ from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials

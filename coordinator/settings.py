@@ -2,7 +2,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from specdec.models import DEFAULT_MODEL
+from specdec.model_files import DEFAULT_MODEL
 from specdec.ngram import NgramIndex
 from specdec.settings import CommaSeparated, ServiceSettings
 from specdec.tls import check_client_files

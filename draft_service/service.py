@@ -9,7 +9,7 @@ from draft_service.drafters.base import Drafter, DraftSession
 from draft_service.settings import DraftSettings
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry

@@ -18,16 +18,9 @@ from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, Work
+from specdec.token_ids import common_prefix_length
 
 tracer = trace.get_tracer(__name__)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items agree."""
-    n, end = start, min(len(a), len(b))
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class SequenceKV:

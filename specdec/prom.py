@@ -5,12 +5,16 @@ prometheus-client appends ``_total`` to counters and ``_bucket`` / ``_sum`` / ``
 histograms. Each service owns its registry: several services may share one process (the tests).
 """
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from specdec.engine import EngineMetrics
 from specdec.sessions import SessionRegistry
+
+if TYPE_CHECKING:  # the engine module imports torch; the coordinator, which has no engine, must not
+    from specdec.engine import EngineMetrics
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -36,8 +40,9 @@ class _EngineHistograms:
         )
 
 
-class _EngineView(EngineMetrics):
-    """One engine's labelled children of :class:`_EngineHistograms`."""
+class _EngineView:
+    """One engine's labelled children of :class:`_EngineHistograms`: a
+    :class:`specdec.engine.EngineMetrics` (the engine calls its two methods)."""
 
     def __init__(self, histograms: _EngineHistograms, engine: str):
         self._batch = histograms.batch_size.labels(engine)
@@ -81,7 +86,7 @@ class ServiceMetrics:
         self._engines: _EngineHistograms | None = None
         self._http = None
 
-    def engine_metrics(self, engine: str) -> EngineMetrics:
+    def engine_metrics(self, engine: str) -> "EngineMetrics":
         """The step and queue histograms of the engine named ``engine`` (its label value)."""
         if self._engines is None:
             self._engines = _EngineHistograms(self.registry)

@@ -1,50 +1,16 @@
-"""Sampling parameters and the logits -> probabilities transform shared by draft and target.
+"""The logits -> probabilities transform shared by draft and target, and seeded draws.
 
 Both sides must apply exactly the same transform (temperature, then top-k, then top-p, the order
 transformers and vLLM use) so that the acceptance test compares like with like (invariant
-*lossless, sampling*, docs/architecture.md#invariants).
+*lossless, sampling*, docs/architecture.md#invariants). The parameters themselves (validation,
+proto form) are :class:`specdec.sampling_params.SamplingParams`.
 """
 
 import hashlib
-import math
-from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import InvalidArgument
-from specdec.v1 import common_pb2
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. Raises
-    InvalidArgument for a value out of range (NaN and infinities included)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not 0 <= self.temperature < math.inf:  # also catches NaN
-            raise InvalidArgument(f"temperature is {self.temperature}: it must be finite and >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k is {self.top_k}: it must be >= 0 (0 = no top-k filter)")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p is {self.top_p}: it must lie in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
-        return cls(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.seed)
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
-        )
+from specdec.sampling_params import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Conversions between tensors and their wire form in the specdec.v1 messages."""
+"""Conversions between tensors and their wire form in the specdec.v1 messages (a model-free
+drafter's point masses, which need no tensor, are :func:`specdec.token_ids.point_masses`)."""
 
 from collections.abc import Sequence
 
@@ -19,11 +20,6 @@ def encode_distributions(probs: torch.Tensor) -> list[common_pb2.TokenDistributi
         ids = torch.nonzero(row, as_tuple=True)[0]
         out.append(common_pb2.TokenDistribution(token_ids=ids.tolist(), probs=row[ids].tolist()))
     return out
-
-
-def point_masses(tokens: Sequence[int]) -> list[common_pb2.TokenDistribution]:
-    """q of a model-free drafter (n-gram lookup): probability 1 on each proposed token."""
-    return [common_pb2.TokenDistribution(token_ids=[t], probs=[1.0]) for t in tokens]
 
 
 def decode_distributions(

@@ -10,13 +10,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specdec.bench.measurement import Measurement
-from specdec.bench.placement import pinned, placement
-from specdec.bench.questions import load_questions
-from specdec.bench.report import OVERALL, expected_tokens_per_round, predicted_speedup, summarize
-from specdec.bench.run import parse_pipeline
-from specdec.bench.transformers_methods import ForwardRecord, rounds_from_forwards
-from specdec.cli import app
+from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.placement import pinned, placement
+from specdec_app.bench.questions import load_questions
+from specdec_app.bench.report import OVERALL, expected_tokens_per_round, predicted_speedup, summarize
+from specdec_app.bench.run import parse_pipeline
+from specdec_app.bench.transformers_methods import ForwardRecord, rounds_from_forwards
+from specdec_app.cli import app
 from tests.conftest import write_questions
 
 pytestmark = pytest.mark.multiprocess

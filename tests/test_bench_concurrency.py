@@ -9,15 +9,15 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from specdec.bench.concurrency import (
+from specdec_app.bench.concurrency import (
     METHODS, RequestRecord, assigned_question, first_mismatch, interleave_categories, parse_concurrency,
     parse_methods, token_at_char,
 )
-from specdec.bench.questions import Question
-from specdec.bench.report import (
+from specdec_app.bench.questions import Question
+from specdec_app.bench.report import (
     concurrency_cell_stats, mean_k, merge_rounds_per_k, percentile, weighted_mean,
 )
-from specdec.cli import app
+from specdec_app.cli import app
 from tests.conftest import write_questions
 
 pytestmark = pytest.mark.multiprocess
@@ -203,7 +203,7 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
 
 def test_load_generator_section_and_options(tmp_path):
     """The report's guidellm section from hand-made runs (one failed), and the option's checks."""
-    from specdec.bench.load_generator import check_installed, markdown, scenario, LoadTarget
+    from specdec_app.bench.load_generator import check_installed, markdown, scenario, LoadTarget
 
     figures = {"num_completed": 8, "num_errored": 0, "num_incomplete": 0, "requests_per_second": 0.5,
                "output_tokens_per_second": 40.04, "ttft_ms_p50": 812.4, "ttft_ms_p99": 1500.0, "itl_ms_p50": 60.0,
@@ -231,7 +231,7 @@ def test_margin_at_the_first_difference(tiny_models):
     import torch
 
     from coordinator.request import prompt_ids
-    from specdec.bench.concurrency import _margins
+    from specdec_app.bench.concurrency import _margins
     from specdec.models import load_causal_lm
     from specdec.v1 import coordinator_pb2
 
@@ -253,8 +253,8 @@ def test_margin_at_the_first_difference(tiny_models):
 
 
 def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
-    from specdec.bench.chart import write_concurrency_chart
-    from specdec.bench.report import concurrency_markdown
+    from specdec_app.bench.chart import write_concurrency_chart
+    from specdec_app.bench.report import concurrency_markdown
 
     cells = [{"method": method, "concurrency": n, "errors": [],
               "stats": concurrency_cell_stats([record(10 * n, 100.0, 1000.0, identical=True)], 1000.0)}

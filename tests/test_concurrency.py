@@ -14,7 +14,7 @@ from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, EngineMetrics, Work
 from specdec.errors import Unavailable
 from specdec.server import GRPC_OPTIONS
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.conftest import StepRecorder, chat_ids, plain_greedy
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
+from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]

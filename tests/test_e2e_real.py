@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from coordinator.client import generate
-from specdec.launcher import LocalCluster, free_port
 from specdec.models import load_causal_lm
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import LocalCluster, free_port
 from tests.conftest import SUMMARY, chat_ids
 
 pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]

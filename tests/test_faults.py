@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
-from specdec.launcher import ServiceProcess, free_port, stop_all
+from specdec_app.launcher import ServiceProcess, free_port, stop_all
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY

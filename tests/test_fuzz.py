@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import generate
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from specdec.v1 import (
     common_pb2,

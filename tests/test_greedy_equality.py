@@ -7,15 +7,15 @@ import random
 import pytest
 
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
+from coordinator.upstream import ServiceClients
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
+from specdec.sampling_params import SamplingParams
 from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
-from specdec.sampling import SamplingParams
-from specdec.launcher import free_port
 from specdec.v1 import coordinator_pb2
+from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 PROMPTS = ["Tell me a story about a cat.", "List three prime numbers and explain why."]

@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from coordinator.auth import ApiKeys, Unauthenticated
 from coordinator.client import generate
 from coordinator.settings import CoordinatorSettings
-from specdec.launcher import ServiceProcess, free_port, is_serving
 from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2
+from specdec_app.launcher import ServiceProcess, free_port, is_serving
 from tests.conftest import CoordinatorThread
 
 KEY = "test-key"
@@ -348,7 +348,7 @@ def test_api_key_settings(tmp_path, monkeypatch):
 def test_demo_sends_the_key_its_coordinator_requires(tmp_path, monkeypatch):
     """``specdec demo`` starts a coordinator from this environment: it sends the first key that
     coordinator will require, from either variable or the key file, and none when there is none."""
-    from specdec.cli import configured_api_key
+    from specdec_app.cli import configured_api_key
 
     for name in ("SPECDEC_API_KEYS", "SPECDEC_COORDINATOR_API_KEYS", "SPECDEC_COORDINATOR_API_KEY_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -364,7 +364,7 @@ def test_demo_sends_the_key_its_coordinator_requires(tmp_path, monkeypatch):
 def test_cli_generate_sends_the_api_key(api):
     from typer.testing import CliRunner
 
-    from specdec.cli import app
+    from specdec_app.cli import app
 
     args = ["generate", "hi", "--coordinator", api.grpc_address, "--max-new-tokens", "3", "--json"]
     result = CliRunner().invoke(app, [*args, "--api-key", KEY])
@@ -493,7 +493,7 @@ def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path, monk
     relative, as the bench's --out usually is."""
     from pathlib import Path
 
-    from specdec.bench.load_generator import LoadTarget, run_guidellm
+    from specdec_app.bench.load_generator import LoadTarget, run_guidellm
 
     monkeypatch.chdir(tmp_path)
     target = LoadTarget("specdec", api.base_url, api.model, str(tiny_models.target_dir), KEY, {"temperature": 0})

@@ -8,7 +8,7 @@ import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter
 from specdec.models import load_causal_lm
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 

@@ -16,9 +16,9 @@ from coordinator.stream_limit import peer_host
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.launcher import free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc
+from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread
 
 SMALL_MESSAGE = 4096

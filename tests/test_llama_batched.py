@@ -14,8 +14,8 @@ from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requan
 from specdec.batching import SequenceStep
 from specdec.engine import EngineMetrics
 from specdec.errors import ResourceExhausted
-from specdec.models import derived_path, resolve_model
-from specdec.sampling import SamplingParams
+from specdec.model_files import derived_path, resolve_model
+from specdec.sampling_params import SamplingParams
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365],

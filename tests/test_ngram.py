@@ -2,7 +2,7 @@
 token sequences."""
 
 from draft_service.drafters.ngram import NgramDrafter
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

@@ -26,7 +26,7 @@ import torch
 
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
-from coordinator.clients import ServiceClients
+from coordinator.upstream import ServiceClients
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import SpeculativeSession
@@ -35,7 +35,8 @@ from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramIndex
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import logits_to_probs
+from specdec.sampling_params import SamplingParams
 from tests.conftest import (
     StepRecorder,
     chi_square_p_value,

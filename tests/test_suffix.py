@@ -10,7 +10,7 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.suffix import ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy

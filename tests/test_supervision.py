@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from coordinator.client import generate
-from specdec.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
+from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY
@@ -141,7 +141,7 @@ def test_restarts_back_off_and_stop_at_the_limit_per_minute(caplog):
     cluster.services["draft"] = ExitsAtOnce("draft", free_port())
     cluster.services["draft"].start()
     supervisor = Supervisor(cluster, RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_per_minute=4))
-    caplog.set_level("WARNING", logger="specdec.launcher")
+    caplog.set_level("WARNING", logger="specdec_app.launcher")
     deadline = time.monotonic() + 30
     while not any("left down" in r.message for r in caplog.records):
         assert time.monotonic() < deadline, [r.message for r in caplog.records]

@@ -2,7 +2,7 @@
 draft and verify services accepting only clients whose certificate the configured CA signed,
 certificate rotation without a restart, startup errors naming the setting, Redis over rediss://
 with a password. Certificates come from trustme (the services' own CA for ``specdec up --tls``,
-specdec/local_ca.py, is checked too)."""
+specdec_app/local_ca.py, is checked too)."""
 
 import asyncio
 import datetime
@@ -24,22 +24,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from coordinator import clients as clients_module
+from coordinator import upstream
 from coordinator.client import generate
-from coordinator.clients import ServiceClients
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
+from coordinator.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.errors import Unavailable
-from specdec.launcher import LocalCluster, free_port
-from specdec.local_ca import write_local_certificates
 from specdec.server import start_server
 from specdec.settings import parse_settings
 from specdec.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.v1 import coordinator_pb2
+from specdec_app.launcher import LocalCluster, free_port
+from specdec_app.local_ca import write_local_certificates
 from tests.conftest import CoordinatorThread
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings
@@ -211,7 +211,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki, tmp_path):
 def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, tmp_path, monkeypatch):
     """The coordinator's client certificate files rewritten: its next calls go over new channels
     with the new certificate (one of another CA: refused; the CA's own again: accepted)."""
-    monkeypatch.setattr(clients_module, "TLS_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(upstream, "TLS_CHECK_INTERVAL_S", 0.0)
     files, ca = Files(tmp_path), pki["ca_obj"]
     cert, key = files.leaf(ca.issue_cert("specdec-coordinator"), "coordinator")
     names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")

@@ -9,7 +9,7 @@ from opentelemetry import trace
 from specdec.engine import StepStats
 from specdec.errors import grpc_errors
 from specdec.prom import ServiceMetrics
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry

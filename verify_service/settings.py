@@ -1,6 +1,6 @@
 from pydantic import Field
 
-from specdec.models import DEFAULT_MODEL
+from specdec.model_files import DEFAULT_MODEL
 from specdec.settings import SessionServiceSettings
 
 

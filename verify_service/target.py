@@ -24,7 +24,8 @@ from specdec.errors import InvalidArgument
 from specdec.kv import SequenceKV, prefill
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
-from specdec.sampling import SamplingParams, logits_to_probs, round_generator
+from specdec.sampling import logits_to_probs, round_generator
+from specdec.sampling_params import SamplingParams
 from specdec.timing import min_ms
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
 

@@ -11,11 +11,13 @@ from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
 from specdec.errors import FailedPrecondition
 from specdec.kv import SequenceKV, prefill
-from specdec.sampling import SamplingParams, logits_to_probs, round_generator, sample
+from specdec.sampling import logits_to_probs, round_generator, sample
+from specdec.sampling_params import SamplingParams
 from specdec.timing import min_ms
+from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids
-from specdec.wire import encode_distributions, point_masses
+from specdec.wire import encode_distributions
 
 tracer = trace.get_tracer(__name__)
 

@@ -41,8 +41,8 @@ from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine
 from specdec.errors import ResourceExhausted
 from specdec.kv import SequenceKV
-from specdec.models import derived_path, resolve_model
-from specdec.sampling import SamplingParams
+from specdec.model_files import derived_path, resolve_model
+from specdec.sampling_params import SamplingParams
 from specdec.vocab import vocab_fingerprint
 
 _backend_lock = threading.Lock()
@@ -71,7 +71,7 @@ REQUANTIZE_TYPES = {
 def requantized(path: str, type_name: str) -> str:
     """The GGUF at ``path`` re-quantized to ``type_name`` (a key of :data:`REQUANTIZE_TYPES`; ""
     keeps ``path``), converted once by llama.cpp's ``llama_model_quantize`` and cached (see
-    :func:`specdec.models.derived_path`); ``path`` itself when it already has that type.
+    :func:`specdec.model_files.derived_path`); ``path`` itself when it already has that type.
 
     Why: llama.cpp runs some types far faster than others on a CPU. Q4_1, the type of the bundled
     SmolLM2, has no repacked (interleaved) CPU kernels; measured on a 2-core AVX-512 machine, one

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from specdec.ngram import DRAFTER_NAME, NgramIndex
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 
 
 class NgramSession(DraftSession):

@@ -5,7 +5,7 @@ outputs, so a request can draft what an earlier (or a concurrent) one generated.
 from collections.abc import Sequence
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.suffix import DRAFTER_NAME, ProposalLimits, SuffixCache, SuffixIndex
 
 

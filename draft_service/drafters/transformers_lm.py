@@ -7,7 +7,7 @@ from specdec.engine import Engine
 from specdec.kv import SequenceKV
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.vocab import tokenizer_fingerprint
 
 

@@ -13,14 +13,14 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from specdec.bench.chart import write_chart
-from specdec.bench.measurement import Measurement
-from specdec.bench.pipeline_method import PipelineMethod, peak_rss_bytes, start_cluster
-from specdec.bench.placement import PINNED_PLAIN, Placement, placement
-from specdec.bench.questions import Question, load_questions
-from specdec.bench.report import BASELINE, summarize, write_json, write_markdown
-from specdec.bench.transformers_methods import TransformersMethod
 from specdec.models import load_causal_lm
+from specdec_app.bench.chart import write_chart
+from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.pipeline_method import PipelineMethod, peak_rss_bytes, start_cluster
+from specdec_app.bench.placement import PINNED_PLAIN, Placement, placement
+from specdec_app.bench.questions import Question, load_questions
+from specdec_app.bench.report import BASELINE, summarize, write_json, write_markdown
+from specdec_app.bench.transformers_methods import TransformersMethod
 
 DRAFTERS = ("llama-cpp", "transformers", "ngram", "suffix")
 WARM_UP_TOKENS = 16

@@ -8,7 +8,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specdec.bench.report import BASELINE, OVERALL  # noqa: E402
+from specdec_app.bench.report import BASELINE, OVERALL  # noqa: E402
 
 
 def write_chart(report: dict, path: Path) -> None:

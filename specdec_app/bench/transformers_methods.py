@@ -10,11 +10,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from coordinator.metrics import histogram
 from coordinator.request import prompt_ids
-from specdec.bench.measurement import Measurement
-from specdec.bench.placement import pinned
-from specdec.bench.questions import Question
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
+from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.placement import pinned
+from specdec_app.bench.questions import Question
 
 
 @dataclass
@@ -103,7 +103,7 @@ class TransformersMethod:
     """One way of running the target's ``generate``: ``plain``, ``hf-prompt-lookup/K=k`` or
     ``hf-assisted/K=k`` (``assistant`` = the draft model; constant K, no confidence cut-off, so
     that it matches a fixed-K pipeline). ``cpus``: run pinned to them with one torch thread
-    (:func:`specdec.bench.placement.pinned`; ``name`` then says where)."""
+    (:func:`specdec_app.bench.placement.pinned`; ``name`` then says where)."""
 
     def __init__(self, target, tokenizer, k: int = 0, kind: str = "plain", assistant=None,
                  cpus: frozenset[int] | None = None, name: str | None = None):

@@ -1,6 +1,6 @@
 """Starts the verify, draft and coordinator services as separate OS processes on this machine
 and waits until each reports SERVING on the standard gRPC health service (``specdec up``); with
-certificates (:mod:`specdec.local_ca`), mutual TLS between them and TLS on the public APIs.
+certificates (:mod:`specdec_app.local_ca`), mutual TLS between them and TLS on the public APIs.
 :class:`Supervisor` then restarts a service that exits, while the others keep serving."""
 
 import logging
@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.local_ca import LocalCertificates
 from specdec.server import GRPC_OPTIONS
 from specdec.tls import channel_credentials
+from specdec_app.local_ca import LocalCertificates
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ServiceProcess:
         if self.metrics_port:
             args += ["--metrics-port", str(self.metrics_port)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "serve", self.service, *args],
+            [sys.executable, "-m", "specdec_app", "serve", self.service, *args],
             stdout=out, stderr=subprocess.STDOUT if out else None, env={**os.environ, **self.env},
             preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
@@ -250,7 +250,7 @@ class _Restarts:
 class Supervisor:
     """Keeps a started :class:`LocalCluster`'s services running: a service whose process exits
     (crash, SIGKILL, out of memory) is started again on the same port under ``policy``, and each
-    exit, restart and return to SERVING is logged (logger ``specdec.launcher``) with the restart
+    exit, restart and return to SERVING is logged (logger ``specdec_app.launcher``) with the restart
     count and the seconds the service was down. The other services are not touched: the
     coordinator goes on without the draft service (plain decode) and rebuilds sessions on a
     restarted verify service from its committed log. :meth:`run` returns only on Ctrl-C or SIGTERM

@@ -62,7 +62,7 @@ def coordinator(ctx: typer.Context) -> None:
 
 def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None,
              http_port: int = 0, tls=None):
-    from specdec.launcher import LocalCluster
+    from specdec_app.launcher import LocalCluster
 
     cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {},
                            http_port=http_port, tls=tls)
@@ -114,8 +114,8 @@ def up(
     serving meanwhile. Only Ctrl-C or SIGTERM stops them all."""
     import tempfile
 
-    from specdec.launcher import RestartPolicy, Supervisor
-    from specdec.local_ca import write_local_certificates
+    from specdec_app.launcher import RestartPolicy, Supervisor
+    from specdec_app.local_ca import write_local_certificates
     from specdec.telemetry import configure_logging
 
     if tls_dir is not None and not tls:
@@ -285,7 +285,7 @@ def demo(
     import tempfile
     from pathlib import Path
 
-    from specdec.launcher import free_port
+    from specdec_app.launcher import free_port
 
     try:
         api_key = api_key or configured_api_key()
@@ -347,8 +347,8 @@ def bench(
         stderr.print("[red]error: --requests-per-client, --methods, --drafter, --api and --load-generator apply "
                      "with --concurrency[/red]")
         raise typer.Exit(1)
-    from specdec.bench.report import overall_table, speedup_table
-    from specdec.bench.run import REPORT_FILES, BenchConfig, run_bench
+    from specdec_app.bench.report import overall_table, speedup_table
+    from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
     config = BenchConfig(
         questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
@@ -372,11 +372,11 @@ def bench(
 
 def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
                        concurrency, requests_per_client, methods, drafter, api, load_generator=None) -> None:
-    """``specdec bench --concurrency``: see :mod:`specdec.bench.concurrency`."""
-    from specdec.bench.concurrency import (
+    """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`."""
+    from specdec_app.bench.concurrency import (
         METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
     )
-    from specdec.bench.report import concurrency_table, identity_table
+    from specdec_app.bench.report import concurrency_table, identity_table
 
     try:
         config = ConcurrencyConfig(
@@ -395,7 +395,7 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
         raise typer.Exit(1) from None
     print("\n".join([*concurrency_table(report), "", *identity_table(report)]))
     if report.get("load_generator"):
-        from specdec.bench.load_generator import markdown
+        from specdec_app.bench.load_generator import markdown
 
         print("\n" + "\n".join(line for line in markdown(report["load_generator"]) if line.startswith("|")))
     for m in report["mismatches"]:

@@ -23,7 +23,7 @@ warm-up request per method:
 
 With ``--load-generator guidellm``, after the cells every method's OpenAI-compatible endpoint (the
 coordinator's HTTP API for the pipeline methods, ``transformers serve``'s own) is also loaded by
-guidellm (:mod:`specdec.bench.load_generator`) at every N with the cells' prompts, request count
+guidellm (:mod:`specdec_app.bench.load_generator`) at every N with the cells' prompts, request count
 and max tokens; its figures (requests/s, output tokens/s, TTFT, ITL and TPOT percentiles, errors)
 go into the report's ``load_generator`` entry and a Markdown section beside the tables.
 
@@ -69,16 +69,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coordinator.client import FINISH_REASONS
-from specdec.bench import load_generator
-from specdec.bench.chart import write_concurrency_chart
-from specdec.bench.pipeline_method import peak_rss_bytes, start_cluster
-from specdec.bench.questions import Question
-from specdec.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
-from specdec.bench.run import BenchInputs, machine_info
-from specdec.launcher import free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.bench import load_generator
+from specdec_app.bench.chart import write_concurrency_chart
+from specdec_app.bench.pipeline_method import peak_rss_bytes, start_cluster
+from specdec_app.bench.questions import Question
+from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
+from specdec_app.bench.run import BenchInputs, machine_info
+from specdec_app.launcher import free_port
 
 ADAPTIVE, PLAIN, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
 METHODS = (ADAPTIVE, PLAIN, SERVE)
@@ -348,7 +348,8 @@ def serve_model_source(target: str, dtype: str, console: Console) -> str:
     target, a float copy saved with ``save_pretrained`` (model, generation config, tokenizer with
     its chat template) under ``$SPECDEC_CACHE_DIR/serve-model/<key>`` (default
     ``~/.cache/specdec``; written once per GGUF file and dtype, outside the report folder)."""
-    from specdec.models import load_causal_lm, parse_dtype, resolve_model
+    from specdec.model_files import resolve_model
+    from specdec.models import load_causal_lm, parse_dtype
 
     ref = resolve_model(target)
     if ref.gguf_file is None:
@@ -629,7 +630,8 @@ def _stopped_by_sigterm():
 def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
     import transformers
 
-    from specdec.models import load_causal_lm, load_tokenizer
+    from specdec.model_files import load_tokenizer
+    from specdec.models import load_causal_lm
 
     transformers.utils.logging.disable_progress_bar()
     pipelines = [m for m in config.methods if m != SERVE]
@@ -700,7 +702,7 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
     prompt tokens with is the target's, saved to a temporary folder (nothing is downloaded)."""
     import tempfile
 
-    from specdec.models import load_tokenizer
+    from specdec.model_files import load_tokenizer
 
     greedy = {"temperature": 0.0, "seed": config.seed}
     targets = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.clients import ProposeDeadline
+from coordinator.upstream import ProposeDeadline
 
 
 def test_the_deadline_starts_at_ten_floors_and_is_capped():

@@ -5,12 +5,12 @@ import time
 from pathlib import Path
 
 from coordinator.client import Completion, stream
-from specdec.bench.measurement import Measurement
-from specdec.bench.placement import SHARED, Placement
-from specdec.bench.questions import Question
-from specdec.launcher import LocalCluster, free_port
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
+from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.placement import SHARED, Placement
+from specdec_app.bench.questions import Question
+from specdec_app.launcher import LocalCluster, free_port
 
 
 def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path,

@@ -5,7 +5,7 @@ seconds), so long completions weigh more than short ones, as in a serving worklo
 import json
 from pathlib import Path
 
-from specdec.bench.measurement import Measurement
+from specdec_app.bench.measurement import Measurement
 
 OVERALL = "overall"
 BASELINE = "plain"
@@ -222,7 +222,7 @@ PLACEMENT_TEXTS = {
 
 
 def _placement(report: dict) -> str:
-    """The line saying where the processes ran (see :mod:`specdec.bench.placement`)."""
+    """The line saying where the processes ran (see :mod:`specdec_app.bench.placement`)."""
     names = report["config"]["placements"]
     if len(names) == 1:
         return f"placement {PLACEMENT_TEXTS[names[0]]}"
@@ -279,7 +279,7 @@ def write_markdown(report: dict, path: Path) -> None:
 
 
 # ``specdec bench --concurrency``: closed-loop load, one cell per (method, N). The functions below
-# read the JSON request records of specdec.bench.concurrency (plain dicts), so a report can be
+# read the JSON request records of specdec_app.bench.concurrency (plain dicts), so a report can be
 # recomputed from report-concurrency.json alone.
 
 
@@ -322,7 +322,7 @@ def mean_k(rounds_per_k: list[int]) -> float | None:
 
 def concurrency_cell_stats(records: list[dict], wall_ms: float) -> dict:
     """One (method, N) cell from its request records (see ``RequestRecord`` in
-    specdec.bench.concurrency) and its wall time (first request sent to last one finished):
+    specdec_app.bench.concurrency) and its wall time (first request sent to last one finished):
 
     - ``tokens_per_second``: every completed request's output tokens / the cell's wall time;
     - ``ttft_ms_p50``/``p99``, ``tpot_ms_p50``/``p99``: per-request percentiles (TPOT = the time

@@ -1,6 +1,8 @@
-"""The coordinator's gRPC clients of the draft service and the verify replicas, with deadlines on
-every call and a shared view of which verify replicas failed recently; over TLS (mutual TLS with a
-client certificate) when given credentials (:func:`specdec.tls.reloading_channel_credentials`)."""
+"""The coordinator's gRPC clients of its upstream services, the draft service and the verify
+replicas, with deadlines on every call and a shared view of which verify replicas failed recently;
+over TLS (mutual TLS with a client certificate) when given credentials
+(:func:`specdec.tls.reloading_channel_credentials`). The public client of the coordinator itself
+is :mod:`coordinator.client`."""
 
 import asyncio
 import collections

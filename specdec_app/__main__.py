@@ -1,0 +1,3 @@
+from specdec_app.cli import app
+
+app()
