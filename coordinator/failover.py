@@ -45,7 +45,8 @@ class VerifySession:
     async def open(self, deadline: float | None = None) -> None:
         """Prefills the committed log on a replica, the healthy ones first. Without a
         ``deadline`` (time.monotonic()) one pass over the replicas; with one, passes until it.
-        Raises the last replica's UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it."""
+        Raises the last replica's UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. Cancelled
+        during a Prefill, it releases that session id (the Prefill may still open it)."""
         session_id = self.new_session_id()
         request = verify_pb2.VerifyServicePrefillRequest(
             session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto()
@@ -59,6 +60,10 @@ class VerifySession:
                         self.clients.mark_down(replica)
                     error = err
                     continue
+                except asyncio.CancelledError:  # the replica may open the session all the same
+                    release = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
+                    self.in_background(self.clients.call_verify(replica, "Release", release))
+                    raise
                 self.replica, self.session_id = replica, session_id
                 return
             if deadline is None or time.monotonic() >= deadline:

@@ -158,7 +158,12 @@ class SpeculativeSession:
             sampling=self.request.sampling.to_proto(),
         )
         seen = len(self.committed)  # rounds may commit more while the prefill runs
-        await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
+        try:
+            await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
+        except asyncio.CancelledError:  # the draft service may open the session all the same
+            release = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
+            self._in_background(self.clients.call_draft("Release", release))
+            raise
         self.draft_session, self.draft_seen = session_id, seen
 
     async def _open_draft_or_fail(self) -> None:
@@ -355,7 +360,7 @@ class SpeculativeSession:
     async def release(self) -> None:
         """Releases both sessions and waits for the background releases; failures are logged (the
         services' idle timeout reclaims what is left). A draft prefill still running is cancelled
-        (the draft service drops a session whose Prefill was cancelled)."""
+        and its session id released all the same (a cancelled Prefill may still open it)."""
         if self._draft_prefill is not None and not self._draft_prefill.done():
             self._draft_prefill.cancel()
             with contextlib.suppress(asyncio.CancelledError):

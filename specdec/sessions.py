@@ -4,6 +4,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -11,6 +12,11 @@ from typing import Generic, Protocol, TypeVar
 from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
+
+# Released ids of sessions that did not exist, remembered in case their Prefill is still running
+# (session ids are never reused, so remembering one cannot harm a later session). Such a Prefill
+# runs in one of the service's few handler threads: far fewer than this are ever pending.
+MAX_RELEASED_UNKNOWN = 4096
 
 
 class Session(Protocol):
@@ -43,6 +49,7 @@ class SessionRegistry(Generic[S]):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._entries: dict[str, _Entry[S]] = {}
+        self._released_unknown: OrderedDict[str, None] = OrderedDict()  # released before they were open
         self._lock = threading.Lock()
         self.num_evicted = 0  # sessions released for being idle, not by a Release
 
@@ -56,10 +63,11 @@ class SessionRegistry(Generic[S]):
         return sum(session.kv_cache_bytes() for session in sessions)
 
     def open(self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False) -> None:
-        """Creates a session. ``abandoned`` is asked once it exists (after the prefill in
-        ``factory``): True (the caller cancelled meanwhile, and its Release may have come first)
-        releases it at once, so no session outlives a cancelled Prefill. Raises AlreadyExists,
-        ResourceExhausted, or what ``factory`` raises."""
+        """Creates a session. No session outlives a Prefill its caller gave up on: ``abandoned``
+        is asked once it exists (after the prefill in ``factory``), and True (the caller cancelled
+        meanwhile) releases it at once; so does a Release of ``session_id`` that came before the
+        session existed (the caller's cancel was not seen, or came too late to fail the call).
+        Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""
         if not session_id:
             raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")
         self.evict_idle()
@@ -72,7 +80,10 @@ class SessionRegistry(Generic[S]):
                     "retry later or raise max_sessions"
                 )
             self._entries[session_id] = _Entry(factory())
-        if abandoned():
+        with self._lock:
+            released_early = session_id in self._released_unknown
+            self._released_unknown.pop(session_id, None)
+        if released_early or abandoned():
             self.release(session_id)
 
     @contextlib.contextmanager
@@ -91,9 +102,14 @@ class SessionRegistry(Generic[S]):
             entry.last_used = time.monotonic()
 
     def release(self, session_id: str) -> bool:
-        """Closes and removes a session; False if it did not exist."""
+        """Closes and removes a session; False if it did not exist (its id is then remembered, in
+        case its Prefill is still running: see :meth:`open`)."""
         with self._lock:
             entry = self._entries.pop(session_id, None)
+            if entry is None:
+                self._released_unknown[session_id] = None
+                while len(self._released_unknown) > MAX_RELEASED_UNKNOWN:
+                    self._released_unknown.popitem(last=False)  # the oldest
         if entry is None:
             return False
         with entry.lock:

@@ -21,3 +21,15 @@ def test_a_session_whose_prefill_was_abandoned_is_released_at_once():
     sessions.open("abandoned", lambda: abandoned, abandoned=lambda: True)
     assert len(sessions) == 1 and abandoned.closed and not kept.closed
     assert sessions.kv_cache_bytes() == 100
+
+
+def test_a_session_released_before_its_prefill_finished_is_released_once_open():
+    """The caller cancelled a Prefill and sent its Release, which came before the session existed
+    (the cancel too late to be seen): the session is released as soon as it opens."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    late = _Closable()
+    assert not sessions.release("late")
+    sessions.open("late", lambda: late)
+    assert len(sessions) == 0 and late.closed
+    sessions.open("late-2", _Closable)  # other ids are not affected
+    assert len(sessions) == 1
