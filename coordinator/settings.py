@@ -91,7 +91,7 @@ class CoordinatorSettings(ServiceSettings):
     rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Verify, Decode, GetInfo, Release), and the most a Propose deadline may grow to, seconds.")
     propose_timeout_floor_s: float = Field(
         0.25, gt=0, description="Least deadline of a Propose call, seconds. Each Propose gets propose_timeout_factor "
-        "times the slowest of the last 64 Propose round trips (scaled to the tokens it processes), at least this; a "
+        "times the slowest of the last 64 Propose round trips (scaled to the draft forwards it costs), at least this; a "
         "draft that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a "
         "request about this long, not rpc_timeout_s.",
     )
