@@ -11,12 +11,14 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -360,3 +362,14 @@ def write_questions(path: Path, per_category: dict[str, list[str]]) -> Path:
                 out.write(json.dumps({"question_id": qid, "category": category, "turns": [prompt]}) + "\n")
                 qid += 1
     return path
+
+
+def scrape(url: str) -> dict[str, float]:
+    """{sample name: value summed over its labels} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for value in family.samples:
+            totals[value.name] = totals.get(value.name, 0.0) + value.value
+    return totals

@@ -8,21 +8,19 @@ import asyncio
 import random
 import signal
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import SUMMARY
+from specdec_app.launcher import ServiceProcess, free_port, stop_all
+from tests.conftest import SUMMARY, scrape
 
 pytestmark = pytest.mark.multiprocess
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guided home."
@@ -109,17 +107,6 @@ def stream_with_fault(address: str, request, fault) -> tuple[Completion, float]:
                 fault_at = time.monotonic()
     assert recovery_s is not None, "the stream ended before the fault took effect"
     return completion, recovery_s
-
-
-def scrape(url: str) -> dict[str, float]:
-    """{sample name: value summed over its labels} of a /metrics page."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def assert_same_completion(got: Completion, expected: Completion) -> None:

@@ -23,19 +23,17 @@ service; sessions after) are printed at the end of the run.
 import random
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Completion
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import ServiceProcess, free_port, stop_all
-from tests.conftest import SUMMARY, chat_ids
+from tests.conftest import SUMMARY, chat_ids, scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -217,17 +215,6 @@ class Load:
             with self._lock:
                 self._calls.discard(call)
             channel.close()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """{sample name: value summed over its labels} of a /metrics page."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def rss_bytes(pid: int) -> int:
