@@ -358,11 +358,11 @@ class AdaptiveState:
         return AcceptanceModel(prior[:k_max])
 
     def priors_of(self, target: str) -> dict[str, list[float]]:
-        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the session store."""
+        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the request store."""
         return {source: list(rates) for (source, model), rates in self.priors.items() if model == target}
 
     def set_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        """Replaces warm starts for ``target`` with those from the session store (every coordinator
+        """Replaces warm starts for ``target`` with those from the request store (every coordinator
         replica's sessions blend into them)."""
         for source, rates in priors.items():
             self.priors[(source, target)] = list(rates)

@@ -4,7 +4,7 @@ loop beside the gRPC server).
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` build the GenerateRequest a gRPC client
 would send (:mod:`coordinator.openai_schema`) and run it through
 :meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
-round loop, session store, metrics and traces, and the same error messages. Streamed responses are
+round loop, request store, metrics and traces, and the same error messages. Streamed responses are
 server-sent events ending in ``data: [DONE]``. A client that disconnects cancels its request, streamed
 or not (both sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
 ``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI

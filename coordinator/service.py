@@ -29,7 +29,7 @@ from coordinator.resume import check_request_id, check_resume, check_same_target
 from coordinator.rounds import SpeculativeSession
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import (
-    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, SessionStore, StoredRequest,
+    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, RequestStore, StoredRequest,
     StoreUnavailable,
 )
 from coordinator.stream_limit import StreamLimit, peer_host
@@ -71,7 +71,7 @@ class RunningRequest:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(
         self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics,
-        store: SessionStore,
+        store: RequestStore,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
@@ -172,14 +172,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
         INVALID_ARGUMENT (see :mod:`coordinator.resume`), UNAVAILABLE when a resume cannot reach
-        the session store."""
+        the request store."""
         check_request_id(request)
         if not request.HasField("resume_from"):
             return None
         stored = await self.store.load(request_id)
         if stored is None:
             raise NotFound(
-                f"request {request_id!r} is not in the session store (never started, or its last write was "
+                f"request {request_id!r} is not in the request store (never started, or its last write was "
                 f"more than {self.settings.request_ttl_s:g} s ago): send it again without resume_from"
             )
         check_resume(request, stored)
