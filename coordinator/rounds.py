@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.failover import VerifySession
+from coordinator.failover import VerifyReplicas, VerifySession
 from coordinator.upstream import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
@@ -76,7 +76,8 @@ class RequestRounds:
     """One request's rounds: its committed log, its session on the draft service and its session
     on a verify replica (:class:`coordinator.failover.VerifySession`); :meth:`step` runs a round.
 
-    Args: ``session_prefix`` begins the id of every session the request opens (``<prefix>.d1``,
+    Args: ``clients`` the coordinator's upstream clients, ``replicas`` its verify replicas (both
+    shared by its requests); ``session_prefix`` begins the id of every session the request opens (``<prefix>.d1``,
     ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the request's committed log (prompt plus generated tokens, when a
     resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
     lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while
@@ -84,7 +85,7 @@ class RequestRounds:
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
-        self, clients: ServiceClients, session_prefix: str, request: ResolvedRequest, committed: list[int],
+        self, clients: ServiceClients, replicas: VerifyReplicas, session_prefix: str, request: ResolvedRequest, committed: list[int],
         lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0,
         failover_timeout_s: float = 60.0, draft_ahead: bool = False,
     ):
@@ -100,7 +101,7 @@ class RequestRounds:
         self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.draft_failures = 0
         self.verify = VerifySession(
-            clients, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
+            replicas, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
         )
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages

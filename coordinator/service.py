@@ -21,6 +21,7 @@ from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.upstream import ProposeDeadline, ServiceClients
+from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
@@ -77,6 +78,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
+        self.replicas = VerifyReplicas(clients)
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
@@ -137,7 +139,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _resolve(self, request):
         """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
-        verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_last())
+        verify_info, draft_info = await asyncio.gather(self.replicas.info(), self._draft_info_or_last())
         resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
         )
@@ -231,7 +233,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         rounds = RequestRounds(
-            self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
+            self.clients, self.replicas, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )

@@ -12,6 +12,7 @@ import torch
 from coordinator.client import generate
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
+from coordinator.failover import VerifyReplicas
 from coordinator.rounds import RequestRounds
 from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
@@ -68,7 +69,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     tokens and the rounds' draft-ahead outcomes."""
     clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
-    rounds = RequestRounds(clients, f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
+    rounds = RequestRounds(clients, VerifyReplicas(clients), f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
     generated, outcomes = [], []
     try:
         await rounds.prefill()

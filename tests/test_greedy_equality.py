@@ -8,6 +8,7 @@ import pytest
 
 from coordinator.client import generate
 from coordinator.request import ResolvedRequest
+from coordinator.failover import VerifyReplicas
 from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.upstream import ServiceClients
@@ -113,7 +114,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
-        rounds = RequestRounds(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
+        rounds = RequestRounds(clients, VerifyReplicas(clients), f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
         await rounds.prefill()
         generated: list[int] = []
         try:

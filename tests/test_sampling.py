@@ -26,6 +26,7 @@ import torch
 
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.failover import VerifyReplicas
 from coordinator.upstream import ServiceClients
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
@@ -125,7 +126,7 @@ async def pipeline_pair(clients: ServiceClients, params: SamplingParams, session
     """One request's rounds, as the coordinator runs them, until two tokens are committed; returns
     them as one index a * VOCAB + b, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
-    request_rounds = RequestRounds(clients, session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
+    request_rounds = RequestRounds(clients, VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
     policy, rounds = adaptive_policy(), []
     try:
         await request_rounds.prefill()
