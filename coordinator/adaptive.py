@@ -12,13 +12,13 @@ Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the 
 per token + the verify round's ms for K drafts + the rest of the round, where K = 0 is a plain
 decode step on the verify service (the fallback).
 
-Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every session's
-round into one step whose cost grows with its batched tokens, so a session's K + 1 tokens make
-every other session's round slower too. With B other sequences bringing T tokens to the step (the
-sequences running on the service when it served the session's last round, also those away
+Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every request's
+round into one step whose cost grows with its batched tokens, so a request's K + 1 tokens make
+every other request's round slower too. With B other sequences bringing T tokens to the step (the
+sequences running on the service when it served the request's last round, also those away
 drafting: they are the batch a step should hold), option K is scored by the whole batch's
 expected tokens per ms, (E(K) + B x g) / (draft(K) + step(T + K + 1) + rest), where g is the
-tokens a round of this session commits on average (the others are assumed alike) and step(n) is
+tokens a round of this request commits on average (the others are assumed alike) and step(n) is
 the verify cost at n batched tokens: a line fitted to the service's measurements at start-up
 (:attr:`StepCosts.batched_ms`) and to live rounds (:meth:`StepCosts.step_ms`). Alone (B = 0) this
 is the formula above. As load grows K shrinks, and reaches 0 (plain decode) where speculation no
@@ -116,7 +116,7 @@ class StepCosts:
 
         A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
         forward over fewer tokens): a start-up measurement inflated by contention would otherwise
-        keep a session from ever falling back, and plain rounds never run would never correct it.
+        keep a request from ever falling back, and plain rounds never run would never correct it.
         """
         calls = draft_call and k > 0
         if k == 0:
@@ -175,8 +175,8 @@ class StepCosts:
 
 @dataclass
 class Load:
-    """The load on the verify service besides the session: sequences and their new tokens per step
-    (EMAs of what the service reported, ``weight`` on the newest), and the tokens the session's own
+    """The load on the verify service besides the request: sequences and their new tokens per step
+    (EMAs of what the service reported, ``weight`` on the newest), and the tokens the request's own
     rounds commit (the share each other sequence is assumed to add)."""
 
     others_seqs: float = 0.0
@@ -186,7 +186,7 @@ class Load:
 
     def observe(self, record: RoundRecord, committed: int) -> None:
         """Others: the sequences running on the verify service besides this one (not only those
-        that made this round's step: a session away drafting is still in the batch it would slow),
+        that made this round's step: a request away drafting is still in the batch it would slow),
         each bringing the mean new tokens of the others in the step (1 when none were)."""
         if record.batch_size:  # 0: a service that reports no step (older, or a test double)
             others = max(record.running_seqs, record.batch_size) - 1
@@ -202,12 +202,12 @@ class Load:
 
 @dataclass
 class AdaptiveK:
-    """One session's choice of drafter and K. Each round's options: plain decode, the model
+    """One request's choice of drafter and K. Each round's options: plain decode, the model
     ``drafter`` (None: none) with K in [1, k_max], and each lookup's match (``matches``, by
     lookup) with K up to its length; the one with the most expected tokens per ms wins (the
     cheaper on a tie). While plain decode wins (the fallback), every ``probe_interval``-th round
     asks the model drafter for ``probe_k`` tokens anyway (less often where a probe costs more, see
-    :meth:`_rounds_between_probes`), so that a session whose text becomes predictable is noticed.
+    :meth:`_rounds_between_probes`), so that a request whose text becomes predictable is noticed.
     ``lookups[name][i]`` is the acceptance of lookup ``name``'s proposals from a suffix match of
     i + 1 tokens (the last one: of that many or more)."""
 
@@ -263,7 +263,7 @@ class AdaptiveK:
 
     def wants_drafter(self, matches: Matches | None) -> bool:
         """Whether this round would ask the model drafter if it were ready: it is the best option,
-        or plain decode is and a probe is due. A session opens its draft only then, so that on a
+        or plain decode is and a probe is due. A request opens its draft only then, so that on a
         loaded service, where speculation does not pay, no draft prefill takes the shared
         hardware from the target's steps."""
         if not self.drafter:
@@ -296,7 +296,7 @@ class AdaptiveK:
         self.load.observe(record, len(committed))
 
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
-        """Every acceptance model of the session, by the name its warm start is kept under."""
+        """Every acceptance model of the request, by the name its warm start is kept under."""
         models = {f"{name}/{n}": model for name, lookup in self.lookups.items() for n, model in enumerate(lookup, 1)}
         if self.drafter:
             models[self.drafter] = self.acceptance
@@ -305,26 +305,26 @@ class AdaptiveK:
 
 @dataclass
 class AdaptiveState:
-    """What the coordinator's sessions share per target: step costs per drafter kept fresh by
+    """What the coordinator's requests share per target: step costs per drafter kept fresh by
     every live round, and acceptance estimates per drafter (and per lookup and match length) that
-    warm-start each new session (an EMA over the sessions that ended). ``prior_rate`` seeds a
-    model drafter's estimates never seen: optimistic, so that the first sessions try it and measure
+    warm-start each new request (an EMA over the requests that ended). ``prior_rate`` seeds a
+    model drafter's estimates never seen: optimistic, so that the first requests try it and measure
     it (its acceptance is observed only in the rounds that use it). ``lookup_prior_rate`` seeds the
     lookups': a coin toss, as their acceptance is observed every round whether used or not,
-    and an optimistic start made the first sessions on a loaded service verify long lookups that
-    mostly failed (4 sessions at once, each its first: 66 drafts, 11 accepted, in 25 rounds)."""
+    and an optimistic start made the first requests on a loaded service verify long lookups that
+    mostly failed (4 requests at once, each its first: 66 drafts, 11 accepted, in 25 rounds)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
     lookup_prior_rate: float = 0.5
-    session_weight: float = 0.5
+    request_weight: float = 0.5
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def policy(
         self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, lookups: Mapping[str, int], others: int = 0,
     ) -> AdaptiveK:
-        """A new session's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
+        """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
         the lookups that compete, each with its number of match-length estimates (the n-gram
         index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
@@ -358,18 +358,18 @@ class AdaptiveState:
         return AcceptanceModel(prior[:k_max])
 
     def priors_of(self, target: str) -> dict[str, list[float]]:
-        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the session store."""
+        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the request store."""
         return {source: list(rates) for (source, model), rates in self.priors.items() if model == target}
 
     def set_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        """Replaces warm starts for ``target`` with those from the session store (every coordinator
-        replica's sessions blend into them)."""
+        """Replaces warm starts for ``target`` with those from the request store (every coordinator
+        replica's requests blend into them)."""
         for source, rates in priors.items():
             self.priors[(source, target)] = list(rates)
 
     def remember(self, policy: AdaptiveK) -> None:
-        """Blends an ended session's acceptance estimates into the warm starts."""
+        """Blends an ended request's acceptance estimates into the warm starts."""
         for source, model in policy.acceptance_models().items():
             prior = self.priors[(source, policy.target)]
             for i, rate in enumerate(model.rates):
-                prior[i] = ema(prior[i], rate, self.session_weight)
+                prior[i] = ema(prior[i], rate, self.request_weight)

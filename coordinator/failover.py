@@ -2,9 +2,10 @@
 replica at a time, and is rebuilt on another from the coordinator's committed log when its
 replica fails or loses it.
 
-A call that finds its replica unreachable, past its deadline, or without the session (NOT_FOUND:
-restarted, or evicted as idle) marks the replica down (it is then tried last for
-``replica_down_s``, see :meth:`coordinator.upstream.ServiceClients.replica_order`), releases the
+:class:`VerifyReplicas`, one per coordinator, keeps which replicas failed recently and the order
+to try them in. A call that finds its replica unreachable, past its deadline, or without the
+session (NOT_FOUND: restarted, or evicted as idle) marks the replica down (it is then tried last
+for ``down_s``, see :meth:`VerifyReplicas.order`), releases the
 old session in the background, prefills the committed log on a replica (the healthy ones first,
 round robin) under a new session id (so a late call to the old one cannot collide), and retries
 the call; passes over the replicas repeat every RETRY_INTERVAL_S until ``failover_timeout_s``
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.upstream import ServiceClients
-from specdec.errors import NotFound, ResourceExhausted, Unavailable
+from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import verify_pb2
 
@@ -26,16 +27,51 @@ log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
 
 
+class VerifyReplicas:
+    """The verify replicas of ``clients`` as every request of a coordinator sees them: a replica
+    that failed a call is tried last for ``down_s`` seconds."""
+
+    def __init__(self, clients: ServiceClients, down_s: float = 5.0):
+        self.clients, self.down_s = clients, down_s
+        self._down_until = [0.0] * len(clients.verify)
+        self._next = 0
+
+    def order(self) -> list[int]:
+        """Every verify replica, round robin from one call to the next, those that failed in the
+        last ``down_s`` seconds last."""
+        n = len(self._down_until)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        return sorted(order, key=lambda i: self._down_until[i] > now)
+
+    def mark_down(self, replica: int) -> None:
+        """Records that a verify replica failed a call."""
+        self._down_until[replica] = time.monotonic() + self.down_s
+
+    async def info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
+        """GetInfo of the first replica that answers. Raises the last replica's error if none does."""
+        error = None
+        for replica in self.order():
+            try:
+                return await self.clients.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
+            except SpecdecError as err:  # another replica may answer
+                error = err
+                self.mark_down(replica)
+        raise error
+
+
 class VerifySession:
-    """A request's session on the verify service: its id and the replica holding it.
-    ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
+    """A request's session on the verify service: its id and the replica holding it (one of
+    ``replicas``). ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
     names each new session; ``in_background`` runs a Release without waiting for it."""
 
     def __init__(
-        self, clients: ServiceClients, committed: list[int], sampling: SamplingParams,
+        self, replicas: VerifyReplicas, committed: list[int], sampling: SamplingParams,
         new_session_id: Callable[[], str], in_background: Callable, failover_timeout_s: float,
     ):
-        self.clients, self.committed, self.sampling = clients, committed, sampling
+        self.replicas, self.clients = replicas, replicas.clients
+        self.committed, self.sampling = committed, sampling
         self.new_session_id, self.in_background = new_session_id, in_background
         self.failover_timeout_s = failover_timeout_s
         self.replica = 0  # the verify replica holding session_id
@@ -52,12 +88,12 @@ class VerifySession:
             session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto()
         )
         while True:
-            for replica in self.clients.replica_order():
+            for replica in self.replicas.order():
                 try:
                     await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
                 except (Unavailable, ResourceExhausted) as err:
                     if isinstance(err, Unavailable):
-                        self.clients.mark_down(replica)
+                        self.replicas.mark_down(replica)
                     error = err
                     continue
                 except asyncio.CancelledError:  # the replica may open the session all the same
@@ -82,7 +118,7 @@ class VerifySession:
             except (Unavailable, NotFound) as err:
                 log.warning("verify session %s: %s; rebuilding it from the committed log", self.session_id, err)
                 if isinstance(err, Unavailable):
-                    self.clients.mark_down(self.replica)
+                    self.replicas.mark_down(self.replica)
                 self.release()
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
                 await self.open(deadline)

@@ -4,7 +4,7 @@ loop beside the gRPC server).
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` build the GenerateRequest a gRPC client
 would send (:mod:`coordinator.openai_schema`) and run it through
 :meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
-round loop, session store, metrics and traces, and the same error messages. Streamed responses are
+round loop, request store, metrics and traces, and the same error messages. Streamed responses are
 server-sent events ending in ``data: [DONE]``. A client that disconnects cancels its request, streamed
 or not (both sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
 ``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI
@@ -33,7 +33,7 @@ from coordinator.openai_schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, StreamOptions, specdec_metrics, usage,
 )
 from coordinator.request import prompt_ids
-from coordinator.upstream import ServiceClients
+from coordinator.failover import VerifyReplicas
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.tls import ReloadingSSLContext
@@ -47,13 +47,13 @@ class ModelNames:
     """The names a request's ``model`` may take: the target's (from the verify service's GetInfo,
     fetched again only when a request names an unknown model) and the configured aliases."""
 
-    def __init__(self, clients: ServiceClients, aliases: list[str]):
-        self.clients, self.aliases, self.target = clients, list(aliases), None
+    def __init__(self, replicas: VerifyReplicas, aliases: list[str]):
+        self.replicas, self.aliases, self.target = replicas, list(aliases), None
 
     async def names(self, refresh: bool = False) -> list[str]:
         """Raises Unavailable when no verify replica answers."""
         if self.target is None or refresh:
-            self.target = (await self.clients.verify_info()).model
+            self.target = (await self.replicas.info()).model
         return [self.target, *self.aliases]
 
     async def check(self, name: str) -> None:
@@ -152,7 +152,7 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
     app.add_middleware(
         BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
     )
-    models = ModelNames(servicer.clients, served_model_names)
+    models = ModelNames(servicer.replicas, served_model_names)
     started = int(time.time())
 
     async def authorized(authorization: str | None = Header(None)) -> None:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 
-PLAIN = ""  # the drafter name of a plain decode round
+# The drafter of a plain decode round (K = 0): the name the benchmark reports such rounds under
+# (rounds_per_drafter), and never a drafter's.
+PLAIN = "plain"
 HIT, MISS = "hit", "miss"  # the outcomes of a proposal drafted ahead (RoundRecord.draft_ahead)
 
 
@@ -21,7 +23,7 @@ def histogram(values: Iterable[int], size: int) -> list[int]:
 
 @dataclass
 class RoundRecord:
-    """One round: K = ``k`` draft tokens asked of ``drafter`` (K = 0 and drafter "": a plain
+    """One round: K = ``k`` draft tokens asked of ``drafter`` (K = 0 and drafter PLAIN: a plain
     decode step), ``num_drafted`` tokens proposed (fewer than K when the drafter has no more; 0
     makes the round a plain decode step), ``num_accepted`` of them accepted; times in ms (draft
     and verify are the services' own handling times, their queues included); ``wire_bytes``:
@@ -130,7 +132,7 @@ def verify_costs(rounds: list[RoundRecord]) -> list[coordinator_pb2.VerifyCost]:
 def drafter_usage(rounds: list[RoundRecord]) -> dict[str, coordinator_pb2.DrafterUsage]:
     """Per drafter, the rounds that asked it for a proposal (plain decode rounds are in none)."""
     usage = {}
-    for name in {r.drafter for r in rounds if r.drafter}:
+    for name in {r.drafter for r in rounds if r.drafter != PLAIN}:
         own = [r for r in rounds if r.drafter == name]
         usage[name] = coordinator_pb2.DrafterUsage(
             num_rounds=len(own),

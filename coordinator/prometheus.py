@@ -72,8 +72,9 @@ class CoordinatorMetrics(ServiceMetrics):
         self.verify_rebuilds = counter(
             "specdec:verify_rebuilds", "Times a request's verify session was rebuilt from its committed log on a replica."
         )
+        # the name predates "request store"; dashboards and alerts query it, so it stays
         self.store_errors = counter(
-            "specdec:session_store_errors", "Session store (Redis) operations that failed or were skipped while it was down.",
+            "specdec:session_store_errors", "Request store (Redis) operations that failed or were skipped while it was down.",
             ("operation",),
         )
         self.k_by_load = Histogram(

@@ -1,4 +1,4 @@
-"""Validation of a GenerateRequest into the parameters of one speculative session."""
+"""Validation of a GenerateRequest into the parameters of its speculative rounds."""
 
 import secrets
 from dataclasses import dataclass

@@ -5,7 +5,7 @@ Each round: the draft proposes K tokens (carrying the committed tokens it has no
 verify service accepts n of them and returns the next token, and the committed log grows by
 draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
 Under adaptive K a round's proposal may instead come from one of the coordinator's own lookups,
-n-gram or suffix (:meth:`SpeculativeSession.lookup_matches`); the draft session then catches up at
+n-gram or suffix (:meth:`RequestRounds.lookup_matches`); the draft session then catches up at
 its next Propose.
 
 Draft-ahead (model drafters, ``draft_ahead``): while the verify service checks a round's
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.failover import VerifySession
+from coordinator.failover import VerifyReplicas, VerifySession
 from coordinator.upstream import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
@@ -72,20 +72,25 @@ class DraftAhead:
         return bool(response.token_ids) and response.HasField("predicted_bonus_token_id") and committed[self.start :] == branch
 
 
-class SpeculativeSession:
-    """Args: ``committed`` the request's committed log (prompt plus generated tokens, when a
+class RequestRounds:
+    """One request's rounds: its committed log, its session on the draft service and its session
+    on a verify replica (:class:`coordinator.failover.VerifySession`); :meth:`step` runs a round.
+
+    Args: ``clients`` the coordinator's upstream clients, ``replicas`` its verify replicas (both
+    shared by its requests); ``session_prefix`` begins the id of every session the request opens (``<prefix>.d1``,
+    ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the request's committed log (prompt plus generated tokens, when a
     resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
     lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while
     this one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
-        self, clients: ServiceClients, session_id: str, request: ResolvedRequest, committed: list[int],
+        self, clients: ServiceClients, replicas: VerifyReplicas, session_prefix: str, request: ResolvedRequest, committed: list[int],
         lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0,
         failover_timeout_s: float = 60.0, draft_ahead: bool = False,
     ):
         self.clients = clients
-        self.session_id = session_id
+        self.session_prefix = session_prefix
         self.request = request
         self.committed = committed
         self.uses_draft = request.uses_draft_service
@@ -96,7 +101,7 @@ class SpeculativeSession:
         self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.draft_failures = 0
         self.verify = VerifySession(
-            clients, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
+            replicas, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
         )
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
@@ -108,7 +113,7 @@ class SpeculativeSession:
 
     def _new_session_id(self, service: str) -> str:
         self._generation += 1
-        return f"{self.session_id}.{service}{self._generation}"
+        return f"{self.session_prefix}.{service}{self._generation}"
 
     async def prefill(self, open_draft: bool = True) -> None:
         """Opens the session on a verify replica; raises UNAVAILABLE or RESOURCE_EXHAUSTED when no
@@ -179,7 +184,7 @@ class SpeculativeSession:
             raise err
         self.draft_failures += 1
         self.draft_retry_at = time.monotonic() + self.draft_retry_s
-        log.warning("session %s: %s; plain decode until the draft is retried in %g s", self.session_id, err, self.draft_retry_s)
+        log.warning("sessions %s.*: %s; plain decode until the draft is retried in %g s", self.session_prefix, err, self.draft_retry_s)
         if self.draft_session is not None:
             self._release_draft()
 
@@ -189,7 +194,7 @@ class SpeculativeSession:
             try:
                 return await self._propose(k)
             except NotFound:
-                log.warning("session %s lost on the draft service: prefilling it again", self.session_id)
+                log.warning("session %s lost on the draft service: prefilling it again", self.draft_session)
                 await self._open_draft()
                 return await self._propose(k)
         except SpecdecError as err:
@@ -303,7 +308,7 @@ class SpeculativeSession:
             proposer, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
             step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms, ahead,
         )
-        log.debug("session %s round: %s", self.session_id, record)
+        log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
         if policy is not None:
             policy.observe(record, matches, new)
@@ -379,6 +384,6 @@ class SpeculativeSession:
             try:
                 await release
             except SpecdecError as err:
-                log.info("session %s: a release failed: %s", self.session_id, err)
+                log.info("sessions %s.*: a release failed: %s", self.session_prefix, err)
 
         self._releases.run(logged())

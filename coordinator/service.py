@@ -21,15 +21,16 @@ from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.upstream import ProposeDeadline, ServiceClients
+from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
 from coordinator.prometheus import CoordinatorMetrics
 from coordinator.resume import check_request_id, check_resume, check_same_target
-from coordinator.rounds import SpeculativeSession
+from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import (
-    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, SessionStore, StoredRequest,
+    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, RequestStore, StoredRequest,
     StoreUnavailable,
 )
 from coordinator.stream_limit import StreamLimit, peer_host
@@ -59,7 +60,7 @@ class RunningRequest:
     resolved: ResolvedRequest
     target: str
     policy: AdaptiveK | None
-    session: SpeculativeSession
+    rounds: RequestRounds
     journal: RequestJournal
     output: StreamOutput
     metrics: MetricsRecorder
@@ -71,12 +72,13 @@ class RunningRequest:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(
         self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics,
-        store: SessionStore,
+        store: RequestStore,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
+        self.replicas = VerifyReplicas(clients)
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
@@ -136,8 +138,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return self._draft_info
 
     async def _resolve(self, request):
-        """The validated request, the target's GetInfo and, under adaptive K, the session's policy."""
-        verify_info, draft_info = await asyncio.gather(self.clients.verify_info(), self._draft_info_or_last())
+        """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
+        verify_info, draft_info = await asyncio.gather(self.replicas.info(), self._draft_info_or_last())
         resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
         )
@@ -172,14 +174,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
         INVALID_ARGUMENT (see :mod:`coordinator.resume`), UNAVAILABLE when a resume cannot reach
-        the session store."""
+        the request store."""
         check_request_id(request)
         if not request.HasField("resume_from"):
             return None
         stored = await self.store.load(request_id)
         if stored is None:
             raise NotFound(
-                f"request {request_id!r} is not in the session store (never started, or its last write was "
+                f"request {request_id!r} is not in the request store (never started, or its last write was "
                 f"more than {self.settings.request_ttl_s:g} s ago): send it again without resume_from"
             )
         check_resume(request, stored)
@@ -230,39 +232,39 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.max_new_tokens, request.resume_from,
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
-        session = SpeculativeSession(
-            self.clients, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
+        rounds = RequestRounds(
+            self.clients, self.replicas, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
             self.settings.draft_retry_s, self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
         return RunningRequest(
-            resolved, verify_info.model, policy, session, journal, output,
+            resolved, verify_info.model, policy, rounds, journal, output,
             MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)), resumed, left_behind if resuming else None,
         )
 
     async def _stream(self, running: RunningRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """The request's messages: the resumed tokens first, then the prefill and one message per
         round, each round's tokens stored before the client has them."""
-        session, output = running.session, running.output
+        rounds, output = running.rounds, running.output
         kept = output.add(running.resumed)
         if running.left_behind is not None:
-            session.release_left_behind(running.left_behind)
+            rounds.release_left_behind(running.left_behind)
             await running.journal.commit(kept, sessions={})  # the resumed request, running here now
         if caught_up := self._message(running, kept):
             yield caught_up
         if not output.finish:
             with tracer.start_as_current_span("prefill"):
-                await session.prefill(open_draft=self._opens_draft_at_once(running.policy, running.resolved))
+                await rounds.prefill(open_draft=self._opens_draft_at_once(running.policy, running.resolved))
         running.metrics.prefill_ms = ms_since(running.metrics.start)
         while not output.finish:
             with tracer.start_as_current_span("round") as span:
-                new, record = await session.step(running.policy, output.remaining - 1)
+                new, record = await rounds.step(running.policy, output.remaining - 1)
                 kept = output.add(new)
                 if span.is_recording():
                     span.set_attributes(round_attributes(record, len(kept)))
             running.metrics.rounds.append(record)
             self.metrics.observe_round(record, len(kept))
-            await running.journal.commit(kept, session.open_sessions())  # stored before the client has them
+            await running.journal.commit(kept, rounds.open_sessions())  # stored before the client has them
             if response := self._message(running, kept):
                 yield response
 
@@ -279,17 +281,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _close(self, running: RunningRequest, outcome: str) -> None:
         """Releases the request's sessions and stores its outcome, in the background."""
-        session = running.session
-        self._background.run(session.release())
+        rounds = running.rounds
+        self._background.run(rounds.release())
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
-        self.metrics.observe_faults(session.draft_failures, session.verify.rebuilds)
+        self.metrics.observe_faults(rounds.draft_failures, rounds.verify.rebuilds)
         if running.policy:
             self.adaptive.remember(running.policy)
             self._background.run(self._save_priors(running.target))
 
     def _request_metrics(self, running: RunningRequest) -> coordinator_pb2.RequestMetrics:
         """The final message's metrics (also the Prometheus request histograms and span attributes)."""
-        resolved, session, num_resumed = running.resolved, running.session, len(running.resumed)
+        resolved, rounds, num_resumed = running.resolved, running.rounds, len(running.resumed)
         final = running.metrics.to_proto(
             len(running.output.generated) - num_resumed,
             seed=resolved.sampling.seed,
@@ -297,8 +299,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             num_speculative_tokens=resolved.num_speculative_tokens,
             adaptive=resolved.adaptive,
             num_resumed_tokens=num_resumed,
-            num_draft_failures=session.draft_failures,
-            num_verify_rebuilds=session.verify.rebuilds,
+            num_draft_failures=rounds.draft_failures,
+            num_verify_rebuilds=rounds.verify.rebuilds,
         )
         self.metrics.observe_request(final)
         request_span = trace.get_current_span()
@@ -329,7 +331,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @staticmethod
     def _opens_draft_at_once(policy: AdaptiveK | None, resolved) -> bool:
         """Whether the draft session is prefilled alongside the target's: always under a fixed K
-        or sampling (see :meth:`SpeculativeSession.prefill`); under adaptive K and greedy decoding
+        or sampling (see :meth:`RequestRounds.prefill`); under adaptive K and greedy decoding
         only if the first round would use the drafter, else when a later one would."""
         return policy is None or not resolved.sampling.greedy or policy.wants_drafter(None)
 

@@ -106,7 +106,7 @@ class CoordinatorSettings(ServiceSettings):
         "many seconds, then tries it again, seconds.",
     )
     redis_url: str = Field(
-        "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the session store shared by the "
+        "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the request store shared by the "
         "coordinator replicas (redis://host:6379/0; rediss:// for TLS); empty: a store inside this process.",
     )
     redis_tls_ca_file: str = Field(
@@ -128,7 +128,7 @@ class CoordinatorSettings(ServiceSettings):
         "Re-read when the file changes (new connections).",
     )
     internal_tls_key_file: str = Field("", description="PEM private key of internal_tls_cert_file.")
-    request_ttl_s: float = Field(3600.0, description="How long the session store keeps a request after its last write (resumable that long), seconds.")
+    request_ttl_s: float = Field(3600.0, description="How long the request store keeps a request after its last write (resumable that long), seconds.")
 
     @model_validator(mode="after")
     def _read_api_key_file(self):

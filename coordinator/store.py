@@ -1,4 +1,4 @@
-"""The coordinator's session store: every request's parameters, model identities, committed token
+"""The coordinator's request store: every request's parameters, model identities, committed token
 ids, status and timestamps, so that any coordinator replica can resume it; and the acceptance
 estimates per (drafter, target) that warm-start adaptive K on every replica.
 
@@ -44,7 +44,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 
 class StoreUnavailable(Unavailable):
-    """The session store could not be reached."""
+    """The request store could not be reached."""
 
 
 @dataclass
@@ -95,7 +95,7 @@ class StoredRequest:
         )
 
 
-class SessionStore(abc.ABC):
+class RequestStore(abc.ABC):
     """Where requests and acceptance estimates live. Every method may raise StoreUnavailable."""
 
     def __init__(self, ttl_s: float):
@@ -132,7 +132,7 @@ class SessionStore(abc.ABC):
         """Closes the connection, if any."""
 
 
-class MemoryStore(SessionStore):
+class MemoryStore(RequestStore):
     """The store inside this process (no Redis). Never raises."""
 
     def __init__(self, ttl_s: float):
@@ -187,7 +187,7 @@ def _without_password(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
-class RedisStore(SessionStore):
+class RedisStore(RequestStore):
     """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, a password
     as ``rediss://:PASSWORD@host:port/db``), shared by every coordinator replica. ``errors``: a
     prometheus_client Counter with an ``operation`` label. ``ssl_options``: redis-py's ``ssl_*``
@@ -211,16 +211,16 @@ class RedisStore(SessionStore):
         """Awaits ``make_call()``; a Redis failure becomes StoreUnavailable (logged, counted)."""
         if time.monotonic() < self._down_until:
             self.errors.labels(operation).inc()
-            raise StoreUnavailable(f"the session store at {self.url} failed less than {self.retry_after_s:g} s ago")
+            raise StoreUnavailable(f"the request store at {self.url} failed less than {self.retry_after_s:g} s ago")
         try:
             return await asyncio.wait_for(make_call(), self.timeout_s)
         except (redis.RedisError, OSError, TimeoutError) as err:
             if time.monotonic() >= self._down_until:
-                log.error("session store at %s failed on %s: %s: %s; requests go on from memory",
+                log.error("request store at %s failed on %s: %s: %s; requests go on from memory",
                           self.url, operation, type(err).__name__, err)
             self._down_until = time.monotonic() + self.retry_after_s
             self.errors.labels(operation).inc()
-            raise StoreUnavailable(f"the session store at {self.url} failed: {err!r}") from None
+            raise StoreUnavailable(f"the request store at {self.url} failed: {err!r}") from None
 
     @staticmethod
     def _keys(request_id: str) -> tuple[str, str]:
@@ -297,7 +297,7 @@ class RequestJournal:
     counts it): the request goes on from memory, and the first write after the store answers again
     writes the whole record, so a restarted, empty Redis gets it back."""
 
-    store: SessionStore
+    store: RequestStore
     record: StoredRequest
     _stored: int | None = None  # tokens the store holds; None: the whole record must be written
 

@@ -1,8 +1,8 @@
 """The coordinator's gRPC clients of its upstream services, the draft service and the verify
-replicas, with deadlines on every call and a shared view of which verify replicas failed recently;
-over TLS (mutual TLS with a client certificate) when given credentials
+replicas, with deadlines on every call; over TLS (mutual TLS with a client certificate) when given credentials
 (:func:`specdec.tls.reloading_channel_credentials`). The public client of the coordinator itself
-is :mod:`coordinator.client`."""
+is :mod:`coordinator.client`; which verify replica to call is :mod:`coordinator.failover`'s
+concern."""
 
 import asyncio
 import collections
@@ -11,10 +11,10 @@ import time
 
 import grpc
 
-from specdec.errors import SpecdecError, Unavailable, from_rpc_error
+from specdec.errors import Unavailable, from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
-from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 # A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -68,8 +68,8 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, options:
 class ServiceClients:
     """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
     call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
-    address. A verify replica that failed is tried last for ``replica_down_s`` seconds; the draft
-    service, once it failed to answer in time or at all, is not asked for ``draft_down_s`` seconds
+    address. The draft service, once it failed to answer in time or at all, is not asked for
+    ``draft_down_s`` seconds
     (:meth:`draft_down`). Propose calls have the deadline ``propose_deadline`` (default: the
     ``rpc_timeout_s``); messages are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
     plaintext; when its files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new
@@ -78,20 +78,18 @@ class ServiceClients:
 
     def __init__(
         self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
-        replica_down_s: float = 5.0, tls: Reloading[grpc.ChannelCredentials] | None = None,
+        tls: Reloading[grpc.ChannelCredentials] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES, propose_deadline: ProposeDeadline | None = None,
         draft_down_s: float = 2.0,
     ):
         if not verify_addresses:
             raise ValueError("no verify service address: set --verify-addresses")
         self.draft_address, self.verify_addresses = draft_address, list(verify_addresses)
-        self.rpc_timeout_s, self.prefill_timeout_s, self.replica_down_s = rpc_timeout_s, prefill_timeout_s, replica_down_s
+        self.rpc_timeout_s, self.prefill_timeout_s = rpc_timeout_s, prefill_timeout_s
         self._options = [*grpc_options(max_message_bytes), *RECONNECT_OPTIONS]
         self._tls, self._tls_checked = tls, time.monotonic()
         self._retiring: set[asyncio.Task] = set()  # old channels closing once their calls finish
         self._connect(tls.value if tls else None)
-        self._down_until = [0.0] * len(self.verify)
-        self._next = 0
         self.propose_deadline = propose_deadline or ProposeDeadline(rpc_timeout_s, 1.0, rpc_timeout_s)
         self.draft_down_s, self._draft_down_until = draft_down_s, 0.0
 
@@ -160,29 +158,5 @@ class ServiceClients:
         self._follow_certificate()
         return await self._call(getattr(self.verify[replica], method), request, where, timeout)
 
-    def replica_order(self) -> list[int]:
-        """Every verify replica, round robin from one call to the next, those that failed in the
-        last ``replica_down_s`` seconds last."""
-        n = len(self.verify)
-        start, self._next = self._next, (self._next + 1) % n
-        order = [(start + i) % n for i in range(n)]
-        now = time.monotonic()
-        return sorted(order, key=lambda i: self._down_until[i] > now)
-
-    def mark_down(self, replica: int) -> None:
-        """Records that a verify replica failed a call."""
-        self._down_until[replica] = time.monotonic() + self.replica_down_s
-
     async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
         return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
-
-    async def verify_info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
-        """GetInfo of the first replica that answers. Raises the last replica's error if none does."""
-        error = None
-        for replica in self.replica_order():
-            try:
-                return await self.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
-            except SpecdecError as err:  # another replica may answer
-                error = err
-                self.mark_down(replica)
-        raise error

@@ -3,7 +3,8 @@
 Terms (as vLLM's): a *sequence* is one session's KV in the model's shared KV store, named by a
 ``seq_id``; a *step* is one forward of the model over the new tokens of every sequence in the
 batch (ragged: each sequence brings its own number of tokens: K + 1 for a verify, 1 for a decode,
-a chunk of a prefill); its *batched tokens* are their sum.
+a chunk of a prefill); its *batched tokens* are their sum. A holder of a BatchedLM calls it ``lm``,
+and of one session's sequence in it (:class:`specdec.kv.SequenceKV`) ``kv_cache``.
 
 A sequence's cached length only changes by appending in :meth:`BatchedLM.forward` and by
 :meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy).

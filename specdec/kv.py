@@ -1,4 +1,4 @@
-"""KV-cached causal-LM state for one session, with rollback.
+"""One session's KV cache in a batched causal LM, with rollback.
 
 The bookkeeping rule shared by the draft and the verify side: ``cached_tokens`` lists the tokens
 whose keys and values are in the cache. Before each step the cache is cropped to the longest
@@ -6,6 +6,13 @@ common prefix of ``cached_tokens`` and the committed tokens, and never holds the
 token, whose logits the next step needs. Rejected draft positions therefore vanish at the next
 reconcile, and the next logits equal those of a fresh prefill of the committed prefix (invariant
 *KV consistency*, docs/architecture.md#invariants).
+
+Names, the same on the draft and the verify side: ``lm`` is a :class:`specdec.batching.BatchedLM`,
+a model together with the KV store its sequences share (``Target.lm``, a model drafter's ``lm``,
+``Engine.lm``, ``SequenceKV.lm``); ``kv_cache`` is a :class:`SequenceKV`, one session's KV cache:
+its sequence in an ``lm``'s KV store (``TargetSession.kv_cache``, ``ModelDraftSession.kv_cache``),
+whose size a session reports as ``kv_cache_bytes()``. ``model`` stays what transformers or
+llama.cpp load, or a model's name.
 
 Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`) and every
 ``rollback`` that drops cached positions; the engine adds the ``forward`` spans.
@@ -97,22 +104,22 @@ class PrefillWork(Work):
 
     is_prefill = True
 
-    def __init__(self, kv: SequenceKV, committed: Sequence[int]):
-        self.kv, self.seq_id, self.committed = kv, kv.seq_id, committed
+    def __init__(self, kv_cache: SequenceKV, committed: Sequence[int]):
+        self.kv_cache, self.seq_id, self.committed = kv_cache, kv_cache.seq_id, committed
 
     def next_step(self, budget: int) -> SequenceStep:
-        pending = self.kv.reconcile(self.committed)[:-1]
-        return self.kv.step(pending[:budget], num_logits=0)
+        pending = self.kv_cache.reconcile(self.committed)[:-1]
+        return self.kv_cache.step(pending[:budget], num_logits=0)
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
-        self.kv.appended(step)
-        return len(self.kv.cached_tokens) >= len(self.committed) - 1
+        self.kv_cache.appended(step)
+        return len(self.kv_cache.cached_tokens) >= len(self.committed) - 1
 
 
-def prefill(engine: Engine, kv: SequenceKV, committed: Sequence[int], timeout_s: float | None = None,
+def prefill(engine: Engine, kv_cache: SequenceKV, committed: Sequence[int], timeout_s: float | None = None,
             abandoned: Callable[[], bool] | None = None) -> None:
     """Caches ``committed`` but its last token through ``engine`` (``timeout_s`` and ``abandoned``
     as in :meth:`specdec.engine.Engine.run`), in a ``prefill`` span."""
     if len(committed) > 1:
         with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}):
-            engine.run(PrefillWork(kv, committed), timeout_s, abandoned)
+            engine.run(PrefillWork(kv_cache, committed), timeout_s, abandoned)

@@ -12,7 +12,8 @@ import torch
 from coordinator.client import generate
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
-from coordinator.rounds import SpeculativeSession
+from coordinator.failover import VerifyReplicas
+from coordinator.rounds import RequestRounds
 from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
 from specdec.sampling_params import SamplingParams
@@ -68,16 +69,16 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     tokens and the rounds' draft-ahead outcomes."""
     clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
-    session = SpeculativeSession(clients, f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
+    rounds = RequestRounds(clients, VerifyReplicas(clients), f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
     generated, outcomes = [], []
     try:
-        await session.prefill()
+        await rounds.prefill()
         while len(generated) < MAX_NEW:
-            new, record = await session.step(None, MAX_NEW - len(generated) - 1)
+            new, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
             generated += new
             outcomes.append(record.draft_ahead)
     finally:
-        await session.release()
+        await rounds.release()
         await clients.close()
     return generated, outcomes
 

@@ -8,7 +8,8 @@ import pytest
 
 from coordinator.client import generate
 from coordinator.request import ResolvedRequest
-from coordinator.rounds import SpeculativeSession
+from coordinator.failover import VerifyReplicas
+from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.upstream import ServiceClients
 from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
@@ -113,15 +114,15 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
-        session = SpeculativeSession(clients, f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
-        await session.prefill()
+        rounds = RequestRounds(clients, VerifyReplicas(clients), f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
+        await rounds.prefill()
         generated: list[int] = []
         try:
             while len(generated) < MAX_NEW:
-                new, _ = await session.step(RandomPolicy(), MAX_NEW)
+                new, _ = await rounds.step(RandomPolicy(), MAX_NEW)
                 generated.extend(new)
         finally:
-            await session.release()
+            await rounds.release()
         return generated[:MAX_NEW]
 
     async def run_all():

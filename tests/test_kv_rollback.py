@@ -28,7 +28,7 @@ def test_verify_side_rollback_matches_fresh_prefill(tiny_target, plain_target_mo
         n, _ = session.verify([own, *wrong_tail], None)
         assert n >= 1
         rounds += 1
-        assert len(session.kv.cached_tokens) == len(session.committed) - 1
+        assert len(session.kv_cache.cached_tokens) == len(session.committed) - 1
         assert torch.allclose(session.next_logits()[0], fresh_next_logits(plain_target_model, session.committed), atol=1e-4)
     assert rounds == 4
 
@@ -42,7 +42,7 @@ def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters, tiny_m
         proposal = session.propose(4)
         correction = (proposal.tokens[accepted] + 1) % 49152 if accepted < 4 else 42
         session.sync([*proposal.tokens[:accepted], correction])  # the rest was rejected
-        next_logits = session.kv.extend(session.kv.reconcile(session.committed))[-1]
+        next_logits = session.kv_cache.extend(session.kv_cache.reconcile(session.committed))[-1]
         expected = fresh_next_logits(reference, session.committed)
         assert torch.allclose(next_logits, expected, atol=1e-4)
 
@@ -63,15 +63,15 @@ def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):
         other.propose(2)
         correction = (proposal.tokens[accepted] + 1) % 49152 if accepted < 4 else 42
         session.sync([*proposal.tokens[:accepted], correction])
-        next_logits = session.kv.extend(session.kv.reconcile(session.committed))[-1]
+        next_logits = session.kv_cache.extend(session.kv_cache.reconcile(session.committed))[-1]
         fresh = llama_cpp_drafter.new_session(SamplingParams())
         fresh.prefill(session.committed)
-        expected = fresh.kv.extend(fresh.kv.reconcile(fresh.committed))[-1]
+        expected = fresh.kv_cache.extend(fresh.kv_cache.reconcile(fresh.committed))[-1]
         fresh.close()
         # The sequence's KV holds exactly the committed positions: nothing rejected survives.
         memory = llama_cpp.llama_get_memory(lm.ctx)
-        assert llama_cpp.llama_memory_seq_pos_max(memory, lm.llama_seq(session.kv.seq_id)) == len(session.committed) - 1
-        assert lm.length(session.kv.seq_id) == len(session.committed)
+        assert llama_cpp.llama_memory_seq_pos_max(memory, lm.llama_seq(session.kv_cache.seq_id)) == len(session.committed) - 1
+        assert lm.length(session.kv_cache.seq_id) == len(session.committed)
         # A cache left with rejected tokens is off by 10 or more on SmolLM2's logits (|logit| ~ 27); the
         # CPU build gives identical logits here, other kernels may round batched steps differently.
         assert int(next_logits.argmax()) == int(expected.argmax())

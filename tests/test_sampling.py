@@ -4,7 +4,7 @@ round code and services generates exactly the target's distribution.
 The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
 tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first two
 generated tokens is enumerated from the target; many seeded requests run through the
-coordinator's round code (:meth:`coordinator.rounds.SpeculativeSession.step`, one round at a
+coordinator's round code (:meth:`coordinator.rounds.RequestRounds.step`, one round at a
 time, under an adaptive policy) against real draft and verify services
 over gRPC, and must match it by a chi-square test at significance 0.001. The one case covers the
 rest of the path: temperature, top-k and top-p applied on both sides; the model drafter's
@@ -26,10 +26,11 @@ import torch
 
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.failover import VerifyReplicas
 from coordinator.upstream import ServiceClients
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
-from coordinator.rounds import SpeculativeSession
+from coordinator.rounds import RequestRounds
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
@@ -121,20 +122,20 @@ def adaptive_policy() -> AdaptiveK:
     return AdaptiveK(K_MAX, "model", rates(), {NGRAM: [rates(), rates()]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
-async def pipeline_pair(clients: ServiceClients, params: SamplingParams, session_id: str) -> tuple[int, list[tuple[str, int]]]:
+async def pipeline_pair(clients: ServiceClients, params: SamplingParams, session_prefix: str) -> tuple[int, list[tuple[str, int]]]:
     """One request's rounds, as the coordinator runs them, until two tokens are committed; returns
     them as one index a * VOCAB + b, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
-    session = SpeculativeSession(clients, session_id, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
+    request_rounds = RequestRounds(clients, VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
     policy, rounds = adaptive_policy(), []
     try:
-        await session.prefill()
-        while len(session.committed) < len(PROMPT) + 2:
-            _, record = await session.step(policy, K_MAX)
+        await request_rounds.prefill()
+        while len(request_rounds.committed) < len(PROMPT) + 2:
+            _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))
     finally:
-        await session.release()
-    first, second = session.committed[len(PROMPT) : len(PROMPT) + 2]
+        await request_rounds.release()
+    first, second = request_rounds.committed[len(PROMPT) : len(PROMPT) + 2]
     return first * VOCAB + second, rounds
 
 

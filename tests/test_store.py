@@ -1,4 +1,4 @@
-"""The session store, in Redis and in the process, behind one interface; the request journal that
+"""The request store, in Redis and in the process, behind one interface; the request journal that
 keeps a request's record there and writes it whole again after Redis comes back empty; and the
 text a resumed stream sends."""
 

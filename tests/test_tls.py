@@ -29,6 +29,7 @@ from coordinator.client import generate
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
+from coordinator.failover import VerifyReplicas
 from coordinator.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -219,13 +220,14 @@ def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, t
 
     async def run() -> None:
         clients = ServiceClients(tls_pipeline["draft"], [tls_pipeline["verify"]], 10, 10, tls=tls)
+        replicas = VerifyReplicas(clients)
         try:
             assert (await clients.draft_info()).drafters
             files.leaf(trustme.CA().issue_cert("specdec-coordinator"), "coordinator")
             with pytest.raises(Unavailable):
-                await clients.verify_info()
+                await replicas.info()
             files.leaf(ca.issue_cert("specdec-coordinator"), "coordinator")
-            assert (await clients.verify_info()).model
+            assert (await replicas.info()).model
         finally:
             await clients.close()
 

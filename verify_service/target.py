@@ -101,10 +101,10 @@ class Target:
 
     def _decode_all(self, sessions: list["TargetSession"]) -> None:
         """One step with one new token for every session (rolled back after)."""
-        steps = [session.kv.step(session.kv.reconcile(session.committed)) for session in sessions]
+        steps = [session.kv_cache.step(session.kv_cache.reconcile(session.committed)) for session in sessions]
         self.lm.forward(steps)
         for session, step in zip(sessions, steps):
-            session.kv.appended(step)
+            session.kv_cache.appended(step)
             session.rollback()
 
     def new_session(
@@ -136,15 +136,15 @@ class _Score(Work):
     float32 logits. Subclasses test and commit instead."""
 
     def __init__(self, session: "TargetSession", draft_tokens: Sequence[int]):
-        self.session, self.seq_id = session, session.kv.seq_id
+        self.session, self.seq_id = session, session.kv_cache.seq_id
         self.draft_tokens = list(draft_tokens)
 
     def next_step(self, budget: int) -> SequenceStep:
-        kv = self.session.kv
-        return kv.step([*kv.reconcile(self.session.committed), *self.draft_tokens], num_logits=len(self.draft_tokens) + 1)
+        kv_cache = self.session.kv_cache
+        return kv_cache.step([*kv_cache.reconcile(self.session.committed), *self.draft_tokens], num_logits=len(self.draft_tokens) + 1)
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
-        self.session.kv.appended(step)
+        self.session.kv_cache.appended(step)
         self.result = self.take(logits)
         return True
 
@@ -182,7 +182,7 @@ class TargetSession:
         self.target = target
         self.sampling = sampling
         self.committed: list[int] = []
-        self.kv = SequenceKV(target.lm)
+        self.kv_cache = SequenceKV(target.lm)
         self.last_step = StepStats()
 
     def _run(self, work: Work, timeout_s: float | None, abandoned: Callable[[], bool] | None):
@@ -191,7 +191,7 @@ class TargetSession:
 
     def prefill(self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None) -> None:
         self.committed = list(committed)
-        prefill(self.target.engine, self.kv, self.committed, timeout_s, abandoned)
+        prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned)
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
         """``[len(draft_tokens) + 1, V]`` float32 logits after the committed prefix and after each
@@ -220,7 +220,7 @@ class TargetSession:
 
     def rollback(self) -> None:
         """Drops cached positions past the committed prefix (rejected drafts)."""
-        self.kv.reconcile(self.committed)
+        self.kv_cache.reconcile(self.committed)
 
     def _check(self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None) -> None:
         k, target = len(draft_tokens), self.target
@@ -245,8 +245,8 @@ class TargetSession:
                 )
 
     def kv_cache_bytes(self) -> int:
-        return self.kv.cache_bytes()
+        return self.kv_cache.cache_bytes()
 
     def close(self) -> None:
-        self.target.engine.forget(self.kv.seq_id)
-        self.kv.close()
+        self.target.engine.forget(self.kv_cache.seq_id)
+        self.kv_cache.close()

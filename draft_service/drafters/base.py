@@ -121,7 +121,7 @@ class _Propose(Work):
     proposal drafted ahead is the one a plain proposal after the same committed tokens draws."""
 
     def __init__(self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = ()):
-        self.session, self.seq_id, self.k = session, session.kv.seq_id, k
+        self.session, self.seq_id, self.k = session, session.kv_cache.seq_id, k
         self.context = [*session.committed, *predicted]
         self.bonus: int | None = None  # the guessed bonus token, drafting ahead
         self.guess_bonus = bool(predicted)
@@ -133,11 +133,11 @@ class _Propose(Work):
         self.generator = None if sampling.greedy else round_generator(sampling.seed, first, "draft")
 
     def next_step(self, budget: int) -> SequenceStep:
-        kv = self.session.kv
-        return kv.step(self.chosen[-1:] if self.chosen else kv.reconcile(self.context, len(self.session.committed)))
+        kv_cache = self.session.kv_cache
+        return kv_cache.step(self.chosen[-1:] if self.chosen else kv_cache.reconcile(self.context, len(self.session.committed)))
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
-        self.session.kv.appended(step)
+        self.session.kv_cache.appended(step)
         sampling = self.session.sampling
         if self.guess_bonus and self.bonus is None:
             self.bonus = int(logits[-1].argmax())
@@ -166,17 +166,17 @@ class ModelDraftSession(DraftSession):
     proposal, and the round becomes a plain decode step on the verify service.
     """
 
-    def __init__(self, sampling: SamplingParams, kv: SequenceKV, window: int, engine: Engine):
+    def __init__(self, sampling: SamplingParams, kv_cache: SequenceKV, window: int, engine: Engine):
         super().__init__(sampling)
-        self.kv = kv
+        self.kv_cache = kv_cache
         self.window = window
         self.engine = engine
-        self.vocab_size = kv.lm.vocab_size
+        self.vocab_size = kv_cache.lm.vocab_size
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
         if len(self.committed) < self.window:
-            prefill(self.engine, self.kv, self.committed)
+            prefill(self.engine, self.kv_cache, self.committed)
 
     def propose(self, k: int) -> Proposal:
         if len(self.committed) + k > self.window:
@@ -192,8 +192,8 @@ class ModelDraftSession(DraftSession):
         return proposal
 
     def kv_cache_bytes(self) -> int:
-        return self.kv.cache_bytes()
+        return self.kv_cache.cache_bytes()
 
     def close(self) -> None:
-        self.engine.forget(self.kv.seq_id)
-        self.kv.close()
+        self.engine.forget(self.kv_cache.seq_id)
+        self.kv_cache.close()

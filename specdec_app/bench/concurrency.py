@@ -80,10 +80,10 @@ from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_m
 from specdec_app.bench.run import BenchInputs, machine_info
 from specdec_app.launcher import free_port
 
-ADAPTIVE, PLAIN, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
-METHODS = (ADAPTIVE, PLAIN, SERVE)
+ADAPTIVE, PIPELINE_K0, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
+METHODS = (ADAPTIVE, PIPELINE_K0, SERVE)
 APIS = ("grpc", "openai")
-REFERENCE = PLAIN
+REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 WARM_UP_TOKENS = 16
 REQUEST_TIMEOUT_S = 1800.0
@@ -649,7 +649,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
                 cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs",
                                         http_port=free_port() if config.api == "openai" or config.load_generator else 0)
-            reference_client = PipelineClient(PLAIN, cluster.address("coordinator"), 0)
+            reference_client = PipelineClient(PIPELINE_K0, cluster.address("coordinator"), 0)
             clients += [_pipeline_client(method, cluster, config) for method in pipelines]
         if SERVE in config.methods:
             source = serve_model_source(config.target, config.dtype, console)

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from coordinator.client import Completion, stream
+from coordinator.metrics import PLAIN
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 from specdec_app.bench.measurement import Measurement
@@ -79,7 +80,7 @@ class PipelineMethod:
             num_accepted_tokens=metrics.num_accepted_draft_tokens, acceptance_histogram=list(metrics.acceptance_histogram),
             draft_ms=metrics.draft_time_ms, verify_ms=metrics.verify_time_ms, num_verify_rounds=metrics.num_target_forwards,
             coordination_ms=metrics.coordination_time_ms, wire_bytes=metrics.round_wire_bytes,
-            rounds_per_drafter={"plain": metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
+            rounds_per_drafter={PLAIN: metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
             draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),
             verify_costs=[[c.num_tokens, c.num_rounds, c.call_ms, c.forward_ms] for c in metrics.verify_costs],
