@@ -29,11 +29,17 @@ from starlette.exceptions import HTTPException
 from coordinator.auth import ApiKeys
 from coordinator.body_limit import BodyLimit
 from coordinator.client import FINISH_REASONS, Completion
+from coordinator.failover import VerifyReplicas
 from coordinator.openai_schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, StreamOptions, specdec_metrics, usage,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    StreamOptions,
+    specdec_metrics,
+    usage,
 )
 from coordinator.request import prompt_ids
-from coordinator.failover import VerifyReplicas
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.tls import ReloadingSSLContext

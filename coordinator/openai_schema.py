@@ -15,7 +15,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.client import Completion
-from specdec.errors import InvalidArgument, SpecdecError
+from specdec.errors import SpecdecError
 from specdec.v1 import coordinator_pb2
 
 HTTP_STATUS = {

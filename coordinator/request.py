@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.sampling_params import SamplingParams
 from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
-from specdec.sampling_params import SamplingParams
-from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.failover import VerifyReplicas, VerifySession
-from coordinator.upstream import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
+from coordinator.upstream import ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError
 from specdec.ngram import NgramIndex, NgramMatch
@@ -77,11 +77,12 @@ class RequestRounds:
     on a verify replica (:class:`coordinator.failover.VerifySession`); :meth:`step` runs a round.
 
     Args: ``clients`` the coordinator's upstream clients, ``replicas`` its verify replicas (both
-    shared by its requests); ``session_prefix`` begins the id of every session the request opens (``<prefix>.d1``,
-    ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the request's committed log (prompt plus generated tokens, when a
-    resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
-    lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while
-    this one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
+    shared by its requests); ``session_prefix`` begins the id of every session the request opens
+    (``<prefix>.d1``, ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the
+    request's committed log (prompt plus generated tokens, when a resumed request starts from
+    stored ones); ``lookups``: the coordinator's own model-free lookups by name (hybrid drafting
+    under adaptive K); ``draft_ahead``: draft the next round while this one verifies (a model
+    drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(

@@ -10,37 +10,47 @@ import contextlib
 import logging
 import signal
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
 from coordinator import request as request_validation
-from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.upstream import ProposeDeadline, ServiceClients
 from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
 from coordinator.prometheus import CoordinatorMetrics
+from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.resume import check_request_id, check_resume, check_same_target
 from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import (
-    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, RequestStore, StoredRequest,
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    MemoryStore,
+    RedisStore,
+    RequestJournal,
+    RequestStore,
+    StoredRequest,
     StoreUnavailable,
 )
 from coordinator.stream_limit import StreamLimit, peer_host
 from coordinator.tracing import request_attributes, round_attributes
+from coordinator.upstream import ProposeDeadline, ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.model_files import load_tokenizer
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramIndex
 from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -131,10 +141,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if self._draft_info is not None and self.clients.draft_down():
             return self._draft_info
         timeout = self.clients.propose_deadline.seconds(0) if self._draft_info is not None else None
-        try:
+        with contextlib.suppress(Unavailable):
             self._draft_info = await self.clients.draft_info(timeout)
-        except Unavailable:
-            pass
         return self._draft_info
 
     async def _resolve(self, request):
@@ -382,11 +390,12 @@ async def serve(
         settings.max_request_bytes,
     )
     metrics.serve(settings.host, settings.metrics_port)
+    stopping = BackgroundTasks()
 
     def shutdown():
         if http:
             http.stop_accepting()
-        asyncio.ensure_future(server.stop(SHUTDOWN_GRACE_S))
+        stopping.run(server.stop(SHUTDOWN_GRACE_S))
 
     if handle_signals:
         loop = asyncio.get_running_loop()

@@ -83,19 +83,19 @@ class CoordinatorSettings(ServiceSettings):
         "that it is ready when verification goes that way (hiding the draft's time); off: every round drafts "
         "after the previous one is verified.",
     )
-    ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under adaptive K) matches.")
+    ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under " "adaptive K) matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first).")
     num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")
     default_max_new_tokens: int = Field(128, description="max_new_tokens when a request sets none.")
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
-    rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Verify, Decode, GetInfo, Release), and the most a Propose deadline may grow to, seconds.")
+    rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Verify, Decode, GetInfo, " "Release), and the most a Propose deadline may grow to, seconds.")
     propose_timeout_floor_s: float = Field(
         0.25, gt=0, description="Least deadline of a Propose call, seconds. Each Propose gets propose_timeout_factor "
         "times the slowest of the last 64 Propose round trips (scaled to the tokens it processes), at least this; a "
         "draft that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a "
         "request about this long, not rpc_timeout_s.",
     )
-    propose_timeout_factor: float = Field(3.0, ge=1, description="Propose deadline as a multiple of the slowest recent Propose round trip (see propose_timeout_floor_s).")
+    propose_timeout_factor: float = Field(3.0, ge=1, description="Propose deadline as a multiple of the slowest recent Propose round trip (see " "propose_timeout_floor_s).")
     prefill_timeout_s: float = Field(120.0, description="Deadline of each Prefill call, seconds.")
     failover_timeout_s: float = Field(
         60.0, description="How long a request whose verify replica failed keeps trying to rebuild its session "

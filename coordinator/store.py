@@ -128,7 +128,7 @@ class RequestStore(abc.ABC):
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
         """Replaces the rates of the drafters in ``priors`` for ``target``."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (a no-op unless there is a connection: MemoryStore has none)
         """Closes the connection, if any."""
 
 

@@ -16,17 +16,18 @@ import sys
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: import the services from this checkout
-    sys.path.insert(0, str(ROOT))
-
 import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliSettingsSource
 
-from coordinator.settings import CoordinatorSettings
-from draft_service.settings import DraftSettings
-from verify_service.settings import VerifySettings
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: import the services from this checkout
+    sys.path.insert(0, str(ROOT))
+
+# after the path is set (E402): these come from this checkout, not an installed copy
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from draft_service.settings import DraftSettings  # noqa: E402
+from verify_service.settings import VerifySettings  # noqa: E402
 
 PAGE = ROOT / "docs" / "settings.md"
 COMMAND = ".venv/bin/python scripts/settings_docs.py"

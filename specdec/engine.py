@@ -248,14 +248,14 @@ class Engine:
         num_tokens = sum(len(step.token_ids) for step in steps)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
         outcomes = []
-        for (entry, step), rows in zip(batch, logits):
+        for (entry, step), rows in zip(batch, logits, strict=True):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
             attributes = {"specdec.num_tokens": len(step.token_ids), "specdec.batch_size": len(batch), "specdec.num_batched_tokens": num_tokens}
             tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
             try:
                 done = entry.call(entry.work.finish_step, step, rows)
-            except Exception as err:  # noqa: BLE001 (handed to the caller)
+            except Exception as err:  # any failure is handed to the caller
                 outcomes.append((entry, err))
                 continue
             if done:

@@ -61,7 +61,7 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     layer = module.layer_idx
     window = getattr(module, "sliding_window", None)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for slot, start, count in zip(ragged.slots, ragged.offsets, ragged.counts):
+    for slot, start, count in zip(ragged.slots, ragged.offsets, ragged.counts, strict=True):
         end, cached = start + count, slot.length
         slot.kv[layer, 0, :, cached : cached + count] = key[0, :, start:end]
         slot.kv[layer, 1, :, cached : cached + count] = value[0, :, start:end]
@@ -128,11 +128,11 @@ class RaggedLM(BatchedLM):
             slots = [self._slots.get(step.seq_id) or _Slot(self._new_kv(MIN_CAPACITY)) for step in steps]
         counts = [len(step.token_ids) for step in steps]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
-        for slot, count in zip(slots, counts):
+        for slot, count in zip(slots, counts, strict=True):
             self._reserve(slot, slot.length + count)
         tokens = [t for step in steps for t in step.token_ids]
-        positions = [p for slot, count in zip(slots, counts) for p in range(slot.length, slot.length + count)]
-        keep = [offset + count - step.num_logits + i for step, offset, count in zip(steps, offsets, counts) for i in range(step.num_logits)]
+        positions = [p for slot, count in zip(slots, counts, strict=True) for p in range(slot.length, slot.length + count)]
+        keep = [offset + count - step.num_logits + i for step, offset, count in zip(steps, offsets, counts, strict=True) for i in range(step.num_logits)]
         device = self._device
         with torch.inference_mode():
             out = self.model(
@@ -142,7 +142,7 @@ class RaggedLM(BatchedLM):
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 ragged=_Layout(slots, offsets, counts),
             )
-        for slot, count in zip(slots, counts):
+        for slot, count in zip(slots, counts, strict=True):
             slot.length += count
         logits = out.logits[0].float().cpu()
         return list(logits.split([step.num_logits for step in steps]))

@@ -5,7 +5,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import grpc
 import typer
@@ -102,9 +102,9 @@ def up(
     coordinator_metrics_port: Annotated[int, typer.Option(help="Coordinator Prometheus /metrics port; 0 = off.")] = 9091,
     draft_metrics_port: Annotated[int, typer.Option(help="Draft service Prometheus /metrics port; 0 = off.")] = 9092,
     verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
-    tls: Annotated[bool, typer.Option(help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the coordinator's links to the draft and verify services over mutual TLS, and print the CA file's path.")] = False,
-    tls_dir: Annotated[Optional[Path], typer.Option(help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, server-key.pem, client.pem, client-key.pem; default: a new temporary directory).")] = None,
-    restart_backoff_s: Annotated[float, typer.Option(help="Seconds before a service that exited is started again; doubled for each restart in a row, up to 30 s.", min=0.0)] = 1.0,
+    tls: Annotated[bool, typer.Option(help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the " "coordinator's links to the draft and verify services over mutual TLS, and print the CA " "file's path.")] = False,
+    tls_dir: Annotated[Path | None, typer.Option(help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, " "server-key.pem, client.pem, client-key.pem; default: a new temporary directory).")] = None,
+    restart_backoff_s: Annotated[float, typer.Option(help="Seconds before a service that exited is started again; doubled for each restart in a row, " "up to 30 s.", min=0.0)] = 1.0,
     max_restarts_per_minute: Annotated[int, typer.Option(help="Restarts of one service in any 60 s after which it is left down (the others keep serving).", min=0)] = 5,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
@@ -114,9 +114,9 @@ def up(
     serving meanwhile. Only Ctrl-C or SIGTERM stops them all."""
     import tempfile
 
+    from specdec.telemetry import configure_logging
     from specdec_app.launcher import RestartPolicy, Supervisor
     from specdec_app.local_ca import write_local_certificates
-    from specdec.telemetry import configure_logging
 
     if tls_dir is not None and not tls:
         stderr.print("[red]error: --tls-dir applies with --tls[/red]")
@@ -215,25 +215,25 @@ def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = Fa
 
 @app.command()
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="The user message (or raw text with --raw); none when resuming.")] = None,
+    prompt: Annotated[str | None, typer.Argument(help="The user message (or raw text with --raw); none when resuming.")] = None,
     coordinator: Annotated[str, typer.Option(help="Coordinator host:port.")] = "127.0.0.1:50051",
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to generate at most (default 128).")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default).")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="0 = off (default).")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="In (0, 1]; 1 = off (default).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")] = None,
-    drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers, ngram or suffix.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to generate at most (default 128).")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="0 = off (default).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="In (0, 1]; 1 = off (default).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    num_speculative_tokens: Annotated[int | None, typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")] = None,
+    drafter: Annotated[str | None, typer.Option(help="llama-cpp, transformers, ngram or suffix.")] = None,
     raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
-    request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
-    resume_from: Annotated[Optional[int], typer.Option(help="Resume --request-id after this many received tokens.")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there).")] = None,
-    tls: Annotated[bool, typer.Option(help="Connect over TLS, checking the coordinator's certificate against the system's roots (implied by --tls-ca).")] = False,
-    tls_ca: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CA", help="PEM CA bundle the coordinator's certificate is checked against (specdec up --tls prints its CA file); connects over TLS.")] = None,
-    tls_cert: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CERT", help="PEM client certificate, when the coordinator asks for one (its --tls-client-ca-file), with --tls-key.")] = None,
-    tls_key: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_KEY", help="PEM private key of --tls-cert.")] = None,
+    request_id: Annotated[str | None, typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
+    resume_from: Annotated[int | None, typer.Option(help="Resume --request-id after this many received tokens.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there).")] = None,
+    tls: Annotated[bool, typer.Option(help="Connect over TLS, checking the coordinator's certificate against the system's roots " "(implied by --tls-ca).")] = False,
+    tls_ca: Annotated[Path | None, typer.Option(envvar="SPECDEC_TLS_CA", help="PEM CA bundle the coordinator's certificate is checked against (specdec up --tls prints " "its CA file); connects over TLS.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(envvar="SPECDEC_TLS_CERT", help="PEM client certificate, when the coordinator asks for one (its --tls-client-ca-file), " "with --tls-key.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(envvar="SPECDEC_TLS_KEY", help="PEM private key of --tls-cert.")] = None,
 ) -> None:
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
@@ -276,7 +276,7 @@ def demo(
     prompt: Annotated[str, typer.Argument(help="The user message.")] = DEMO_PROMPT,
     num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k")] = 4,
     max_new_tokens: Annotated[int, typer.Option()] = 128,
-    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key to send (default: the first key the demo's coordinator is given by SPECDEC_API_KEYS, SPECDEC_COORDINATOR_API_KEYS or SPECDEC_COORDINATOR_API_KEY_FILE; none when it has none).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="SPECDEC_API_KEY", help="API key to send (default: the first key the demo's coordinator is given by " "SPECDEC_API_KEYS, SPECDEC_COORDINATOR_API_KEYS or SPECDEC_COORDINATOR_API_KEY_FILE; none " "when it has none).")] = None,
 ) -> None:
     """The main job: start the three services on free ports with the default models, stream one
     completion through them, print it with its acceptance metrics, stop the services. The
@@ -308,23 +308,23 @@ SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")
 @app.command()
 def bench(
     questions: Annotated[Path, typer.Option(help="Question file in the Spec-Bench JSONL schema.")] = SPEC_BENCH,
-    categories: Annotated[Optional[str], typer.Option(help="Comma-separated categories (default: all in the file).")] = None,
+    categories: Annotated[str | None, typer.Option(help="Comma-separated categories (default: all in the file).")] = None,
     limit: Annotated[int, typer.Option(help="Prompts per category (the first N of each).")] = 10,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt, the same for every method.")] = 128,
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
-    pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
-    hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
-    placement: Annotated[Optional[list[str]], typer.Option(help="shared (default): every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: each placement gets its own services and every pipeline runs on each in the same run (methods named <method>@<placement>). Batch-1 benchmark only.")] = None,
+    pipeline: Annotated[list[str] | None, typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 " "ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
+    hf_k: Annotated[list[int] | None, typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
+    placement: Annotated[list[str] | None, typer.Option(help="shared (default): every process on every core; split: the draft service pinned to one CPU " "and the verify service to another (one thread each), emulating a draft on its own device; " "plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: " "each placement gets its own services and every pipeline runs on each in the same run " "(methods named <method>@<placement>). Batch-1 benchmark only.")] = None,
     target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
     draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
     out: Annotated[Path, typer.Option(help="Directory for report.json, report.md, speedup.png and service logs.")] = Path("bench-out"),
-    concurrency: Annotated[Optional[str], typer.Option(help="Load mode: comma-separated client counts N, e.g. 1,4,16,32 (the protocol's list). N closed-loop clients per cell, each sending its next prompt when the previous one finishes; methods pipeline/adaptive, pipeline/K=0 and transformers-serve (transformers serve --continuous-batching). Writes report-concurrency.json, report-concurrency.md and concurrency.png instead of the batch-1 reports.")] = None,
-    requests_per_client: Annotated[Optional[int], typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell).")] = None,
-    methods: Annotated[Optional[str], typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, transformers-serve (default all).")] = None,
-    drafter: Annotated[Optional[str], typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or ngram; default llama-cpp).")] = None,
-    api: Annotated[Optional[str], typer.Option(help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as transformers serve).")] = None,
-    load_generator: Annotated[Optional[str], typer.Option(help="With --concurrency: after the cells, also load every method's OpenAI-compatible endpoint (the coordinator's HTTP API, transformers serve's) with this third-party load generator at each N, the cells' prompts, request count and max tokens: guidellm. Its figures go into the reports.")] = None,
+    concurrency: Annotated[str | None, typer.Option(help="Load mode: comma-separated client counts N, e.g. 1,4,16,32 (the protocol's list). N " "closed-loop clients per cell, each sending its next prompt when the previous one " "finishes; methods pipeline/adaptive, pipeline/K=0 and transformers-serve (transformers " "serve --continuous-batching). Writes report-concurrency.json, report-concurrency.md and " "concurrency.png instead of the batch-1 reports.")] = None,
+    requests_per_client: Annotated[int | None, typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell).")] = None,
+    methods: Annotated[str | None, typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, " "transformers-serve (default all).")] = None,
+    drafter: Annotated[str | None, typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or " "ngram; default llama-cpp).")] = None,
+    api: Annotated[str | None, typer.Option(help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, " "default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as " "transformers serve).")] = None,
+    load_generator: Annotated[str | None, typer.Option(help="With --concurrency: after the cells, also load every method's OpenAI-compatible endpoint " "(the coordinator's HTTP API, transformers serve's) with this third-party load generator " "at each N, the cells' prompts, request count and max tokens: guidellm. Its figures go " "into the reports.")] = None,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -338,7 +338,7 @@ def bench(
     identity against pipeline/K=0 at N=1 per method and N."""
     if concurrency is not None:
         if pipeline or hf_k or placement:
-            stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to --concurrency[/red]")
+            stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to " "--concurrency[/red]")
             raise typer.Exit(1)
         _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
                            concurrency, requests_per_client, methods, drafter, api, load_generator)
@@ -374,7 +374,12 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
                        concurrency, requests_per_client, methods, drafter, api, load_generator=None) -> None:
     """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`."""
     from specdec_app.bench.concurrency import (
-        METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
+        METHODS,
+        REPORT_FILES,
+        ConcurrencyConfig,
+        parse_concurrency,
+        parse_methods,
+        run_concurrency,
     )
     from specdec_app.bench.report import concurrency_table, identity_table
 

@@ -45,7 +45,7 @@ def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
 
 
 def _certificate(subject: x509.Name, key, issuer: x509.Name, issuer_key, extensions) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))

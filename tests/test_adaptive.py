@@ -7,8 +7,10 @@ from coordinator.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveStat
 from coordinator.client import generate
 from coordinator.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixMatch
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramMatch
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixMatch
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 

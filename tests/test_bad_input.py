@@ -48,13 +48,11 @@ def test_bad_request_gets_its_status(tiny_pipeline, case, fields, code, message)
 
 
 def test_unknown_session_is_not_found_on_both_services(tiny_pipeline):
-    with grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            verify_pb2_grpc.VerifyServiceStub(channel).Verify(verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]), timeout=10)
+    with grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel, pytest.raises(grpc.RpcError) as caught:
+        verify_pb2_grpc.VerifyServiceStub(channel).Verify(verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]), timeout=10)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "prefill it again" in caught.value.details()
-    with grpc.insecure_channel(tiny_pipeline.draft_address, options=GRPC_OPTIONS) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            draft_pb2_grpc.DraftServiceStub(channel).Propose(draft_pb2.ProposeRequest(session_id="nope", num_speculative_tokens=2), timeout=10)
+    with grpc.insecure_channel(tiny_pipeline.draft_address, options=GRPC_OPTIONS) as channel, pytest.raises(grpc.RpcError) as caught:
+        draft_pb2_grpc.DraftServiceStub(channel).Propose(draft_pb2.ProposeRequest(session_id="nope", num_speculative_tokens=2), timeout=10)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     still_serving(tiny_pipeline.address)
 

@@ -10,12 +10,22 @@ import pytest
 from typer.testing import CliRunner
 
 from specdec_app.bench.concurrency import (
-    METHODS, RequestRecord, assigned_question, first_mismatch, interleave_categories, parse_concurrency,
-    parse_methods, token_at_char,
+    METHODS,
+    RequestRecord,
+    assigned_question,
+    first_mismatch,
+    interleave_categories,
+    parse_concurrency,
+    parse_methods,
+    token_at_char,
 )
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import (
-    concurrency_cell_stats, mean_k, merge_rounds_per_k, percentile, weighted_mean,
+    concurrency_cell_stats,
+    mean_k,
+    merge_rounds_per_k,
+    percentile,
+    weighted_mean,
 )
 from specdec_app.cli import app
 from tests.conftest import write_questions
@@ -203,7 +213,7 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
 
 def test_load_generator_section_and_options(tmp_path):
     """The report's guidellm section from hand-made runs (one failed), and the option's checks."""
-    from specdec_app.bench.load_generator import check_installed, markdown, scenario, LoadTarget
+    from specdec_app.bench.load_generator import LoadTarget, check_installed, markdown, scenario
 
     figures = {"num_completed": 8, "num_errored": 0, "num_incomplete": 0, "requests_per_second": 0.5,
                "output_tokens_per_second": 40.04, "ttft_ms_p50": 812.4, "ttft_ms_p99": 1500.0, "itl_ms_p50": 60.0,
@@ -231,9 +241,9 @@ def test_margin_at_the_first_difference(tiny_models):
     import torch
 
     from coordinator.request import prompt_ids
-    from specdec_app.bench.concurrency import _margins
     from specdec.models import load_causal_lm
     from specdec.v1 import coordinator_pb2
+    from specdec_app.bench.concurrency import _margins
 
     model, tokenizer = load_causal_lm(str(tiny_models.target_dir), "float32")
     question = Question(7, "qa", "What is the capital of France?")
@@ -241,7 +251,7 @@ def test_margin_at_the_first_difference(tiny_models):
     mismatches = [{"method": "pipeline/adaptive", "question_id": 7, "first_mismatch": 2, "token": 99},
                   {"method": "transformers-serve", "question_id": 7, "first_mismatch": 2, "token": None}]
     _margins(mismatches, {7: reference}, {7: question}, model, tokenizer)
-    ids = prompt_ids(coordinator_pb2.GenerateRequest(text=question.prompt), tokenizer) + [11, 22]
+    ids = [*prompt_ids(coordinator_pb2.GenerateRequest(text=question.prompt), tokenizer), 11, 22]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
     top = torch.topk(logits, 2).values

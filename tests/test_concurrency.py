@@ -1,5 +1,6 @@
 """Serving under load: many sessions share each batched forward (continuous batching) and every
-request still gets exactly its own output (invariants *lossless, greedy*, *KV consistency* and *batch independence*), with the engine's limits."""
+request still gets exactly its own output (invariants *lossless, greedy*, *KV consistency* and
+*batch independence*), with the engine's limits."""
 
 import threading
 import time
@@ -13,8 +14,8 @@ from coordinator.client import generate
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, EngineMetrics, Work
 from specdec.errors import Unavailable
-from specdec.server import GRPC_OPTIONS
 from specdec.sampling_params import SamplingParams
+from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.conftest import StepRecorder, chat_ids, plain_greedy
 
@@ -70,7 +71,7 @@ def test_a_cancelled_stream_leaves_no_trace_in_the_others(tiny_pipeline, smollm2
         cancel = pool.submit(cancelled)
         others = [pool.submit(kept, i) for i in (1, 2, 3)]
         cancel.result()
-        for i, future in zip((1, 2, 3), others):
+        for i, future in zip((1, 2, 3), others, strict=True):
             assert future.result().token_ids == plain_greedy(tiny_pipeline.plain_model, chat_ids(smollm2_tokenizer, PROMPTS[i]), 30)
     deadline = time.monotonic() + 10
     while len(tiny_pipeline.verify.servicer.sessions) or len(tiny_pipeline.draft.servicer.sessions):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from coordinator.client import generate
+from coordinator.failover import VerifyReplicas
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
-from coordinator.failover import VerifyReplicas
 from coordinator.rounds import RequestRounds
 from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition

@@ -3,6 +3,7 @@ separate processes on free ports (target in transformers, llama.cpp self-draft r
 output equal to transformers' plain generate (also when the draft stops answering), and the CLI's
 --json contract."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -106,7 +107,7 @@ def test_a_stopped_draft_costs_one_propose_deadline(real_cluster, smollm2):
         draft.signal(signal.SIGCONT)
     assert tokens == expected
     after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
-    longest_s = max(b - a for a, b in zip(after, after[1:]))
+    longest_s = max(b - a for a, b in itertools.pairwise(after))
     SUMMARY.append(f"default models, the llama.cpp draft stopped (SIGSTOP): the client's longest wait for a message "
                    f"after it: {longest_s * 1000:.0f} ms (target < 1000 ms)")
     assert longest_s < 10, "the stopped draft held the request for an RPC deadline"

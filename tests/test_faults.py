@@ -5,6 +5,7 @@ ids and text of an undisturbed one. The time from each kill to the client's next
 recovery time) is printed at the end of the module."""
 
 import asyncio
+import itertools
 import random
 import signal
 import time
@@ -19,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import ServiceProcess, free_port, stop_all
 from tests.conftest import SUMMARY
 
 pytestmark = pytest.mark.multiprocess
@@ -166,7 +167,7 @@ def test_draft_stopped_mid_stream(fleet, reference):
     assert_same_completion(completion, reference)
     assert completion.metrics.num_draft_failures >= 1
     after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
-    longest_s = max(b - a for a, b in zip(after, after[1:]))
+    longest_s = max(b - a for a, b in itertools.pairwise(after))
     RECOVERY_S["the draft service stopped (SIGSTOP): the client's longest wait for a message after it"] = longest_s
     assert longest_s < 10, "the stopped draft held the request for an RPC deadline"
     time.sleep(1.0)  # past --draft-retry-s: the draft is asked again
@@ -204,14 +205,13 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     services = [fleet.draft, *fleet.verify]
     evicted_before = [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services]
     received = Completion()
-    with pytest.raises(grpc.RpcError) as cut:
-        with grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
-                received.add(response)
-                if len(received.token_ids) >= FAULT_AFTER and first.process.poll() is None:
-                    first.kill()
-                    killed_at = time.monotonic()
+    with pytest.raises(grpc.RpcError) as cut, grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
+            received.add(response)
+            if len(received.token_ids) >= FAULT_AFTER and first.process.poll() is None:
+                first.kill()
+                killed_at = time.monotonic()
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=len(received.token_ids))
     rest, recovery_s = Completion(), None

@@ -7,14 +7,16 @@ import random
 import pytest
 
 from coordinator.client import generate
-from coordinator.request import ResolvedRequest
 from coordinator.failover import VerifyReplicas
+from coordinator.request import ResolvedRequest
 from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.upstream import ServiceClients
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramIndex
 from specdec.sampling_params import SamplingParams
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
@@ -133,6 +135,6 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             await clients.close()
 
     results = asyncio.run(run_all())
-    for got, (_, expected) in zip(results, references.values()):
+    for got, (_, expected) in zip(results, references.values(), strict=True):
         cut = expected.index(2) + 1 if 2 in expected else MAX_NEW  # the reference stops at EOS
         assert got[:cut] == expected

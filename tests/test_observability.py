@@ -337,6 +337,6 @@ def test_tracing_is_off_unless_an_exporter_is_named(monkeypatch):
 
 def test_an_exporter_that_is_not_installed_is_an_error(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_json")
-    with pytest.raises(ValueError, match="'zipkin_json', which is not installed; installed: .*console"):
+    with pytest.raises(ValueError, match=r"'zipkin_json', which is not installed; installed: .*console"):
         configure_tracing("verify")
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)

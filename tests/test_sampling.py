@@ -27,10 +27,10 @@ import torch
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
 from coordinator.failover import VerifyReplicas
-from coordinator.upstream import ServiceClients
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import RequestRounds
+from coordinator.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings

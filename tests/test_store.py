@@ -9,7 +9,15 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.output import StreamOutput
-from coordinator.store import FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, StoredRequest, StoreUnavailable
+from coordinator.store import (
+    FINISHED,
+    RUNNING,
+    MemoryStore,
+    RedisStore,
+    RequestJournal,
+    StoredRequest,
+    StoreUnavailable,
+)
 from specdec.v1 import coordinator_pb2
 
 

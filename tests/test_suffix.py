@@ -120,7 +120,7 @@ def test_incremental_updates_and_removal_equal_a_fresh_build():
     sequences = [[rng.randrange(6) for _ in range(rng.randrange(20, 60))] for _ in range(4)]
     incremental = SuffixTree(7)
     cuts = [0] * len(sequences)
-    while any(cut < len(tokens) for cut, tokens in zip(cuts, sequences)):  # random chunks, interleaved
+    while any(cut < len(tokens) for cut, tokens in zip(cuts, sequences, strict=True)):  # random chunks, interleaved
         key, step = rng.randrange(len(sequences)), rng.randrange(1, 6)
         incremental.extend(key, sequences[key][cuts[key] : cuts[key] + step])
         cuts[key] += step

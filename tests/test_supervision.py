@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from coordinator.client import generate
-from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from tests.conftest import SUMMARY
 
 pytestmark = pytest.mark.multiprocess

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from coordinator import upstream
 from coordinator.client import generate
+from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
-from coordinator.failover import VerifyReplicas
 from coordinator.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -77,7 +77,7 @@ class Files:
 def pki(tmp_path_factory):
     files = Files(tmp_path_factory.mktemp("pki"))
     ca, other_ca = trustme.CA(), trustme.CA()
-    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     return {
         "files": files, "ca_obj": ca,
         "ca": files.ca(ca, "ca"),
@@ -182,7 +182,7 @@ def test_internal_services_take_only_the_cas_clients(tls_pipeline, pki, service)
 
 
 def test_an_expired_server_certificate_is_refused(pki, tmp_path):
-    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     expired = pki["ca_obj"].issue_cert(*HOSTS, not_before=past - datetime.timedelta(days=1), not_after=past)
     credentials = server_credentials(*Files(tmp_path).leaf(expired, "old"))
     server, port = start_server(lambda _server: [], "127.0.0.1", 0, 2, credentials)
@@ -262,9 +262,9 @@ def test_http_api_serves_a_rotated_certificate(pki, tmp_path):
 def test_misconfigured_tls_fails_at_start_naming_the_setting(pki, tmp_path):
     cert, key = pki["server"]
     other_key = pki["other_client"][1]
-    with pytest.raises(ValidationError, match="tls_cert_file /missing.pem: No such file"):
+    with pytest.raises(ValidationError, match=r"tls_cert_file /missing\.pem: No such file"):
         VerifySettings(tls_cert_file="/missing.pem", tls_key_file=key)
-    with pytest.raises(ValidationError, match="tls_cert_file .* / tls_key_file .*private key it was issued for"):
+    with pytest.raises(ValidationError, match=r"tls_cert_file .* / tls_key_file .*private key it was issued for"):
         DraftSettings(tls_cert_file=cert, tls_key_file=other_key)
     with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file: set both"):
         DraftSettings(tls_client_ca_file=pki["ca"])

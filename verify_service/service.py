@@ -11,8 +11,8 @@ from specdec.errors import grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
-from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry
+from specdec.timing import ms_since
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings

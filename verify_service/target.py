@@ -51,7 +51,7 @@ class Target:
         if limits.max_num_batched_tokens < max_num_speculative_tokens + 1:
             raise ValueError(
                 f"max_num_batched_tokens ({limits.max_num_batched_tokens}) must be at least "
-                f"max_num_speculative_tokens + 1 ({max_num_speculative_tokens + 1}): a verify of the largest K fits one step"
+                f"max_num_speculative_tokens + 1 ({max_num_speculative_tokens + 1}): a verify of the " "largest K fits one step"
             )
         self.name = name
         self.limits = limits
@@ -94,7 +94,7 @@ class Target:
             num_seqs = 2
             while num_seqs <= self.limits.max_num_seqs:
                 sessions += [self.new_session(context, SamplingParams()) for _ in range(num_seqs - len(sessions))]
-                self.step_costs.append((num_seqs, num_seqs, min_ms(lambda: self._decode_all(sessions))))
+                self.step_costs.append((num_seqs, num_seqs, min_ms(lambda sessions=sessions: self._decode_all(sessions))))
                 num_seqs *= 2
             for session in sessions:
                 session.close()
@@ -103,7 +103,7 @@ class Target:
         """One step with one new token for every session (rolled back after)."""
         steps = [session.kv_cache.step(session.kv_cache.reconcile(session.committed)) for session in sessions]
         self.lm.forward(steps)
-        for session, step in zip(sessions, steps):
+        for session, step in zip(sessions, steps, strict=True):
             session.kv_cache.appended(step)
             session.rollback()
 

@@ -73,7 +73,7 @@ class DraftSession(abc.ABC):
             "predicted_token_ids (draft-ahead is for model drafters)"
         )
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless there is a cache: model-free drafters have none)
         """Frees the session's cache."""
 
     def kv_cache_bytes(self) -> int:

@@ -248,7 +248,7 @@ class LlamaCppLM(BatchedLM):
                     )
             if total:
                 rows = self._decode([steps[i] for i in live], total)
-                for i, logits in zip(live, rows):
+                for i, logits in zip(live, rows, strict=True):
                     out[i] = logits
             else:
                 for i in live:

@@ -51,7 +51,6 @@ import asyncio
 import contextlib
 import gc
 import hashlib
-import json
 import os
 import shlex
 import signal
@@ -224,7 +223,7 @@ def first_mismatch(ids: list[int], reference: list[int]) -> int | None:
     other); None when identical."""
     if ids == reference:
         return None
-    return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+    return next((i for i, (a, b) in enumerate(zip(ids, reference, strict=False)) if a != b), min(len(ids), len(reference)))
 
 
 def token_at_char(tokenizer, token_ids: list[int], char_index: int) -> int:
@@ -459,7 +458,7 @@ async def _cell(client, concurrency: int, sequence: list[Question], config: Conc
             sent = ms_since(start)
             try:
                 record = await client.run(question, config.max_new_tokens, config.seed)
-            except Exception as err:  # noqa: BLE001 (recorded, reported per cell)
+            except Exception as err:  # any failure is recorded, reported per cell
                 record = RequestRecord(client.name, question.question_id, question.category, error=_error_text(err),
                                        latency_ms=ms_since(start) - sent)
             record.concurrency, record.client, record.start_ms = concurrency, c, sent
@@ -506,7 +505,7 @@ async def _run_cells(clients: list, reference_client, sequence: list[Question], 
             for question in missing:
                 try:
                     record = await reference_client.run(question, config.max_new_tokens, config.seed)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     console.print(f"[red]reference request for question {question.question_id} failed: {_error_text(err)}[/red]")
                     continue
                 references[question.question_id] = record
@@ -528,7 +527,7 @@ def _compare(cells: list[dict], references: dict[int, RequestRecord], tokenizer)
             elif record.text == reference.text:
                 record.first_mismatch = None
             else:
-                at = next((i for i, (a, b) in enumerate(zip(record.text, reference.text)) if a != b),
+                at = next((i for i, (a, b) in enumerate(zip(record.text, reference.text, strict=False)) if a != b),
                           min(len(record.text), len(reference.text)))
                 record.first_mismatch = token_at_char(tokenizer, reference.token_ids, at)
             record.identical = record.first_mismatch is None

@@ -228,7 +228,8 @@ def markdown(section: dict) -> list[str]:
             continue
         lines.append(
             f"| {run['method']} | {run['concurrency']} | {run['num_completed']} | {run['num_errored']} "
-            f"| {run['num_incomplete']} | {_fmt(run['requests_per_second'], 2)} | {_fmt(run['output_tokens_per_second'])} "
+            f"| {run['num_incomplete']} | {_fmt(run['requests_per_second'], 2)} "
+            f"| {_fmt(run['output_tokens_per_second'])} "
             f"| {_fmt(run['ttft_ms_p50'], 0)} | {_fmt(run['ttft_ms_p99'], 0)} | {_fmt(run['itl_ms_p50'])} "
             f"| {_fmt(run['itl_ms_p99'])} | {_fmt(run['tpot_ms_p50'])} | {_fmt(run['tpot_ms_p99'])} |"
         )

@@ -49,7 +49,7 @@ class Measurement:
         if self.token_ids == reference:
             self.first_mismatch = None
             return
-        pairs = zip(self.token_ids, reference)
+        pairs = zip(self.token_ids, reference, strict=False)
         self.first_mismatch = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(self.token_ids), len(reference)))
 
     def to_json(self) -> dict:

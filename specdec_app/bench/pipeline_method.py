@@ -20,8 +20,9 @@ def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
     run where ``placement`` puts them. The suffix lookups (the coordinator's and the draft
     service's) keep no cache of earlier outputs: the benchmark sends each prompt once per method,
-    and the cache would hold this prompt's answer from the methods before. Services also read their ``SPECDEC_*`` variables (e.g.
-    ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
+    and the cache would hold this prompt's answer from the methods before. Services also read
+    their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises
+    RuntimeError when one fails to start."""
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus)
     pinning = placement.service_args
     cluster.extra_args = {

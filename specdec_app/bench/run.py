@@ -1,6 +1,7 @@
 """Runs ``specdec bench``: every method on the same prompts, interleaved per prompt after a
 warm-up, then the JSON, Markdown and PNG reports."""
 
+import contextlib
 import datetime
 import os
 import platform
@@ -68,7 +69,7 @@ def parse_pipeline(spec: str) -> tuple[str, int | None]:
     """``DRAFTER:K`` (e.g. ``llama-cpp:4``) as ``(drafter, K)``; ``DRAFTER:auto`` as
     ``(drafter, None)``: the coordinator's adaptive K. Raises ValueError naming what to fix."""
     drafter, _, k = spec.partition(":")
-    if drafter not in DRAFTERS or not (k == "auto" or k.isdigit() and 1 <= int(k) <= 16):
+    if drafter not in DRAFTERS or not (k == "auto" or (k.isdigit() and 1 <= int(k) <= 16)):
         raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} "
                          "and K in 1..16 or auto")
     return drafter, None if k == "auto" else int(k)
@@ -77,10 +78,8 @@ def parse_pipeline(spec: str) -> tuple[str, int | None]:
 def machine_info() -> dict:
     """CPU model, cores, device and library versions, for the report."""
     cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
+        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     return {
         "cpu": cpu,
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -89,7 +88,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
