@@ -28,7 +28,9 @@ class ResolvedRequest:
         """False for plain decode, for an adaptive request with a model-free drafter (ngram or
         suffix: the coordinator runs the lookup itself), and when the draft service was never
         reached (no drafter)."""
-        return self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
+        return (
+            self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
+        )
 
 
 def _field(request, name: str, default):

@@ -81,7 +81,11 @@ class RunningRequest:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(
-        self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics,
+        self,
+        settings: CoordinatorSettings,
+        tokenizer,
+        clients: ServiceClients,
+        metrics: CoordinatorMetrics,
         store: RequestStore,
     ):
         self.settings = settings
@@ -111,7 +115,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except SpecdecError as err:
             await context.abort(err.code, str(err))
 
-    async def responses(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def responses(
+        self, request: coordinator_pb2.GenerateRequest
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """The messages of one request, the first carrying its request id: the path of the gRPC
         Generate call and of the HTTP API (:mod:`coordinator.http_api`). Raises SpecdecError;
         closing it early cancels the request."""
@@ -160,8 +166,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
             lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
             policy = self.adaptive.policy(
-                drafter, verify_info, resolved.num_speculative_tokens,
-                {name: lengths[name] for name in self._lookup_names(resolved)}, self._num_running - 1,
+                drafter,
+                verify_info,
+                resolved.num_speculative_tokens,
+                {name: lengths[name] for name in self._lookup_names(resolved)},
+                self._num_running - 1,
             )
         return resolved, verify_info, policy
 
@@ -236,18 +245,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if not resuming and not await journal.create():
             raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
         output = StreamOutput(
-            self.tokenizer, resolved.prompt_ids, resolved.stop, verify_info.eos_token_ids,
-            resolved.max_new_tokens, request.resume_from,
+            self.tokenizer,
+            resolved.prompt_ids,
+            resolved.stop,
+            verify_info.eos_token_ids,
+            resolved.max_new_tokens,
+            request.resume_from,
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         rounds = RequestRounds(
-            self.clients, self.replicas, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
-            self.settings.draft_retry_s, self.settings.failover_timeout_s,
+            self.clients,
+            self.replicas,
+            uuid.uuid4().hex,
+            resolved,
+            [*resolved.prompt_ids, *resumed],
+            lookups,
+            self.settings.draft_retry_s,
+            self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
         return RunningRequest(
-            resolved, verify_info.model, policy, rounds, journal, output,
-            MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)), resumed, left_behind if resuming else None,
+            resolved,
+            verify_info.model,
+            policy,
+            rounds,
+            journal,
+            output,
+            MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)),
+            resumed,
+            left_behind if resuming else None,
         )
 
     async def _stream(self, running: RunningRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -352,16 +378,26 @@ async def serve(
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
-        settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
-        tls=_internal_tls(settings), max_message_bytes=settings.max_message_bytes,
-        propose_deadline=ProposeDeadline(settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s),
+        settings.draft_address,
+        settings.verify_addresses,
+        settings.rpc_timeout_s,
+        settings.prefill_timeout_s,
+        tls=_internal_tls(settings),
+        max_message_bytes=settings.max_message_bytes,
+        propose_deadline=ProposeDeadline(
+            settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s
+        ),
         draft_down_s=settings.draft_retry_s,
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:
         store = RedisStore(
-            settings.redis_url, settings.request_ttl_s, metrics.store_errors, ssl_ca_certs=settings.redis_tls_ca_file,
-            ssl_certfile=settings.redis_tls_cert_file, ssl_keyfile=settings.redis_tls_key_file,
+            settings.redis_url,
+            settings.request_ttl_s,
+            metrics.store_errors,
+            ssl_ca_certs=settings.redis_tls_ca_file,
+            ssl_certfile=settings.redis_tls_cert_file,
+            ssl_keyfile=settings.redis_tls_key_file,
         )
     else:
         store = MemoryStore(settings.request_ttl_s)
@@ -386,7 +422,11 @@ async def serve(
         scheme = "https" if ssl_context else "http"
         log.info("serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, settings.http_port)
     server, port = await start_aio_server(
-        register, settings.host, settings.port, server_credentials(settings), settings.max_message_bytes,
+        register,
+        settings.host,
+        settings.port,
+        server_credentials(settings),
+        settings.max_message_bytes,
         settings.max_request_bytes,
     )
     metrics.serve(settings.host, settings.metrics_port)

@@ -145,7 +145,9 @@ def _own_first(cls: type[BaseSettings]) -> list[str]:
     bases, nearest base first."""
     order = []
     for klass in cls.__mro__:
-        order += [name for name in getattr(klass, "__annotations__", {}) if name in cls.model_fields and name not in order]
+        order += [
+            name for name in getattr(klass, "__annotations__", {}) if name in cls.model_fields and name not in order
+        ]
     return order
 
 
@@ -172,7 +174,9 @@ def service_section(heading: str, command: str, cls: type[BaseSettings]) -> list
         info = cls.model_fields[name]
         flag = " ".join(f"`{flag}`" for flag in cli_flags[name])
         env = " or ".join(f"`{var}`" for var in env_vars(cls, name))
-        lines.append(f"| {flag} | {env} | {type_text(info)} | {default_text(name, info)} | {_cell(info.description or '')} |")
+        lines.append(
+            f"| {flag} | {env} | {type_text(info)} | {default_text(name, info)} | {_cell(info.description or '')} |"
+        )
     return lines
 
 
@@ -186,7 +190,9 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/settings.md is out of date, writing nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/settings.md is out of date, writing nothing"
+    )
     args = parser.parse_args(argv)
     page = render()
     if args.check:

@@ -107,8 +107,13 @@ class Engine:
     metrics. Raises ValueError for limits below 1."""
 
     def __init__(
-        self, lm: BatchedLM, max_num_seqs: int, max_num_batched_tokens: int, batch_wait_ms: float = 0.0,
-        metrics: EngineMetrics | None = None, name: str = "engine",
+        self,
+        lm: BatchedLM,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        batch_wait_ms: float = 0.0,
+        metrics: EngineMetrics | None = None,
+        name: str = "engine",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -251,8 +256,14 @@ class Engine:
         for (entry, step), rows in zip(batch, logits, strict=True):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
-            attributes = {"specdec.num_tokens": len(step.token_ids), "specdec.batch_size": len(batch), "specdec.num_batched_tokens": num_tokens}
-            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
+            attributes = {
+                "specdec.num_tokens": len(step.token_ids),
+                "specdec.batch_size": len(batch),
+                "specdec.num_batched_tokens": num_tokens,
+            }
+            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(
+                end_time=end_ns
+            )
             try:
                 done = entry.call(entry.work.finish_step, step, rows)
             except Exception as err:  # any failure is handed to the caller
@@ -274,4 +285,3 @@ class Engine:
                 else:
                     entry.future.set_exception(err)
             self._step_end = time.perf_counter()
-

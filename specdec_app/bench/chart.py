@@ -27,8 +27,11 @@ def write_chart(report: dict, path: Path) -> None:
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup over plain decoding (tokens/s ratio)")
     machine = report["machine"]
-    ax.set_title(f"specdec bench: {report['config']['target']}, {machine['device']}, "
-                 f"{report['config']['max_new_tokens']} new tokens, greedy", fontsize=9)
+    ax.set_title(
+        f"specdec bench: {report['config']['target']}, {machine['device']}, "
+        f"{report['config']['max_new_tokens']} new tokens, greedy",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, ncols=2)
     fig.savefig(path, dpi=150)
     plt.close(fig)
@@ -54,7 +57,9 @@ def write_concurrency_chart(report: dict, path: Path) -> None:
         _line(axes[2], cells, "ttft_ms_p50", "-", color, f"{method} p50")
         _line(axes[2], cells, "ttft_ms_p99", "--", color, f"{method} p99")
     ticks = sorted({c["concurrency"] for c in report["cells"]})
-    for ax, label in zip(axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"], strict=True):
+    for ax, label in zip(
+        axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"], strict=True
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
@@ -63,7 +68,10 @@ def write_concurrency_chart(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     machine, config = report["machine"], report["config"]
-    fig.suptitle(f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
-                 f"{config['max_new_tokens']} new tokens, greedy, closed loop", fontsize=9)
+    fig.suptitle(
+        f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
+        f"{config['max_new_tokens']} new tokens, greedy, closed loop",
+        fontsize=9,
+    )
     fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -70,8 +70,9 @@ def parse_pipeline(spec: str) -> tuple[str, int | None]:
     ``(drafter, None)``: the coordinator's adaptive K. Raises ValueError naming what to fix."""
     drafter, _, k = spec.partition(":")
     if drafter not in DRAFTERS or not (k == "auto" or (k.isdigit() and 1 <= int(k) <= 16)):
-        raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} "
-                         "and K in 1..16 or auto")
+        raise ValueError(
+            f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} and K in 1..16 or auto"
+        )
     return drafter, None if k == "auto" else int(k)
 
 
@@ -116,12 +117,18 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
     for method in methods:
         method.run(questions[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
     measurements = []
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(questions) * len(methods))
         for i, question in enumerate(questions):
             runs = {}
-            for method in methods[i % len(methods):] + methods[: i % len(methods)]:
+            for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
                 progress.update(task, description=f"{question.category} #{question.question_id} {method.name:<22}")
                 runs[method.name] = method.run(question, config.max_new_tokens, config.seed)
                 progress.advance(task)
@@ -166,16 +173,25 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     clusters = {}
     try:
         for where in placements if pipelines else []:
-            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services ({where.name})...")
+            console.print(
+                f"starting the coordinator, draft ({', '.join(drafters)}) and verify services ({where.name})..."
+            )
             suffix = f"@{where.name}" if len(placements) > 1 else ""
             clusters[suffix] = start_cluster(
-                config.target, config.draft_model, drafters, config.dtype, config.out / "logs" / where.name, placement=where
+                config.target,
+                config.draft_model,
+                drafters,
+                config.dtype,
+                config.out / "logs" / where.name,
+                placement=where,
             )
             address = clusters[suffix].address("coordinator")
             methods += [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
         measurements = _run_all(methods, questions, config, console)
         memory = {
-            f"{name}{suffix}": peak_rss_bytes(p.pid) for suffix, cluster in clusters.items() for name, p in cluster.processes.items()
+            f"{name}{suffix}": peak_rss_bytes(p.pid)
+            for suffix, cluster in clusters.items()
+            for name, p in cluster.processes.items()
         }
     finally:
         for cluster in clusters.values():
