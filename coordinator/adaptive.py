@@ -52,6 +52,7 @@ from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 SUFFIX_LENGTHS = 4  # suffix matches of 4 tokens and more share one acceptance estimate
 Matches = Mapping[str, NgramMatch | SuffixMatch]  # this round's proposal of each lookup that matched
 
+
 def ema(old: float, new: float, weight: float) -> float:
     """Exponential moving average: ``weight`` on the new observation."""
     return (1.0 - weight) * old + weight * new
@@ -269,7 +270,9 @@ class AdaptiveK:
         if not self.drafter:
             return False
         drafter, _ = self._best(matches, True)
-        return drafter == self.drafter or (drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes())
+        return drafter == self.drafter or (
+            drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes()
+        )
 
     def _best(self, matches: Matches | None, draft_available: bool) -> tuple[str, int]:
         drafter, k, _ = max(self.options(matches, draft_available), key=lambda option: (option[2], -option[1]))
@@ -322,7 +325,12 @@ class AdaptiveState:
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def policy(
-        self, drafter: DrafterInfo | None, target: VerifyInfo, k_max: int, lookups: Mapping[str, int], others: int = 0,
+        self,
+        drafter: DrafterInfo | None,
+        target: VerifyInfo,
+        k_max: int,
+        lookups: Mapping[str, int],
+        others: int = 0,
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
@@ -342,7 +350,8 @@ class AdaptiveState:
             self._warm_start(name, target.model, k_max, self.prior_rate) if name else None,
             {
                 lookup: [
-                    self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate) for n in range(1, lengths + 1)
+                    self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate)
+                    for n in range(1, lengths + 1)
                 ]
                 for lookup, lengths in lookups.items()
             },

@@ -10,7 +10,10 @@ import grpc
 from specdec.errors import SpecdecError
 from specdec.v1 import coordinator_pb2_grpc
 
-HOW = "send `Authorization: Bearer <key>` (gRPC: `authorization` metadata) with a key the coordinator was started with (--api-key)"
+HOW = (
+    "send `Authorization: Bearer <key>` (gRPC: `authorization` metadata) with a key the "
+    "coordinator was started with (--api-key)"
+)
 
 
 class Unauthenticated(SpecdecError):

@@ -23,7 +23,8 @@ class BodyLimit:
 
     def _too_large(self) -> HTTPException:
         return HTTPException(
-            413, f"the request body exceeds the coordinator's limit of {self.max_bytes} bytes "
+            413,
+            f"the request body exceeds the coordinator's limit of {self.max_bytes} bytes "
             "(max_request_bytes): shorten the prompt, or raise --max-request-bytes",
         )
 

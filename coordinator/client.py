@@ -48,7 +48,10 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None = None) ->
 
 
 def stream(
-    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None,
+    address: str,
+    request: coordinator_pb2.GenerateRequest,
+    timeout_s: float | None = None,
+    api_key: str | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[coordinator_pb2.GenerateResponse]:
     """Streams a Generate call, with ``api_key`` when the coordinator requires one, over TLS with
@@ -56,11 +59,16 @@ def stream(
     when the TLS handshake fails: plaintext to a TLS port, a certificate the CA did not sign)."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with channel(address, credentials) as channel_:
-        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel_).Generate(request, timeout=timeout_s, metadata=metadata)
+        yield from coordinator_pb2_grpc.CoordinatorServiceStub(channel_).Generate(
+            request, timeout=timeout_s, metadata=metadata
+        )
 
 
 def generate(
-    address: str, request: coordinator_pb2.GenerateRequest, timeout_s: float | None = None, api_key: str | None = None,
+    address: str,
+    request: coordinator_pb2.GenerateRequest,
+    timeout_s: float | None = None,
+    api_key: str | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> Completion:
     """Runs a Generate call to the end and returns the whole completion."""

@@ -67,8 +67,13 @@ class VerifySession:
     names each new session; ``in_background`` runs a Release without waiting for it."""
 
     def __init__(
-        self, replicas: VerifyReplicas, committed: list[int], sampling: SamplingParams,
-        new_session_id: Callable[[], str], in_background: Callable, failover_timeout_s: float,
+        self,
+        replicas: VerifyReplicas,
+        committed: list[int],
+        sampling: SamplingParams,
+        new_session_id: Callable[[], str],
+        in_background: Callable,
+        failover_timeout_s: float,
     ):
         self.replicas, self.clients = replicas, replicas.clients
         self.committed, self.sampling = committed, sampling

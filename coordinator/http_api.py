@@ -29,11 +29,17 @@ from starlette.exceptions import HTTPException
 from coordinator.auth import ApiKeys
 from coordinator.body_limit import BodyLimit
 from coordinator.client import FINISH_REASONS, Completion
+from coordinator.failover import VerifyReplicas
 from coordinator.openai_schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, ResponseShape, StreamOptions, specdec_metrics, usage,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    StreamOptions,
+    specdec_metrics,
+    usage,
 )
 from coordinator.request import prompt_ids
-from coordinator.failover import VerifyReplicas
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.tls import ReloadingSSLContext
@@ -165,7 +171,10 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def list_models() -> dict:
         names = await models.names()
-        data = [{"id": name, "object": "model", "created": started, "owned_by": "specdec", "root": names[0]} for name in names]
+        data = [
+            {"id": name, "object": "model", "created": started, "owned_by": "specdec", "root": names[0]}
+            for name in names
+        ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
@@ -221,8 +230,9 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
     return app
 
 
-async def _events(steps: _Steps, response, shape: ResponseShape, include_usage: bool,
-                  continuous_prompt_tokens: int | None = None) -> AsyncIterator[str]:
+async def _events(
+    steps: _Steps, response, shape: ResponseShape, include_usage: bool, continuous_prompt_tokens: int | None = None
+) -> AsyncIterator[str]:
     """The chunks of a streamed request, from its first message ``response`` on;
     ``continuous_prompt_tokens`` (``stream_options.continuous_usage_stats``): the prompt's token
     count, and every chunk carries the usage so far."""
@@ -263,7 +273,9 @@ def _validation_message(err: RequestValidationError) -> ApiError:
     first = err.errors()[0]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return ApiError(400, f"the request body is not valid JSON ({detail}): send one JSON object", None, "invalid_json")
+        return ApiError(
+            400, f"the request body is not valid JSON ({detail}): send one JSON object", None, "invalid_json"
+        )
     path = ""
     for part in first.get("loc", ())[1:]:  # after "body"
         path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
@@ -292,8 +304,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: HTTPException):
         message = str(err.detail)
         if err.status_code in (404, 405):
-            message = (f"{message}: {request.method} {request.url.path}; this server serves POST /v1/chat/completions, "
-                       "POST /v1/completions, GET /v1/models and GET /health")
+            message = (
+                f"{message}: {request.method} {request.url.path}; this server serves POST /v1/chat/completions, "
+                "POST /v1/completions, GET /v1/models and GET /health"
+            )
         return _error(ApiError(err.status_code, message, None, None))
 
 
@@ -314,10 +328,18 @@ class HttpServer:
         try:
             self.socket = socket.create_server((host, port), family=family)
         except OSError as err:
-            raise OSError(err.errno, f"cannot serve HTTP on {host}:{port} ({err.strerror}): choose another "
-                          "--http-port, or 0 to turn the HTTP API off") from None
+            raise OSError(
+                err.errno,
+                f"cannot serve HTTP on {host}:{port} ({err.strerror}): choose another "
+                "--http-port, or 0 to turn the HTTP API off",
+            ) from None
         config = uvicorn.Config(
-            app, host=host, port=port, log_config=None, lifespan="off", access_log=False,
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            lifespan="off",
+            access_log=False,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
             ssl_context_factory=(lambda _config, _default: ssl_context.context) if ssl_context else None,
         )

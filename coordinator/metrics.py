@@ -123,7 +123,10 @@ def verify_costs(rounds: list[RoundRecord]) -> list[coordinator_pb2.VerifyCost]:
         by_tokens.setdefault(r.num_drafted + 1, []).append(r)
     return [
         coordinator_pb2.VerifyCost(
-            num_tokens=n, num_rounds=len(own), call_ms=sum(r.verify_ms for r in own), forward_ms=sum(r.step_ms for r in own)
+            num_tokens=n,
+            num_rounds=len(own),
+            call_ms=sum(r.verify_ms for r in own),
+            forward_ms=sum(r.step_ms for r in own),
         )
         for n, own in sorted(by_tokens.items())
     ]

@@ -15,7 +15,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.client import Completion
-from specdec.errors import InvalidArgument, SpecdecError
+from specdec.errors import SpecdecError
 from specdec.v1 import coordinator_pb2
 
 HTTP_STATUS = {
@@ -30,13 +30,24 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 
 # The request field an error message is about, from how the validation's message starts.
 _PARAMS = [
-    ("max_new_tokens", "max_tokens"), ("prompt (", "max_tokens"), ("prompt", "prompt"), ("temperature", "temperature"),
-    ("top_p", "top_p"), ("top_k", "top_k"), ("num_speculative_tokens", "num_speculative_tokens"),
-    ("unknown drafter", "drafter"), ("drafter", "drafter"),
+    ("max_new_tokens", "max_tokens"),
+    ("prompt (", "max_tokens"),
+    ("prompt", "prompt"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("num_speculative_tokens", "num_speculative_tokens"),
+    ("unknown drafter", "drafter"),
+    ("drafter", "drafter"),
 ]
 
 
@@ -84,12 +95,26 @@ def _one(value) -> bool:
 HARMLESS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
 # Fields accepted only at the value that leaves the output unchanged.
 NEUTRAL = {
-    "logprobs": _off, "top_logprobs": _zero, "echo": _off, "logit_bias": _off, "tools": _off, "functions": _off,
-    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "modalities": lambda v: v is None or v == ["text"],
-    "frequency_penalty": _zero, "presence_penalty": _zero, "repetition_penalty": _one, "best_of": _one,
-    "min_tokens": _zero, "min_p": _zero, "suffix": lambda v: v in (None, ""), "ignore_eos": _off,
-    "include_stop_str_in_output": _off, "skip_special_tokens": lambda v: v is None or v is True,
+    "logprobs": _off,
+    "top_logprobs": _zero,
+    "echo": _off,
+    "logit_bias": _off,
+    "tools": _off,
+    "functions": _off,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "frequency_penalty": _zero,
+    "presence_penalty": _zero,
+    "repetition_penalty": _one,
+    "best_of": _one,
+    "min_tokens": _zero,
+    "min_p": _zero,
+    "suffix": lambda v: v in (None, ""),
+    "ignore_eos": _off,
+    "include_stop_str_in_output": _off,
+    "skip_special_tokens": lambda v: v is None or v is True,
 }
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -146,18 +171,26 @@ class _Request(BaseModel):
                 continue
             if name in NEUTRAL:
                 raise invalid(
-                    name, f"{name}={value!r} is not supported by specdec (it would change the output): remove {name}",
+                    name,
+                    f"{name}={value!r} is not supported by specdec (it would change the output): remove {name}",
                     "unsupported_parameter",
                 )
             raise invalid(
-                name, f"unsupported field {name!r}: remove it (docs/api.md lists the fields specdec takes)",
+                name,
+                f"unsupported field {name!r}: remove it (docs/api.md lists the fields specdec takes)",
                 "unsupported_parameter",
             )
         if self.n is not None and self.n != 1:
-            raise invalid("n", f"n is {self.n}: specdec returns one choice per request: leave n out or set it to 1, "
-                          "and send one request per choice")
+            raise invalid(
+                "n",
+                f"n is {self.n}: specdec returns one choice per request: leave n out or set it to 1, "
+                "and send one request per choice",
+            )
         if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "stream_options applies to streamed requests: set stream to true or remove stream_options")
+            raise invalid(
+                "stream_options",
+                "stream_options applies to streamed requests: set stream to true or remove stream_options",
+            )
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -175,7 +208,9 @@ class _Request(BaseModel):
         for name, value, param in [
             ("max_new_tokens", self.max_new_tokens(), self.params().get("max_tokens", "max_tokens")),
             ("temperature", temperature, "temperature"),
-            ("top_p", self.top_p, "top_p"), ("top_k", top_k, "top_k"), ("seed", self.seed, "seed"),
+            ("top_p", self.top_p, "top_p"),
+            ("top_k", top_k, "top_k"),
+            ("seed", self.seed, "seed"),
             ("num_speculative_tokens", self.num_speculative_tokens, "num_speculative_tokens"),
             ("drafter", self.drafter, "drafter"),
         ]:
@@ -218,14 +253,19 @@ class ChatCompletionRequest(_Request):
     def _message(i: int, message: ChatMessage) -> coordinator_pb2.ChatMessage:
         where = f"messages[{i}]"
         for name in message.model_extra or {}:
-            raise invalid(f"{where}.{name}", f"{where}.{name} is not supported by specdec: remove it", "unsupported_parameter")
+            raise invalid(
+                f"{where}.{name}", f"{where}.{name} is not supported by specdec: remove it", "unsupported_parameter"
+            )
         if message.role not in ROLES:
             raise invalid(f"{where}.role", f"{where}.role is {message.role!r}: it must be one of {', '.join(ROLES)}")
         content = message.content
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise invalid(f"{where}.content[{j}]", f"{where}.content[{j}] is of type {part.type!r}: specdec takes text parts only")
+                    raise invalid(
+                        f"{where}.content[{j}]",
+                        f"{where}.content[{j}] is of type {part.type!r}: specdec takes text parts only",
+                    )
             content = "\n".join(part.text for part in content)
         return coordinator_pb2.ChatMessage(role=ROLES[message.role], content=content or "")
 
@@ -259,7 +299,8 @@ def specdec_metrics(metrics: coordinator_pb2.RequestMetrics | None) -> dict[str,
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
 
@@ -283,10 +324,18 @@ class ResponseShape:
         choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         prompt_tokens = completion.metrics.num_prompt_tokens if completion.metrics else 0
-        return body | {"usage": usage(prompt_tokens, len(completion.token_ids)), "specdec": specdec_metrics(completion.metrics)}
+        return body | {
+            "usage": usage(prompt_tokens, len(completion.token_ids)),
+            "specdec": specdec_metrics(completion.metrics),
+        }
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              usage_so_far: dict[str, int] | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        usage_so_far: dict[str, int] | None = None,
+    ) -> dict:
         """A stream chunk carrying ``text`` (None: nothing, as with the finish chunk), the first
         of a chat also the assistant role; ``usage_so_far``: the ``usage`` of a chunk under
         ``continuous_usage_stats``."""

@@ -17,8 +17,13 @@ class StreamOutput:
     alone: see :class:`coordinator.text.IncrementalDetokenizer`)."""
 
     def __init__(
-        self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str], eos_ids: Iterable[int],
-        max_new_tokens: int, emit_from: int = 0,
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        eos_ids: Iterable[int],
+        max_new_tokens: int,
+        emit_from: int = 0,
     ):
         self.text = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
         self.eos_ids = set(eos_ids)

@@ -10,7 +10,27 @@ from specdec.v1 import coordinator_pb2
 # Seconds; vLLM's buckets for the request latencies, finer ones for a round's parts.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 LOAD_BANDS = ((1, "1"), (4, "2-4"), (8, "5-8"), (16, "9-16"), (32, "17-32"))
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -34,16 +54,24 @@ class CoordinatorMetrics(ServiceMetrics):
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
-        self.num_requests_running = Gauge("specdec:num_requests_running", "Generate streams in progress.", registry=self.registry)
-        self.num_drafts = counter("specdec:spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",))
+        self.num_requests_running = Gauge(
+            "specdec:num_requests_running", "Generate streams in progress.", registry=self.registry
+        )
+        self.num_drafts = counter(
+            "specdec:spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",)
+        )
         self.num_draft_tokens = counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed.", ("drafter",))
-        self.num_accepted_tokens = counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",))
+        self.num_accepted_tokens = counter(
+            "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",)
+        )
         self.num_draft_tokens_per_pos = counter(
-            "specdec:spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each position (0 = first) of a proposal.",
+            "specdec:spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens proposed at each position (0 = first) of a proposal.",
             ("drafter", "position"),
         )
         self.num_accepted_tokens_per_pos = counter(
-            "specdec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position (0 = first) of a proposal.",
+            "specdec:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position (0 = first) of a proposal.",
             ("drafter", "position"),
         )
         self.num_target_forwards = counter(
@@ -51,36 +79,55 @@ class CoordinatorMetrics(ServiceMetrics):
         )
         self.prompt_tokens = counter("specdec:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("specdec:generation_tokens", "Tokens generated (streamed to clients).")
-        self.time_to_first_token = histogram("specdec:time_to_first_token_seconds", "Request start to the first committed round.", TTFT_BUCKETS)
+        self.time_to_first_token = histogram(
+            "specdec:time_to_first_token_seconds", "Request start to the first committed round.", TTFT_BUCKETS
+        )
         self.time_per_output_token = histogram(
-            "specdec:time_per_output_token_seconds", "Per request: time after the first token / tokens after the first.", TPOT_BUCKETS
+            "specdec:time_per_output_token_seconds",
+            "Per request: time after the first token / tokens after the first.",
+            TPOT_BUCKETS,
         )
-        self.e2e_request_latency = histogram("specdec:e2e_request_latency_seconds", "Request start to the last message.", REQUEST_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "specdec:e2e_request_latency_seconds", "Request start to the last message.", REQUEST_BUCKETS
+        )
         self.request_prefill_time = histogram(
-            "specdec:request_prefill_time_seconds", "Request start until both services finished prefill.", REQUEST_BUCKETS
+            "specdec:request_prefill_time_seconds",
+            "Request start until both services finished prefill.",
+            REQUEST_BUCKETS,
         )
-        self.round_draft_time = histogram("specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS)
-        self.round_verify_time = histogram("specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS)
+        self.round_draft_time = histogram(
+            "specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS
+        )
+        self.round_verify_time = histogram(
+            "specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS
+        )
         self.draft_ahead = counter(
-            "specdec:draft_ahead_proposals", "Proposals drafted ahead (during the previous round's verification) that "
+            "specdec:draft_ahead_proposals",
+            "Proposals drafted ahead (during the previous round's verification) that "
             "a round checked, by outcome (hit: verification went down their branch and the round used them; miss).",
             ("outcome",),
         )
         self.draft_failures = counter(
-            "specdec:draft_failures", "Times a request's draft service failed (the request went on without it for a while)."
+            "specdec:draft_failures",
+            "Times a request's draft service failed (the request went on without it for a while).",
         )
         self.verify_rebuilds = counter(
-            "specdec:verify_rebuilds", "Times a request's verify session was rebuilt from its committed log on a replica."
+            "specdec:verify_rebuilds",
+            "Times a request's verify session was rebuilt from its committed log on a replica.",
         )
         # the name predates "request store"; dashboards and alerts query it, so it stays
         self.store_errors = counter(
-            "specdec:session_store_errors", "Request store (Redis) operations that failed or were skipped while it was down.",
+            "specdec:session_store_errors",
+            "Request store (Redis) operations that failed or were skipped while it was down.",
             ("operation",),
         )
         self.k_by_load = Histogram(
-            "specdec:num_speculative_tokens_by_load", "K asked per round (0 = plain decode), by the number of sequences "
+            "specdec:num_speculative_tokens_by_load",
+            "K asked per round (0 = plain decode), by the number of sequences "
             "in the verify step that served the round (label batch_size: 1, 2-4, 5-8, 9-16, 17-32, 33+).",
-            ["batch_size"], buckets=K_BUCKETS, registry=self.registry,
+            ["batch_size"],
+            buckets=K_BUCKETS,
+            registry=self.registry,
         )
         self.round_coordination_time = histogram(
             "specdec:round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS

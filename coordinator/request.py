@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.sampling_params import SamplingParams
 from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
-from specdec.sampling_params import SamplingParams
-from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class ResolvedRequest:
         """False for plain decode, for an adaptive request with a model-free drafter (ngram or
         suffix: the coordinator runs the lookup itself), and when the draft service was never
         reached (no drafter)."""
-        return self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
+        return (
+            self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
+        )
 
 
 def _field(request, name: str, default):

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.failover import VerifyReplicas, VerifySession
-from coordinator.upstream import ServiceClients
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
+from coordinator.upstream import ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError
 from specdec.ngram import NgramIndex, NgramMatch
@@ -69,7 +69,11 @@ class DraftAhead:
     def hit(self, committed: list[int], response: draft_pb2.ProposeResponse) -> bool:
         """Whether verification went down the branch (and the branch has a proposal)."""
         branch = [*self.predicted, response.predicted_bonus_token_id]
-        return bool(response.token_ids) and response.HasField("predicted_bonus_token_id") and committed[self.start :] == branch
+        return (
+            bool(response.token_ids)
+            and response.HasField("predicted_bonus_token_id")
+            and committed[self.start :] == branch
+        )
 
 
 class RequestRounds:
@@ -77,17 +81,25 @@ class RequestRounds:
     on a verify replica (:class:`coordinator.failover.VerifySession`); :meth:`step` runs a round.
 
     Args: ``clients`` the coordinator's upstream clients, ``replicas`` its verify replicas (both
-    shared by its requests); ``session_prefix`` begins the id of every session the request opens (``<prefix>.d1``,
-    ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the request's committed log (prompt plus generated tokens, when a
-    resumed request starts from stored ones); ``lookups``: the coordinator's own model-free
-    lookups by name (hybrid drafting under adaptive K); ``draft_ahead``: draft the next round while
-    this one verifies (a model drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
+    shared by its requests); ``session_prefix`` begins the id of every session the request opens
+    (``<prefix>.d1``, ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the
+    request's committed log (prompt plus generated tokens, when a resumed request starts from
+    stored ones); ``lookups``: the coordinator's own model-free lookups by name (hybrid drafting
+    under adaptive K); ``draft_ahead``: draft the next round while this one verifies (a model
+    drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
-        self, clients: ServiceClients, replicas: VerifyReplicas, session_prefix: str, request: ResolvedRequest, committed: list[int],
-        lookups: dict[str, NgramIndex | SuffixIndex] | None = None, draft_retry_s: float = 2.0,
-        failover_timeout_s: float = 60.0, draft_ahead: bool = False,
+        self,
+        clients: ServiceClients,
+        replicas: VerifyReplicas,
+        session_prefix: str,
+        request: ResolvedRequest,
+        committed: list[int],
+        lookups: dict[str, NgramIndex | SuffixIndex] | None = None,
+        draft_retry_s: float = 2.0,
+        failover_timeout_s: float = 60.0,
+        draft_ahead: bool = False,
     ):
         self.clients = clients
         self.session_prefix = session_prefix
@@ -101,7 +113,12 @@ class RequestRounds:
         self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.draft_failures = 0
         self.verify = VerifySession(
-            replicas, committed, request.sampling, lambda: self._new_session_id("v"), self._in_background, failover_timeout_s
+            replicas,
+            committed,
+            request.sampling,
+            lambda: self._new_session_id("v"),
+            self._in_background,
+            failover_timeout_s,
         )
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._round_bytes = 0  # protobuf bytes of the current round's messages
@@ -147,7 +164,9 @@ class RequestRounds:
     def draft_available(self) -> bool:
         """Whether this round may ask the draft service: its session is open (prefilled) and the
         draft has not failed recently, for this request or (unreachable, late) for any."""
-        return self.draft_session is not None and time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
+        return (
+            self.draft_session is not None and time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
+        )
 
     def open_draft(self) -> None:
         """Starts the draft session's prefill in the background, unless the request uses no draft,
@@ -159,7 +178,9 @@ class RequestRounds:
     async def _open_draft(self) -> None:
         session_id = self._new_session_id("d")
         request = draft_pb2.DraftServicePrefillRequest(
-            session_id=session_id, drafter=self.request.drafter, token_ids=self.committed,
+            session_id=session_id,
+            drafter=self.request.drafter,
+            token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
         )
         seen = len(self.committed)  # rounds may commit more while the prefill runs
@@ -184,7 +205,12 @@ class RequestRounds:
             raise err
         self.draft_failures += 1
         self.draft_retry_at = time.monotonic() + self.draft_retry_s
-        log.warning("sessions %s.*: %s; plain decode until the draft is retried in %g s", self.session_prefix, err, self.draft_retry_s)
+        log.warning(
+            "sessions %s.*: %s; plain decode until the draft is retried in %g s",
+            self.session_prefix,
+            err,
+            self.draft_retry_s,
+        )
         if self.draft_session is not None:
             self._release_draft()
 
@@ -205,8 +231,10 @@ class RequestRounds:
         """Sends the Propose of the branch after ``predicted`` (see :class:`DraftAhead`) and goes on
         without waiting for it."""
         request = draft_pb2.ProposeRequest(
-            session_id=self.draft_session, appended_token_ids=self.committed[self.draft_seen :],
-            num_speculative_tokens=k, predicted_token_ids=predicted,
+            session_id=self.draft_session,
+            appended_token_ids=self.committed[self.draft_seen :],
+            num_speculative_tokens=k,
+            predicted_token_ids=predicted,
         )
         self.draft_seen = len(self.committed)
         task = asyncio.ensure_future(self.clients.call_draft("Propose", request))
@@ -243,7 +271,9 @@ class RequestRounds:
 
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
-            session_id=self.draft_session, appended_token_ids=self.committed[self.draft_seen :], num_speculative_tokens=k
+            session_id=self.draft_session,
+            appended_token_ids=self.committed[self.draft_seen :],
+            num_speculative_tokens=k,
         )
         response = await self.clients.call_draft("Propose", request)
         self.draft_seen = len(self.committed)
@@ -305,8 +335,20 @@ class RequestRounds:
         # 4. commit
         self.committed.extend(new)
         record = RoundRecord(
-            proposer, k, len(proposal), n, draft_ms, verify_ms, ms_since(start), self._round_bytes,
-            step.num_seqs, step.num_tokens, step.queue_ms, step.num_running_seqs, step.step_ms, ahead,
+            proposer,
+            k,
+            len(proposal),
+            n,
+            draft_ms,
+            verify_ms,
+            ms_since(start),
+            self._round_bytes,
+            step.num_seqs,
+            step.num_tokens,
+            step.queue_ms,
+            step.num_running_seqs,
+            step.step_ms,
+            ahead,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
@@ -330,12 +372,17 @@ class RequestRounds:
             self._send_ahead(list(proposed.token_ids[:k]), k)
         return proposed, draft_ms, ahead
 
-    async def _verify_or_decode(self, proposal: list[int], distributions) -> tuple[int, list[int], float, common_pb2.StepStats]:
+    async def _verify_or_decode(
+        self, proposal: list[int], distributions
+    ) -> tuple[int, list[int], float, common_pb2.StepStats]:
         """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, the
         target's compute ms, the engine step's statistics)."""
         if proposal:
             verified, size = await self.verify.call(
-                "Verify", lambda sid: verify_pb2.VerifyRequest(session_id=sid, draft_token_ids=proposal, draft_distributions=distributions)
+                "Verify",
+                lambda sid: verify_pb2.VerifyRequest(
+                    session_id=sid, draft_token_ids=proposal, draft_distributions=distributions
+                ),
             )
             self._round_bytes += size
             n = verified.num_accepted
@@ -356,7 +403,9 @@ class RequestRounds:
         Release is a no-op there). They would otherwise hold KV cache until the services' idle
         timeout."""
         if sessions.get("draft"):
-            self._in_background(self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=sessions["draft"])))
+            self._in_background(
+                self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=sessions["draft"]))
+            )
         if sessions.get("verify"):
             request = verify_pb2.VerifyServiceReleaseRequest(session_id=sessions["verify"])
             for replica in range(len(self.clients.verify)):

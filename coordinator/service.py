@@ -10,37 +10,47 @@ import contextlib
 import logging
 import signal
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
 from coordinator import request as request_validation
-from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.upstream import ProposeDeadline, ServiceClients
 from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
 from coordinator.output import StreamOutput
 from coordinator.prometheus import CoordinatorMetrics
+from coordinator.request import LOOKUPS, ResolvedRequest
 from coordinator.resume import check_request_id, check_resume, check_same_target
 from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import (
-    CANCELLED, FAILED, FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, RequestStore, StoredRequest,
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    MemoryStore,
+    RedisStore,
+    RequestJournal,
+    RequestStore,
+    StoredRequest,
     StoreUnavailable,
 )
 from coordinator.stream_limit import StreamLimit, peer_host
 from coordinator.tracing import request_attributes, round_attributes
+from coordinator.upstream import ProposeDeadline, ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
 from specdec.model_files import load_tokenizer
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramIndex
 from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -71,7 +81,11 @@ class RunningRequest:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(
-        self, settings: CoordinatorSettings, tokenizer, clients: ServiceClients, metrics: CoordinatorMetrics,
+        self,
+        settings: CoordinatorSettings,
+        tokenizer,
+        clients: ServiceClients,
+        metrics: CoordinatorMetrics,
         store: RequestStore,
     ):
         self.settings = settings
@@ -101,7 +115,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except SpecdecError as err:
             await context.abort(err.code, str(err))
 
-    async def responses(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def responses(
+        self, request: coordinator_pb2.GenerateRequest
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """The messages of one request, the first carrying its request id: the path of the gRPC
         Generate call and of the HTTP API (:mod:`coordinator.http_api`). Raises SpecdecError;
         closing it early cancels the request."""
@@ -131,10 +147,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if self._draft_info is not None and self.clients.draft_down():
             return self._draft_info
         timeout = self.clients.propose_deadline.seconds(0) if self._draft_info is not None else None
-        try:
+        with contextlib.suppress(Unavailable):
             self._draft_info = await self.clients.draft_info(timeout)
-        except Unavailable:
-            pass
         return self._draft_info
 
     async def _resolve(self, request):
@@ -152,8 +166,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
             lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
             policy = self.adaptive.policy(
-                drafter, verify_info, resolved.num_speculative_tokens,
-                {name: lengths[name] for name in self._lookup_names(resolved)}, self._num_running - 1,
+                drafter,
+                verify_info,
+                resolved.num_speculative_tokens,
+                {name: lengths[name] for name in self._lookup_names(resolved)},
+                self._num_running - 1,
             )
         return resolved, verify_info, policy
 
@@ -228,18 +245,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if not resuming and not await journal.create():
             raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
         output = StreamOutput(
-            self.tokenizer, resolved.prompt_ids, resolved.stop, verify_info.eos_token_ids,
-            resolved.max_new_tokens, request.resume_from,
+            self.tokenizer,
+            resolved.prompt_ids,
+            resolved.stop,
+            verify_info.eos_token_ids,
+            resolved.max_new_tokens,
+            request.resume_from,
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         rounds = RequestRounds(
-            self.clients, self.replicas, uuid.uuid4().hex, resolved, [*resolved.prompt_ids, *resumed], lookups,
-            self.settings.draft_retry_s, self.settings.failover_timeout_s,
+            self.clients,
+            self.replicas,
+            uuid.uuid4().hex,
+            resolved,
+            [*resolved.prompt_ids, *resumed],
+            lookups,
+            self.settings.draft_retry_s,
+            self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
         )
         return RunningRequest(
-            resolved, verify_info.model, policy, rounds, journal, output,
-            MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)), resumed, left_behind if resuming else None,
+            resolved,
+            verify_info.model,
+            policy,
+            rounds,
+            journal,
+            output,
+            MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)),
+            resumed,
+            left_behind if resuming else None,
         )
 
     async def _stream(self, running: RunningRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -344,16 +378,26 @@ async def serve(
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     clients = ServiceClients(
-        settings.draft_address, settings.verify_addresses, settings.rpc_timeout_s, settings.prefill_timeout_s,
-        tls=_internal_tls(settings), max_message_bytes=settings.max_message_bytes,
-        propose_deadline=ProposeDeadline(settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s),
+        settings.draft_address,
+        settings.verify_addresses,
+        settings.rpc_timeout_s,
+        settings.prefill_timeout_s,
+        tls=_internal_tls(settings),
+        max_message_bytes=settings.max_message_bytes,
+        propose_deadline=ProposeDeadline(
+            settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s
+        ),
         draft_down_s=settings.draft_retry_s,
     )
     metrics = CoordinatorMetrics()
     if settings.redis_url:
         store = RedisStore(
-            settings.redis_url, settings.request_ttl_s, metrics.store_errors, ssl_ca_certs=settings.redis_tls_ca_file,
-            ssl_certfile=settings.redis_tls_cert_file, ssl_keyfile=settings.redis_tls_key_file,
+            settings.redis_url,
+            settings.request_ttl_s,
+            metrics.store_errors,
+            ssl_ca_certs=settings.redis_tls_ca_file,
+            ssl_certfile=settings.redis_tls_cert_file,
+            ssl_keyfile=settings.redis_tls_key_file,
         )
     else:
         store = MemoryStore(settings.request_ttl_s)
@@ -378,15 +422,20 @@ async def serve(
         scheme = "https" if ssl_context else "http"
         log.info("serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, settings.http_port)
     server, port = await start_aio_server(
-        register, settings.host, settings.port, server_credentials(settings), settings.max_message_bytes,
+        register,
+        settings.host,
+        settings.port,
+        server_credentials(settings),
+        settings.max_message_bytes,
         settings.max_request_bytes,
     )
     metrics.serve(settings.host, settings.metrics_port)
+    stopping = BackgroundTasks()
 
     def shutdown():
         if http:
             http.stop_accepting()
-        asyncio.ensure_future(server.stop(SHUTDOWN_GRACE_S))
+        stopping.run(server.stop(SHUTDOWN_GRACE_S))
 
     if handle_signals:
         loop = asyncio.get_running_loop()

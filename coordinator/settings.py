@@ -12,41 +12,53 @@ class CoordinatorSettings(ServiceSettings):
     """Settings of ``specdec serve coordinator`` (environment prefix ``SPECDEC_COORDINATOR_``)."""
 
     model_config = ServiceSettings.model_config | {
-        "env_prefix": "SPECDEC_COORDINATOR_", "populate_by_name": True, "cli_shortcuts": {"api-keys": "api-key"},
+        "env_prefix": "SPECDEC_COORDINATOR_",
+        "populate_by_name": True,
+        "cli_shortcuts": {"api-keys": "api-key"},
     }
 
     port: int = Field(50051, description="gRPC port of the public Generate API.")
     http_port: int = Field(
-        8000, description="Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        8000,
+        description="Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /health), served beside the gRPC port; 0 = off.",
     )
     served_model_name: CommaSeparated = Field(
-        [], description="Names the HTTP API also accepts as `model` and lists in /v1/models, besides the "
+        [],
+        description="Names the HTTP API also accepts as `model` and lists in /v1/models, besides the "
         "target's own (repeatable or comma-separated).",
     )
     api_keys: CommaSeparated = Field(
-        [], validation_alias="SPECDEC_API_KEYS", description="API keys (--api-key, repeatable, or "
+        [],
+        validation_alias="SPECDEC_API_KEYS",
+        description="API keys (--api-key, repeatable, or "
         "comma-separated; also SPECDEC_API_KEYS, or SPECDEC_COORDINATOR_API_KEYS): every call to the public APIs "
         "must carry one, as `Authorization: Bearer <key>` on HTTP and `authorization` metadata on gRPC "
         "(health checks stay open); none = no authentication.",
     )
     max_streams_per_client: int = Field(
-        64, ge=0, description="Requests one client may run at once: gRPC Generate streams and HTTP completions "
+        64,
+        ge=0,
+        description="Requests one client may run at once: gRPC Generate streams and HTTP completions "
         "(streamed or not) together, a client being its API key when keys are set, else its IP address; one more "
         "gets RESOURCE_EXHAUSTED (HTTP 429); 0 = no limit.",
     )
     max_request_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="Largest request the public APIs read, in bytes: a gRPC GenerateRequest "
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest request the public APIs read, in bytes: a gRPC GenerateRequest "
         "(RESOURCE_EXHAUSTED beyond) or an HTTP request body (413 beyond). A prompt is tokenized before its length is "
         "checked, so this also bounds that work.",
     )
     api_key_file: str = Field(
-        "", description="A file of further API keys, one per line (blank lines and # comments skipped); a file that "
+        "",
+        description="A file of further API keys, one per line (blank lines and # comments skipped); a file that "
         "cannot be read stops the coordinator's start.",
     )
     draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
     verify_addresses: CommaSeparated = Field(
-        ["127.0.0.1:50053"], description="host:port of every verify replica, comma-separated; a session that "
+        ["127.0.0.1:50053"],
+        description="host:port of every verify replica, comma-separated; a session that "
         "loses its replica is rebuilt on another.",
     )
     tokenizer: str = Field(
@@ -55,80 +67,116 @@ class CoordinatorSettings(ServiceSettings):
         "against the target's vocabulary fingerprint.",
     )
     adaptive: bool = Field(
-        True, description="Choose K every round for requests that set no num_speculative_tokens "
+        True,
+        description="Choose K every round for requests that set no num_speculative_tokens "
         "(0 = plain decode when speculation does not pay); off: they get num_speculative_tokens.",
     )
     max_num_speculative_tokens: int = Field(8, description="Largest K the adaptive choice makes.")
     probe_interval: int = Field(
-        16, description="While adaptive K falls back to plain decode, every this many rounds (times what a "
+        16,
+        description="While adaptive K falls back to plain decode, every this many rounds (times what a "
         "probe costs over a plain round) a 2-token proposal probes whether speculation pays again.",
     )
     hybrid: bool = Field(
-        True, description="Under adaptive K, let the coordinator's own lookups (hybrid_lookups) compete "
+        True,
+        description="Under adaptive K, let the coordinator's own lookups (hybrid_lookups) compete "
         "with the request's drafter every round (hybrid drafting); off: the drafter and plain decode only.",
     )
     hybrid_lookups: CommaSeparated = Field(
-        ["ngram", "suffix"], description="The coordinator's own model-free lookups that compete in hybrid drafting "
+        ["ngram", "suffix"],
+        description="The coordinator's own model-free lookups that compete in hybrid drafting "
         "(comma-separated): ngram (prompt lookup: what followed the latest match) and suffix (SuffixDecoding: the "
         "most frequent continuation over the request and earlier outputs).",
     )
     suffix_max_cached_requests: int = Field(
-        256, description="The suffix lookup's cache of earlier and running requests' outputs, shared by this "
+        256,
+        description="The suffix lookup's cache of earlier and running requests' outputs, shared by this "
         "coordinator's requests: at most this many outputs (0 = no cache: each request's own prompt and output only).",
     )
-    suffix_max_cached_tokens: int = Field(16384, description="...and at most this many tokens, the oldest output evicted first.")
+    suffix_max_cached_tokens: int = Field(
+        16384, description="...and at most this many tokens, the oldest output evicted first."
+    )
     draft_ahead: bool = Field(
-        True, description="While the verify service checks a round's proposal, have a model drafter draft the "
+        True,
+        description="While the verify service checks a round's proposal, have a model drafter draft the "
         "next round's on the branch where all of it is accepted and the bonus token is the draft's guess, so "
         "that it is ready when verification goes that way (hiding the draft's time); off: every round drafts "
         "after the previous one is verified.",
     )
-    ngram_min: int = Field(1, description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under adaptive K) matches.")
-    ngram_max: int = Field(3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first).")
+    ngram_min: int = Field(
+        1,
+        description="Shortest suffix n-gram the coordinator's own prompt lookup (hybrid drafting under "
+        "adaptive K) matches.",
+    )
+    ngram_max: int = Field(
+        3, description="Longest suffix n-gram the coordinator's own prompt lookup matches (tried first)."
+    )
     num_speculative_tokens: int = Field(4, description="K of requests that set none, when adaptive is off.")
     default_max_new_tokens: int = Field(128, description="max_new_tokens when a request sets none.")
     max_new_tokens_limit: int = Field(4096, description="Largest max_new_tokens a request may ask for.")
-    rpc_timeout_s: float = Field(30.0, description="Deadline of every other call to the draft and verify services (Verify, Decode, GetInfo, Release), and the most a Propose deadline may grow to, seconds.")
+    rpc_timeout_s: float = Field(
+        30.0,
+        description="Deadline of every other call to the draft and verify services (Verify, Decode, GetInfo, "
+        "Release), and the most a Propose deadline may grow to, seconds.",
+    )
     propose_timeout_floor_s: float = Field(
-        0.25, gt=0, description="Least deadline of a Propose call, seconds. Each Propose gets propose_timeout_factor "
-        "times the slowest of the last 64 Propose round trips (scaled to the draft forwards it costs), at least this; a "
-        "draft that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a "
+        0.25,
+        gt=0,
+        description="Least deadline of a Propose call, seconds. Each Propose gets propose_timeout_factor "
+        "times the slowest of the last 64 Propose round trips (scaled to the draft forwards it costs), at least "
+        "this; a draft that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a "
         "request about this long, not rpc_timeout_s.",
     )
-    propose_timeout_factor: float = Field(3.0, ge=1, description="Propose deadline as a multiple of the slowest recent Propose round trip (see propose_timeout_floor_s).")
+    propose_timeout_factor: float = Field(
+        3.0,
+        ge=1,
+        description="Propose deadline as a multiple of the slowest recent Propose round trip (see "
+        "propose_timeout_floor_s).",
+    )
     prefill_timeout_s: float = Field(120.0, description="Deadline of each Prefill call, seconds.")
     failover_timeout_s: float = Field(
-        60.0, description="How long a request whose verify replica failed keeps trying to rebuild its session "
+        60.0,
+        description="How long a request whose verify replica failed keeps trying to rebuild its session "
         "on a replica before failing with UNAVAILABLE, seconds.",
     )
     draft_retry_s: float = Field(
-        2.0, description="After the draft service fails, a request runs without it (plain decode) for this "
+        2.0,
+        description="After the draft service fails, a request runs without it (plain decode) for this "
         "many seconds, then tries it again, seconds.",
     )
     redis_url: str = Field(
-        "", validation_alias="SPECDEC_REDIS_URL", description="Redis URL of the request store shared by the "
+        "",
+        validation_alias="SPECDEC_REDIS_URL",
+        description="Redis URL of the request store shared by the "
         "coordinator replicas (redis://host:6379/0; rediss:// for TLS); empty: a store inside this process.",
     )
     redis_tls_ca_file: str = Field(
-        "", description="PEM CA bundle Redis's certificate is checked against, for a rediss:// redis_url (redis-py's "
+        "",
+        description="PEM CA bundle Redis's certificate is checked against, for a rediss:// redis_url (redis-py's "
         "ssl_ca_certs); empty: the system's roots.",
     )
     redis_tls_cert_file: str = Field(
-        "", description="PEM client certificate for a Redis that asks for one (redis-py's ssl_certfile), with "
+        "",
+        description="PEM client certificate for a Redis that asks for one (redis-py's ssl_certfile), with "
         "redis_tls_key_file; empty: none. The password goes in the URL: rediss://:PASSWORD@host:6379/0.",
     )
     redis_tls_key_file: str = Field("", description="PEM private key of redis_tls_cert_file (redis-py's ssl_keyfile).")
     internal_tls_ca_file: str = Field(
-        "", description="PEM CA bundle the draft and verify services' certificates are checked against; set: the "
+        "",
+        description="PEM CA bundle the draft and verify services' certificates are checked against; set: the "
         "coordinator connects to them over TLS; empty: plaintext.",
     )
     internal_tls_cert_file: str = Field(
-        "", description="PEM client certificate the coordinator presents to the draft and verify services (mutual "
+        "",
+        description="PEM client certificate the coordinator presents to the draft and verify services (mutual "
         "TLS: theirs --tls-client-ca-file signed it), with internal_tls_key_file; needs internal_tls_ca_file. "
         "Re-read when the file changes (new connections).",
     )
     internal_tls_key_file: str = Field("", description="PEM private key of internal_tls_cert_file.")
-    request_ttl_s: float = Field(3600.0, description="How long the request store keeps a request after its last write (resumable that long), seconds.")
+    request_ttl_s: float = Field(
+        3600.0,
+        description="How long the request store keeps a request after its last write (resumable that long), seconds.",
+    )
 
     @model_validator(mode="after")
     def _read_api_key_file(self):
@@ -136,16 +184,23 @@ class CoordinatorSettings(ServiceSettings):
             try:
                 lines = Path(self.api_key_file).read_text().splitlines()
             except OSError as err:  # fails the start
-                raise ValueError(f"api_key_file {self.api_key_file}: {err.strerror}: give a readable file of keys") from None
-            self.api_keys = [*self.api_keys, *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#"))]
+                raise ValueError(
+                    f"api_key_file {self.api_key_file}: {err.strerror}: give a readable file of keys"
+                ) from None
+            self.api_keys = [
+                *self.api_keys,
+                *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")),
+            ]
         return self
 
     @model_validator(mode="after")
     def _client_tls_files(self):
         """Fails the start on unusable client TLS files, naming the setting."""
         if (self.internal_tls_cert_file or self.internal_tls_key_file) and not self.internal_tls_ca_file:
-            raise ValueError("internal_tls_cert_file needs internal_tls_ca_file: set the CA of the draft and verify "
-                             "services' certificates")
+            raise ValueError(
+                "internal_tls_cert_file needs internal_tls_ca_file: set the CA of the draft and verify "
+                "services' certificates"
+            )
         redis_tls = self.redis_tls_ca_file or self.redis_tls_cert_file or self.redis_tls_key_file
         if redis_tls and not self.redis_url.startswith("rediss://"):
             raise ValueError("redis_tls_* files are for a TLS connection: make redis_url rediss://host:port/db")

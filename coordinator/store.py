@@ -70,11 +70,15 @@ class StoredRequest:
     def header(self) -> dict[str, bytes | str | int | float]:
         """Every field but the tokens, as Redis hash fields."""
         return {
-            "request": self.request.SerializeToString(), "target": self.target,
-            "vocab_fingerprint": self.vocab_fingerprint, "status": self.status,
+            "request": self.request.SerializeToString(),
+            "target": self.target,
+            "vocab_fingerprint": self.vocab_fingerprint,
+            "status": self.status,
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.SerializeToString() if self.metrics else b"",
-            "created_at": self.created_at, "updated_at": self.updated_at, "sessions": json.dumps(self.sessions),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "sessions": json.dumps(self.sessions),
         }
 
     @classmethod
@@ -128,7 +132,7 @@ class RequestStore(abc.ABC):
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
         """Replaces the rates of the drafters in ``priors`` for ``target``."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (a no-op unless there is a connection: MemoryStore has none)
         """Closes the connection, if any."""
 
 
@@ -195,12 +199,16 @@ class RedisStore(RequestStore):
     only for a rediss:// URL; empty ones are left out (redis-py's defaults: the system's roots, no
     client certificate)."""
 
-    def __init__(self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0,
-                 **ssl_options: str):
+    def __init__(
+        self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0, **ssl_options: str
+    ):
         super().__init__(ttl_s)
         # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
         self.redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1),
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
             **{name: value for name, value in ssl_options.items() if value},
         )
         self.url = _without_password(url)  # logged and in error messages
@@ -216,8 +224,13 @@ class RedisStore(RequestStore):
             return await asyncio.wait_for(make_call(), self.timeout_s)
         except (redis.RedisError, OSError, TimeoutError) as err:
             if time.monotonic() >= self._down_until:
-                log.error("request store at %s failed on %s: %s: %s; requests go on from memory",
-                          self.url, operation, type(err).__name__, err)
+                log.error(
+                    "request store at %s failed on %s: %s: %s; requests go on from memory",
+                    self.url,
+                    operation,
+                    type(err).__name__,
+                    err,
+                )
             self._down_until = time.monotonic() + self.retry_after_s
             self.errors.labels(operation).inc()
             raise StoreUnavailable(f"the request store at {self.url} failed: {err!r}") from None
@@ -321,7 +334,9 @@ class RequestJournal:
             self.record.sessions = dict(sessions)
         await self._sync(self.record.sessions if changed else None)
 
-    async def end(self, status: str, finish_reason: int = 0, metrics: coordinator_pb2.RequestMetrics | None = None) -> None:
+    async def end(
+        self, status: str, finish_reason: int = 0, metrics: coordinator_pb2.RequestMetrics | None = None
+    ) -> None:
         """Stores the outcome; the request's sessions are released by then, so none are kept."""
         self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics
         self.record.sessions = {}

@@ -44,9 +44,7 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        return max(
-            (n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0
-        )
+        return max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet returned, minus anything that may still turn into a stop string."""

@@ -77,9 +77,14 @@ class ServiceClients:
     old ones."""
 
     def __init__(
-        self, draft_address: str, verify_addresses: list[str], rpc_timeout_s: float, prefill_timeout_s: float,
+        self,
+        draft_address: str,
+        verify_addresses: list[str],
+        rpc_timeout_s: float,
+        prefill_timeout_s: float,
         tls: Reloading[grpc.ChannelCredentials] | None = None,
-        max_message_bytes: int = MAX_MESSAGE_BYTES, propose_deadline: ProposeDeadline | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        propose_deadline: ProposeDeadline | None = None,
         draft_down_s: float = 2.0,
     ):
         if not verify_addresses:

@@ -60,8 +60,10 @@ def main() -> int:
             else:
                 kinds[resource["kind"]] += 1
         summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-        print(f"{path.name}: {sum(kinds.values())} of {len(resources)} resources valid against "
-              f"Kubernetes {args.kubernetes_version} (strict): {summary}")
+        print(
+            f"{path.name}: {sum(kinds.values())} of {len(resources)} resources valid against "
+            f"Kubernetes {args.kubernetes_version} (strict): {summary}"
+        )
         if not resources:
             failed += 1
             print(f"ERROR {path.name}: no resources")

@@ -11,8 +11,8 @@ from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
-from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry
+from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -28,8 +28,11 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
             from draft_service.drafters.suffix import SuffixDrafter
 
             drafters[name] = SuffixDrafter(
-                settings.suffix_max_depth, settings.suffix_max_spec_factor, settings.suffix_min_token_prob,
-                settings.suffix_max_cached_requests, settings.suffix_max_cached_tokens,
+                settings.suffix_max_depth,
+                settings.suffix_max_spec_factor,
+                settings.suffix_min_token_prob,
+                settings.suffix_max_cached_requests,
+                settings.suffix_max_cached_tokens,
             )
         elif name == "llama-cpp":
             from draft_service.drafters.llama_cpp import LlamaCppDrafter
@@ -47,7 +50,10 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
             from draft_service.drafters.transformers_lm import TransformersDrafter
 
             drafters[name] = TransformersDrafter.load(
-                settings.transformers_model, settings.transformers_dtype, settings.max_num_seqs, settings.max_num_batched_tokens
+                settings.transformers_model,
+                settings.transformers_dtype,
+                settings.max_num_seqs,
+                settings.max_num_batched_tokens,
             )
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
@@ -86,9 +92,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _drafter(self, name: str) -> Drafter:
         drafter = self.drafters.get(name or self.default_drafter)
         if drafter is None:
-            raise InvalidArgument(
-                f"unknown drafter {name!r}: this draft service hosts {', '.join(self.drafters)}"
-            )
+            raise InvalidArgument(f"unknown drafter {name!r}: this draft service hosts {', '.join(self.drafters)}")
         return drafter
 
     @grpc_errors
@@ -122,10 +126,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.sessions.use(request.session_id) as session:
             session.sync(request.appended_token_ids)
             proposal = session.propose_ahead(predicted, k) if predicted else session.propose(k)
-        trace.get_current_span().set_attributes({
-            "specdec.num_speculative_tokens": k, "specdec.num_drafted": len(proposal.tokens),
-            "specdec.draft_ahead": bool(predicted),
-        })
+        trace.get_current_span().set_attributes(
+            {
+                "specdec.num_speculative_tokens": k,
+                "specdec.num_drafted": len(proposal.tokens),
+                "specdec.draft_ahead": bool(predicted),
+            }
+        )
         return draft_pb2.ProposeResponse(
             token_ids=proposal.tokens,
             distributions=[] if session.sampling.greedy else proposal.distributions(),

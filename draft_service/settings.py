@@ -15,13 +15,15 @@ class DraftSettings(SessionServiceSettings):
         description="Drafters to host, comma-separated: llama-cpp, transformers, ngram, suffix.",
     )
     default_drafter: str = Field(
-        "llama-cpp", description="Drafter used when a request names none; one of drafters, or the service does not start."
+        "llama-cpp",
+        description="Drafter used when a request names none; one of drafters, or the service does not start.",
     )
     llama_cpp_model: str = Field(
         DEFAULT_MODEL, description="GGUF file for the llama-cpp drafter ('smollm2' = the bundled SmolLM2 Q4_1)."
     )
     llama_cpp_requantize: str = Field(
-        "q8_0", description="Re-quantize the GGUF once (cached under SPECDEC_CACHE_DIR) to this llama.cpp type "
+        "q8_0",
+        description="Re-quantize the GGUF once (cached under SPECDEC_CACHE_DIR) to this llama.cpp type "
         "before loading: q8_0, q4_0 or f16; '' loads the file as it is. The bundled Q4_1 has no fast CPU kernels: "
         "as Q8_0 it prefills about 1.5-1.8x and decodes up to 1.5x faster on a CPU, and drafts as well.",
     )
@@ -29,18 +31,33 @@ class DraftSettings(SessionServiceSettings):
     llama_cpp_n_threads: int = Field(0, description="llama.cpp CPU threads; 0 = its default.")
     llama_cpp_n_gpu_layers: int = Field(0, description="Layers llama.cpp offloads to the GPU (-1 = all).")
     llama_cpp_max_num_seqs: int = Field(
-        16, ge=1, le=256, description="Sessions the llama-cpp drafter holds at once, one llama.cpp sequence each "
+        16,
+        ge=1,
+        le=256,
+        description="Sessions the llama-cpp drafter holds at once, one llama.cpp sequence each "
         "(n_seq_max; their KV, n_ctx tokens each, is allocated up front; more get RESOURCE_EXHAUSTED); also the "
         "most proposals one batched step takes.",
     )
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."
     )
-    transformers_dtype: str = Field("auto", description="dtype of the transformers drafter: auto, float32, bfloat16 or float16.")
+    transformers_dtype: str = Field(
+        "auto", description="dtype of the transformers drafter: auto, float32, bfloat16 or float16."
+    )
     ngram_min: int = Field(1, description="Shortest suffix n-gram the ngram drafter matches.")
     ngram_max: int = Field(3, description="Longest suffix n-gram the ngram drafter matches (tried first).")
-    suffix_max_depth: int = Field(24, description="Depth in tokens of the suffix drafter's trees (bounds match plus proposal length).")
-    suffix_max_spec_factor: float = Field(1.0, description="A suffix match of n tokens proposes at most this times n tokens.")
-    suffix_min_token_prob: float = Field(0.1, description="Lowest estimated probability of a suffix drafter's proposed token (running product).")
-    suffix_max_cached_requests: int = Field(256, description="Outputs the suffix drafter's shared cache holds, oldest evicted first (0: off).")
-    suffix_max_cached_tokens: int = Field(16384, description="Tokens the suffix drafter's shared cache holds, oldest output evicted first.")
+    suffix_max_depth: int = Field(
+        24, description="Depth in tokens of the suffix drafter's trees (bounds match plus proposal length)."
+    )
+    suffix_max_spec_factor: float = Field(
+        1.0, description="A suffix match of n tokens proposes at most this times n tokens."
+    )
+    suffix_min_token_prob: float = Field(
+        0.1, description="Lowest estimated probability of a suffix drafter's proposed token (running product)."
+    )
+    suffix_max_cached_requests: int = Field(
+        256, description="Outputs the suffix drafter's shared cache holds, oldest evicted first (0: off)."
+    )
+    suffix_max_cached_tokens: int = Field(
+        16384, description="Tokens the suffix drafter's shared cache holds, oldest output evicted first."
+    )

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import grpc
@@ -35,9 +36,26 @@ class Up:
     def __init__(self) -> None:
         self.port = free_port()
         ports = {name: free_port() for name in ("draft", "verify")}
-        command = [sys.executable, "-m", "specdec", "up", "--coordinator-port", str(self.port), "--http-port", "0",
-                   "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
-                   "--coordinator-metrics-port", "0", "--draft-metrics-port", "0", "--verify-metrics-port", "0"]
+        command = [
+            sys.executable,
+            "-m",
+            "specdec",
+            "up",
+            "--coordinator-port",
+            str(self.port),
+            "--http-port",
+            "0",
+            "--draft-port",
+            str(ports["draft"]),
+            "--verify-port",
+            str(ports["verify"]),
+            "--coordinator-metrics-port",
+            "0",
+            "--draft-metrics-port",
+            "0",
+            "--verify-metrics-port",
+            "0",
+        ]
         root = Path(__file__).resolve().parent.parent
         self.process = subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=root)
         self.lines: list[str] = []
@@ -51,7 +69,9 @@ class Up:
                 if match := re.search(pattern, line):
                     return match
             time.sleep(0.1)
-        raise SystemExit(f"no line matching {pattern!r} in {timeout_s:.0f} s; the last ones:\n{''.join(self.lines[-30:])}")
+        raise SystemExit(
+            f"no line matching {pattern!r} in {timeout_s:.0f} s; the last ones:\n{''.join(self.lines[-30:])}"
+        )
 
     def request(self, k: int) -> Completion:
         return generate(f"127.0.0.1:{self.port}", request(k), timeout_s=600)
@@ -68,11 +88,13 @@ class Up:
                     fault()
                     fault_at = time.monotonic()
         after = [fault_at, *(t for t in arrivals if t > fault_at)]
-        return tokens, max(b - a for a, b in zip(after, after[1:], strict=False))
+        return tokens, max(b - a for a, b in pairwise(after))
 
 
 def request(k: int) -> coordinator_pb2.GenerateRequest:
-    return coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=128, num_speculative_tokens=k, drafter="llama-cpp")
+    return coordinator_pb2.GenerateRequest(
+        text=PROMPT, max_new_tokens=128, num_speculative_tokens=k, drafter="llama-cpp"
+    )
 
 
 def main() -> None:
@@ -85,16 +107,22 @@ def main() -> None:
             tokens, longest_s = up.stream_with_fault(lambda pid=pid: os.kill(pid, signal.SIGKILL))
             back_s = up.wait_for(rf"{service} service SERVING again, ([\d.]+) s after").group(1)
             later = up.request(8)
-            print(f"{service} SIGKILL: identical {tokens == plain}, longest wait {longest_s * 1000:.0f} ms, SERVING again "
-                  f"after {back_s} s; next request identical {later.token_ids == plain}, "
-                  f"{later.metrics.num_accepted_draft_tokens} draft tokens accepted", flush=True)
+            print(
+                f"{service} SIGKILL: identical {tokens == plain}, longest wait {longest_s * 1000:.0f} ms, "
+                f"SERVING again after {back_s} s; next request identical {later.token_ids == plain}, "
+                f"{later.metrics.num_accepted_draft_tokens} draft tokens accepted",
+                flush=True,
+            )
         pid = int(up.wait_for(r"draft service restarted \(restart 1, pid (\d+)\)").group(1))
         since = len(up.lines)
         tokens, longest_s = up.stream_with_fault(lambda: os.kill(pid, signal.SIGSTOP))
         os.kill(pid, signal.SIGCONT)
         deadline = up.wait_for(r"Propose deadline (\d+) ms\) did not answer", since).group(1)
-        print(f"draft SIGSTOP: identical {tokens == plain}, longest wait {longest_s * 1000:.0f} ms "
-              f"(Propose deadline {deadline} ms)", flush=True)
+        print(
+            f"draft SIGSTOP: identical {tokens == plain}, longest wait {longest_s * 1000:.0f} ms "
+            f"(Propose deadline {deadline} ms)",
+            flush=True,
+        )
     finally:
         up.process.send_signal(signal.SIGTERM)
         up.process.wait(60)

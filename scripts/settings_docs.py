@@ -16,17 +16,18 @@ import sys
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: import the services from this checkout
-    sys.path.insert(0, str(ROOT))
-
 import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliSettingsSource
 
-from coordinator.settings import CoordinatorSettings
-from draft_service.settings import DraftSettings
-from verify_service.settings import VerifySettings
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: import the services from this checkout
+    sys.path.insert(0, str(ROOT))
+
+# after the path is set (E402): these come from this checkout, not an installed copy
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from draft_service.settings import DraftSettings  # noqa: E402
+from verify_service.settings import VerifySettings  # noqa: E402
 
 PAGE = ROOT / "docs" / "settings.md"
 COMMAND = ".venv/bin/python scripts/settings_docs.py"
@@ -144,7 +145,9 @@ def _own_first(cls: type[BaseSettings]) -> list[str]:
     bases, nearest base first."""
     order = []
     for klass in cls.__mro__:
-        order += [name for name in getattr(klass, "__annotations__", {}) if name in cls.model_fields and name not in order]
+        order += [
+            name for name in getattr(klass, "__annotations__", {}) if name in cls.model_fields and name not in order
+        ]
     return order
 
 
@@ -171,7 +174,9 @@ def service_section(heading: str, command: str, cls: type[BaseSettings]) -> list
         info = cls.model_fields[name]
         flag = " ".join(f"`{flag}`" for flag in cli_flags[name])
         env = " or ".join(f"`{var}`" for var in env_vars(cls, name))
-        lines.append(f"| {flag} | {env} | {type_text(info)} | {default_text(name, info)} | {_cell(info.description or '')} |")
+        lines.append(
+            f"| {flag} | {env} | {type_text(info)} | {default_text(name, info)} | {_cell(info.description or '')} |"
+        )
     return lines
 
 
@@ -185,7 +190,9 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/settings.md is out of date, writing nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/settings.md is out of date, writing nothing"
+    )
     args = parser.parse_args(argv)
     page = render()
     if args.check:

@@ -23,8 +23,10 @@ def _tolerant(deserializer):
         try:
             return deserializer(raw)
         except DecodeError as err:
-            return _Undecodable(f"the request is not a valid protobuf message ({err}): send a serialized request of "
-                                "this method's type, strings as UTF-8")
+            return _Undecodable(
+                f"the request is not a valid protobuf message ({err}): send a serialized request of "
+                "this method's type, strings as UTF-8"
+            )
 
     return deserialize
 

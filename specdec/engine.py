@@ -107,8 +107,13 @@ class Engine:
     metrics. Raises ValueError for limits below 1."""
 
     def __init__(
-        self, lm: BatchedLM, max_num_seqs: int, max_num_batched_tokens: int, batch_wait_ms: float = 0.0,
-        metrics: EngineMetrics | None = None, name: str = "engine",
+        self,
+        lm: BatchedLM,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        batch_wait_ms: float = 0.0,
+        metrics: EngineMetrics | None = None,
+        name: str = "engine",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -248,14 +253,20 @@ class Engine:
         num_tokens = sum(len(step.token_ids) for step in steps)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
         outcomes = []
-        for (entry, step), rows in zip(batch, logits):
+        for (entry, step), rows in zip(batch, logits, strict=True):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
-            attributes = {"specdec.num_tokens": len(step.token_ids), "specdec.batch_size": len(batch), "specdec.num_batched_tokens": num_tokens}
-            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
+            attributes = {
+                "specdec.num_tokens": len(step.token_ids),
+                "specdec.batch_size": len(batch),
+                "specdec.num_batched_tokens": num_tokens,
+            }
+            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(
+                end_time=end_ns
+            )
             try:
                 done = entry.call(entry.work.finish_step, step, rows)
-            except Exception as err:  # noqa: BLE001 (handed to the caller)
+            except Exception as err:  # any failure is handed to the caller
                 outcomes.append((entry, err))
                 continue
             if done:
@@ -274,4 +285,3 @@ class Engine:
                 else:
                     entry.future.set_exception(err)
             self._step_end = time.perf_counter()
-

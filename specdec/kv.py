@@ -83,7 +83,10 @@ class SequenceKV:
         agreed = common_prefix_length(self.cached_tokens, committed, min(self._agreed, len(self.cached_tokens)))
         keep = min(agreed, len(committed) - 1)
         if keep < len(self.cached_tokens):
-            attributes = {"specdec.cache_length": len(self.cached_tokens), "specdec.num_dropped": len(self.cached_tokens) - keep}
+            attributes = {
+                "specdec.cache_length": len(self.cached_tokens),
+                "specdec.num_dropped": len(self.cached_tokens) - keep,
+            }
             with tracer.start_as_current_span("rollback", attributes=attributes):
                 self.rollback(keep)
         self._agreed = min(keep, len(committed) if num_committed is None else num_committed)
@@ -116,8 +119,13 @@ class PrefillWork(Work):
         return len(self.kv_cache.cached_tokens) >= len(self.committed) - 1
 
 
-def prefill(engine: Engine, kv_cache: SequenceKV, committed: Sequence[int], timeout_s: float | None = None,
-            abandoned: Callable[[], bool] | None = None) -> None:
+def prefill(
+    engine: Engine,
+    kv_cache: SequenceKV,
+    committed: Sequence[int],
+    timeout_s: float | None = None,
+    abandoned: Callable[[], bool] | None = None,
+) -> None:
     """Caches ``committed`` but its last token through ``engine`` (``timeout_s`` and ``abandoned``
     as in :meth:`specdec.engine.Engine.run`), in a ``prefill`` span."""
     if len(committed) > 1:

@@ -48,9 +48,7 @@ def load_causal_lm(spec: str, dtype: str = "auto", device_map: str | None = None
     source, kwargs = hf_source(ref)
     torch_dtype = parse_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch_dtype, device_map=device_map, **kwargs
-    )
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device_map, **kwargs)
     if kwargs.get("gguf_file"):
         _save_converted(ref, model, tokenizer)
     if device_map is None and torch.cuda.is_available():

@@ -30,13 +30,21 @@ class _EngineHistograms:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, ["engine"], buckets=buckets, registry=registry)
 
-        self.batch_size = histogram("specdec:batch_size", "Sequences (sessions) per batched forward (step) of an engine loop.", BATCH_SIZE_BUCKETS)
+        self.batch_size = histogram(
+            "specdec:batch_size",
+            "Sequences (sessions) per batched forward (step) of an engine loop.",
+            BATCH_SIZE_BUCKETS,
+        )
         self.batched_tokens = histogram(
-            "specdec:num_batched_tokens", "New tokens per step (every sequence's verify, decode or prefill tokens).", BATCHED_TOKENS_BUCKETS
+            "specdec:num_batched_tokens",
+            "New tokens per step (every sequence's verify, decode or prefill tokens).",
+            BATCHED_TOKENS_BUCKETS,
         )
         self.step_time = histogram("specdec:step_time_seconds", "A step's forward time.", STEP_BUCKETS)
         self.queue_time = histogram(
-            "specdec:queue_time_seconds", "Per call: time in the engine's queue before its first step began.", QUEUE_BUCKETS
+            "specdec:queue_time_seconds",
+            "Per call: time in the engine's queue before its first step began.",
+            QUEUE_BUCKETS,
         )
 
 
@@ -67,7 +75,8 @@ class _Evictions(Collector):
 
     def collect(self):
         yield CounterMetricFamily(
-            "specdec:sessions_evicted", "Sessions released for being idle longer than session_idle_timeout_s "
+            "specdec:sessions_evicted",
+            "Sessions released for being idle longer than session_idle_timeout_s "
             "(left by a coordinator that died, or a client that vanished), not by a Release.",
             value=self.sessions.num_evicted,
         )
@@ -80,8 +89,10 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.rpc_errors = Counter(
-            "specdec:rpc_errors", "RPCs this service failed, by method and gRPC status code.",
-            ["method", "code"], registry=self.registry,
+            "specdec:rpc_errors",
+            "RPCs this service failed, by method and gRPC status code.",
+            ["method", "code"],
+            registry=self.registry,
         )
         self._engines: _EngineHistograms | None = None
         self._http = None
@@ -95,10 +106,12 @@ class ServiceMetrics:
     def track_sessions(self, sessions: SessionRegistry) -> None:
         """Exports the open sessions, the bytes their KV caches hold and the sessions evicted as
         idle (a coordinator that died without releasing them), read at every scrape."""
-        Gauge("specdec:num_sessions", "Open sessions (requests with KV state) on this service.",
-              registry=self.registry).set_function(lambda: len(sessions))
-        Gauge("specdec:kv_cache_bytes", "Bytes held by the KV caches of the open sessions.",
-              registry=self.registry).set_function(sessions.kv_cache_bytes)
+        Gauge(
+            "specdec:num_sessions", "Open sessions (requests with KV state) on this service.", registry=self.registry
+        ).set_function(lambda: len(sessions))
+        Gauge(
+            "specdec:kv_cache_bytes", "Bytes held by the KV caches of the open sessions.", registry=self.registry
+        ).set_function(sessions.kv_cache_bytes)
         self.registry.register(_Evictions(sessions))
 
     def serve(self, host: str, port: int) -> None:

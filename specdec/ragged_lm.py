@@ -55,13 +55,15 @@ class _Layout:
     counts: list[int]
 
 
-def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, ragged: _Layout = None, **_):
+def _ragged_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, ragged: _Layout = None, **_
+):
     """The attention function (transformers' interface): query ``[1, heads, T, head_dim]``, key and
     value ``[1, kv_heads, T, head_dim]`` of the flattened step; returns ``[1, T, heads, head_dim]``."""
     layer = module.layer_idx
     window = getattr(module, "sliding_window", None)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for slot, start, count in zip(ragged.slots, ragged.offsets, ragged.counts):
+    for slot, start, count in zip(ragged.slots, ragged.offsets, ragged.counts, strict=True):
         end, cached = start + count, slot.length
         slot.kv[layer, 0, :, cached : cached + count] = key[0, :, start:end]
         slot.kv[layer, 1, :, cached : cached + count] = value[0, :, start:end]
@@ -76,7 +78,11 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
                 mask &= k_pos > q_pos - window
             mask = mask.to(query.device)
         attended = F.scaled_dot_product_attention(
-            query[:, :, start:end], keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling,
+            query[:, :, start:end],
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=scaling,
             enable_gqa=query.shape[1] != keys.shape[0],
         )
         out[:, start:end] = attended.transpose(1, 2)
@@ -100,7 +106,13 @@ class RaggedLM(BatchedLM):
         self._shape = (config.num_hidden_layers, 2, config.num_key_value_heads, head_dim)
         dtype = next(model.parameters()).dtype
         self._dtype, self._device = dtype, model.device
-        self.bytes_per_token = torch.tensor([], dtype=dtype).element_size() * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim
+        self.bytes_per_token = (
+            torch.tensor([], dtype=dtype).element_size()
+            * config.num_hidden_layers
+            * 2
+            * config.num_key_value_heads
+            * head_dim
+        )
         self._slots: dict[int, _Slot] = {}
         self._next_id = 0
         self._lock = threading.Lock()  # guards _slots against free() from other threads
@@ -128,11 +140,17 @@ class RaggedLM(BatchedLM):
             slots = [self._slots.get(step.seq_id) or _Slot(self._new_kv(MIN_CAPACITY)) for step in steps]
         counts = [len(step.token_ids) for step in steps]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
-        for slot, count in zip(slots, counts):
+        for slot, count in zip(slots, counts, strict=True):
             self._reserve(slot, slot.length + count)
         tokens = [t for step in steps for t in step.token_ids]
-        positions = [p for slot, count in zip(slots, counts) for p in range(slot.length, slot.length + count)]
-        keep = [offset + count - step.num_logits + i for step, offset, count in zip(steps, offsets, counts) for i in range(step.num_logits)]
+        positions = [
+            p for slot, count in zip(slots, counts, strict=True) for p in range(slot.length, slot.length + count)
+        ]
+        keep = [
+            offset + count - step.num_logits + i
+            for step, offset, count in zip(steps, offsets, counts, strict=True)
+            for i in range(step.num_logits)
+        ]
         device = self._device
         with torch.inference_mode():
             out = self.model(
@@ -142,7 +160,7 @@ class RaggedLM(BatchedLM):
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 ragged=_Layout(slots, offsets, counts),
             )
-        for slot, count in zip(slots, counts):
+        for slot, count in zip(slots, counts, strict=True):
             slot.length += count
         logits = out.logits[0].float().cpu()
         return list(logits.split([step.num_logits for step in steps]))

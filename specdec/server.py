@@ -41,9 +41,7 @@ SHUTDOWN_GRACE_S = 10.0
 def _serving_health(server, service_names: list[str], servicer_cls=health.HealthServicer):
     servicer = servicer_cls()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer
 
 
@@ -62,8 +60,12 @@ def _add_port(server, host: str, port: int, credentials: grpc.ServerCredentials 
 
 
 def start_server(
-    register: Callable[[grpc.Server], list[str]], host: str, port: int, max_workers: int,
-    credentials: grpc.ServerCredentials | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+    register: Callable[[grpc.Server], list[str]],
+    host: str,
+    port: int,
+    max_workers: int,
+    credentials: grpc.ServerCredentials | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
@@ -72,7 +74,8 @@ def start_server(
     port (useful when ``port`` is 0). Every service reports SERVING.
     """
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers), options=grpc_options(max_message_bytes),
+        ThreadPoolExecutor(max_workers=max_workers),
+        options=grpc_options(max_message_bytes),
         interceptors=[RejectUndecodable()],
     )
     names = register(server)
@@ -114,8 +117,11 @@ class RunningService:
 
 
 async def start_aio_server(
-    register: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
-    credentials: grpc.ServerCredentials | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+    register: Callable[[grpc.aio.Server], list[str]],
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given."""
@@ -148,7 +154,11 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         return [service_name]
 
     server, port = start_server(
-        register, settings.host, settings.port, settings.max_workers, server_credentials(settings),
+        register,
+        settings.host,
+        settings.port,
+        settings.max_workers,
+        server_credentials(settings),
         settings.max_message_bytes,
     )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))

@@ -19,9 +19,7 @@ CommaSeparated = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
 
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True, extra="ignore"
-    )
+    model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True, extra="ignore")
 
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for every interface).")
     port: int = Field(description="gRPC port.")
@@ -31,18 +29,22 @@ class ServiceSettings(BaseSettings):
     )
     metrics_port: int = Field(0, description="HTTP port of the Prometheus /metrics endpoint (on host); 0 = off.")
     max_message_bytes: int = Field(
-        MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message this service sends or receives, and its "
+        MAX_MESSAGE_BYTES,
+        ge=1024,
+        description="Largest gRPC message this service sends or receives, and its "
         "channels to other services, in bytes (a larger one fails with RESOURCE_EXHAUSTED); sampling proposals "
         "carry K draft distributions of up to V * 8 bytes each. The coordinator reads its clients' requests up to "
         "its --max-request-bytes.",
     )
     tls_cert_file: str = Field(
-        "", description="PEM certificate chain this service presents on its gRPC port (the coordinator: on its "
+        "",
+        description="PEM certificate chain this service presents on its gRPC port (the coordinator: on its "
         "HTTP API too), with tls_key_file; empty: plaintext. Re-read when the file changes (new connections).",
     )
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file; re-read when the file changes.")
     tls_client_ca_file: str = Field(
-        "", description="PEM CA bundle a client's certificate must be signed by (mutual TLS: a client without "
+        "",
+        description="PEM CA bundle a client's certificate must be signed by (mutual TLS: a client without "
         "one is refused); needs tls_cert_file; empty: no client certificate asked for. Re-read when it changes.",
     )
 
@@ -66,11 +68,15 @@ class SessionServiceSettings(ServiceSettings):
     session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
     max_num_speculative_tokens: int = Field(16, description="Largest K a Propose / Verify call accepts.")
     max_num_seqs: int = Field(
-        16, ge=1, description="Sequences (sessions) one batched forward (step) of a model takes at most; more wait "
+        16,
+        ge=1,
+        description="Sequences (sessions) one batched forward (step) of a model takes at most; more wait "
         "for the next step (the llama-cpp drafter's steps take up to its --llama-cpp-max-num-seqs sequences).",
     )
     max_num_batched_tokens: int = Field(
-        512, ge=1, description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
+        512,
+        ge=1,
+        description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
         "fill the rest); at least max_num_speculative_tokens + 1.",
     )
 

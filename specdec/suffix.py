@@ -61,7 +61,7 @@ class _Node:
     """A token string that occurs in a tree's sequences: ``count`` occurrences, ``children`` by
     the token that follows."""
 
-    __slots__ = ("count", "children")
+    __slots__ = ("children", "count")
 
     def __init__(self):
         self.count = 0

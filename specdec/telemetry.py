@@ -45,12 +45,16 @@ def _exporter(name: str):
     """The span exporter registered under ``name``; ``otlp`` is the OTLP exporter of the protocol
     ``OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL`` sets (default grpc), as the SDK resolves it."""
     if name == "otlp":
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+        )
         name = "otlp_proto_grpc" if protocol == "grpc" else "otlp_proto_http"
     entries = importlib.metadata.entry_points(group=EXPORTER_ENTRY_POINTS, name=name)
     if not entries:
         installed = sorted(entry.name for entry in importlib.metadata.entry_points(group=EXPORTER_ENTRY_POINTS))
-        raise ValueError(f"OTEL_TRACES_EXPORTER names {name!r}, which is not installed; installed: {', '.join(installed)}")
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER names {name!r}, which is not installed; installed: {', '.join(installed)}"
+        )
     return next(iter(entries)).load()()
 
 
@@ -70,7 +74,12 @@ def configure_tracing(service: str) -> bool:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
     trace.set_tracer_provider(provider)
     not_health = negate(health_check())
-    for instrumentor in (GrpcInstrumentorServer, GrpcAioInstrumentorServer, GrpcInstrumentorClient, GrpcAioInstrumentorClient):
+    for instrumentor in (
+        GrpcInstrumentorServer,
+        GrpcAioInstrumentorServer,
+        GrpcInstrumentorClient,
+        GrpcAioInstrumentorClient,
+    ):
         instrumentor(filter_=not_health).instrument()
     return True
 
@@ -85,8 +94,13 @@ def configure_logging(service: str, level: str, log_format: str) -> None:
         handler.setFormatter(
             JsonFormatter(
                 "%(asctime)s %(levelname)s %(name)s %(message)s %(otelTraceID)s %(otelSpanID)s",
-                rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger",
-                               "otelTraceID": "trace_id", "otelSpanID": "span_id"},
+                rename_fields={
+                    "asctime": "timestamp",
+                    "levelname": "level",
+                    "name": "logger",
+                    "otelTraceID": "trace_id",
+                    "otelSpanID": "span_id",
+                },
                 static_fields={"service": service},
             )
         )

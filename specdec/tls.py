@@ -50,7 +50,7 @@ def read_pem(path: str, setting: str) -> bytes:
 
 
 def _load_key_pair(context: ssl.SSLContext, cert_file: str, key_file: str, settings: tuple[str, str]) -> None:
-    for path, setting in zip((cert_file, key_file), settings):
+    for path, setting in zip((cert_file, key_file), settings, strict=True):
         read_pem(path, setting)
     try:
         context.load_cert_chain(cert_file, key_file)

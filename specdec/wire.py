@@ -22,9 +22,7 @@ def encode_distributions(probs: torch.Tensor) -> list[common_pb2.TokenDistributi
     return out
 
 
-def decode_distributions(
-    messages: Sequence[common_pb2.TokenDistribution], vocab_size: int
-) -> torch.Tensor:
+def decode_distributions(messages: Sequence[common_pb2.TokenDistribution], vocab_size: int) -> torch.Tensor:
     """K TokenDistribution messages -> ``[K, V]`` float32 dense probabilities.
 
     Raises InvalidArgument when ids and probs differ in length, an id is out of range or listed
@@ -36,13 +34,9 @@ def decode_distributions(
         ids = np.asarray(msg.token_ids, dtype=np.int64)
         probs = np.asarray(msg.probs, dtype=np.float32)
         if len(ids) != len(probs) or (len(ids) and (ids.min() < 0 or ids.max() >= vocab_size)):
-            raise InvalidArgument(
-                f"draft distribution {i}: token_ids and probs must pair up, ids in [0, {vocab_size})"
-            )
+            raise InvalidArgument(f"draft distribution {i}: token_ids and probs must pair up, ids in [0, {vocab_size})")
         if len(np.unique(ids)) != len(ids) or not np.all((probs >= 0) & (probs <= 1)):
-            raise InvalidArgument(
-                f"draft distribution {i}: list each id once, with a probability in [0, 1] (no NaN)"
-            )
+            raise InvalidArgument(f"draft distribution {i}: list each id once, with a probability in [0, 1] (no NaN)")
         total = float(probs.sum(dtype=np.float64))
         if abs(total - 1) > DISTRIBUTION_SUM_TOLERANCE:
             raise InvalidArgument(

@@ -5,7 +5,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import grpc
 import typer
@@ -60,28 +60,54 @@ def coordinator(ctx: typer.Context) -> None:
     _run_service(ctx, "coordinator")
 
 
-def _cluster(coordinator_port: int, draft_port: int, verify_port: int, host: str, log_dir=None, metrics_ports=None,
-             http_port: int = 0, tls=None):
+def _cluster(
+    coordinator_port: int,
+    draft_port: int,
+    verify_port: int,
+    host: str,
+    log_dir=None,
+    metrics_ports=None,
+    http_port: int = 0,
+    tls=None,
+):
     from specdec_app.launcher import LocalCluster
 
-    cluster = LocalCluster(coordinator_port, draft_port, verify_port, host, log_dir=log_dir, metrics_ports=metrics_ports or {},
-                           http_port=http_port, tls=tls)
+    cluster = LocalCluster(
+        coordinator_port,
+        draft_port,
+        verify_port,
+        host,
+        log_dir=log_dir,
+        metrics_ports=metrics_ports or {},
+        http_port=http_port,
+        tls=tls,
+    )
     stderr.print("starting verify, draft and coordinator services (loading models)...")
     cluster.start_all()
     for service in ("coordinator", "draft", "verify"):
         metrics = cluster.metrics_url(service)
-        stderr.print(f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}"
-                     + (f"  metrics {metrics}" if metrics else ""), soft_wrap=True)
+        stderr.print(
+            f"  {service:<12} {cluster.address(service)}  pid {cluster.processes[service].pid}"
+            + (f"  metrics {metrics}" if metrics else ""),
+            soft_wrap=True,
+        )
     if cluster.http_url:
-        stderr.print(f"  {'HTTP API':<12} {cluster.http_url}  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
-                     soft_wrap=True)
+        stderr.print(
+            f"  {'HTTP API':<12} {cluster.http_url}  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+            soft_wrap=True,
+        )
     if tls:
-        stderr.print(f"  TLS: public APIs over TLS, mutual TLS inside; CA {tls.ca_file}\n"
-                     f"  specdec generate --coordinator {cluster.address('coordinator')} --tls-ca {tls.ca_file} 'Hi'",
-                     soft_wrap=True)
+        stderr.print(
+            f"  TLS: public APIs over TLS, mutual TLS inside; CA {tls.ca_file}\n"
+            f"  specdec generate --coordinator {cluster.address('coordinator')} --tls-ca {tls.ca_file} 'Hi'",
+            soft_wrap=True,
+        )
     if _keys_required():
-        stderr.print("  API keys are set (SPECDEC_API_KEYS or the coordinator's key settings): clients send "
-                     "`Authorization: Bearer <key>` (gRPC: `authorization` metadata; specdec generate --api-key)", soft_wrap=True)
+        stderr.print(
+            "  API keys are set (SPECDEC_API_KEYS or the coordinator's key settings): clients send "
+            "`Authorization: Bearer <key>` (gRPC: `authorization` metadata; specdec generate --api-key)",
+            soft_wrap=True,
+        )
     return cluster
 
 
@@ -99,13 +125,40 @@ def up(
     draft_port: Annotated[int, typer.Option(help="Draft service gRPC port.")] = 50052,
     verify_port: Annotated[int, typer.Option(help="Verify service gRPC port.")] = 50053,
     host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
-    coordinator_metrics_port: Annotated[int, typer.Option(help="Coordinator Prometheus /metrics port; 0 = off.")] = 9091,
+    coordinator_metrics_port: Annotated[
+        int, typer.Option(help="Coordinator Prometheus /metrics port; 0 = off.")
+    ] = 9091,
     draft_metrics_port: Annotated[int, typer.Option(help="Draft service Prometheus /metrics port; 0 = off.")] = 9092,
     verify_metrics_port: Annotated[int, typer.Option(help="Verify service Prometheus /metrics port; 0 = off.")] = 9093,
-    tls: Annotated[bool, typer.Option(help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the coordinator's links to the draft and verify services over mutual TLS, and print the CA file's path.")] = False,
-    tls_dir: Annotated[Optional[Path], typer.Option(help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, server-key.pem, client.pem, client-key.pem; default: a new temporary directory).")] = None,
-    restart_backoff_s: Annotated[float, typer.Option(help="Seconds before a service that exited is started again; doubled for each restart in a row, up to 30 s.", min=0.0)] = 1.0,
-    max_restarts_per_minute: Annotated[int, typer.Option(help="Restarts of one service in any 60 s after which it is left down (the others keep serving).", min=0)] = 5,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            help="Make a local CA and certificates, run the public gRPC and HTTP APIs over TLS and the "
+            "coordinator's links to the draft and verify services over mutual TLS, and print the CA "
+            "file's path."
+        ),
+    ] = False,
+    tls_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --tls: the directory the CA and certificates are written to (ca.pem, server.pem, "
+            "server-key.pem, client.pem, client-key.pem; default: a new temporary directory)."
+        ),
+    ] = None,
+    restart_backoff_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds before a service that exited is started again; doubled for each restart in a row, "
+            "up to 30 s.",
+            min=0.0,
+        ),
+    ] = 1.0,
+    max_restarts_per_minute: Annotated[
+        int,
+        typer.Option(
+            help="Restarts of one service in any 60 s after which it is left down (the others keep serving).", min=0
+        ),
+    ] = 5,
 ) -> None:
     """Start the three services as separate processes with the default models (each also reads
     its SPECDEC_* and OTEL_* variables), wait until all are healthy, print their gRPC, HTTP and
@@ -114,9 +167,9 @@ def up(
     serving meanwhile. Only Ctrl-C or SIGTERM stops them all."""
     import tempfile
 
+    from specdec.telemetry import configure_logging
     from specdec_app.launcher import RestartPolicy, Supervisor
     from specdec_app.local_ca import write_local_certificates
-    from specdec.telemetry import configure_logging
 
     if tls_dir is not None and not tls:
         stderr.print("[red]error: --tls-dir applies with --tls[/red]")
@@ -124,10 +177,21 @@ def up(
     certificates = None
     if tls:
         certificates = write_local_certificates(tls_dir or Path(tempfile.mkdtemp(prefix="specdec-tls-")), [host])
-    metrics_ports = {"coordinator": coordinator_metrics_port, "draft": draft_metrics_port, "verify": verify_metrics_port}
+    metrics_ports = {
+        "coordinator": coordinator_metrics_port,
+        "draft": draft_metrics_port,
+        "verify": verify_metrics_port,
+    }
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children too, as on Ctrl-C
-    cluster = _cluster(coordinator_port, draft_port, verify_port, host, metrics_ports=metrics_ports, http_port=http_port,
-                       tls=certificates)
+    cluster = _cluster(
+        coordinator_port,
+        draft_port,
+        verify_port,
+        host,
+        metrics_ports=metrics_ports,
+        http_port=http_port,
+        tls=certificates,
+    )
     stderr.print("all services SERVING; a service that exits is restarted; Ctrl-C (or SIGTERM) stops them")
     configure_logging("launcher", "INFO", "text")
     supervisor = Supervisor(cluster, RestartPolicy(backoff_s=restart_backoff_s, max_per_minute=max_restarts_per_minute))
@@ -159,7 +223,9 @@ def _request(prompt: str | None, **fields):
 
 def _print_metrics(completion) -> None:
     m = completion.metrics
-    table = Table(title=f"finish_reason={completion.finish_reason}  drafter={m.drafter or '-'}  K={m.num_speculative_tokens}")
+    table = Table(
+        title=f"finish_reason={completion.finish_reason}  drafter={m.drafter or '-'}  K={m.num_speculative_tokens}"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -170,16 +236,25 @@ def _print_metrics(completion) -> None:
         ("num_spec_steps / target forwards", f"{m.num_spec_steps} / {m.num_target_forwards}"),
         ("acceptance_histogram", " ".join(map(str, m.acceptance_histogram))),
         ("time to first token (ms)", f"{m.time_to_first_token_ms:.0f}"),
-        ("draft / verify / coordination (ms)", f"{m.draft_time_ms:.0f} / {m.verify_time_ms:.0f} / {m.coordination_time_ms:.0f}"),
+        (
+            "draft / verify / coordination (ms)",
+            f"{m.draft_time_ms:.0f} / {m.verify_time_ms:.0f} / {m.coordination_time_ms:.0f}",
+        ),
         ("rounds per K (K = 0: plain decode)", " ".join(map(str, m.rounds_per_k))),
         *(
-            (f"{name}: rounds, accepted / drafted", f"{u.num_rounds}, {u.num_accepted_draft_tokens} / {u.num_draft_tokens}")
+            (
+                f"{name}: rounds, accepted / drafted",
+                f"{u.num_rounds}, {u.num_accepted_draft_tokens} / {u.num_draft_tokens}",
+            )
             for name, u in sorted(m.drafter_usage.items())
         ),
         *(
             (label, str(value))
-            for label, value in (("resumed tokens", m.num_resumed_tokens), ("draft service failures", m.num_draft_failures),
-                                 ("verify session rebuilds", m.num_verify_rebuilds))
+            for label, value in (
+                ("resumed tokens", m.num_resumed_tokens),
+                ("draft service failures", m.num_draft_failures),
+                ("verify session rebuilds", m.num_verify_rebuilds),
+            )
             if value
         ),
     ]
@@ -188,8 +263,14 @@ def _print_metrics(completion) -> None:
     stderr.print(table)
 
 
-def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = False, api_key: str | None = None,
-                      credentials: grpc.ChannelCredentials | None = None) -> None:
+def _stream_to_stdout(
+    address: str,
+    request,
+    as_json: bool,
+    resumable: bool = False,
+    api_key: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
     ``resumable``: also tells on stderr the request id to resume with; ``credentials``: TLS."""
     from coordinator.client import Completion, stream
@@ -215,25 +296,60 @@ def _stream_to_stdout(address: str, request, as_json: bool, resumable: bool = Fa
 
 @app.command()
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="The user message (or raw text with --raw); none when resuming.")] = None,
+    prompt: Annotated[
+        str | None, typer.Argument(help="The user message (or raw text with --raw); none when resuming.")
+    ] = None,
     coordinator: Annotated[str, typer.Option(help="Coordinator host:port.")] = "127.0.0.1:50051",
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to generate at most (default 128).")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default).")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="0 = off (default).")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="In (0, 1]; 1 = off (default).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")] = None,
-    drafter: Annotated[Optional[str], typer.Option(help="llama-cpp, transformers, ngram or suffix.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to generate at most (default 128).")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="0 = off (default).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="In (0, 1]; 1 = off (default).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed; a seed reproduces a sampled completion.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option("--num-speculative-tokens", "-k", help="K; 0 = plain decode.")
+    ] = None,
+    drafter: Annotated[str | None, typer.Option(help="llama-cpp, transformers, ngram or suffix.")] = None,
     raw: Annotated[bool, typer.Option(help="Send the prompt verbatim, without the chat template.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")] = False,
-    request_id: Annotated[Optional[str], typer.Option(help="Name the request (default: the coordinator assigns one).")] = None,
-    resume_from: Annotated[Optional[int], typer.Option(help="Resume --request-id after this many received tokens.")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there).")] = None,
-    tls: Annotated[bool, typer.Option(help="Connect over TLS, checking the coordinator's certificate against the system's roots (implied by --tls-ca).")] = False,
-    tls_ca: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CA", help="PEM CA bundle the coordinator's certificate is checked against (specdec up --tls prints its CA file); connects over TLS.")] = None,
-    tls_cert: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_CERT", help="PEM client certificate, when the coordinator asks for one (its --tls-client-ca-file), with --tls-key.")] = None,
-    tls_key: Annotated[Optional[Path], typer.Option(envvar="SPECDEC_TLS_KEY", help="PEM private key of --tls-cert.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="After the stream, print one JSON object on the last line.")
+    ] = False,
+    request_id: Annotated[
+        str | None, typer.Option(help="Name the request (default: the coordinator assigns one).")
+    ] = None,
+    resume_from: Annotated[
+        int | None, typer.Option(help="Resume --request-id after this many received tokens.")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="SPECDEC_API_KEY", help="API key, when the coordinator requires one (--api-key there)."),
+    ] = None,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            help="Connect over TLS, checking the coordinator's certificate against the system's roots "
+            "(implied by --tls-ca)."
+        ),
+    ] = False,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SPECDEC_TLS_CA",
+            help="PEM CA bundle the coordinator's certificate is checked against (specdec up --tls prints "
+            "its CA file); connects over TLS.",
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SPECDEC_TLS_CERT",
+            help="PEM client certificate, when the coordinator asks for one (its --tls-client-ca-file), "
+            "with --tls-key.",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(envvar="SPECDEC_TLS_KEY", help="PEM private key of --tls-cert.")
+    ] = None,
 ) -> None:
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
@@ -254,9 +370,18 @@ def generate(
             raise typer.Exit(1) from None
     configure_tracing("cli")
     request = _request(
-        prompt, raw_prompt=raw or None, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, stop=stop, num_speculative_tokens=num_speculative_tokens, drafter=drafter,
-        request_id=request_id, resume_from=resume_from,
+        prompt,
+        raw_prompt=raw or None,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        num_speculative_tokens=num_speculative_tokens,
+        drafter=drafter,
+        request_id=request_id,
+        resume_from=resume_from,
     )
     _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key, credentials=credentials)
 
@@ -276,7 +401,15 @@ def demo(
     prompt: Annotated[str, typer.Argument(help="The user message.")] = DEMO_PROMPT,
     num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k")] = 4,
     max_new_tokens: Annotated[int, typer.Option()] = 128,
-    api_key: Annotated[Optional[str], typer.Option(envvar="SPECDEC_API_KEY", help="API key to send (default: the first key the demo's coordinator is given by SPECDEC_API_KEYS, SPECDEC_COORDINATOR_API_KEYS or SPECDEC_COORDINATOR_API_KEY_FILE; none when it has none).")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SPECDEC_API_KEY",
+            help="API key to send (default: the first key the demo's coordinator is given by "
+            "SPECDEC_API_KEYS, SPECDEC_COORDINATOR_API_KEYS or SPECDEC_COORDINATOR_API_KEY_FILE; none "
+            "when it has none).",
+        ),
+    ] = None,
 ) -> None:
     """The main job: start the three services on free ports with the default models, stream one
     completion through them, print it with its acceptance metrics, stop the services. The
@@ -308,23 +441,90 @@ SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")
 @app.command()
 def bench(
     questions: Annotated[Path, typer.Option(help="Question file in the Spec-Bench JSONL schema.")] = SPEC_BENCH,
-    categories: Annotated[Optional[str], typer.Option(help="Comma-separated categories (default: all in the file).")] = None,
+    categories: Annotated[
+        str | None, typer.Option(help="Comma-separated categories (default: all in the file).")
+    ] = None,
     limit: Annotated[int, typer.Option(help="Prompts per category (the first N of each).")] = 10,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per prompt, the same for every method.")] = 128,
     seed: Annotated[int, typer.Option(help="Seed sent with every request.")] = 0,
-    pipeline: Annotated[Optional[list[str]], typer.Option(help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto).")] = None,
-    hf_k: Annotated[Optional[list[int]], typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4).")] = None,
-    placement: Annotated[Optional[list[str]], typer.Option(help="shared (default): every process on every core; split: the draft service pinned to one CPU and the verify service to another (one thread each), emulating a draft on its own device; plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: each placement gets its own services and every pipeline runs on each in the same run (methods named <method>@<placement>). Batch-1 benchmark only.")] = None,
-    target: Annotated[str, typer.Option(help="Target model (verify service and the transformers methods).")] = "smollm2",
-    draft_model: Annotated[str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")] = "smollm2",
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")] = "auto",
-    out: Annotated[Path, typer.Option(help="Directory for report.json, report.md, speedup.png and service logs.")] = Path("bench-out"),
-    concurrency: Annotated[Optional[str], typer.Option(help="Load mode: comma-separated client counts N, e.g. 1,4,16,32 (the protocol's list). N closed-loop clients per cell, each sending its next prompt when the previous one finishes; methods pipeline/adaptive, pipeline/K=0 and transformers-serve (transformers serve --continuous-batching). Writes report-concurrency.json, report-concurrency.md and concurrency.png instead of the batch-1 reports.")] = None,
-    requests_per_client: Annotated[Optional[int], typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell).")] = None,
-    methods: Annotated[Optional[str], typer.Option(help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, transformers-serve (default all).")] = None,
-    drafter: Annotated[Optional[str], typer.Option(help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or ngram; default llama-cpp).")] = None,
-    api: Annotated[Optional[str], typer.Option(help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as transformers serve).")] = None,
-    load_generator: Annotated[Optional[str], typer.Option(help="With --concurrency: after the cells, also load every method's OpenAI-compatible endpoint (the coordinator's HTTP API, transformers serve's) with this third-party load generator at each N, the cells' prompts, request count and max tokens: guidellm. Its figures go into the reports.")] = None,
+    pipeline: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="DRAFTER:K of a pipeline method, K in 1..16 or auto (adaptive; repeatable; default ngram:4 "
+            "ngram:8 llama-cpp:4 llama-cpp:8 ngram:auto llama-cpp:auto)."
+        ),
+    ] = None,
+    hf_k: Annotated[
+        list[int] | None,
+        typer.Option(help="K of transformers' prompt lookup and assisted generation (repeatable; default 4)."),
+    ] = None,
+    placement: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="shared (default): every process on every core; split: the draft service pinned to one CPU "
+            "and the verify service to another (one thread each), emulating a draft on its own device; "
+            "plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: "
+            "each placement gets its own services and every pipeline runs on each in the same run "
+            "(methods named <method>@<placement>). Batch-1 benchmark only."
+        ),
+    ] = None,
+    target: Annotated[
+        str, typer.Option(help="Target model (verify service and the transformers methods).")
+    ] = "smollm2",
+    draft_model: Annotated[
+        str, typer.Option(help="Model of the llama-cpp and transformers drafters (and of hf-assisted).")
+    ] = "smollm2",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")
+    ] = "auto",
+    out: Annotated[
+        Path, typer.Option(help="Directory for report.json, report.md, speedup.png and service logs.")
+    ] = Path("bench-out"),
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            help="Load mode: comma-separated client counts N, e.g. 1,4,16,32 (the protocol's list). N "
+            "closed-loop clients per cell, each sending its next prompt when the previous one "
+            "finishes; methods pipeline/adaptive, pipeline/K=0 and transformers-serve (transformers "
+            "serve --continuous-batching). Writes report-concurrency.json, report-concurrency.md and "
+            "concurrency.png instead of the batch-1 reports."
+        ),
+    ] = None,
+    requests_per_client: Annotated[
+        int | None,
+        typer.Option(help="With --concurrency: requests per client in each cell (default 2: N x 2 requests per cell)."),
+    ] = None,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, "
+            "transformers-serve (default all)."
+        ),
+    ] = None,
+    drafter: Annotated[
+        str | None,
+        typer.Option(
+            help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or "
+            "ngram; default llama-cpp)."
+        ),
+    ] = None,
+    api: Annotated[
+        str | None,
+        typer.Option(
+            help="With --concurrency: the API the pipeline methods are driven through: grpc (Generate, "
+            "default) or openai (the coordinator's OpenAI-compatible HTTP API, the same client code as "
+            "transformers serve)."
+        ),
+    ] = None,
+    load_generator: Annotated[
+        str | None,
+        typer.Option(
+            help="With --concurrency: after the cells, also load every method's OpenAI-compatible endpoint "
+            "(the coordinator's HTTP API, transformers serve's) with this third-party load generator "
+            "at each N, the cells' prompts, request count and max tokens: guidellm. Its figures go "
+            "into the reports."
+        ),
+    ] = None,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -338,23 +538,54 @@ def bench(
     identity against pipeline/K=0 at N=1 per method and N."""
     if concurrency is not None:
         if pipeline or hf_k or placement:
-            stderr.print("[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to --concurrency[/red]")
+            stderr.print(
+                "[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to "
+                "--concurrency[/red]"
+            )
             raise typer.Exit(1)
-        _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                           concurrency, requests_per_client, methods, drafter, api, load_generator)
+        _bench_concurrency(
+            questions,
+            categories,
+            limit,
+            max_new_tokens,
+            seed,
+            target,
+            draft_model,
+            dtype,
+            out,
+            concurrency,
+            requests_per_client,
+            methods,
+            drafter,
+            api,
+            load_generator,
+        )
         return
     if any(option is not None for option in (requests_per_client, methods, drafter, api, load_generator)):
-        stderr.print("[red]error: --requests-per-client, --methods, --drafter, --api and --load-generator apply "
-                     "with --concurrency[/red]")
+        stderr.print(
+            "[red]error: --requests-per-client, --methods, --drafter, --api and --load-generator apply "
+            "with --concurrency[/red]"
+        )
         raise typer.Exit(1)
     from specdec_app.bench.report import overall_table, speedup_table
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
     config = BenchConfig(
-        questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
-        categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
-        seed=seed, target=target, draft_model=draft_model, dtype=dtype,
-        **{name: value for name, value in {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}.items() if value},
+        questions=questions,
+        out=out,
+        command=shlex.join(["specdec", *sys.argv[1:]]),
+        categories=categories.split(",") if categories else None,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        target=target,
+        draft_model=draft_model,
+        dtype=dtype,
+        **{
+            name: value
+            for name, value in {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}.items()
+            if value
+        },
     )
     try:
         report = run_bench(config, stderr)
@@ -366,26 +597,58 @@ def bench(
         raise typer.Exit(1) from None
     print("\n".join([*speedup_table(report), "", *overall_table(report)]))
     for m in report["mismatches"]:
-        stderr.print(f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]")
+        stderr.print(
+            f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]"
+        )
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
 
 
-def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, target, draft_model, dtype, out,
-                       concurrency, requests_per_client, methods, drafter, api, load_generator=None) -> None:
+def _bench_concurrency(
+    questions,
+    categories,
+    limit,
+    max_new_tokens,
+    seed,
+    target,
+    draft_model,
+    dtype,
+    out,
+    concurrency,
+    requests_per_client,
+    methods,
+    drafter,
+    api,
+    load_generator=None,
+) -> None:
     """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`."""
     from specdec_app.bench.concurrency import (
-        METHODS, REPORT_FILES, ConcurrencyConfig, parse_concurrency, parse_methods, run_concurrency,
+        METHODS,
+        REPORT_FILES,
+        ConcurrencyConfig,
+        parse_concurrency,
+        parse_methods,
+        run_concurrency,
     )
     from specdec_app.bench.report import concurrency_table, identity_table
 
     try:
         config = ConcurrencyConfig(
-            questions=questions, out=out, command=shlex.join(["specdec", *sys.argv[1:]]),
-            categories=categories.split(",") if categories else None, limit=limit, max_new_tokens=max_new_tokens,
-            seed=seed, concurrency=parse_concurrency(concurrency),
+            questions=questions,
+            out=out,
+            command=shlex.join(["specdec", *sys.argv[1:]]),
+            categories=categories.split(",") if categories else None,
+            limit=limit,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            concurrency=parse_concurrency(concurrency),
             requests_per_client=2 if requests_per_client is None else requests_per_client,
-            methods=parse_methods(methods) if methods else list(METHODS), target=target, draft_model=draft_model,
-            drafter=drafter or "llama-cpp", api=api or "grpc", dtype=dtype, load_generator=load_generator or "",
+            methods=parse_methods(methods) if methods else list(METHODS),
+            target=target,
+            draft_model=draft_model,
+            drafter=drafter or "llama-cpp",
+            api=api or "grpc",
+            dtype=dtype,
+            load_generator=load_generator or "",
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")
@@ -399,8 +662,10 @@ def _bench_concurrency(questions, categories, limit, max_new_tokens, seed, targe
 
         print("\n" + "\n".join(line for line in markdown(report["load_generator"]) if line.startswith("|")))
     for m in report["mismatches"]:
-        stderr.print(f"[yellow]{m['method']} at N={m['concurrency']} differs from the reference on question "
-                     f"{m['question_id']} at token {m['first_mismatch']} (margin {m.get('margin')})[/yellow]")
+        stderr.print(
+            f"[yellow]{m['method']} at N={m['concurrency']} differs from the reference on question "
+            f"{m['question_id']} at token {m['first_mismatch']} (margin {m.get('margin')})[/yellow]"
+        )
     for cell in report["cells"]:
         for error in cell["errors"]:
             stderr.print(f"[red]{cell['method']} at N={cell['concurrency']}: {error}[/red]")

@@ -89,7 +89,9 @@ class ServiceProcess:
             args += ["--metrics-port", str(self.metrics_port)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "specdec_app", "serve", self.service, *args],
-            stdout=out, stderr=subprocess.STDOUT if out else None, env={**os.environ, **self.env},
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env={**os.environ, **self.env},
             preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
 
@@ -173,21 +175,37 @@ class LocalCluster:
             return []
         args = ["--tls-cert-file", str(self.tls.server_cert_file), "--tls-key-file", str(self.tls.server_key_file)]
         if service == "coordinator":
-            return [*args, "--internal-tls-ca-file", str(self.tls.ca_file), "--internal-tls-cert-file",
-                    str(self.tls.client_cert_file), "--internal-tls-key-file", str(self.tls.client_key_file)]
+            return [
+                *args,
+                "--internal-tls-ca-file",
+                str(self.tls.ca_file),
+                "--internal-tls-cert-file",
+                str(self.tls.client_cert_file),
+                "--internal-tls-key-file",
+                str(self.tls.client_key_file),
+            ]
         return [*args, "--tls-client-ca-file", str(self.tls.ca_file)]
 
     def start(self, service: str) -> None:
         """Starts (or restarts) one service process."""
-        args = ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")] if service == "coordinator" else []
+        args = (
+            ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")]
+            if service == "coordinator"
+            else []
+        )
         credentials = None
         if self.tls:
             credentials = channel_credentials(self.tls.ca_file, self.tls.client_cert_file, self.tls.client_key_file)
         self.services[service] = ServiceProcess(
-            service, getattr(self, f"{service}_port"), self.host,
+            service,
+            getattr(self, f"{service}_port"),
+            self.host,
             [*args, *self.tls_args(service), *self.extra_args.get(service, [])],
-            self.metrics_ports.get(service, 0), self.log_dir / f"{service}.log" if self.log_dir else None,
-            http_port=self.http_port, cpus=self.cpus.get(service, frozenset()), credentials=credentials,
+            self.metrics_ports.get(service, 0),
+            self.log_dir / f"{service}.log" if self.log_dir else None,
+            http_port=self.http_port,
+            cpus=self.cpus.get(service, frozenset()),
+            credentials=credentials,
         )
         self.services[service].start()
 
@@ -285,7 +303,9 @@ class Supervisor:
                 self._restart(name, history, now)
             elif not history.back and status is None and is_serving(service.address, 0.2, service.credentials):
                 history.back = True
-                log.warning("%s service SERVING again, %.1f s after it went down", name, now - self._down_since.pop(name))
+                log.warning(
+                    "%s service SERVING again, %.1f s after it went down", name, now - self._down_since.pop(name)
+                )
 
     def _exited(self, name: str, status: str, history: _Restarts, now: float) -> None:
         self._down_since.setdefault(name, now)
@@ -294,10 +314,15 @@ class Supervisor:
         recent = [t for t in history.times if now - t < 60.0]
         if len(recent) >= self.policy.max_per_minute:
             history.given_up = True
-            log.error("%s service exited (%s); it was restarted %d times in the last minute (the limit): left "
-                      "down, the other services keep serving", name, status, len(recent))
+            log.error(
+                "%s service exited (%s); it was restarted %d times in the last minute (the limit): left "
+                "down, the other services keep serving",
+                name,
+                status,
+                len(recent),
+            )
             return
-        delay = min(self.policy.backoff_s * 2 ** history.in_a_row, self.policy.max_backoff_s)
+        delay = min(self.policy.backoff_s * 2**history.in_a_row, self.policy.max_backoff_s)
         history.due_at = now + delay
         log.warning("%s service exited (%s); restarting it in %g s", name, status, delay)
 
@@ -306,5 +331,9 @@ class Supervisor:
         history.in_a_row += 1
         history.due_at, history.started_at, history.back = None, now, False
         self.cluster.services[name].start()
-        log.warning("%s service restarted (restart %d, pid %d)", name, len(history.times),
-                    self.cluster.services[name].process.pid)
+        log.warning(
+            "%s service restarted (restart %d, pid %d)",
+            name,
+            len(history.times),
+            self.cluster.services[name].process.pid,
+        )

@@ -30,8 +30,12 @@ class LocalCertificates:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec local"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec local"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
@@ -45,10 +49,14 @@ def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
 
 
 def _certificate(subject: x509.Name, key, issuer: x509.Name, issuer_key, extensions) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
     )
     for extension, critical in extensions:
@@ -85,17 +93,35 @@ def write_local_certificates(directory: Path, hosts: list[str]) -> LocalCertific
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("specdec local CA")
-    ca = _certificate(ca_name, ca_key, ca_name, ca_key, [
-        (x509.BasicConstraints(ca=True, path_length=0), True),
-        (x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                       data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                       encipher_only=False, decipher_only=False), True),
-    ])
+    ca = _certificate(
+        ca_name,
+        ca_key,
+        ca_name,
+        ca_key,
+        [
+            (x509.BasicConstraints(ca=True, path_length=0), True),
+            (
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                True,
+            ),
+        ],
+    )
     server, server_key = _leaf(
         "specdec server", ExtendedKeyUsageOID.SERVER_AUTH, ca_name, ca_key, _subject_alt_names(hosts)
     )
-    client, client_key = _leaf("specdec coordinator", ExtendedKeyUsageOID.CLIENT_AUTH, ca_name, ca_key,
-                               [x509.DNSName("specdec-coordinator")])
+    client, client_key = _leaf(
+        "specdec coordinator", ExtendedKeyUsageOID.CLIENT_AUTH, ca_name, ca_key, [x509.DNSName("specdec-coordinator")]
+    )
     pem = serialization.Encoding.PEM
     return LocalCertificates(
         _write(directory / "ca.pem", ca.public_bytes(pem)),

@@ -49,7 +49,9 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in SUMMARY:
             terminalreporter.write_line(line)
-  # SmolLM2's tokenizer, so chat templates and detokenization are real
+
+
+# SmolLM2's tokenizer, so chat templates and detokenization are real
 
 
 def tiny_llama(seed: int, vocab_size: int = TINY_VOCAB, init_std: float = 0.3, layers: int = 2):
@@ -58,9 +60,17 @@ def tiny_llama(seed: int, vocab_size: int = TINY_VOCAB, init_std: float = 0.3, l
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=init_std, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init_std,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -220,7 +230,9 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
         "transformers": TransformersDrafter.load(str(tiny_models.draft_dir), dtype="float32"),
         "self": TransformersDrafter(tiny_target.lm.model, load_tokenizer(str(tiny_models.target_dir)), "tiny-target"),
         "close": TransformersDrafter(  # a draft that agrees with the target mostly: hits and misses
-            perturbed_copy(tiny_target.lm.model, 0.03, seed=5), load_tokenizer(str(tiny_models.target_dir)), "tiny-close"
+            perturbed_copy(tiny_target.lm.model, 0.03, seed=5),
+            load_tokenizer(str(tiny_models.target_dir)),
+            "tiny-close",
         ),
         "ngram": NgramDrafter(1, 3),
         "wrong": WrongDrafter(),
@@ -247,8 +259,13 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
         )
     )
     yield Pipeline(
-        f"127.0.0.1:{coordinator.port}", f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}",
-        tiny_target, plain_target_model, verify, draft,
+        f"127.0.0.1:{coordinator.port}",
+        f"127.0.0.1:{verify.port}",
+        f"127.0.0.1:{draft.port}",
+        tiny_target,
+        plain_target_model,
+        verify,
+        draft,
     )
     coordinator.stop()
     draft.stop(0)
@@ -348,9 +365,11 @@ def plain_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The token ids of ``prompt`` as one user message through the chat template, as the
     coordinator builds a request's prompt."""
-    return list(tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def write_questions(path: Path, per_category: dict[str, list[str]]) -> Path:

@@ -92,7 +92,10 @@ def test_mismatch_at_the_first_draft_commits_only_the_recovered_token():
 def test_empty_proposal_samples_from_p():
     """K = 0 (a plain decode step): no draft, the next token is drawn from p's only row."""
     assert outcomes([], torch.zeros(0, V), rows({2: 1.0})) == {(0, 2)}
-    drawn = [rejection_sample([], torch.zeros(0, V), rows({2: 0.5, 4: 0.5}), torch.Generator().manual_seed(s))[1] for s in SEEDS]
+    drawn = [
+        rejection_sample([], torch.zeros(0, V), rows({2: 0.5, 4: 0.5}), torch.Generator().manual_seed(s))[1]
+        for s in SEEDS
+    ]
     assert set(drawn) == {2, 4} and 70 < drawn.count(2) < 130  # p = 1/2 each over 200 draws
 
 

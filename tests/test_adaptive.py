@@ -7,8 +7,10 @@ from coordinator.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveStat
 from coordinator.client import generate
 from coordinator.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramMatch
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixMatch
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramMatch
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixMatch
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
@@ -16,7 +18,16 @@ FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on
 
 
 def record(k: int, drafted: int, accepted: int) -> RoundRecord:
-    return RoundRecord("llama-cpp" if k else PLAIN, k, drafted, accepted, draft_ms=1.0 * drafted, verify_ms=FLAT[drafted], wall_ms=FLAT[drafted] + drafted + 2.0, wire_bytes=0)
+    return RoundRecord(
+        "llama-cpp" if k else PLAIN,
+        k,
+        drafted,
+        accepted,
+        draft_ms=1.0 * drafted,
+        verify_ms=FLAT[drafted],
+        wall_ms=FLAT[drafted] + drafted + 2.0,
+        wire_bytes=0,
+    )
 
 
 def test_expected_tokens_follow_the_per_position_rates():
@@ -66,7 +77,9 @@ def choose(rates, costs, k_max=4, match=None, ngram_rates=()):
     """The (drafter, K) of a llama-cpp session with per-position ``rates``; ``ngram_rates[n - 1]``:
     the rates of n-gram proposals from an n-token suffix match."""
     ngram = [AcceptanceModel(list(r)) for r in ngram_rates]
-    return AdaptiveK(k_max, "llama-cpp", AcceptanceModel(list(rates)), {NGRAM: ngram}, costs).next_round({NGRAM: match} if match else {})
+    return AdaptiveK(k_max, "llama-cpp", AcceptanceModel(list(rates)), {NGRAM: ngram}, costs).next_round(
+        {NGRAM: match} if match else {}
+    )
 
 
 def test_choose_k_from_costs_and_acceptance():
@@ -94,7 +107,13 @@ def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
 
 
 def test_ngram_acceptance_is_observed_whether_or_not_it_was_used():
-    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.5] * 4), {NGRAM: [AcceptanceModel([0.5] * 4, weight=0.5)]}, StepCosts(15.0, list(FLAT)))
+    policy = AdaptiveK(
+        4,
+        "llama-cpp",
+        AcceptanceModel([0.5] * 4),
+        {NGRAM: [AcceptanceModel([0.5] * 4, weight=0.5)]},
+        StepCosts(15.0, list(FLAT)),
+    )
     match = NgramMatch(1, [7, 8, 9, 10])
     policy.observe(record(4, 4, 2), {NGRAM: match}, [7, 8, 3])  # a llama-cpp round committed 7 8 3
     assert policy.lookups[NGRAM][0].rates == [0.75, 0.75, 0.25, 0.5]  # 7 and 8 would have passed, 9 not
@@ -117,11 +136,27 @@ def test_suffix_and_ngram_lookups_compete_with_estimates_of_their_own():
     policy.observe(suffix_round, matches, [7, 8, 9])  # 7 8 passed, 5 rejected for 9
     assert policy.lookups[SUFFIX][3].rates == [0.95, 0.95, 0.45, 0.9]
     assert policy.lookups[NGRAM][2].rates == [0.55, 0.55, 0.55, 0.1]  # 7 8 9 would have passed, 10 unseen
-    assert set(policy.acceptance_models()) == {"ngram/1", "ngram/2", "ngram/3", "suffix/1", "suffix/2", "suffix/3", "suffix/4"}
+    assert set(policy.acceptance_models()) == {
+        "ngram/1",
+        "ngram/2",
+        "ngram/3",
+        "suffix/1",
+        "suffix/2",
+        "suffix/3",
+        "suffix/4",
+    }
 
 
 def test_fallback_then_probe_then_recovery():
-    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.8] * 4), {}, StepCosts(15.0, list(FLAT), [1.0, 3.0]), probe_interval=4, probe_k=2)
+    policy = AdaptiveK(
+        4,
+        "llama-cpp",
+        AcceptanceModel([0.8] * 4),
+        {},
+        StepCosts(15.0, list(FLAT), [1.0, 3.0]),
+        probe_interval=4,
+        probe_k=2,
+    )
     assert policy.next_round(None) == ("llama-cpp", 3)  # prior 0.8: K=3 gives 2.95 tokens in 128 ms, K=4 3.36 in 148
     for _ in range(6):  # the drafter turns wrong: every draft is rejected at the first position
         policy.observe(record(4, 4, 0), None, [1])
@@ -137,6 +172,7 @@ def test_fallback_then_probe_then_recovery():
 def test_probes_are_rarer_where_a_probe_costs_more():
     """Probing takes at most 1/probe_interval of the fallback's time: a slow draft (a loaded
     machine) is probed less often than a fast one."""
+
     def rounds_to_first_probe(draft_ms_per_token: float) -> int:
         costs = StepCosts(draft_ms_per_token, list(FLAT), [1.0, 3.0])
         policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), {}, costs, probe_interval=4, probe_k=2)
@@ -148,14 +184,33 @@ def test_probes_are_rarer_where_a_probe_costs_more():
 
 def test_costs_follow_live_rounds():
     costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=[1.0, 2.0], weight=0.5)
-    costs.observe(RoundRecord("llama-cpp", 1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0), draft_call=True)
+    costs.observe(
+        RoundRecord("llama-cpp", 1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0), draft_call=True
+    )
     assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], [1.0, 4.0])
-    costs.observe(RoundRecord(NGRAM, 1, 1, 1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0), draft_call=False)
+    costs.observe(
+        RoundRecord(NGRAM, 1, 1, 1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0), draft_call=False
+    )
     assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, [2.0, 4.0])  # a lookup round: one call
     # in a batch: the step's forward time (120 ms) is the cost of its 8 tokens; the 180 ms the call
     # waited for it (counted in the service's 300 ms) is the round's overhead
-    costs.observe(RoundRecord(PLAIN, 0, 0, 0, draft_ms=0.0, verify_ms=300.0, wall_ms=302.0, wire_bytes=0,
-                              batch_size=4, batched_tokens=8, queue_ms=180.0, step_ms=120.0), draft_call=False)
+    costs.observe(
+        RoundRecord(
+            PLAIN,
+            0,
+            0,
+            0,
+            draft_ms=0.0,
+            verify_ms=300.0,
+            wall_ms=302.0,
+            wire_bytes=0,
+            batch_size=4,
+            batched_tokens=8,
+            queue_ms=180.0,
+            step_ms=120.0,
+        ),
+        draft_call=False,
+    )
     # (a new point starts from the line through the alone costs, 30 + 20 ms per token: 190 ms)
     assert costs.batched_ms[8] == pytest.approx(155.0) and costs.overhead_ms[0] == pytest.approx(92.0)
 
@@ -184,7 +239,9 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     state = AdaptiveState(probe_interval=4)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=30.0)
     target = verify_pb2.VerifyServiceGetInfoResponse(
-        model="t", verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0], step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)]
+        model="t",
+        verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
+        step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
     )
     assert state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
     loaded = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=15)
@@ -199,10 +256,16 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
 def drafter_alone(tiny_pipeline, tiny_models):
     """A second coordinator on the same draft and verify services, without hybrid drafting: the
     request's drafter and plain decode are its only choices."""
-    coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, draft_address=tiny_pipeline.draft_address, verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir), max_new_tokens_limit=256, hybrid=False,
-    ))
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=tiny_pipeline.draft_address,
+            verify_addresses=[tiny_pipeline.verify_address],
+            tokenizer=str(tiny_models.target_dir),
+            max_new_tokens_limit=256,
+            hybrid=False,
+        )
+    )
     yield f"127.0.0.1:{coordinator.port}"
     coordinator.stop()
 
@@ -214,8 +277,11 @@ def test_switching_drafter_falls_back_and_recovers(drafter_alone, tiny_pipeline,
     ids = chat_ids(smollm2_tokenizer, prompt)
     expected = plain_greedy(tiny_pipeline.plain_model, ids, max_new)
     tiny_drafters["switching"].script = [*ids, *expected]
-    completion = generate(drafter_alone, coordinator_pb2.GenerateRequest(
-        text=prompt, max_new_tokens=max_new, drafter="switching"), timeout_s=120)
+    completion = generate(
+        drafter_alone,
+        coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=max_new, drafter="switching"),
+        timeout_s=120,
+    )
     assert completion.token_ids == expected
     m = completion.metrics
     assert m.adaptive and m.rounds_per_k[0] > 0, "no fallback to plain decode while every draft was wrong"
@@ -244,7 +310,18 @@ def test_load_counts_every_running_sequence_not_only_those_in_the_step():
     """16 sessions run, but the round's step held 4 (the rest were away drafting): the others are
     15, each bringing the step's mean tokens per other sequence."""
     load = Load(weight=1.0)
-    record = RoundRecord("llama-cpp", 3, 3, 1, draft_ms=20.0, verify_ms=120.0, wall_ms=150.0, wire_bytes=0,
-                         batch_size=4, batched_tokens=10, running_seqs=16)
+    record = RoundRecord(
+        "llama-cpp",
+        3,
+        3,
+        1,
+        draft_ms=20.0,
+        verify_ms=120.0,
+        wall_ms=150.0,
+        wire_bytes=0,
+        batch_size=4,
+        batched_tokens=10,
+        running_seqs=16,
+    )
     load.observe(record, committed=2)
     assert (load.others_seqs, load.others_tokens, load.round_tokens) == (15, 15 * 2.0, 2)

@@ -17,7 +17,12 @@ BAD_REQUESTS = [
     ("prompt beyond the window", dict(text="word " * 600), INVALID, "context window is 512"),
     ("max_new_tokens 0", dict(text="hi", max_new_tokens=0), INVALID, "max_new_tokens is 0"),
     ("max_new_tokens beyond the limit", dict(text="hi", max_new_tokens=100000), INVALID, "[1, 256]"),
-    ("prompt + max_new_tokens beyond the window", dict(text="word " * 300, max_new_tokens=250), INVALID, "lower max_new_tokens"),
+    (
+        "prompt + max_new_tokens beyond the window",
+        dict(text="word " * 300, max_new_tokens=250),
+        INVALID,
+        "lower max_new_tokens",
+    ),
     ("negative temperature", dict(text="hi", temperature=-0.5), INVALID, "temperature is -0.5"),
     ("top_p 0", dict(text="hi", top_p=0.0), INVALID, "top_p is 0.0"),
     ("top_p above 1", dict(text="hi", top_p=1.5), INVALID, "(0, 1]"),
@@ -48,13 +53,21 @@ def test_bad_request_gets_its_status(tiny_pipeline, case, fields, code, message)
 
 
 def test_unknown_session_is_not_found_on_both_services(tiny_pipeline):
-    with grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            verify_pb2_grpc.VerifyServiceStub(channel).Verify(verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]), timeout=10)
+    with (
+        grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel,
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        verify_pb2_grpc.VerifyServiceStub(channel).Verify(
+            verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]), timeout=10
+        )
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "prefill it again" in caught.value.details()
-    with grpc.insecure_channel(tiny_pipeline.draft_address, options=GRPC_OPTIONS) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            draft_pb2_grpc.DraftServiceStub(channel).Propose(draft_pb2.ProposeRequest(session_id="nope", num_speculative_tokens=2), timeout=10)
+    with (
+        grpc.insecure_channel(tiny_pipeline.draft_address, options=GRPC_OPTIONS) as channel,
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        draft_pb2_grpc.DraftServiceStub(channel).Propose(
+            draft_pb2.ProposeRequest(session_id="nope", num_speculative_tokens=2), timeout=10
+        )
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     still_serving(tiny_pipeline.address)
 
@@ -68,7 +81,9 @@ def test_session_limit_is_resource_exhausted(tiny_pipeline):
             for sid in ids:
                 stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id=sid, token_ids=[1, 2, 3]), timeout=10)
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id="one-too-many", token_ids=[1, 2]), timeout=10)
+                stub.Prefill(
+                    verify_pb2.VerifyServicePrefillRequest(session_id="one-too-many", token_ids=[1, 2]), timeout=10
+                )
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "raise max_sessions" in caught.value.details()
         finally:
@@ -78,7 +93,9 @@ def test_session_limit_is_resource_exhausted(tiny_pipeline):
 
 
 def test_client_cancel_releases_both_sessions(tiny_pipeline):
-    request = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=200, num_speculative_tokens=2)
+    request = coordinator_pb2.GenerateRequest(
+        text="Tell me a long story.", max_new_tokens=200, num_speculative_tokens=2
+    )
     responses = stream(tiny_pipeline.address, request)
     assert next(responses).token_ids
     responses.close()  # the client goes away mid-stream

@@ -22,15 +22,38 @@ from tests.conftest import write_questions
 pytestmark = pytest.mark.multiprocess
 
 
-def measurement(method, category, tokens, wall_ms, forwards, histogram=(), drafted=0, draft_ms=0.0,
-                verify_ms=0.0, rounds=None, pipeline=False, same=True) -> Measurement:
+def measurement(
+    method,
+    category,
+    tokens,
+    wall_ms,
+    forwards,
+    histogram=(),
+    drafted=0,
+    draft_ms=0.0,
+    verify_ms=0.0,
+    rounds=None,
+    pipeline=False,
+    same=True,
+) -> Measurement:
     accepted = sum(j * count for j, count in enumerate(histogram))
     m = Measurement(
-        method=method, question_id=1, category=category, token_ids=list(range(tokens)), wall_ms=wall_ms,
-        ttft_ms=wall_ms / 10, num_target_forwards=forwards, num_spec_steps=sum(histogram), num_draft_tokens=drafted,
-        num_accepted_tokens=accepted, acceptance_histogram=list(histogram), draft_ms=draft_ms, verify_ms=verify_ms,
+        method=method,
+        question_id=1,
+        category=category,
+        token_ids=list(range(tokens)),
+        wall_ms=wall_ms,
+        ttft_ms=wall_ms / 10,
+        num_target_forwards=forwards,
+        num_spec_steps=sum(histogram),
+        num_draft_tokens=drafted,
+        num_accepted_tokens=accepted,
+        acceptance_histogram=list(histogram),
+        draft_ms=draft_ms,
+        verify_ms=verify_ms,
         num_verify_rounds=forwards - 1 if rounds is None else rounds,
-        coordination_ms=2.0 * (forwards - 1) if pipeline else None, wire_bytes=100 * (forwards - 1) if pipeline else None,
+        coordination_ms=2.0 * (forwards - 1) if pipeline else None,
+        wire_bytes=100 * (forwards - 1) if pipeline else None,
     )
     m.compare_to(list(range(tokens)) if same else [0] * tokens)
     return m
@@ -51,10 +74,31 @@ def test_summary_arithmetic():
         measurement("plain", "rag", 50, 10_000, 50, verify_ms=490.0),
         # the pipeline, K = 4: qa 100 tokens in 4 s over 20 verify rounds (+ prefill);
         # histogram 20 spec rounds with 80 accepted of 80 drafted... and rag with mixed acceptance
-        measurement("ngram/K=4", "qa", 100, 4_000, 21, histogram=[0, 0, 0, 0, 20], drafted=80, draft_ms=40.0,
-                    verify_ms=240.0, pipeline=True),
-        measurement("ngram/K=4", "rag", 50, 12_500, 31, histogram=[10, 5, 0, 5], drafted=60, draft_ms=30.0,
-                    verify_ms=360.0, pipeline=True, same=False),
+        measurement(
+            "ngram/K=4",
+            "qa",
+            100,
+            4_000,
+            21,
+            histogram=[0, 0, 0, 0, 20],
+            drafted=80,
+            draft_ms=40.0,
+            verify_ms=240.0,
+            pipeline=True,
+        ),
+        measurement(
+            "ngram/K=4",
+            "rag",
+            50,
+            12_500,
+            31,
+            histogram=[10, 5, 0, 5],
+            drafted=60,
+            draft_ms=30.0,
+            verify_ms=360.0,
+            pipeline=True,
+            same=False,
+        ),
     ]
     summary = summarize(runs, {"plain": 0, "ngram/K=4": 4})
     assert list(summary) == ["qa", "rag", OVERALL]
@@ -116,13 +160,16 @@ def test_bad_pipeline_spec(spec):
         parse_pipeline(spec)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--pipeline", "eagle:4"], "--pipeline 'eagle:4': use DRAFTER:K"),
-    (["--limit", "0"], "--limit must be at least 1"),
-    (["--categories", "code"], "categories ['code'] are not in"),
-    (["--placement", "everywhere"], "--placement 'everywhere': use one of shared, split"),
-    (["--placement", "split", "--placement", "split"], "--placement: name each placement once"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pipeline", "eagle:4"], "--pipeline 'eagle:4': use DRAFTER:K"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--categories", "code"], "categories ['code'] are not in"),
+        (["--placement", "everywhere"], "--placement 'everywhere': use one of shared, split"),
+        (["--placement", "split", "--placement", "split"], "--placement: name each placement once"),
+    ],
+)
 def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
     result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
@@ -143,22 +190,57 @@ def test_split_placement_pins_one_cpu_each():
 def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     """Both placements in one run: the services of each (split: pinned one CPU each), every
     pipeline on each, plain also pinned to the split verify CPU."""
-    questions = write_questions(tmp_path / "q.jsonl", {
-        "qa": ["What is the capital of France?", "unused: --limit 1"],
-        "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
-    })
+    questions = write_questions(
+        tmp_path / "q.jsonl",
+        {
+            "qa": ["What is the capital of France?", "unused: --limit 1"],
+            "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
+        },
+    )
     out = tmp_path / "out"
     subprocess.run(
-        [sys.executable, "-m", "specdec", "bench", "--questions", str(questions), "--limit", "1", "--max-new-tokens", "8",
-         "--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir),
-         "--pipeline", "ngram:2", "--pipeline", "transformers:3", "--pipeline", "transformers:auto", "--hf-k", "3",
-         "--placement", "shared", "--placement", "split", "--out", str(out)],
-        check=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "bench",
+            "--questions",
+            str(questions),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--target",
+            str(tiny_models.target_dir),
+            "--draft-model",
+            str(tiny_models.draft_dir),
+            "--pipeline",
+            "ngram:2",
+            "--pipeline",
+            "transformers:3",
+            "--pipeline",
+            "transformers:auto",
+            "--hf-k",
+            "3",
+            "--placement",
+            "shared",
+            "--placement",
+            "split",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
     )
     report = json.loads((out / "report.json").read_text())
     pipelines = ["ngram/K=2", "transformers/K=3", "transformers/adaptive"]
-    methods = ["plain", "plain/verify-cpu", "hf-prompt-lookup/K=3", "hf-assisted/K=3",
-               *(f"{name}@{where}" for where in ("shared", "split") for name in pipelines)]
+    methods = [
+        "plain",
+        "plain/verify-cpu",
+        "hf-prompt-lookup/K=3",
+        "hf-assisted/K=3",
+        *(f"{name}@{where}" for where in ("shared", "split") for name in pipelines),
+    ]
     assert report["methods"] == methods
     assert report["categories"] == ["qa", "summarization"] and report["num_questions"] == 2
     assert len(report["measurements"]) == 2 * len(methods)
@@ -178,7 +260,12 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
         assert overall[f"ngram/K=2@{where}"]["draft_ahead_hit_rate"] is None
         costs = fixed["verify_costs"]  # per tokens per forward, from the verify service's responses
         assert costs["4"]["rounds"] > 0 and 0 < costs["4"]["forward_ms"] <= costs["4"]["call_ms"]
-        assert set(overall[f"transformers/adaptive@{where}"]["rounds_per_drafter"]) <= {"plain", "ngram", "suffix", "transformers"}
+        assert set(overall[f"transformers/adaptive@{where}"]["rounds_per_drafter"]) <= {
+            "plain",
+            "ngram",
+            "suffix",
+            "transformers",
+        }
         assert {f"coordinator@{where}", f"draft@{where}", f"verify@{where}"} <= set(report["peak_rss_bytes"])
     assert all(value > 0 for value in report["peak_rss_bytes"].values())
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])

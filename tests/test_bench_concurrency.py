@@ -10,12 +10,22 @@ import pytest
 from typer.testing import CliRunner
 
 from specdec_app.bench.concurrency import (
-    METHODS, RequestRecord, assigned_question, first_mismatch, interleave_categories, parse_concurrency,
-    parse_methods, token_at_char,
+    METHODS,
+    RequestRecord,
+    assigned_question,
+    first_mismatch,
+    interleave_categories,
+    parse_concurrency,
+    parse_methods,
+    token_at_char,
 )
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import (
-    concurrency_cell_stats, mean_k, merge_rounds_per_k, percentile, weighted_mean,
+    concurrency_cell_stats,
+    mean_k,
+    merge_rounds_per_k,
+    percentile,
+    weighted_mean,
 )
 from specdec_app.cli import app
 from tests.conftest import write_questions
@@ -23,12 +33,35 @@ from tests.conftest import write_questions
 pytestmark = pytest.mark.multiprocess
 
 
-def record(tokens, ttft_ms, latency_ms, rounds=None, batch=None, batched=None, queue=None, drafted=None,
-           accepted=None, rounds_per_k=None, identical=None, error=None) -> dict:
+def record(
+    tokens,
+    ttft_ms,
+    latency_ms,
+    rounds=None,
+    batch=None,
+    batched=None,
+    queue=None,
+    drafted=None,
+    accepted=None,
+    rounds_per_k=None,
+    identical=None,
+    error=None,
+) -> dict:
     return RequestRecord(
-        method="m", question_id=1, category="qa", ttft_ms=ttft_ms, latency_ms=latency_ms, num_tokens=tokens,
-        num_rounds=rounds, mean_batch_size=batch, mean_batched_tokens=batched, queue_time_ms=queue,
-        num_draft_tokens=drafted, num_accepted_tokens=accepted, rounds_per_k=rounds_per_k, identical=identical,
+        method="m",
+        question_id=1,
+        category="qa",
+        ttft_ms=ttft_ms,
+        latency_ms=latency_ms,
+        num_tokens=tokens,
+        num_rounds=rounds,
+        mean_batch_size=batch,
+        mean_batched_tokens=batched,
+        queue_time_ms=queue,
+        num_draft_tokens=drafted,
+        num_accepted_tokens=accepted,
+        rounds_per_k=rounds_per_k,
+        identical=identical,
         error=error,
     ).to_json()
 
@@ -55,18 +88,43 @@ def test_weighted_means_and_k():
 def test_tpot_is_the_time_after_the_first_token_per_later_token():
     r = RequestRecord(method="m", question_id=1, category="qa", ttft_ms=100.0, latency_ms=1100.0, num_tokens=11)
     assert r.tpot_ms == pytest.approx(100.0)
-    assert RequestRecord(method="m", question_id=1, category="qa", ttft_ms=5.0, latency_ms=5.0, num_tokens=1).tpot_ms is None
+    assert (
+        RequestRecord(method="m", question_id=1, category="qa", ttft_ms=5.0, latency_ms=5.0, num_tokens=1).tpot_ms
+        is None
+    )
     assert "token_ids" not in r.to_json() and r.to_json()["tpot_ms"] == pytest.approx(100.0)
 
 
 def test_cell_stats_from_records():
     records = [
         # 11 tokens: TTFT 100, TPOT (1100 - 100) / 10 = 100; 10 rounds at batch 2, 20 queue ms
-        record(11, 100.0, 1100.0, rounds=10, batch=2.0, batched=10.0, queue=20.0, drafted=20, accepted=10,
-               rounds_per_k=[2, 0, 0, 0, 8], identical=True),
+        record(
+            11,
+            100.0,
+            1100.0,
+            rounds=10,
+            batch=2.0,
+            batched=10.0,
+            queue=20.0,
+            drafted=20,
+            accepted=10,
+            rounds_per_k=[2, 0, 0, 0, 8],
+            identical=True,
+        ),
         # 21 tokens: TTFT 300, TPOT (2300 - 300) / 20 = 100... 30 rounds at batch 4
-        record(21, 300.0, 2300.0, rounds=30, batch=4.0, batched=30.0, queue=60.0, drafted=40, accepted=30,
-               rounds_per_k=[10, 0, 20], identical=False),
+        record(
+            21,
+            300.0,
+            2300.0,
+            rounds=30,
+            batch=4.0,
+            batched=30.0,
+            queue=60.0,
+            drafted=40,
+            accepted=30,
+            rounds_per_k=[10, 0, 20],
+            identical=False,
+        ),
         record(0, None, 50.0, error="UNAVAILABLE: gone"),
     ]
     s = concurrency_cell_stats(records, wall_ms=4000.0)
@@ -108,7 +166,9 @@ def test_first_mismatch_and_text_position(smollm2_tokenizer):
     ids = smollm2_tokenizer("The capital of France is Paris.").input_ids
     text = smollm2_tokenizer.decode(ids)
     assert token_at_char(smollm2_tokenizer, ids, 0) == 0
-    assert token_at_char(smollm2_tokenizer, ids, text.index("Paris")) == ids.index(smollm2_tokenizer(" Paris").input_ids[0])
+    assert token_at_char(smollm2_tokenizer, ids, text.index("Paris")) == ids.index(
+        smollm2_tokenizer(" Paris").input_ids[0]
+    )
     assert token_at_char(smollm2_tokenizer, ids, len(text)) == len(ids)
 
 
@@ -123,16 +183,25 @@ def test_option_parsing():
     assert set(METHODS) == {"pipeline/adaptive", "pipeline/K=0", "transformers-serve"}
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
-    (["--concurrency", "1", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
-    (["--concurrency", "1", "--pipeline", "ngram:4"], "--pipeline, --hf-k and --placement apply to the batch-1 benchmark"),
-    (["--concurrency", "1", "--placement", "split"], "--pipeline, --hf-k and --placement apply to the batch-1 benchmark"),
-    (["--methods", "pipeline/K=0"], "apply with --concurrency"),
-    (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
-    (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
-    (["--load-generator", "guidellm"], "apply with --concurrency"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
+        (["--concurrency", "1", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
+        (
+            ["--concurrency", "1", "--pipeline", "ngram:4"],
+            "--pipeline, --hf-k and --placement apply to the batch-1 benchmark",
+        ),
+        (
+            ["--concurrency", "1", "--placement", "split"],
+            "--pipeline, --hf-k and --placement apply to the batch-1 benchmark",
+        ),
+        (["--methods", "pipeline/K=0"], "apply with --concurrency"),
+        (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+        (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
+        (["--load-generator", "guidellm"], "apply with --concurrency"),
+    ],
+)
 def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
     result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
@@ -144,10 +213,32 @@ def run_tiny_bench(tiny_models, questions, out, *args):
     """``specdec bench`` with ``args``, both pipeline methods (the ngram drafter, which needs no
     model) on the tiny target, 8 new tokens; returns the finished process and its JSON report."""
     run = subprocess.run(
-        [sys.executable, "-m", "specdec", "bench", *args, "--methods", "pipeline/adaptive,pipeline/K=0",
-         "--drafter", "ngram", "--questions", str(questions), "--max-new-tokens", "8", "--target",
-         str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir), "--dtype", "float32", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "bench",
+            *args,
+            "--methods",
+            "pipeline/adaptive,pipeline/K=0",
+            "--drafter",
+            "ngram",
+            "--questions",
+            str(questions),
+            "--max-new-tokens",
+            "8",
+            "--target",
+            str(tiny_models.target_dir),
+            "--draft-model",
+            str(tiny_models.draft_dir),
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads((out / "report-concurrency.json").read_text())
@@ -156,15 +247,22 @@ def run_tiny_bench(tiny_models, questions, out, *args):
 def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
     """N = 1 and 2, two pipeline methods on the tiny target (services as subprocesses; the ngram
     drafter, which needs no model), 8 new tokens."""
-    questions = write_questions(tmp_path / "q.jsonl", {
-        "qa": ["What is the capital of France?", "Name three colors."],
-        "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
-    })
+    questions = write_questions(
+        tmp_path / "q.jsonl",
+        {
+            "qa": ["What is the capital of France?", "Name three colors."],
+            "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
+        },
+    )
     out = tmp_path / "out"
     run, report = run_tiny_bench(tiny_models, questions, out, "--concurrency", "1,2", "--requests-per-client", "2")
     assert report["methods"] == ["pipeline/adaptive", "pipeline/K=0"]
     assert [(c["method"], c["concurrency"]) for c in report["cells"]] == [
-        ("pipeline/adaptive", 1), ("pipeline/adaptive", 2), ("pipeline/K=0", 1), ("pipeline/K=0", 2)]
+        ("pipeline/adaptive", 1),
+        ("pipeline/adaptive", 2),
+        ("pipeline/K=0", 1),
+        ("pipeline/K=0", 2),
+    ]
     assert report["num_questions"] == 3 and report["reference"]["num_prompts"] == 3
     for cell in report["cells"]:
         s = cell["stats"]
@@ -192,7 +290,9 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
     SDK (the transformers serve client path); the reference stays Generate's token ids."""
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
     out = tmp_path / "out"
-    _, report = run_tiny_bench(tiny_models, questions, out, "--concurrency", "2", "--requests-per-client", "1", "--api", "openai")
+    _, report = run_tiny_bench(
+        tiny_models, questions, out, "--concurrency", "2", "--requests-per-client", "1", "--api", "openai"
+    )
     assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
     for cell in report["cells"]:
         s = cell["stats"]
@@ -203,21 +303,42 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
 
 def test_load_generator_section_and_options(tmp_path):
     """The report's guidellm section from hand-made runs (one failed), and the option's checks."""
-    from specdec_app.bench.load_generator import check_installed, markdown, scenario, LoadTarget
+    from specdec_app.bench.load_generator import LoadTarget, check_installed, markdown, scenario
 
-    figures = {"num_completed": 8, "num_errored": 0, "num_incomplete": 0, "requests_per_second": 0.5,
-               "output_tokens_per_second": 40.04, "ttft_ms_p50": 812.4, "ttft_ms_p99": 1500.0, "itl_ms_p50": 60.0,
-               "itl_ms_p99": 90.25, "tpot_ms_p50": 66.0, "tpot_ms_p99": None, "errors": []}
-    section = {"version": "0.8.1", "folder": "guidellm", "runs": [
-        {"method": "pipeline/K=0", "concurrency": 4} | figures,
-        {"method": "transformers-serve", "concurrency": 4, "error": "guidellm exited with code 1\nlog"},
-    ]}
+    figures = {
+        "num_completed": 8,
+        "num_errored": 0,
+        "num_incomplete": 0,
+        "requests_per_second": 0.5,
+        "output_tokens_per_second": 40.04,
+        "ttft_ms_p50": 812.4,
+        "ttft_ms_p99": 1500.0,
+        "itl_ms_p50": 60.0,
+        "itl_ms_p99": 90.25,
+        "tpot_ms_p50": 66.0,
+        "tpot_ms_p99": None,
+        "errors": [],
+    }
+    section = {
+        "version": "0.8.1",
+        "folder": "guidellm",
+        "runs": [
+            {"method": "pipeline/K=0", "concurrency": 4} | figures,
+            {"method": "transformers-serve", "concurrency": 4, "error": "guidellm exited with code 1\nlog"},
+        ],
+    }
     lines = markdown(section)
     assert lines[0] == "## Load generator: guidellm 0.8.1"
     assert "| pipeline/K=0 | 4 | 8 | 0 | 0 | 0.50 | 40.0 | 812 | 1500 | 60.0 | 90.2 | 66.0 | - |" in lines
     assert any(line.startswith("| transformers-serve | 4 | failed: guidellm exited with code 1 |") for line in lines)
-    spec = scenario(LoadTarget("m", "http://h:1/v1", "smollm2", "/tok", None, {"temperature": 0}), ["p"], 4, 8, 16,
-                    tmp_path / "r.json")["spec"]
+    spec = scenario(
+        LoadTarget("m", "http://h:1/v1", "smollm2", "/tok", None, {"temperature": 0}),
+        ["p"],
+        4,
+        8,
+        16,
+        tmp_path / "r.json",
+    )["spec"]
     assert spec["profile"] == {"kind": "concurrent", "streams": [4]} and spec["constraints"][0]["count"] == 8
     assert "api_key" not in spec["backend"] and spec["backend"]["extras"] == {"body": {"temperature": 0}}
     with pytest.raises(ValueError, match="--load-generator 'aiperf': use guidellm"):
@@ -231,17 +352,19 @@ def test_margin_at_the_first_difference(tiny_models):
     import torch
 
     from coordinator.request import prompt_ids
-    from specdec_app.bench.concurrency import _margins
     from specdec.models import load_causal_lm
     from specdec.v1 import coordinator_pb2
+    from specdec_app.bench.concurrency import _margins
 
     model, tokenizer = load_causal_lm(str(tiny_models.target_dir), "float32")
     question = Question(7, "qa", "What is the capital of France?")
     reference = RequestRecord(method="pipeline/K=0", question_id=7, category="qa", token_ids=[11, 22, 33, 44])
-    mismatches = [{"method": "pipeline/adaptive", "question_id": 7, "first_mismatch": 2, "token": 99},
-                  {"method": "transformers-serve", "question_id": 7, "first_mismatch": 2, "token": None}]
+    mismatches = [
+        {"method": "pipeline/adaptive", "question_id": 7, "first_mismatch": 2, "token": 99},
+        {"method": "transformers-serve", "question_id": 7, "first_mismatch": 2, "token": None},
+    ]
     _margins(mismatches, {7: reference}, {7: question}, model, tokenizer)
-    ids = prompt_ids(coordinator_pb2.GenerateRequest(text=question.prompt), tokenizer) + [11, 22]
+    ids = [*prompt_ids(coordinator_pb2.GenerateRequest(text=question.prompt), tokenizer), 11, 22]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
     top = torch.topk(logits, 2).values
@@ -256,19 +379,46 @@ def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
     from specdec_app.bench.chart import write_concurrency_chart
     from specdec_app.bench.report import concurrency_markdown
 
-    cells = [{"method": method, "concurrency": n, "errors": [],
-              "stats": concurrency_cell_stats([record(10 * n, 100.0, 1000.0, identical=True)], 1000.0)}
-             for method in ("pipeline/K=0", "transformers-serve") for n in (1, 4)]
+    cells = [
+        {
+            "method": method,
+            "concurrency": n,
+            "errors": [],
+            "stats": concurrency_cell_stats([record(10 * n, 100.0, 1000.0, identical=True)], 1000.0),
+        }
+        for method in ("pipeline/K=0", "transformers-serve")
+        for n in (1, 4)
+    ]
     report = {
-        "config": {"command": "specdec bench --concurrency 1,4", "target": "t", "draft_model": "d", "drafter": "ngram",
-                   "max_new_tokens": 8, "requests_per_client": 1},
+        "config": {
+            "command": "specdec bench --concurrency 1,4",
+            "target": "t",
+            "draft_model": "d",
+            "drafter": "ngram",
+            "max_new_tokens": 8,
+            "requests_per_client": 1,
+        },
         "machine": {"cpu": "cpu", "cpu_count": 2, "device": "cpu", "torch": "x", "transformers": "y"},
-        "notes": ["a note"], "num_questions": 4, "methods": ["pipeline/K=0", "transformers-serve"],
-        "reference": {"method": "pipeline/K=0", "num_prompts": 4}, "cells": cells,
-        "identity": {"pipeline/K=0": {"num_compared": 5, "identical_rate": 1.0, "prompt_tokens_agree_rate": 1.0},
-                     "transformers-serve": {"num_compared": 5, "identical_rate": 0.8, "prompt_tokens_agree_rate": 1.0}},
-        "mismatches": [{"method": "transformers-serve", "concurrency": 4, "question_id": 3, "first_mismatch": 5,
-                        "margin": 0.0123, "reference_token": 10, "token": None}],
+        "notes": ["a note"],
+        "num_questions": 4,
+        "methods": ["pipeline/K=0", "transformers-serve"],
+        "reference": {"method": "pipeline/K=0", "num_prompts": 4},
+        "cells": cells,
+        "identity": {
+            "pipeline/K=0": {"num_compared": 5, "identical_rate": 1.0, "prompt_tokens_agree_rate": 1.0},
+            "transformers-serve": {"num_compared": 5, "identical_rate": 0.8, "prompt_tokens_agree_rate": 1.0},
+        },
+        "mismatches": [
+            {
+                "method": "transformers-serve",
+                "concurrency": 4,
+                "question_id": 3,
+                "first_mismatch": 5,
+                "margin": 0.0123,
+                "reference_token": 10,
+                "token": None,
+            }
+        ],
         "peak_rss_bytes": {"verify": 2**30},
     }
     markdown = concurrency_markdown(report)

@@ -1,5 +1,6 @@
 """Serving under load: many sessions share each batched forward (continuous batching) and every
-request still gets exactly its own output (invariants *lossless, greedy*, *KV consistency* and *batch independence*), with the engine's limits."""
+request still gets exactly its own output (invariants *lossless, greedy*, *KV consistency* and
+*batch independence*), with the engine's limits."""
 
 import threading
 import time
@@ -13,19 +14,33 @@ from coordinator.client import generate
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, EngineMetrics, Work
 from specdec.errors import Unavailable
-from specdec.server import GRPC_OPTIONS
 from specdec.sampling_params import SamplingParams
+from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.conftest import StepRecorder, chat_ids, plain_greedy
 
 PROMPTS = [
-    "Tell me a story about a cat.", "List three prime numbers.", "Why is the sky blue?", "Write a haiku about rain.",
-    "Explain photosynthesis briefly.", "What is 17 times 3?", "Name a large river.", "Describe a cup of tea.",
+    "Tell me a story about a cat.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Write a haiku about rain.",
+    "Explain photosynthesis briefly.",
+    "What is 17 times 3?",
+    "Name a large river.",
+    "Describe a cup of tea.",
 ]
 # (drafter, K, max_new_tokens): fixed K 1..8, adaptive (None), plain decode (0); requests of
 # different lengths leave the batch while others go on.
-MIXES = [("transformers", 1, 24), ("self", 8, 40), ("ngram", 3, 16), ("wrong", 2, 32),
-         ("transformers", None, 40), ("ngram", None, 20), ("transformers", 0, 28), ("self", 4, 12)]
+MIXES = [
+    ("transformers", 1, 24),
+    ("self", 8, 40),
+    ("ngram", 3, 16),
+    ("wrong", 2, 32),
+    ("transformers", None, 40),
+    ("ngram", None, 20),
+    ("transformers", 0, 28),
+    ("self", 4, 12),
+]
 
 
 def test_concurrent_requests_each_equal_their_own_plain_greedy(tiny_pipeline, smollm2_tokenizer):
@@ -54,7 +69,9 @@ def test_concurrent_requests_each_equal_their_own_plain_greedy(tiny_pipeline, sm
 
 def test_a_cancelled_stream_leaves_no_trace_in_the_others(tiny_pipeline, smollm2_tokenizer):
     def cancelled():
-        request = coordinator_pb2.GenerateRequest(text=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=4, drafter="transformers")
+        request = coordinator_pb2.GenerateRequest(
+            text=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=4, drafter="transformers"
+        )
         with grpc.insecure_channel(tiny_pipeline.address, options=GRPC_OPTIONS) as channel:
             responses = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120)
             for i, _ in enumerate(responses):
@@ -63,15 +80,19 @@ def test_a_cancelled_stream_leaves_no_trace_in_the_others(tiny_pipeline, smollm2
                     break
 
     def kept(i: int):
-        request = coordinator_pb2.GenerateRequest(text=PROMPTS[i], max_new_tokens=30, num_speculative_tokens=3, drafter="self")
+        request = coordinator_pb2.GenerateRequest(
+            text=PROMPTS[i], max_new_tokens=30, num_speculative_tokens=3, drafter="self"
+        )
         return generate(tiny_pipeline.address, request, timeout_s=120)
 
     with ThreadPoolExecutor(4) as pool:
         cancel = pool.submit(cancelled)
         others = [pool.submit(kept, i) for i in (1, 2, 3)]
         cancel.result()
-        for i, future in zip((1, 2, 3), others):
-            assert future.result().token_ids == plain_greedy(tiny_pipeline.plain_model, chat_ids(smollm2_tokenizer, PROMPTS[i]), 30)
+        for i, future in zip((1, 2, 3), others, strict=True):
+            assert future.result().token_ids == plain_greedy(
+                tiny_pipeline.plain_model, chat_ids(smollm2_tokenizer, PROMPTS[i]), 30
+            )
     deadline = time.monotonic() + 10
     while len(tiny_pipeline.verify.servicer.sessions) or len(tiny_pipeline.draft.servicer.sessions):
         assert time.monotonic() < deadline, "sessions left on the services"

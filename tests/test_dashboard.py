@@ -76,10 +76,21 @@ def test_every_query_names_exported_metrics():
         used |= names
     # the panels: throughput, speedup proxy, acceptance and its per-position curve,
     # latency percentiles, fallback share, sessions, KV memory, errors, faults, load and batching
-    for name in ("specdec:generation_tokens_total", "specdec:num_target_forwards_total",
-                 "specdec:spec_decode_num_accepted_tokens_per_pos_total", "specdec:time_to_first_token_seconds_bucket",
-                 "specdec:time_per_output_token_seconds_bucket", "specdec:num_sessions", "specdec:kv_cache_bytes",
-                 "specdec:rpc_errors_total", "specdec:draft_failures_total", "specdec:verify_rebuilds_total",
-                 "specdec:session_store_errors_total", "specdec:batch_size_sum", "specdec:num_batched_tokens_sum",
-                 "specdec:queue_time_seconds_bucket", "specdec:num_speculative_tokens_by_load_sum"):
+    for name in (
+        "specdec:generation_tokens_total",
+        "specdec:num_target_forwards_total",
+        "specdec:spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec:time_to_first_token_seconds_bucket",
+        "specdec:time_per_output_token_seconds_bucket",
+        "specdec:num_sessions",
+        "specdec:kv_cache_bytes",
+        "specdec:rpc_errors_total",
+        "specdec:draft_failures_total",
+        "specdec:verify_rebuilds_total",
+        "specdec:session_store_errors_total",
+        "specdec:batch_size_sum",
+        "specdec:num_batched_tokens_sum",
+        "specdec:queue_time_seconds_bucket",
+        "specdec:num_speculative_tokens_by_load_sum",
+    ):
         assert name in used, f"no panel shows {name}"

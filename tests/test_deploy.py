@@ -44,9 +44,7 @@ def env_names(service: str) -> set[str]:
 
 def test_check_script():
     require_kubectl()
-    result = subprocess.run(
-        ["bash", "deploy/check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900
-    )
+    result = subprocess.run(["bash", "deploy/check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"deploy/check.sh failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -55,7 +53,9 @@ def overlay(request):
     """(name, {(kind, name): resource}) of one rendered overlay."""
     rendered = subprocess.run(
         [require_kubectl(), "kustomize", str(ROOT / "deploy/k8s/overlays" / request.param)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
     return request.param, {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
@@ -168,7 +168,9 @@ def test_network_policy_ports_exist(overlay):
             for port in rule.get("ports", []):
                 for pod in selected:
                     names = {p.get("name") for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-                    assert port["port"] in names, f"NetworkPolicy {name}: {pod['metadata']['labels']} has no port {port['port']}"
+                    assert port["port"] in names, (
+                        f"NetworkPolicy {name}: {pod['metadata']['labels']} has no port {port['port']}"
+                    )
 
 
 def test_api_keys_from_optional_secret(overlay):
@@ -189,7 +191,9 @@ def test_api_keys_from_optional_secret(overlay):
     (secret_mount,) = [m for m in init["volumeMounts"] if "secret" in volumes[m["name"]]]
     assert secret_mount["readOnly"]
     assert volumes[secret_mount["name"]]["secret"] == {
-        "secretName": "specdec-api-keys", "optional": True, "defaultMode": 0o440,
+        "secretName": "specdec-api-keys",
+        "optional": True,
+        "defaultMode": 0o440,
     }
     (written,) = [m for m in init["volumeMounts"] if m["name"] == mount["name"]]
     assert init["command"] == ["sh", "-c"]
@@ -203,7 +207,7 @@ def test_api_keys_from_optional_secret(overlay):
         script = init["args"][0].replace(secret_mount["mountPath"], str(tmp / "secret"))
         script = script.replace(written["mountPath"], str(tmp / "keys"))
         result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
-        return result, tmp / "keys" / key_file[len(mount["mountPath"]) + 1:]
+        return result, tmp / "keys" / key_file[len(mount["mountPath"]) + 1 :]
 
     with tempfile.TemporaryDirectory() as work:
         result, path = run({})  # no Secret: a file of no keys

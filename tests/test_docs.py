@@ -38,7 +38,9 @@ def test_settings_page_is_what_the_generator_writes():
     expected = settings_docs.render()
     actual = settings_docs.PAGE.read_text() if settings_docs.PAGE.exists() else ""
     if actual != expected:
-        diff = difflib.unified_diff(actual.splitlines(), expected.splitlines(), "docs/settings.md", "generated", lineterm="", n=0)
+        diff = difflib.unified_diff(
+            actual.splitlines(), expected.splitlines(), "docs/settings.md", "generated", lineterm="", n=0
+        )
         shown = "\n".join(list(diff)[:40])
         pytest.fail(f"docs/settings.md is out of date with the settings classes: {RUN}.\n{shown}")
 
@@ -53,9 +55,14 @@ def test_every_setting_is_on_the_settings_page(cls, heading):
     section = _section(settings_docs.PAGE.read_text(), heading)
     assert section, f"docs/settings.md has no section '## {heading}' for {cls.__name__}: {RUN}"
     missing = [
-        f"{name} ({var})" for name in cls.model_fields for var in settings_docs.env_vars(cls, name) if f"`{var}`" not in section
+        f"{name} ({var})"
+        for name in cls.model_fields
+        for var in settings_docs.env_vars(cls, name)
+        if f"`{var}`" not in section
     ]
-    assert not missing, f"{cls.__name__} settings missing from docs/settings.md ('## {heading}'): {', '.join(missing)}; {RUN}"
+    assert not missing, (
+        f"{cls.__name__} settings missing from docs/settings.md ('## {heading}'): {', '.join(missing)}; {RUN}"
+    )
 
 
 @pytest.mark.parametrize(("cls", "heading"), SERVICES)
@@ -111,7 +118,13 @@ def links(path: Path) -> list[tuple[int, str]]:
     result = []
     for token in MARKDOWN.parse(path.read_text()):
         for child in token.children or []:
-            target = child.attrs.get("href") if child.type == "link_open" else child.attrs.get("src") if child.type == "image" else None
+            target = (
+                child.attrs.get("href")
+                if child.type == "link_open"
+                else child.attrs.get("src")
+                if child.type == "image"
+                else None
+            )
             if target is not None:
                 result.append((token.map[0] + 1, str(target)))
     return result

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from coordinator.client import generate
+from coordinator.failover import VerifyReplicas
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
-from coordinator.failover import VerifyReplicas
 from coordinator.rounds import RequestRounds
 from coordinator.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
@@ -69,7 +69,14 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     tokens and the rounds' draft-ahead outcomes."""
     clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
-    rounds = RequestRounds(clients, VerifyReplicas(clients), f"ahead-{drafter}-{draft_ahead}-{sampling.seed}", request, list(PROMPT), draft_ahead=draft_ahead)
+    rounds = RequestRounds(
+        clients,
+        VerifyReplicas(clients),
+        f"ahead-{drafter}-{draft_ahead}-{sampling.seed}",
+        request,
+        list(PROMPT),
+        draft_ahead=draft_ahead,
+    )
     generated, outcomes = [], []
     try:
         await rounds.prefill()
@@ -105,7 +112,9 @@ def test_request_reports_draft_ahead(tiny_pipeline):
     """Through the coordinator (draft-ahead on by default): the self-draft's proposals are always
     accepted and its bonus guess is the target's token, so (nearly) every branch hits; the
     request's metrics say so, and its tokens are plain greedy decoding's."""
-    request = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter="self")
+    request = coordinator_pb2.GenerateRequest(
+        text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter="self"
+    )
     completion = generate(tiny_pipeline.address, request, timeout_s=120)
     plain = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=0)
     assert completion.token_ids == generate(tiny_pipeline.address, plain, timeout_s=120).token_ids

@@ -3,6 +3,7 @@ separate processes on free ports (target in transformers, llama.cpp self-draft r
 output equal to transformers' plain generate (also when the draft stops answering), and the CLI's
 --json contract."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -50,7 +51,9 @@ def references(smollm2) -> dict[str, list[int]]:
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
         with torch.inference_mode():
-            outputs[prompt] = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :].tolist()
+            outputs[prompt] = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
     return outputs
 
 
@@ -58,7 +61,9 @@ def references(smollm2) -> dict[str, list[int]]:
 def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2, references, drafter):
     _, tokenizer = smollm2
     for prompt, expected in references.items():
-        request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter=drafter)
+        request = coordinator_pb2.GenerateRequest(
+            text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter=drafter
+        )
         completion = generate(real_cluster.address("coordinator"), request, timeout_s=300)
         assert completion.token_ids == expected
         assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
@@ -68,16 +73,37 @@ def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2,
 
 def test_cli_generate_json_contract(real_cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "specdec", "generate", PROMPTS[1], "--coordinator", real_cluster.address("coordinator"),
-         "--max-new-tokens", "12", "--json"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "generate",
+            PROMPTS[1],
+            "--coordinator",
+            real_cluster.address("coordinator"),
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"token_ids", "text", "finish_reason", "metrics"}
     assert result["finish_reason"] in {"stop", "length"} and 0 < len(result["token_ids"]) <= 12
     assert result["text"] and result["text"] in out.stdout
-    for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "draft_acceptance_rate",
-                 "mean_acceptance_length", "acceptance_histogram", "tokens_per_second", "time_to_first_token_ms"):
+    for name in (
+        "num_spec_steps",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
+        "draft_acceptance_rate",
+        "mean_acceptance_length",
+        "acceptance_histogram",
+        "tokens_per_second",
+        "time_to_first_token_ms",
+    ):
         assert name in result["metrics"]
 
 
@@ -92,7 +118,9 @@ def test_a_stopped_draft_costs_one_propose_deadline(real_cluster, smollm2):
     )["input_ids"]
     with torch.inference_mode():
         expected = model.generate(torch.tensor([ids]), max_new_tokens=96, do_sample=False)[0, len(ids) :].tolist()
-    request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=96, num_speculative_tokens=8, drafter="llama-cpp")
+    request = coordinator_pb2.GenerateRequest(
+        text=prompt, max_new_tokens=96, num_speculative_tokens=8, drafter="llama-cpp"
+    )
     draft, tokens, arrivals, stopped_at = real_cluster.services["draft"], [], [], None
     try:
         with grpc.insecure_channel(real_cluster.address("coordinator"), options=GRPC_OPTIONS) as channel:
@@ -106,7 +134,9 @@ def test_a_stopped_draft_costs_one_propose_deadline(real_cluster, smollm2):
         draft.signal(signal.SIGCONT)
     assert tokens == expected
     after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
-    longest_s = max(b - a for a, b in zip(after, after[1:]))
-    SUMMARY.append(f"default models, the llama.cpp draft stopped (SIGSTOP): the client's longest wait for a message "
-                   f"after it: {longest_s * 1000:.0f} ms (target < 1000 ms)")
+    longest_s = max(b - a for a, b in itertools.pairwise(after))
+    SUMMARY.append(
+        f"default models, the llama.cpp draft stopped (SIGSTOP): the client's longest wait for a message "
+        f"after it: {longest_s * 1000:.0f} ms (target < 1000 ms)"
+    )
     assert longest_s < 10, "the stopped draft held the request for an RPC deadline"

@@ -5,6 +5,7 @@ ids and text of an undisturbed one. The time from each kill to the client's next
 recovery time) is printed at the end of the module."""
 
 import asyncio
+import itertools
 import random
 import signal
 import time
@@ -47,16 +48,42 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
     threads = ["--num-threads", "1", "--session-idle-timeout-s", "3"]
 
     def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
-        return ServiceProcess(kind, free_port(), args=args, metrics_port=free_port(), log_file=logs / f"{name}.log",
-                              env={"SPECDEC_REDIS_URL": redis_server.url})
+        return ServiceProcess(
+            kind,
+            free_port(),
+            args=args,
+            metrics_port=free_port(),
+            log_file=logs / f"{name}.log",
+            env={"SPECDEC_REDIS_URL": redis_server.url},
+        )
 
     verify = [service("verify", f"verify{i}", ["--model", str(tiny_models.target_dir), *threads]) for i in range(2)]
     # a self-draft (the target's own weights): every draft passes, so lost speculation shows
-    draft = service("draft", "draft", ["--drafters", "transformers,ngram", "--default-drafter", "transformers",
-                                       "--transformers-model", str(tiny_models.target_dir), *threads])
-    coordinator_args = ["--tokenizer", str(tiny_models.target_dir), "--draft-address", draft.address,
-                        "--verify-addresses", ",".join(v.address for v in verify), "--max-new-tokens-limit", "512",
-                        "--draft-retry-s", "0.5"]
+    draft = service(
+        "draft",
+        "draft",
+        [
+            "--drafters",
+            "transformers,ngram",
+            "--default-drafter",
+            "transformers",
+            "--transformers-model",
+            str(tiny_models.target_dir),
+            *threads,
+        ],
+    )
+    coordinator_args = [
+        "--tokenizer",
+        str(tiny_models.target_dir),
+        "--draft-address",
+        draft.address,
+        "--verify-addresses",
+        ",".join(v.address for v in verify),
+        "--max-new-tokens-limit",
+        "512",
+        "--draft-retry-s",
+        "0.5",
+    ]
     coordinators = [service("coordinator", f"coordinator{i}", coordinator_args) for i in range(2)]
     fleet = Fleet(verify, draft, coordinators, [*verify, draft, *coordinators])
     for process in fleet.all:
@@ -83,8 +110,13 @@ SAMPLING = {"greedy": {}, "seeded sampling": dict(temperature=0.8, top_p=0.95, s
 @pytest.fixture(scope="module")
 def references(fleet) -> dict[str, Completion]:
     """The undisturbed runs, greedy and sampled with a seed."""
-    runs = {name: generate(fleet.coordinators[0].address, make_request(**fields), timeout_s=120) for name, fields in SAMPLING.items()}
-    assert all(len(run.token_ids) > 4 * FAULT_AFTER for run in runs.values()), "the references must be long enough to cut"
+    runs = {
+        name: generate(fleet.coordinators[0].address, make_request(**fields), timeout_s=120)
+        for name, fields in SAMPLING.items()
+    }
+    assert all(len(run.token_ids) > 4 * FAULT_AFTER for run in runs.values()), (
+        "the references must be long enough to cut"
+    )
     return runs
 
 
@@ -153,7 +185,7 @@ def test_draft_stopped_mid_stream(fleet, reference):
     assert_same_completion(completion, reference)
     assert completion.metrics.num_draft_failures >= 1
     after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
-    longest_s = max(b - a for a, b in zip(after, after[1:]))
+    longest_s = max(b - a for a, b in itertools.pairwise(after))
     RECOVERY_S["the draft service stopped (SIGSTOP): the client's longest wait for a message after it"] = longest_s
     assert longest_s < 10, "the stopped draft held the request for an RPC deadline"
     time.sleep(1.0)  # past --draft-retry-s: the draft is asked again
@@ -191,14 +223,13 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     services = [fleet.draft, *fleet.verify]
     evicted_before = [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services]
     received = Completion()
-    with pytest.raises(grpc.RpcError) as cut:
-        with grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
-                received.add(response)
-                if len(received.token_ids) >= FAULT_AFTER and first.process.poll() is None:
-                    first.kill()
-                    killed_at = time.monotonic()
+    with pytest.raises(grpc.RpcError) as cut, grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        for response in stub.Generate(make_request(request_id=request_id, **SAMPLING[sampling]), timeout=120):
+            received.add(response)
+            if len(received.token_ids) >= FAULT_AFTER and first.process.poll() is None:
+                first.kill()
+                killed_at = time.monotonic()
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=len(received.token_ids))
     rest, recovery_s = Completion(), None
@@ -206,7 +237,9 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
         for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(resume, timeout=120):
             recovery_s = recovery_s or time.monotonic() - killed_at
             rest.add(response)
-    RECOVERY_S[f"the coordinator was killed, resumed on another ({sampling}): from the kill to the client's next message"] = recovery_s
+    RECOVERY_S[
+        f"the coordinator was killed, resumed on another ({sampling}): from the kill to the client's next message"
+    ] = recovery_s
     assert rest.token_ids and received.token_ids + rest.token_ids == reference.token_ids
     assert received.text + rest.text == reference.text
     assert rest.finish_reason == reference.finish_reason
@@ -224,7 +257,9 @@ def test_redis_killed_mid_stream(fleet, reference, redis_server):
     requests are stored again."""
     coordinator = fleet.coordinators[0]
     errors_before = scrape(coordinator.metrics_url).get("specdec:session_store_errors_total", 0.0)
-    completion, recovery_s = stream_with_fault(coordinator.address, make_request(request_id="redis-lost"), redis_server.kill)
+    completion, recovery_s = stream_with_fault(
+        coordinator.address, make_request(request_id="redis-lost"), redis_server.kill
+    )
     RECOVERY_S["Redis was killed: from the kill to the client's next message"] = recovery_s
     assert_same_completion(completion, reference)
     assert scrape(coordinator.metrics_url)["specdec:session_store_errors_total"] > errors_before
@@ -233,7 +268,9 @@ def test_redis_killed_mid_stream(fleet, reference, redis_server):
     later = generate(coordinator.address, make_request(request_id="after-redis-returned"), timeout_s=120)
     assert_same_completion(later, reference)
     deadline = time.monotonic() + 10
-    while (stored := from_redis(redis_server.url, lambda store: store.load("after-redis-returned"))) is None or stored.status != FINISHED:
+    while (
+        stored := from_redis(redis_server.url, lambda store: store.load("after-redis-returned"))
+    ) is None or stored.status != FINISHED:
         assert time.monotonic() < deadline, "the finished request was not stored after Redis returned"
         time.sleep(0.1)
     assert stored.generated == reference.token_ids
@@ -260,7 +297,9 @@ def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny
     completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
     assert completion.metrics.adaptive and completion.metrics.num_accepted_draft_tokens > 0
     deadline = time.monotonic() + 10
-    while "transformers" not in (priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))):
+    while "transformers" not in (
+        priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))
+    ):
         assert time.monotonic() < deadline, f"no estimates for the transformers drafter in Redis: {priors}"
         time.sleep(0.1)
     assert {"ngram/1", "ngram/2", "ngram/3"} <= priors.keys()
@@ -275,7 +314,13 @@ def test_cancelled_requests_release_every_session(fleet):
     def settled() -> dict[str, tuple[float, float]]:
         deadline = time.monotonic() + 30
         while True:
-            figures = {s.address: (scrape(s.metrics_url)["specdec:num_sessions"], scrape(s.metrics_url)["specdec:kv_cache_bytes"]) for s in services}
+            figures = {
+                s.address: (
+                    scrape(s.metrics_url)["specdec:num_sessions"],
+                    scrape(s.metrics_url)["specdec:kv_cache_bytes"],
+                )
+                for s in services
+            }
             if all(sessions == 0 for sessions, _ in figures.values()) or time.monotonic() > deadline:
                 return figures
             time.sleep(0.2)
@@ -284,8 +329,10 @@ def test_cancelled_requests_release_every_session(fleet):
     assert all(sessions == 0 for sessions, _ in idle.values()), idle
     rng = random.Random(0)
     # (coordinator, messages to read before cancelling, adaptive K, seconds to wait when reading none)
-    plans = [(rng.choice(fleet.coordinators).address, rng.randint(0, 15), rng.random() < 0.5, rng.random() * 0.05)
-             for _ in range(200)]
+    plans = [
+        (rng.choice(fleet.coordinators).address, rng.randint(0, 15), rng.random() < 0.5, rng.random() * 0.05)
+        for _ in range(200)
+    ]
 
     def cancelled(plan) -> int:
         address, messages, adaptive, wait_s = plan

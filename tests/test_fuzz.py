@@ -36,14 +36,21 @@ from specdec.v1 import (
 from tests.conftest import TINY_VOCAB
 
 FUZZ = settings(
-    max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "100")), deadline=timedelta(seconds=30),
-    derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "100")),
+    deadline=timedelta(seconds=30),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TIMEOUT_S = 20  # every call's deadline: a call that hangs fails the test with DEADLINE_EXCEEDED
 # the statuses that tell a client what to change; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED are bugs
 CLIENT_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
 }
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -52,14 +59,16 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 int32s = st.one_of(st.integers(-3, 20), st.sampled_from([INT32_MIN, -1, INT32_MAX]), st.integers(INT32_MIN, INT32_MAX))
 uint64s = st.one_of(st.sampled_from([0, 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 floats = st.one_of(
-    st.floats(0, 2, width=32), st.sampled_from([float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 1e-45, 3.4e38]),
+    st.floats(0, 2, width=32),
+    st.sampled_from([float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 1e-45, 3.4e38]),
     st.floats(width=32),
 )
 valid_ids = st.integers(0, TINY_VOCAB - 1)
 token_ids = st.one_of(valid_ids, st.sampled_from([-1, TINY_VOCAB, TINY_VOCAB + 1, INT32_MIN, INT32_MAX]))
 # half the lists are in the vocabulary throughout, so that sessions open and calls get past the checks
 token_lists = st.one_of(
-    st.lists(valid_ids, min_size=1, max_size=24), st.lists(token_ids, max_size=24),
+    st.lists(valid_ids, min_size=1, max_size=24),
+    st.lists(token_ids, max_size=24),
     st.integers(1, 2048).map(lambda n: [5] * n),  # up to 4 times the tiny models' window of 512
 )
 drafter_names = st.one_of(
@@ -71,7 +80,8 @@ sampling = st.one_of(
 )
 # q over the tiny vocabulary: ids and probabilities in pairs (any values), or lists of any lengths
 paired = st.lists(st.tuples(token_ids, floats), max_size=4).map(
-    lambda pairs: common_pb2.TokenDistribution(token_ids=[t for t, _ in pairs], probs=[p for _, p in pairs]))
+    lambda pairs: common_pb2.TokenDistribution(token_ids=[t for t, _ in pairs], probs=[p for _, p in pairs])
+)
 distributions = st.one_of(
     paired,
     st.builds(
@@ -88,11 +98,17 @@ def _proposals(session_id):
     """Verify requests: K draft tokens, each with a point mass on it (well-formed) or any q; or
     tokens and distributions in any numbers."""
     drafts = st.lists(st.tuples(valid_ids, st.one_of(st.none(), distributions)), max_size=5)
-    matched = drafts.map(lambda pairs: verify_pb2.VerifyRequest(
-        session_id=session_id, draft_token_ids=[t for t, _ in pairs],
-        draft_distributions=[_point_mass(t) if q is None else q for t, q in pairs]))
+    matched = drafts.map(
+        lambda pairs: verify_pb2.VerifyRequest(
+            session_id=session_id,
+            draft_token_ids=[t for t, _ in pairs],
+            draft_distributions=[_point_mass(t) if q is None else q for t, q in pairs],
+        )
+    )
     wild = st.builds(
-        verify_pb2.VerifyRequest, session_id=st.just(session_id), draft_token_ids=st.lists(token_ids, max_size=20),
+        verify_pb2.VerifyRequest,
+        session_id=st.just(session_id),
+        draft_token_ids=st.lists(token_ids, max_size=20),
         draft_distributions=st.lists(distributions, max_size=5),
     )
     return st.one_of(matched, wild)
@@ -118,16 +134,36 @@ def _renamed(request, session_id: str):
 
 draft_calls = _ops(
     ("GetInfo", st.builds(draft_pb2.DraftServiceGetInfoRequest)),
-    ("Prefill", st.builds(draft_pb2.DraftServicePrefillRequest, session_id=session_names, drafter=drafter_names,
-                          token_ids=token_lists, sampling=sampling)),
-    ("Propose", st.builds(draft_pb2.ProposeRequest, session_id=session_names, appended_token_ids=token_lists,
-                          num_speculative_tokens=int32s, predicted_token_ids=st.lists(token_ids, max_size=4))),
+    (
+        "Prefill",
+        st.builds(
+            draft_pb2.DraftServicePrefillRequest,
+            session_id=session_names,
+            drafter=drafter_names,
+            token_ids=token_lists,
+            sampling=sampling,
+        ),
+    ),
+    (
+        "Propose",
+        st.builds(
+            draft_pb2.ProposeRequest,
+            session_id=session_names,
+            appended_token_ids=token_lists,
+            num_speculative_tokens=int32s,
+            predicted_token_ids=st.lists(token_ids, max_size=4),
+        ),
+    ),
     ("Release", st.builds(draft_pb2.DraftServiceReleaseRequest, session_id=session_names)),
 )
 verify_calls = _ops(
     ("GetInfo", st.builds(verify_pb2.VerifyServiceGetInfoRequest)),
-    ("Prefill", st.builds(verify_pb2.VerifyServicePrefillRequest, session_id=session_names, token_ids=token_lists,
-                          sampling=sampling)),
+    (
+        "Prefill",
+        st.builds(
+            verify_pb2.VerifyServicePrefillRequest, session_id=session_names, token_ids=token_lists, sampling=sampling
+        ),
+    ),
     ("Verify", session_names.flatmap(_proposals)),
     ("Decode", st.builds(verify_pb2.DecodeRequest, session_id=session_names)),
     ("Release", st.builds(verify_pb2.VerifyServiceReleaseRequest, session_id=session_names)),
@@ -145,25 +181,37 @@ generate_requests = st.builds(
     st.one_of(
         st.builds(lambda text: {"text": text}, st.text(max_size=40)),
         st.integers(1, 1000).map(lambda n: {"text": "word " * n}),  # up to about 2 windows
-        st.builds(lambda messages: {"chat": coordinator_pb2.ChatMessages(messages=messages)}, st.lists(
-            st.builds(coordinator_pb2.ChatMessage, role=st.sampled_from(["system", "user", "assistant", "tool", ""]),
-                      content=st.text(max_size=20)), max_size=3)),
+        st.builds(
+            lambda messages: {"chat": coordinator_pb2.ChatMessages(messages=messages)},
+            st.lists(
+                st.builds(
+                    coordinator_pb2.ChatMessage,
+                    role=st.sampled_from(["system", "user", "assistant", "tool", ""]),
+                    content=st.text(max_size=20),
+                ),
+                max_size=3,
+            ),
+        ),
         st.just({}),
     ),
-    st.fixed_dictionaries({
-        "raw_prompt": st.booleans(),
-        # mostly short completions: a valid request runs to its end
-        "max_new_tokens": _optional(st.one_of(st.integers(1, 3), int32s)),
-        "temperature": _optional(floats),
-        "top_k": _optional(int32s),
-        "top_p": _optional(floats),
-        "seed": _optional(uint64s),
-        "stop": st.lists(st.text(max_size=4), max_size=2),
-        "num_speculative_tokens": _optional(int32s),
-        "drafter": _optional(drafter_names),
-        "request_id": _optional(st.one_of(st.sampled_from(["fuzz-reused", "x" * 129, "bad id!"]), st.text(max_size=8))),
-        "resume_from": _optional(int32s),
-    }),
+    st.fixed_dictionaries(
+        {
+            "raw_prompt": st.booleans(),
+            # mostly short completions: a valid request runs to its end
+            "max_new_tokens": _optional(st.one_of(st.integers(1, 3), int32s)),
+            "temperature": _optional(floats),
+            "top_k": _optional(int32s),
+            "top_p": _optional(floats),
+            "seed": _optional(uint64s),
+            "stop": st.lists(st.text(max_size=4), max_size=2),
+            "num_speculative_tokens": _optional(int32s),
+            "drafter": _optional(drafter_names),
+            "request_id": _optional(
+                st.one_of(st.sampled_from(["fuzz-reused", "x" * 129, "bad id!"]), st.text(max_size=8))
+            ),
+            "resume_from": _optional(int32s),
+        }
+    ),
 )
 
 # --- calls ---------------------------------------------------------------------------------------
@@ -301,8 +349,11 @@ def _not_utf8(raw: bytes) -> bool:
 
 def raw_call(tiny_pipeline, service: str, method: str, payload: bytes, options=GRPC_OPTIONS):
     """Sends ``payload`` as the request bytes; returns the status code (OK when it succeeded)."""
-    address = {"draft": tiny_pipeline.draft_address, "verify": tiny_pipeline.verify_address,
-               "coordinator": tiny_pipeline.address}[service]
+    address = {
+        "draft": tiny_pipeline.draft_address,
+        "verify": tiny_pipeline.verify_address,
+        "coordinator": tiny_pipeline.address,
+    }[service]
     with grpc.insecure_channel(address, options=options) as channel:
         streaming = service == "coordinator"
         call = (channel.unary_stream if streaming else channel.unary_unary)(method)

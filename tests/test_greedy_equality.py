@@ -7,14 +7,16 @@ import random
 import pytest
 
 from coordinator.client import generate
-from coordinator.request import ResolvedRequest
 from coordinator.failover import VerifyReplicas
+from coordinator.request import ResolvedRequest
 from coordinator.rounds import RequestRounds
 from coordinator.settings import CoordinatorSettings
 from coordinator.upstream import ServiceClients
-from specdec.ngram import DRAFTER_NAME as NGRAM, NgramIndex
+from specdec.ngram import DRAFTER_NAME as NGRAM
+from specdec.ngram import NgramIndex
 from specdec.sampling_params import SamplingParams
-from specdec.suffix import DRAFTER_NAME as SUFFIX, SuffixCache, SuffixIndex
+from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
@@ -66,10 +68,14 @@ def test_adaptive_k_equals_plain_greedy(tiny_pipeline, references, drafter):
 def test_adaptive_without_a_reachable_draft_service_uses_the_lookups(tiny_pipeline, tiny_models, references):
     """A coordinator that never reached its draft service: adaptive requests run on its own
     lookups and plain decode, and still equal plain greedy decoding."""
-    coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, draft_address=f"127.0.0.1:{free_port()}", verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir),
-    ))
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=f"127.0.0.1:{free_port()}",
+            verify_addresses=[tiny_pipeline.verify_address],
+            tokenizer=str(tiny_models.target_dir),
+        )
+    )
     try:
         for prompt, (_, expected) in references.items():
             request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW)
@@ -114,7 +120,14 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
-        rounds = RequestRounds(clients, VerifyReplicas(clients), f"k-schedule-{drafter}-{len(prompt_ids)}", request, list(prompt_ids), lookups)
+        rounds = RequestRounds(
+            clients,
+            VerifyReplicas(clients),
+            f"k-schedule-{drafter}-{len(prompt_ids)}",
+            request,
+            list(prompt_ids),
+            lookups,
+        )
         await rounds.prefill()
         generated: list[int] = []
         try:
@@ -133,6 +146,6 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             await clients.close()
 
     results = asyncio.run(run_all())
-    for got, (_, expected) in zip(results, references.values()):
+    for got, (_, expected) in zip(results, references.values(), strict=True):
         cut = expected.index(2) + 1 if 2 in expected else MAX_NEW  # the reference stops at EOS
         assert got[:cut] == expected

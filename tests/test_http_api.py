@@ -51,8 +51,12 @@ class Api:
 
 def coordinator_settings(tiny_pipeline, tiny_models, **fields) -> CoordinatorSettings:
     return CoordinatorSettings(
-        port=0, draft_address=tiny_pipeline.draft_address, verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir), max_new_tokens_limit=256, **fields,
+        port=0,
+        draft_address=tiny_pipeline.draft_address,
+        verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+        max_new_tokens_limit=256,
+        **fields,
     )
 
 
@@ -60,10 +64,16 @@ def coordinator_settings(tiny_pipeline, tiny_models, **fields) -> CoordinatorSet
 def api(tiny_pipeline, tiny_models):
     """A coordinator with its HTTP API and an API key, on the tiny pipeline's draft and verify services."""
     metrics_port = free_port()
-    coordinator = CoordinatorThread(coordinator_settings(
-        tiny_pipeline, tiny_models, http_port=free_port(), api_keys=[KEY], served_model_name=["tiny"],
-        metrics_port=metrics_port,
-    ))
+    coordinator = CoordinatorThread(
+        coordinator_settings(
+            tiny_pipeline,
+            tiny_models,
+            http_port=free_port(),
+            api_keys=[KEY],
+            served_model_name=["tiny"],
+            metrics_port=metrics_port,
+        )
+    )
     yield Api(f"127.0.0.1:{coordinator.port}", coordinator.http_port, str(tiny_models.target_dir), metrics_port)
     coordinator.stop()
 
@@ -72,7 +82,9 @@ def grpc_completion(address: str, api_key: str | None = None, **fields):
     return generate(address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60, api_key=api_key)
 
 
-def call(api: Api, method: str, path: str, body=None, key: str | None = KEY, raw: bytes | None = None) -> tuple[int, dict]:
+def call(
+    api: Api, method: str, path: str, body=None, key: str | None = KEY, raw: bytes | None = None
+) -> tuple[int, dict]:
     """A plain HTTP call: its status and JSON body."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
@@ -98,7 +110,10 @@ def wait_no_sessions(tiny_pipeline) -> None:
 def test_chat_equals_grpc_greedy(api, tiny_pipeline):
     expected = grpc_completion(tiny_pipeline.address, text=PROMPT, max_new_tokens=24, temperature=0)
     response = api.client().chat.completions.create(
-        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0,
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=24,
+        temperature=0,
     )
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == expected.text
@@ -115,10 +130,17 @@ def test_chat_equals_grpc_greedy(api, tiny_pipeline):
 
 
 def test_chat_stream_equals_grpc_greedy_with_usage(api, tiny_pipeline):
-    expected = grpc_completion(api.grpc_address, KEY, text=PROMPT, max_new_tokens=30, temperature=0, num_speculative_tokens=3)
+    expected = grpc_completion(
+        api.grpc_address, KEY, text=PROMPT, max_new_tokens=30, temperature=0, num_speculative_tokens=3
+    )
     stream = api.client().chat.completions.create(
-        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=30, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"num_speculative_tokens": 3},
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_completion_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"num_speculative_tokens": 3},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -144,7 +166,11 @@ def test_completions_raw_prompt_sync_and_async(api, tiny_pipeline):
     async def streamed() -> tuple[str, list]:
         async with api.async_client() as client:
             stream = await client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                model="tiny",
+                prompt=prompt,
+                max_tokens=20,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
             )
             chunks = [chunk async for chunk in stream]
@@ -158,15 +184,27 @@ def test_completions_raw_prompt_sync_and_async(api, tiny_pipeline):
 
 def test_seeded_sampling_reproduces(api, tiny_pipeline):
     request = dict(
-        model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0.9, top_p=0.95,
-        seed=1234, extra_body={"top_k": 50, "num_speculative_tokens": 2, "drafter": "transformers"},
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=24,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        extra_body={"top_k": 50, "num_speculative_tokens": 2, "drafter": "transformers"},
     )
     first, second = (api.client().chat.completions.create(**request) for _ in range(2))
     assert first.choices[0].message.content == second.choices[0].message.content
     assert first.specdec["seed"] == 1234
     expected = grpc_completion(
-        tiny_pipeline.address, text=PROMPT, max_new_tokens=24, temperature=0.9, top_p=0.95, seed=1234, top_k=50,
-        num_speculative_tokens=2, drafter="transformers",
+        tiny_pipeline.address,
+        text=PROMPT,
+        max_new_tokens=24,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        top_k=50,
+        num_speculative_tokens=2,
+        drafter="transformers",
     )
     assert first.choices[0].message.content == expected.text
 
@@ -179,7 +217,11 @@ def test_stop_strings(api, tiny_pipeline):
     expected = grpc_completion(tiny_pipeline.address, text=PROMPT, max_new_tokens=40, temperature=0, stop=[stop])
     for value in (stop, [stop, "never appears here"]):
         response = api.client().chat.completions.create(
-            model=api.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=40, temperature=0, stop=value,
+            model=api.model,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=40,
+            temperature=0,
+            stop=value,
         )
         assert response.choices[0].message.content == expected.text == full[: full.index(stop)]
         assert response.choices[0].finish_reason == "stop"
@@ -205,23 +247,69 @@ BAD_REQUESTS = [
     ("penalty", {"frequency_penalty": 0.5}, 400, "frequency_penalty", "frequency_penalty=0.5"),
     ("unknown field", {"max_token": 4}, 400, "max_token", "unsupported field 'max_token'"),
     ("max_tokens 0", {"max_tokens": 0}, 400, "max_tokens", "max_new_tokens is 0: it must lie in [1, 256]"),
-    ("max_completion_tokens 0", {"max_tokens": None, "max_completion_tokens": 0}, 400, "max_completion_tokens",
-     "max_new_tokens is 0"),
+    (
+        "max_completion_tokens 0",
+        {"max_tokens": None, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "max_new_tokens is 0",
+    ),
     ("max_tokens beyond int32", {"max_tokens": 2**40}, 400, "max_tokens", f"max_tokens is {2**40}"),
-    ("max_tokens not a number", {"max_tokens": "many"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
-    ("both token limits", {"max_completion_tokens": 5}, 400, "max_completion_tokens", "max_tokens and max_completion_tokens differ"),
+    (
+        "max_tokens not a number",
+        {"max_tokens": "many"},
+        400,
+        "max_tokens",
+        "max_tokens: Input should be a valid integer",
+    ),
+    (
+        "both token limits",
+        {"max_completion_tokens": 5},
+        400,
+        "max_completion_tokens",
+        "max_tokens and max_completion_tokens differ",
+    ),
     ("negative temperature", {"temperature": -0.5}, 400, "temperature", "temperature is -0.5"),
     ("top_p 0", {"top_p": 0}, 400, "top_p", "top_p is 0.0"),
     ("negative seed", {"seed": -1}, 400, "seed", "seed is -1"),
     ("no messages", {"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
     ("empty prompt", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages", "prompt is empty"),
-    ("tool role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "messages[0].role is 'tool'"),
-    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content[0]", "messages[0].content[0] is of type 'image_url'"),
-    ("stream_options alone", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options applies"),
+    (
+        "tool role",
+        {"messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "messages[0].role is 'tool'",
+    ),
+    (
+        "image part",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content[0]",
+        "messages[0].content[0] is of type 'image_url'",
+    ),
+    (
+        "stream_options alone",
+        {"stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "stream_options applies",
+    ),
     ("unknown drafter", {"drafter": "eagle"}, 400, "drafter", "unknown drafter 'eagle'"),
-    ("other vocabulary", {"drafter": "other-vocab", "num_speculative_tokens": 2}, 400, "drafter", "drafter 'other-vocab'"),
-    ("K beyond the limit", {"num_speculative_tokens": 99}, 400, "num_speculative_tokens", "num_speculative_tokens is 99"),
+    (
+        "other vocabulary",
+        {"drafter": "other-vocab", "num_speculative_tokens": 2},
+        400,
+        "drafter",
+        "drafter 'other-vocab'",
+    ),
+    (
+        "K beyond the limit",
+        {"num_speculative_tokens": 99},
+        400,
+        "num_speculative_tokens",
+        "num_speculative_tokens is 99",
+    ),
 ]
 
 
@@ -261,8 +349,16 @@ def test_malformed_bodies_and_paths(api):
 
 
 def test_harmless_fields_are_accepted(api):
-    body = CHAT | {"model": api.model, "user": "u1", "metadata": {"a": "b"}, "logprobs": False, "n": 1,
-                   "frequency_penalty": 0, "tool_choice": "none", "top_k": -1}
+    body = CHAT | {
+        "model": api.model,
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "logprobs": False,
+        "n": 1,
+        "frequency_penalty": 0,
+        "tool_choice": "none",
+        "top_k": -1,
+    }
     status, got = call(api, "POST", "/v1/chat/completions", body)
     assert status == 200, got
     assert got["usage"]["completion_tokens"] == 4
@@ -270,9 +366,15 @@ def test_harmless_fields_are_accepted(api):
 
 def test_unavailable_target_is_503(tiny_pipeline, tiny_models):
     dead = f"127.0.0.1:{free_port()}"
-    coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, http_port=free_port(), draft_address=dead, verify_addresses=[dead], tokenizer=str(tiny_models.target_dir),
-    ))
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            http_port=free_port(),
+            draft_address=dead,
+            verify_addresses=[dead],
+            tokenizer=str(tiny_models.target_dir),
+        )
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{coordinator.http_port}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:
@@ -289,7 +391,9 @@ def test_coordinator_process_serves_http_and_stops_on_sigterm(tiny_models):
     the given port beside gRPC, both stopped by SIGTERM."""
     dead = f"127.0.0.1:{free_port()}"
     coordinator = ServiceProcess(
-        "coordinator", free_port(), args=["--tokenizer", str(tiny_models.target_dir), "--verify-addresses", dead],
+        "coordinator",
+        free_port(),
+        args=["--tokenizer", str(tiny_models.target_dir), "--verify-addresses", dead],
         http_port=free_port(),
     )
     coordinator.start()
@@ -339,7 +443,12 @@ def test_api_key_settings(tmp_path, monkeypatch):
     keys = ApiKeys(["a", "b"])
     keys.check("Bearer b")
     keys.check("bearer  a ")
-    for header, word in ((None, "missing"), ("Bearer", "malformed"), ("Basic YQ==", "malformed"), ("Bearer c", "invalid")):
+    for header, word in (
+        (None, "missing"),
+        ("Bearer", "malformed"),
+        ("Basic YQ==", "malformed"),
+        ("Bearer c", "invalid"),
+    ):
         with pytest.raises(Unauthenticated, match=word):
             keys.check(header)
     ApiKeys([]).check(None)  # no keys: open
@@ -378,11 +487,21 @@ def test_cli_generate_sends_the_api_key(api):
 
 
 def test_client_disconnect_mid_stream_releases_both_sessions(api, tiny_pipeline):
-    body = {"model": api.model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 250,
-            "temperature": 0, "stream": True, "num_speculative_tokens": 2}
+    body = {
+        "model": api.model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 250,
+        "temperature": 0,
+        "stream": True,
+        "num_speculative_tokens": 2,
+    }
     connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", json.dumps(body),
-                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     response = connection.getresponse()
     assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = 0
@@ -401,18 +520,29 @@ def generated_tokens(api: Api) -> float:
     """The coordinator's ``specdec:generation_tokens`` counter (tokens committed to requests)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{api.metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec:generation_tokens_total "))
+    return next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec:generation_tokens_total ")
+    )
 
 
 def test_client_disconnect_before_a_non_streamed_answer_cancels_it(api, tiny_pipeline):
     """A non-streamed request whose client gives up (a read timeout) is cancelled: both sessions
     are released long before its 250 tokens, and the coordinator stops generating for it."""
     before = generated_tokens(api)
-    body = {"model": api.model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 250,
-            "temperature": 0, "num_speculative_tokens": 0}  # plain decode: 250 rounds
+    body = {
+        "model": api.model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 250,
+        "temperature": 0,
+        "num_speculative_tokens": 0,
+    }  # plain decode: 250 rounds
     connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", json.dumps(body),
-                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     deadline = time.monotonic() + 30
     while generated_tokens(api) == before:  # decoding has begun
         assert time.monotonic() < deadline, "the request did not start"
@@ -433,7 +563,9 @@ def test_client_disconnect_before_a_non_streamed_answer_cancels_it(api, tiny_pip
 def sse_chunks(api: Api, body: dict) -> list[dict]:
     """The JSON chunks of a streamed request, checked to end with ``data: [DONE]``."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{api.port}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        f"http://127.0.0.1:{api.port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
     )
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=60) as response:
@@ -445,8 +577,14 @@ def sse_chunks(api: Api, body: dict) -> list[dict]:
 def test_continuous_usage_stats(api):
     """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): with
     ``include_usage``, every chunk carries the usage so far, ending at the final usage."""
-    body = {"model": api.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": api.model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = sse_chunks(api, body)
     final = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 12
@@ -456,6 +594,7 @@ def test_continuous_usage_stats(api):
     body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: no usage at all, as in vLLM
     assert not any("usage" in c for c in sse_chunks(api, body))
 
+
 def test_fuzzed_requests_never_get_a_server_error(api):
     """Requests generated from the coordinator's OpenAPI document (schemathesis) for every
     operation, with the API key: every answer is a success or a client error in OpenAI's shape,
@@ -464,17 +603,22 @@ def test_fuzzed_requests_never_get_a_server_error(api):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
     for operation in operations:
+        _fuzz(operation)
 
-        @hypothesis.given(case=operation.as_strategy())
-        @hypothesis.settings(max_examples=25, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-        def answered(case):
-            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
-            response = case.call(timeout=60)
-            assert response.status_code < 500, f"{operation.path}: {response.status_code} {response.text}"
-            if response.status_code >= 400:
-                assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
 
-        answered()
+def _fuzz(operation) -> None:
+    """Sends ``operation``'s generated requests with the API key; none may get a 5xx."""
+
+    @hypothesis.given(case=operation.as_strategy())
+    @hypothesis.settings(max_examples=25, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+    def answered(case):
+        case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+        response = case.call(timeout=60)
+        assert response.status_code < 500, f"{operation.path}: {response.status_code} {response.text}"
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
+
+    answered()
 
 
 def test_still_serving_after_the_fuzzing(api):
@@ -497,8 +641,15 @@ def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     target = LoadTarget("specdec", api.base_url, api.model, str(tiny_models.target_dir), KEY, {"temperature": 0})
-    summary = run_guidellm(target, [PROMPT, "Name three colors."], concurrency=2, num_requests=4, max_tokens=8,
-                           out_dir=Path("out"), timeout_s=120)
+    summary = run_guidellm(
+        target,
+        [PROMPT, "Name three colors."],
+        concurrency=2,
+        num_requests=4,
+        max_tokens=8,
+        out_dir=Path("out"),
+        timeout_s=120,
+    )
     assert summary["concurrency"] == 2
     assert (summary["num_completed"], summary["num_errored"], summary["num_incomplete"]) == (4, 0, 0), summary["errors"]
     assert summary["num_output_tokens"] == 4 * 8

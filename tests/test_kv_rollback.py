@@ -29,7 +29,9 @@ def test_verify_side_rollback_matches_fresh_prefill(tiny_target, plain_target_mo
         assert n >= 1
         rounds += 1
         assert len(session.kv_cache.cached_tokens) == len(session.committed) - 1
-        assert torch.allclose(session.next_logits()[0], fresh_next_logits(plain_target_model, session.committed), atol=1e-4)
+        assert torch.allclose(
+            session.next_logits()[0], fresh_next_logits(plain_target_model, session.committed), atol=1e-4
+        )
     assert rounds == 4
 
 
@@ -70,7 +72,10 @@ def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):
         fresh.close()
         # The sequence's KV holds exactly the committed positions: nothing rejected survives.
         memory = llama_cpp.llama_get_memory(lm.ctx)
-        assert llama_cpp.llama_memory_seq_pos_max(memory, lm.llama_seq(session.kv_cache.seq_id)) == len(session.committed) - 1
+        assert (
+            llama_cpp.llama_memory_seq_pos_max(memory, lm.llama_seq(session.kv_cache.seq_id))
+            == len(session.committed) - 1
+        )
         assert lm.length(session.kv_cache.seq_id) == len(session.committed)
         # A cache left with rejected tokens is off by 10 or more on SmolLM2's logits (|logit| ~ 27); the
         # CPU build gives identical logits here, other kernels may round batched steps differently.

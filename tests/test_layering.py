@@ -108,7 +108,9 @@ def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
     assert {"grpc", "specdec", "specdec.tls", "coordinator.client", "torch"} <= found
     assert not {name for name in found if name.startswith("specdec.engine")}
     assert imports("from . import ngram\nfrom .base import Drafter\n", "draft_service.drafters.suffix") >= {
-        "draft_service.drafters.ngram", "draft_service.drafters.base"}
+        "draft_service.drafters.ngram",
+        "draft_service.drafters.base",
+    }
 
 
 def test_the_layers_are_found():
@@ -158,9 +160,14 @@ def _chain(parents: dict[str, str], module: str) -> str:
 @pytest.mark.parametrize("module", sorted(name for name in MODULES if name.split(".")[0] == "coordinator"))
 def test_the_coordinator_needs_no_torch(module):
     parents = _reachable(module)
-    bad = [_chain(parents, name) for name in sorted(parents)
-           if any(imported == "torch" or imported.startswith("torch.") or imported == "safetensors.torch"
-                  for imported in MODULES[name])]
+    bad = [
+        _chain(parents, name)
+        for name in sorted(parents)
+        if any(
+            imported == "torch" or imported.startswith("torch.") or imported == "safetensors.torch"
+            for imported in MODULES[name]
+        )
+    ]
     assert not bad, (
         f"importing {module} can import torch through {'; '.join(bad)}. The coordinator only tokenizes: "
         "put the torch-free part (plain Python, numpy, protos) in a core module without torch "
@@ -182,6 +189,8 @@ print(" ".join(sorted(name for name in ("torch", "safetensors", "transformers") 
 def test_the_coordinator_imports_without_torch():
     # The coordinator only tokenizes. transformers (5.x) imports torch on the way to AutoTokenizer
     # when torch is installed, so loading the tokenizer still does; importing our modules must not.
-    done = subprocess.run([sys.executable, "-c", _IMPORT_COORDINATOR], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_COORDINATOR], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], f"importing the coordinator's modules imported {done.stdout.strip()}"

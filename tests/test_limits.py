@@ -29,10 +29,15 @@ SHORT = coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=2)
 
 
 def coordinator(tiny_pipeline, tiny_models, **fields) -> CoordinatorThread:
-    return CoordinatorThread(CoordinatorSettings(
-        port=0, draft_address=tiny_pipeline.draft_address, verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir), **fields,
-    ))
+    return CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=tiny_pipeline.draft_address,
+            verify_addresses=[tiny_pipeline.verify_address],
+            tokenizer=str(tiny_models.target_dir),
+            **fields,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,12 @@ def limited(tiny_pipeline, tiny_models):
     """A coordinator with small limits: 4 KiB messages to and from the services, 2 KiB requests from its
     clients, one request per client."""
     thread = coordinator(
-        tiny_pipeline, tiny_models, http_port=free_port(), max_message_bytes=SMALL_MESSAGE,
-        max_request_bytes=SMALL_REQUEST, max_streams_per_client=1,
+        tiny_pipeline,
+        tiny_models,
+        http_port=free_port(),
+        max_message_bytes=SMALL_MESSAGE,
+        max_request_bytes=SMALL_REQUEST,
+        max_streams_per_client=1,
     )
     yield thread
     thread.stop()
@@ -60,8 +69,13 @@ def post(port: int, body: bytes, headers: dict | None = None, chunked: bool = Fa
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         content = iter([body]) if chunked else body
-        connection.request("POST", "/v1/completions", content, {"Content-Type": "application/json", **(headers or {})},
-                           encode_chunked=chunked)
+        connection.request(
+            "POST",
+            "/v1/completions",
+            content,
+            {"Content-Type": "application/json", **(headers or {})},
+            encode_chunked=chunked,
+        )
         response = connection.getresponse()
         streamed = response.getheader("content-type", "").startswith("text/event-stream")
         raw = response.fp.readline() if streamed else response.read()
@@ -96,8 +110,10 @@ def grpc_error(address: str, request, api_key: str | None = None) -> grpc.RpcErr
 
 
 def test_service_refuses_a_message_over_its_limit(tiny_pipeline):
-    draft = build_draft(DraftSettings(port=0, default_drafter="ngram", max_message_bytes=SMALL_MESSAGE),
-                        drafters={"ngram": NgramDrafter()})
+    draft = build_draft(
+        DraftSettings(port=0, default_drafter="ngram", max_message_bytes=SMALL_MESSAGE),
+        drafters={"ngram": NgramDrafter()},
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{draft.port}", options=GRPC_OPTIONS) as channel:
             stub = draft_pb2_grpc.DraftServiceStub(channel)
@@ -161,8 +177,13 @@ def test_client_limit_counts_per_api_key(keyed):
     assert len(eventually(lambda: generate(address, SHORT, timeout_s=60, api_key=KEYS[0])).token_ids) == 2
 
 
-@pytest.mark.parametrize("peer,host", [
-    ("ipv4:127.0.0.1:50000", "127.0.0.1"), ("ipv6:[::1]:50000", "::1"), ("unix:/tmp/socket", "unix:/tmp/socket"),
-])
+@pytest.mark.parametrize(
+    "peer,host",
+    [
+        ("ipv4:127.0.0.1:50000", "127.0.0.1"),
+        ("ipv6:[::1]:50000", "::1"),
+        ("unix:/tmp/socket", "unix:/tmp/socket"),
+    ],
+)
 def test_peer_host(peer, host):
     assert peer_host(peer) == host

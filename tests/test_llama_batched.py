@@ -59,15 +59,25 @@ def test_one_forward_over_many_sequences_equals_each_alone(drafter, alone):
     seqs = [lm.allocate() for _ in PROMPTS]
     try:
         # A ragged prefill of four prompts in one step, every logit of the first two.
-        logits = lm.forward([SequenceStep(s, p, len(p) if i < 2 else 1) for i, (s, p) in enumerate(zip(seqs, PROMPTS))])
-        assert [tuple(rows.shape) for rows in logits] == [(10, lm.vocab_size), (4, lm.vocab_size), (1, lm.vocab_size), (1, lm.vocab_size)]
-        for prompt, rows in zip(PROMPTS, logits):
+        logits = lm.forward(
+            [SequenceStep(s, p, len(p) if i < 2 else 1) for i, (s, p) in enumerate(zip(seqs, PROMPTS, strict=True))]
+        )
+        assert [tuple(rows.shape) for rows in logits] == [
+            (10, lm.vocab_size),
+            (4, lm.vocab_size),
+            (1, lm.vocab_size),
+            (1, lm.vocab_size),
+        ]
+        for prompt, rows in zip(PROMPTS, logits, strict=True):
             assert_close(rows[-1], fresh_logits(alone, [prompt])[0])
         # Every position's logits of a prompt equal those of that prompt's prefix alone.
         assert_close(logits[0][3], fresh_logits(alone, [PROMPTS[0][:4]])[0])
         # Decode steps: one token per sequence, in a different order than the sequences were allocated.
         tokens = [[42, 7], [13, 99], [5, 5], [2000, 3]]
-        steps_logits = [lm.forward([SequenceStep(s, [t[j]]) for s, t in reversed(list(zip(seqs, tokens)))])[::-1] for j in range(2)]
+        steps_logits = [
+            lm.forward([SequenceStep(s, [t[j]]) for s, t in reversed(list(zip(seqs, tokens, strict=True)))])[::-1]
+            for j in range(2)
+        ]
         for i, prompt in enumerate(PROMPTS):
             expected = fresh_logits(alone, [prompt, [tokens[i][0]], [tokens[i][1]]])
             for j in range(2):

@@ -7,9 +7,18 @@ from coordinator.metrics import PLAIN, MetricsRecorder, RoundRecord
 
 def test_metrics_arithmetic():
     recorder = MetricsRecorder(num_prompt_tokens=10)
-    rounds = [("llama-cpp", 4, 4, 4), ("ngram", 4, 4, 1), ("llama-cpp", 4, 4, 0), ("ngram", 4, 0, 0), ("ngram", 2, 2, 2), (PLAIN, 0, 0, 0)]
+    rounds = [
+        ("llama-cpp", 4, 4, 4),
+        ("ngram", 4, 4, 1),
+        ("llama-cpp", 4, 4, 0),
+        ("ngram", 4, 0, 0),
+        ("ngram", 2, 2, 2),
+        (PLAIN, 0, 0, 0),
+    ]
     for drafter, k, drafted, accepted in rounds:
-        recorder.rounds.append(RoundRecord(drafter, k, drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30))
+        recorder.rounds.append(
+            RoundRecord(drafter, k, drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30)
+        )
     m = recorder.to_proto(num_generated=12, seed=3, drafter="ngram", num_speculative_tokens=4)
     assert (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_draft_tokens) == (4, 14, 7)
     assert m.draft_acceptance_rate == pytest.approx(0.5)

@@ -105,8 +105,16 @@ def traced_run(tiny_models, tmp_path_factory):
     )
     cluster.extra_args = {
         "verify": ["--model", str(tiny_models.target_dir), "--num-threads", "1"],
-        "draft": ["--drafters", "transformers,ngram", "--default-drafter", "transformers",
-                  "--transformers-model", str(tiny_models.draft_dir), "--num-threads", "1"],
+        "draft": [
+            "--drafters",
+            "transformers,ngram",
+            "--default-drafter",
+            "transformers",
+            "--transformers-model",
+            str(tiny_models.draft_dir),
+            "--num-threads",
+            "1",
+        ],
         "coordinator": ["--tokenizer", str(tiny_models.target_dir), "--log-format", "json", "--log-level", "DEBUG"],
     }
     env = otel_env(endpoint_port)
@@ -116,9 +124,27 @@ def traced_run(tiny_models, tmp_path_factory):
                 patch.setenv(name, value)
             cluster.start_all(timeout_s=180)
         cli = subprocess.run(
-            [sys.executable, "-m", "specdec", "generate", PROMPT, "--coordinator", cluster.address("coordinator"),
-             "--max-new-tokens", str(MAX_NEW), "-k", str(K), "--drafter", "transformers", "--json"],
-            capture_output=True, text=True, timeout=120, check=True, env={**os.environ, **env},
+            [
+                sys.executable,
+                "-m",
+                "specdec",
+                "generate",
+                PROMPT,
+                "--coordinator",
+                cluster.address("coordinator"),
+                "--max-new-tokens",
+                str(MAX_NEW),
+                "-k",
+                str(K),
+                "--drafter",
+                "transformers",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            env={**os.environ, **env},
         )
         result = json.loads(cli.stdout.strip().splitlines()[-1])
         yield TracedRun(receiver, cluster, result, log_dir)
@@ -133,14 +159,21 @@ def complete_trace(run: TracedRun) -> list[ReceivedSpan]:
     rounds = run.result["metrics"]["num_target_forwards"]
     deadline = time.monotonic() + 30
     while True:
-        spans = run.receiver.trace_of("specdec-cli") if any(s.service == "specdec-cli" for s in run.receiver.spans) else []
+        spans = (
+            run.receiver.trace_of("specdec-cli") if any(s.service == "specdec-cli" for s in run.receiver.spans) else []
+        )
         ids = {s.span.span_id for s in spans}
         orphans = [s.span.name for s in spans if s.span.parent_span_id and s.span.parent_span_id not in ids]
         released = {s.service for s in spans if s.span.kind == SERVER and s.span.name.endswith("/Release")}
-        if (sum(s.span.name == "round" for s in spans) == rounds and not orphans
-                and released == {"specdec-draft", "specdec-verify"}):
+        if (
+            sum(s.span.name == "round" for s in spans) == rounds
+            and not orphans
+            and released == {"specdec-draft", "specdec-verify"}
+        ):
             return spans
-        assert time.monotonic() < deadline, f"incomplete trace after 30 s: {len(spans)} spans, parents missing for {orphans}"
+        assert time.monotonic() < deadline, (
+            f"incomplete trace after 30 s: {len(spans)} spans, parents missing for {orphans}"
+        )
         time.sleep(0.2)
 
 
@@ -166,7 +199,11 @@ def test_one_trace_spans_all_services_with_parent_links(traced_run):
         assert calls, f"no {method} span"
         for call in calls:
             client = parent(call)
-            assert client.service == "specdec-coordinator" and client.span.kind == CLIENT and parent(client).span.name == "round"
+            assert (
+                client.service == "specdec-coordinator"
+                and client.span.kind == CLIENT
+                and parent(client).span.name == "round"
+            )
     # inside them: prefill, model forward, acceptance and rollback
     inside = Counter((s.service, s.span.name, parent(s).span.name.rsplit("/", 1)[-1]) for s in spans if s is not root)
     for service in ("specdec-draft", "specdec-verify"):
@@ -174,13 +211,23 @@ def test_one_trace_spans_all_services_with_parent_links(traced_run):
         assert inside[(service, "forward", "prefill")] == 1
     proposals = sum(s.service == "specdec-draft" and s.span.name.endswith("/Propose") for s in spans)
     assert inside[("specdec-draft", "forward", "Propose")] >= proposals > 0
-    assert inside[("specdec-verify", "acceptance", "Verify")] + inside[("specdec-verify", "acceptance", "Decode")] == len(rounds)
-    assert inside[("specdec-verify", "forward", "Verify")] + inside[("specdec-verify", "forward", "Decode")] == len(rounds)
+    assert inside[("specdec-verify", "acceptance", "Verify")] + inside[
+        ("specdec-verify", "acceptance", "Decode")
+    ] == len(rounds)
+    assert inside[("specdec-verify", "forward", "Verify")] + inside[("specdec-verify", "forward", "Decode")] == len(
+        rounds
+    )
     # the verify service rolls back exactly the rejected draft tokens, once per round with a rejection
     metrics = traced_run.result["metrics"]
     rollbacks = [s.attributes for s in spans if s.span.name == "rollback" and parent(s).span.name.endswith("/Verify")]
-    assert sum(r["specdec.num_dropped"] for r in rollbacks) == metrics["num_draft_tokens"] - metrics["num_accepted_draft_tokens"] > 0
-    rejected = sum(r.attributes["specdec.round.num_accepted"] < r.attributes["specdec.round.num_drafted"] for r in rounds)
+    assert (
+        sum(r["specdec.num_dropped"] for r in rollbacks)
+        == metrics["num_draft_tokens"] - metrics["num_accepted_draft_tokens"]
+        > 0
+    )
+    rejected = sum(
+        r.attributes["specdec.round.num_accepted"] < r.attributes["specdec.round.num_drafted"] for r in rounds
+    )
     assert len(rollbacks) == rejected
 
 
@@ -192,7 +239,11 @@ def test_round_attributes_add_up_to_the_request_metrics(traced_run, tiny_pipelin
     assert sum(r["specdec.round.num_drafted"] > 0 for r in rounds) == metrics["num_spec_steps"]
     assert sum(r["specdec.round.num_drafted"] for r in rounds) == metrics["num_draft_tokens"]
     assert sum(r["specdec.round.num_accepted"] for r in rounds) == metrics["num_accepted_draft_tokens"]
-    assert sum(r["specdec.round.num_committed"] for r in rounds) == metrics["num_generated_tokens"] == len(traced_run.result["token_ids"])
+    assert (
+        sum(r["specdec.round.num_committed"] for r in rounds)
+        == metrics["num_generated_tokens"]
+        == len(traced_run.result["token_ids"])
+    )
     assert sum(r["specdec.round.draft_ms"] for r in rounds) == pytest.approx(metrics["draft_time_ms"])
     assert sum(r["specdec.round.verify_ms"] for r in rounds) == pytest.approx(metrics["verify_time_ms"])
     k_counts = Counter(r["specdec.round.k"] for r in rounds)
@@ -207,14 +258,31 @@ def test_round_attributes_add_up_to_the_request_metrics(traced_run, tiny_pipelin
     assert sum(a["specdec.num_accepted"] for a in acceptance) == metrics["num_accepted_draft_tokens"]
     # the request span carries the request's metrics
     (request,) = [s.attributes for s in spans if s.service == "specdec-coordinator" and s.span.kind == SERVER]
-    for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "num_generated_tokens",
-                 "num_target_forwards", "acceptance_histogram", "rounds_per_k", "draft_acceptance_rate", "tokens_per_second"):
+    for name in (
+        "num_spec_steps",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
+        "num_generated_tokens",
+        "num_target_forwards",
+        "acceptance_histogram",
+        "rounds_per_k",
+        "draft_acceptance_rate",
+        "tokens_per_second",
+    ):
         assert request[f"specdec.request.{name}"] == pytest.approx(metrics[name]), name
     assert request["specdec.request.drafter"] == "transformers"
-    assert request["specdec.request.drafter_usage.transformers.num_rounds"] == metrics["drafter_usage"]["transformers"]["num_rounds"]
+    assert (
+        request["specdec.request.drafter_usage.transformers.num_rounds"]
+        == metrics["drafter_usage"]["transformers"]["num_rounds"]
+    )
     # tracing does not change the tokens: the same request through the untraced in-process pipeline
-    untraced = generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(
-        text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=K, drafter="transformers"), timeout_s=120)
+    untraced = generate(
+        tiny_pipeline.address,
+        coordinator_pb2.GenerateRequest(
+            text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=K, drafter="transformers"
+        ),
+        timeout_s=120,
+    )
     assert untraced.token_ids == traced_run.result["token_ids"]
 
 
@@ -266,14 +334,23 @@ def test_coordinator_counters_equal_the_request_metrics(traced_run):
     for position in range(K):
         labels = (*drafter, ("position", str(position)))
         assert value("specdec:spec_decode_num_accepted_tokens_per_pos_total", labels) == sum(histogram[position + 1 :])
-    assert sum(value("specdec:spec_decode_num_draft_tokens_per_pos_total", (*drafter, ("position", str(p)))) for p in range(K)) == m["num_draft_tokens"]
+    assert (
+        sum(
+            value("specdec:spec_decode_num_draft_tokens_per_pos_total", (*drafter, ("position", str(p))))
+            for p in range(K)
+        )
+        == m["num_draft_tokens"]
+    )
     for k, rounds in enumerate(m["rounds_per_k"]):
         assert value("specdec:num_target_forwards_total", (("k", str(k)),)) == rounds
     assert value("specdec:generation_tokens_total") == m["num_generated_tokens"]
     assert value("specdec:prompt_tokens_total") == m["num_prompt_tokens"]
     assert value("specdec:num_requests_running") == 0
-    for name, ms in (("time_to_first_token", "time_to_first_token_ms"), ("e2e_request_latency", "total_time_ms"),
-                     ("request_prefill_time", "prefill_time_ms")):
+    for name, ms in (
+        ("time_to_first_token", "time_to_first_token_ms"),
+        ("e2e_request_latency", "total_time_ms"),
+        ("request_prefill_time", "prefill_time_ms"),
+    ):
         assert value(f"specdec:{name}_seconds_count") == 1
         assert value(f"specdec:{name}_seconds_sum") == pytest.approx(m[ms] / 1000)
     for part in ("draft", "verify"):
@@ -292,10 +369,16 @@ def test_session_gauges_kv_bytes_and_errors(traced_run):
     per_token, prompt = 2 * 2 * 2 * 16 * 4, list(range(10, 20))
     cluster = traced_run.cluster
     services = {
-        "verify": (verify_pb2_grpc.VerifyServiceStub, verify_pb2.VerifyServicePrefillRequest(session_id="kv", token_ids=prompt),
-                   verify_pb2.VerifyServiceReleaseRequest(session_id="kv")),
-        "draft": (draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftServicePrefillRequest(session_id="kv", drafter="transformers", token_ids=prompt),
-                  draft_pb2.DraftServiceReleaseRequest(session_id="kv")),
+        "verify": (
+            verify_pb2_grpc.VerifyServiceStub,
+            verify_pb2.VerifyServicePrefillRequest(session_id="kv", token_ids=prompt),
+            verify_pb2.VerifyServiceReleaseRequest(session_id="kv"),
+        ),
+        "draft": (
+            draft_pb2_grpc.DraftServiceStub,
+            draft_pb2.DraftServicePrefillRequest(session_id="kv", drafter="transformers", token_ids=prompt),
+            draft_pb2.DraftServiceReleaseRequest(session_id="kv"),
+        ),
     }
     for service, (stub_cls, prefill, release) in services.items():
         url = cluster.metrics_url(service)
@@ -337,6 +420,6 @@ def test_tracing_is_off_unless_an_exporter_is_named(monkeypatch):
 
 def test_an_exporter_that_is_not_installed_is_an_error(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_json")
-    with pytest.raises(ValueError, match="'zipkin_json', which is not installed; installed: .*console"):
+    with pytest.raises(ValueError, match=r"'zipkin_json', which is not installed; installed: .*console"):
         configure_tracing("verify")
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)

@@ -24,14 +24,22 @@ def test_a_finished_request_resumes_from_any_position(tiny_pipeline):
     whole = generate(tiny_pipeline.address, request(request_id="finished", stop=["."]), timeout_s=60)
     for position in (0, 1, len(whole.token_ids) // 2, len(whole.token_ids)):
         rest = Completion()
-        for response in stream(tiny_pipeline.address, coordinator_pb2.GenerateRequest(request_id="finished", resume_from=position), timeout_s=60):
+        for response in stream(
+            tiny_pipeline.address,
+            coordinator_pb2.GenerateRequest(request_id="finished", resume_from=position),
+            timeout_s=60,
+        ):
             rest.add(response)
         assert rest.token_ids == whole.token_ids[position:]
         assert rest.finish_reason == whole.finish_reason and rest.metrics == whole.metrics
         # resending the original fields is allowed, and gives the same
-        again = generate(tiny_pipeline.address, request(request_id="finished", stop=["."], resume_from=position), timeout_s=60)
+        again = generate(
+            tiny_pipeline.address, request(request_id="finished", stop=["."], resume_from=position), timeout_s=60
+        )
         assert again.token_ids == rest.token_ids and again.text == rest.text
-    replayed = generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(request_id="finished", resume_from=0), timeout_s=60)
+    replayed = generate(
+        tiny_pipeline.address, coordinator_pb2.GenerateRequest(request_id="finished", resume_from=0), timeout_s=60
+    )
     assert replayed.text == whole.text
 
 
@@ -45,14 +53,29 @@ def taken(tiny_pipeline) -> str:
 @pytest.mark.parametrize(
     ("fields", "code", "message"),
     [
-        (dict(text="hi", request_id="bad id!"), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1 to 128 characters"),
+        (
+            dict(text="hi", request_id="bad id!"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id must be 1 to 128 characters",
+        ),
         (dict(resume_from=3), grpc.StatusCode.INVALID_ARGUMENT, "resume_from needs the request_id"),
         (dict(request_id="taken", resume_from=-1), grpc.StatusCode.INVALID_ARGUMENT, "resume_from is -1"),
-        (dict(request_id="never-started", resume_from=0), grpc.StatusCode.NOT_FOUND, "send it again without resume_from"),
+        (
+            dict(request_id="never-started", resume_from=0),
+            grpc.StatusCode.NOT_FOUND,
+            "send it again without resume_from",
+        ),
         (dict(text="hi", request_id="taken"), grpc.StatusCode.ALREADY_EXISTS, "choose another, or set resume_from"),
-        (dict(text="Tell me about tides.", max_new_tokens=5, request_id="taken", resume_from=0),
-         grpc.StatusCode.INVALID_ARGUMENT, "resend them unchanged"),
-        (dict(request_id="taken", resume_from=999), grpc.StatusCode.INVALID_ARGUMENT, "resume_from is 999, but request 'taken' generated 24"),
+        (
+            dict(text="Tell me about tides.", max_new_tokens=5, request_id="taken", resume_from=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "resend them unchanged",
+        ),
+        (
+            dict(request_id="taken", resume_from=999),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "resume_from is 999, but request 'taken' generated 24",
+        ),
     ],
 )
 def test_bad_resumes(tiny_pipeline, taken, fields, code, message):

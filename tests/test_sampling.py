@@ -27,10 +27,10 @@ import torch
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
 from coordinator.failover import VerifyReplicas
-from coordinator.upstream import ServiceClients
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import RequestRounds
+from coordinator.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
@@ -59,7 +59,13 @@ ALPHA = 1e-3
 
 def test_top_k_and_top_p_filters():
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, False, False, False]
+    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0
     assert kept.tolist() == [True, True, True, False, False]  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
@@ -116,17 +122,22 @@ def adaptive_policy() -> AdaptiveK:
     first position makes the next round a plain decode step, a full acceptance makes it K = 3. So
     the second token's round depends on the first round's random outcome. N-gram matches (free,
     so preferred while their estimate holds) compete with the model drafter."""
+
     def rates() -> AcceptanceModel:
         return AcceptanceModel([0.8] * K_MAX, weight=0.9)
 
     return AdaptiveK(K_MAX, "model", rates(), {NGRAM: [rates(), rates()]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
-async def pipeline_pair(clients: ServiceClients, params: SamplingParams, session_prefix: str) -> tuple[int, list[tuple[str, int]]]:
+async def pipeline_pair(
+    clients: ServiceClients, params: SamplingParams, session_prefix: str
+) -> tuple[int, list[tuple[str, int]]]:
     """One request's rounds, as the coordinator runs them, until two tokens are committed; returns
     them as one index a * VOCAB + b, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
-    request_rounds = RequestRounds(clients, VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)})
+    request_rounds = RequestRounds(
+        clients, VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
+    )
     policy, rounds = adaptive_policy(), []
     try:
         await request_rounds.prefill()

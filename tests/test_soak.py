@@ -120,7 +120,7 @@ def make_plan(rng: random.Random, request_id: str, coordinators: list[str]) -> P
         cuts = [cut_within(request.max_new_tokens)]
         while rng.random() < 0.3:
             cuts.append(cut_within(request.max_new_tokens))
-        cuts = sorted(cuts, key=lambda c: c.after) + [None]
+        cuts = [*sorted(cuts, key=lambda c: c.after), None]
     addresses = [rng.choice(coordinators) for _ in cuts]
     return Plan(request, addresses, cuts, pause_s=rng.choice((0.0, rng.random() * 0.2)))
 
@@ -164,7 +164,7 @@ class Load:
         outcome = Outcome(plan)
         request = plan.request
         try:
-            for address, cut in zip(plan.addresses, plan.cuts):
+            for address, cut in zip(plan.addresses, plan.cuts, strict=True):
                 if outcome.streams:
                     time.sleep(plan.pause_s)
                     if self._stopping.is_set():
@@ -233,7 +233,11 @@ class Fleet:
 
     @property
     def services(self) -> dict[str, ServiceProcess]:
-        return {"verify": self.verify, "draft": self.draft, **{f"coordinator{i}": c for i, c in enumerate(self.coordinators)}}
+        return {
+            "verify": self.verify,
+            "draft": self.draft,
+            **{f"coordinator{i}": c for i, c in enumerate(self.coordinators)},
+        }
 
     def load(self) -> dict[str, float]:
         """Open sessions (draft, verify) and running requests (coordinators), summed by service."""
@@ -268,15 +272,41 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
     session_args = ["--num-threads", "1", "--max-sessions", str(2 * STREAMS), "--session-idle-timeout-s", "3600"]
 
     def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
-        return ServiceProcess(kind, free_port(), args=args, metrics_port=free_port(), log_file=logs / f"{name}.log",
-                              env={"SPECDEC_REDIS_URL": redis_server.url, "PYTHONFAULTHANDLER": "1"})
+        return ServiceProcess(
+            kind,
+            free_port(),
+            args=args,
+            metrics_port=free_port(),
+            log_file=logs / f"{name}.log",
+            env={"SPECDEC_REDIS_URL": redis_server.url, "PYTHONFAULTHANDLER": "1"},
+        )
 
     verify = service("verify", "verify", ["--model", str(tiny_models.target_dir), *session_args])
-    draft = service("draft", "draft", ["--drafters", "transformers,ngram", "--default-drafter", "transformers",
-                                       "--transformers-model", str(tiny_models.target_dir), *session_args])
-    coordinator_args = ["--tokenizer", str(tiny_models.target_dir), "--draft-address", draft.address,
-                        "--verify-addresses", verify.address, "--max-new-tokens-limit", "512",
-                        "--max-streams-per-client", "0"]
+    draft = service(
+        "draft",
+        "draft",
+        [
+            "--drafters",
+            "transformers,ngram",
+            "--default-drafter",
+            "transformers",
+            "--transformers-model",
+            str(tiny_models.target_dir),
+            *session_args,
+        ],
+    )
+    coordinator_args = [
+        "--tokenizer",
+        str(tiny_models.target_dir),
+        "--draft-address",
+        draft.address,
+        "--verify-addresses",
+        verify.address,
+        "--max-new-tokens-limit",
+        "512",
+        "--max-streams-per-client",
+        "0",
+    ]
     coordinators = [service("coordinator", f"coordinator{i}", coordinator_args) for i in range(2)]
     fleet = Fleet(verify, draft, coordinators)
     for process in fleet.services.values():
@@ -328,25 +358,37 @@ def test_soak(fleet, references):
     after_load = fleet.settled()
     after = fleet.rss()
 
-    counts = {status: sum(o.status == status for o in outcomes) for status in ("completed", "cancel", "disconnect", "stopped", "error")}
+    counts = {
+        status: sum(o.status == status for o in outcomes)
+        for status in ("completed", "cancel", "disconnect", "stopped", "error")
+    }
     resumed = [o for o in outcomes if o.status == "completed" and o.streams > 1]
     tokens = sum(len(o.completion.token_ids) for o in outcomes)
     SUMMARY.append(
-        f"soak: {len(outcomes)} requests on {STREAMS} streams in {load_s:.0f} s ({tokens / load_s:.0f} tokens/s received): "
+        f"soak: {len(outcomes)} requests on {STREAMS} streams in {load_s:.0f} s "
+        f"({tokens / load_s:.0f} tokens/s received): "
         f"{counts['completed']} completed ({len(resumed)} of them resumed, {sum(o.streams - 1 for o in outcomes)} "
         f"resumes in all), {counts['cancel']} cancelled, {counts['disconnect']} disconnected, {counts['stopped']} "
         f"cancelled when the load ended, {counts['error']} failed"
     )
     for name in fleet.services:
         held = "requests running" if name.startswith("coordinator") else "sessions"
-        SUMMARY.append(f"soak: {name} RSS {mib(before[name])} before, {mib(after[name])} after "
-                       f"({after[name] / before[name] - 1:+.1%}); {after_load[name]:.0f} {held} after")
+        SUMMARY.append(
+            f"soak: {name} RSS {mib(before[name])} before, {mib(after[name])} after "
+            f"({after[name] / before[name] - 1:+.1%}); {after_load[name]:.0f} {held} after"
+        )
 
     errors = [f"{describe(o.plan.request)}: {o.error}" for o in outcomes if o.error]
     assert not errors, f"{len(errors)} requests failed, first: {errors[:5]}"
-    assert counts["cancel"] and counts["disconnect"] and resumed, f"the load lacks a kind of request: {counts}, {len(resumed)} resumed"
+    assert counts["cancel"] and counts["disconnect"] and resumed, (
+        f"the load lacks a kind of request: {counts}, {len(resumed)} resumed"
+    )
     assert not any(after_load.values()), f"sessions or requests left after the load: {after_load}"
-    grown = {name: f"{mib(before[name])} -> {mib(after[name])}" for name in before if after[name] > before[name] * (1 + RSS_TOLERANCE)}
+    grown = {
+        name: f"{mib(before[name])} -> {mib(after[name])}"
+        for name in before
+        if after[name] > before[name] * (1 + RSS_TOLERANCE)
+    }
     assert not grown, f"resident memory grew by more than {RSS_TOLERANCE:.0%}: {grown}"
 
     texts: dict[tuple[str, int], set[str]] = {}
@@ -358,7 +400,9 @@ def test_soak(fleet, references):
         expected = references[request.text][: request.max_new_tokens]
         streams = f"{outcome.streams} streams, {outcome.status}"
         if outcome.status != "completed":  # what a cut request received is a prefix
-            assert completion.token_ids == expected[: len(completion.token_ids)], f"{describe(request)} ({streams}) differs from plain greedy decoding"
+            assert completion.token_ids == expected[: len(completion.token_ids)], (
+                f"{describe(request)} ({streams}) differs from plain greedy decoding"
+            )
             continue
         assert completion.token_ids == expected, f"{describe(request)} ({streams}) differs from plain greedy decoding"
         assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")

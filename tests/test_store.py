@@ -9,7 +9,15 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.output import StreamOutput
-from coordinator.store import FINISHED, RUNNING, MemoryStore, RedisStore, RequestJournal, StoredRequest, StoreUnavailable
+from coordinator.store import (
+    FINISHED,
+    RUNNING,
+    MemoryStore,
+    RedisStore,
+    RequestJournal,
+    StoredRequest,
+    StoreUnavailable,
+)
 from specdec.v1 import coordinator_pb2
 
 
@@ -28,7 +36,9 @@ def with_store(request, redis_server):
 
     def run(scenario, ttl_s: float = 60.0) -> None:
         async def main():
-            store = RedisStore(redis_server.url, ttl_s, error_counter()) if request.param == "redis" else MemoryStore(ttl_s)
+            store = (
+                RedisStore(redis_server.url, ttl_s, error_counter()) if request.param == "redis" else MemoryStore(ttl_s)
+            )
             try:
                 await scenario(store)
             finally:
@@ -49,7 +59,11 @@ def test_put_append_load_and_expire(with_store):
         loaded = await store.load("r1")
         assert loaded.generated == [5, 6, 7, 2**31 - 1]
         assert (loaded.request, loaded.target, loaded.vocab_fingerprint, loaded.status) == (
-            original.request, "tiny-target", "fingerprint", RUNNING)
+            original.request,
+            "tiny-target",
+            "fingerprint",
+            RUNNING,
+        )
         loaded.status, loaded.finish_reason = FINISHED, coordinator_pb2.FINISH_REASON_STOP
         loaded.metrics = coordinator_pb2.RequestMetrics(num_generated_tokens=4)
         await store.put(loaded)

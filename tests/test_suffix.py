@@ -120,7 +120,7 @@ def test_incremental_updates_and_removal_equal_a_fresh_build():
     sequences = [[rng.randrange(6) for _ in range(rng.randrange(20, 60))] for _ in range(4)]
     incremental = SuffixTree(7)
     cuts = [0] * len(sequences)
-    while any(cut < len(tokens) for cut, tokens in zip(cuts, sequences)):  # random chunks, interleaved
+    while any(cut < len(tokens) for cut, tokens in zip(cuts, sequences, strict=True)):  # random chunks, interleaved
         key, step = rng.randrange(len(sequences)), rng.randrange(1, 6)
         incremental.extend(key, sequences[key][cuts[key] : cuts[key] + step])
         cuts[key] += step
@@ -176,10 +176,15 @@ def suffix_pipeline(tiny_pipeline, tiny_models):
     """A draft service hosting the suffix drafter (built from its settings) and a coordinator in
     front of it and the tiny pipeline's verify service."""
     draft = build_draft(DraftSettings(port=0, drafters=["suffix"], default_drafter="suffix", max_sessions=8))
-    coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, draft_address=f"127.0.0.1:{draft.port}", verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir), max_new_tokens_limit=256,
-    ))
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=f"127.0.0.1:{draft.port}",
+            verify_addresses=[tiny_pipeline.verify_address],
+            tokenizer=str(tiny_models.target_dir),
+            max_new_tokens_limit=256,
+        )
+    )
     yield f"127.0.0.1:{coordinator.port}"
     coordinator.stop()
     draft.stop(0)

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from coordinator.client import generate
-from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from tests.conftest import SUMMARY
 
 pytestmark = pytest.mark.multiprocess
@@ -55,17 +55,41 @@ def specdec_up(tiny_models):
     draft (every draft passes, so lost speculation shows)."""
     env = {
         **os.environ,
-        "SPECDEC_VERIFY_MODEL": str(tiny_models.target_dir), "SPECDEC_VERIFY_NUM_THREADS": "1",
-        "SPECDEC_DRAFT_DRAFTERS": "transformers", "SPECDEC_DRAFT_DEFAULT_DRAFTER": "transformers",
-        "SPECDEC_DRAFT_TRANSFORMERS_MODEL": str(tiny_models.target_dir), "SPECDEC_DRAFT_NUM_THREADS": "1",
-        "SPECDEC_COORDINATOR_TOKENIZER": str(tiny_models.target_dir), "SPECDEC_COORDINATOR_DRAFT_RETRY_S": "0.5",
+        "SPECDEC_VERIFY_MODEL": str(tiny_models.target_dir),
+        "SPECDEC_VERIFY_NUM_THREADS": "1",
+        "SPECDEC_DRAFT_DRAFTERS": "transformers",
+        "SPECDEC_DRAFT_DEFAULT_DRAFTER": "transformers",
+        "SPECDEC_DRAFT_TRANSFORMERS_MODEL": str(tiny_models.target_dir),
+        "SPECDEC_DRAFT_NUM_THREADS": "1",
+        "SPECDEC_COORDINATOR_TOKENIZER": str(tiny_models.target_dir),
+        "SPECDEC_COORDINATOR_DRAFT_RETRY_S": "0.5",
     }
     port = free_port()
-    args = ["--coordinator-port", str(port), "--draft-port", str(free_port()), "--verify-port", str(free_port()),
-            "--http-port", "0", "--coordinator-metrics-port", "0", "--draft-metrics-port", "0",
-            "--verify-metrics-port", "0", "--restart-backoff-s", "0.2"]
-    process = subprocess.Popen([sys.executable, "-m", "specdec", "up", *args], env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    args = [
+        "--coordinator-port",
+        str(port),
+        "--draft-port",
+        str(free_port()),
+        "--verify-port",
+        str(free_port()),
+        "--http-port",
+        "0",
+        "--coordinator-metrics-port",
+        "0",
+        "--draft-metrics-port",
+        "0",
+        "--verify-metrics-port",
+        "0",
+        "--restart-backoff-s",
+        "0.2",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdec", "up", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     output = Output(process.stdout)
     try:
         output.wait_for("all services SERVING")
@@ -83,7 +107,9 @@ def pid_of(output: Output, service: str, restarts: int) -> int:
 
 
 def request(k: int) -> coordinator_pb2.GenerateRequest:
-    return coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=k, drafter="transformers")
+    return coordinator_pb2.GenerateRequest(
+        text=PROMPT, max_new_tokens=MAX_NEW, num_speculative_tokens=k, drafter="transformers"
+    )
 
 
 def stream_and_kill(address: str, pid: int) -> tuple[list[int], coordinator_pb2.RequestMetrics, float]:
@@ -121,8 +147,10 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
     assert restarted_pid != killed_pid
     back = output.wait_for(rf"{service} service SERVING again, ([\d.]+) s after it went down")
     assert process.poll() is None, "specdec up stopped"
-    SUMMARY.append(f"specdec up, {service} SIGKILLed: {recovery_s * 1000:.0f} ms from the kill to the client's next "
-                   f"message; the launcher had it SERVING again after {back.group(1)} s")
+    SUMMARY.append(
+        f"specdec up, {service} SIGKILLed: {recovery_s * 1000:.0f} ms from the kill to the client's next "
+        f"message; the launcher had it SERVING again after {back.group(1)} s"
+    )
 
     later = generate(address, request(4), timeout_s=180)
     assert later.token_ids == plain.token_ids

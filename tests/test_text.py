@@ -19,7 +19,7 @@ def test_stop_string_cuts_text_and_holds_back_a_possible_prefix(smollm2_tokenize
 
 
 def test_detokenizer_reassembles_multibyte_text(smollm2_tokenizer):
-    source = "naïve café – 東京 🚀"
+    source = "naïve café \u2013 東京 🚀"  # an en dash among other multibyte characters
     text = IncrementalDetokenizer(smollm2_tokenizer, [], [])
     pieces = []
     for token in smollm2_tokenizer(source, add_special_tokens=False).input_ids:

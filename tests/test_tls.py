@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from coordinator import upstream
 from coordinator.client import generate
+from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
-from coordinator.failover import VerifyReplicas
 from coordinator.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -77,9 +77,10 @@ class Files:
 def pki(tmp_path_factory):
     files = Files(tmp_path_factory.mktemp("pki"))
     ca, other_ca = trustme.CA(), trustme.CA()
-    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     return {
-        "files": files, "ca_obj": ca,
+        "files": files,
+        "ca_obj": ca,
         "ca": files.ca(ca, "ca"),
         "server": files.leaf(ca.issue_cert(*HOSTS), "server"),
         "public": files.leaf(ca.issue_cert(*HOSTS), "public"),
@@ -108,14 +109,26 @@ def tls_pipeline(pki, tiny_models, tiny_target):
         drafters={"ngram": ngram},
     )
     (cert, key), (client_cert, client_key) = pki["public"], pki["client"]
-    coordinator = CoordinatorThread(CoordinatorSettings(
-        port=0, http_port=free_port(), draft_address=f"127.0.0.1:{draft.port}",
-        verify_addresses=[f"127.0.0.1:{verify.port}"], tokenizer=str(tiny_models.target_dir),
-        tls_cert_file=cert, tls_key_file=key, internal_tls_ca_file=pki["ca"],
-        internal_tls_cert_file=client_cert, internal_tls_key_file=client_key,
-    ))
-    yield {"coordinator": f"127.0.0.1:{coordinator.port}", "http_port": coordinator.http_port,
-           "draft": f"127.0.0.1:{draft.port}", "verify": f"127.0.0.1:{verify.port}"}
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            http_port=free_port(),
+            draft_address=f"127.0.0.1:{draft.port}",
+            verify_addresses=[f"127.0.0.1:{verify.port}"],
+            tokenizer=str(tiny_models.target_dir),
+            tls_cert_file=cert,
+            tls_key_file=key,
+            internal_tls_ca_file=pki["ca"],
+            internal_tls_cert_file=client_cert,
+            internal_tls_key_file=client_key,
+        )
+    )
+    yield {
+        "coordinator": f"127.0.0.1:{coordinator.port}",
+        "http_port": coordinator.http_port,
+        "draft": f"127.0.0.1:{draft.port}",
+        "verify": f"127.0.0.1:{verify.port}",
+    }
     coordinator.stop()
     draft.stop(0)
     verify.stop(0)
@@ -123,8 +136,11 @@ def tls_pipeline(pki, tiny_models, tiny_target):
 
 def health(address: str, credentials: grpc.ChannelCredentials | None) -> int:
     """The health status, or raises grpc.RpcError."""
-    channel = (grpc.secure_channel(address, credentials, options=FRESH) if credentials
-               else grpc.insecure_channel(address, options=FRESH))
+    channel = (
+        grpc.secure_channel(address, credentials, options=FRESH)
+        if credentials
+        else grpc.insecure_channel(address, options=FRESH)
+    )
     with channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
@@ -147,8 +163,9 @@ def test_generate_over_tls(tls_pipeline, pki):
 
 def test_http_api_over_tls(tls_pipeline, pki):
     with httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"])) as http:
-        client = openai.OpenAI(base_url=f"https://127.0.0.1:{tls_pipeline['http_port']}/v1", api_key="none",
-                               http_client=http)
+        client = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{tls_pipeline['http_port']}/v1", api_key="none", http_client=http
+        )
         model = client.models.list().data[0].id
         completion = client.completions.create(model=model, prompt="Hello there", max_tokens=6)
     assert completion.usage.completion_tokens == 6
@@ -182,7 +199,7 @@ def test_internal_services_take_only_the_cas_clients(tls_pipeline, pki, service)
 
 
 def test_an_expired_server_certificate_is_refused(pki, tmp_path):
-    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     expired = pki["ca_obj"].issue_cert(*HOSTS, not_before=past - datetime.timedelta(days=1), not_after=past)
     credentials = server_credentials(*Files(tmp_path).leaf(expired, "old"))
     server, port = start_server(lambda _server: [], "127.0.0.1", 0, 2, credentials)
@@ -262,9 +279,9 @@ def test_http_api_serves_a_rotated_certificate(pki, tmp_path):
 def test_misconfigured_tls_fails_at_start_naming_the_setting(pki, tmp_path):
     cert, key = pki["server"]
     other_key = pki["other_client"][1]
-    with pytest.raises(ValidationError, match="tls_cert_file /missing.pem: No such file"):
+    with pytest.raises(ValidationError, match=r"tls_cert_file /missing\.pem: No such file"):
         VerifySettings(tls_cert_file="/missing.pem", tls_key_file=key)
-    with pytest.raises(ValidationError, match="tls_cert_file .* / tls_key_file .*private key it was issued for"):
+    with pytest.raises(ValidationError, match=r"tls_cert_file .* / tls_key_file .*private key it was issued for"):
         DraftSettings(tls_cert_file=cert, tls_key_file=other_key)
     with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file: set both"):
         DraftSettings(tls_client_ca_file=pki["ca"])
@@ -309,9 +326,31 @@ def tls_redis(pki, tmp_path):
     port = free_port()
     log = tmp_path / "redis.log"
     process = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file", cert,
-         "--tls-key-file", key, "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no",
-         "--requirepass", "s3cret", "--save", "", "--appendonly", "no", "--logfile", str(log)],
+        [
+            "redis-server",
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            cert,
+            "--tls-key-file",
+            key,
+            "--tls-ca-cert-file",
+            pki["ca"],
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            "s3cret",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(log),
+        ],
     )
     client = redis.Redis(port=port, password="s3cret", ssl=True, ssl_ca_certs=pki["ca"])
     deadline = time.monotonic() + 10

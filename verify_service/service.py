@@ -11,8 +11,8 @@ from specdec.errors import grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
-from specdec.timing import ms_since
 from specdec.sessions import SessionRegistry
+from specdec.timing import ms_since
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings
@@ -22,9 +22,13 @@ from verify_service.target import EngineLimits, Target, TargetSession
 def step_stats(stats: StepStats) -> common_pb2.StepStats:
     """The proto of a call's :class:`specdec.engine.StepStats`; also set on the call's span."""
     trace.get_current_span().set_attributes(
-        {"specdec.step.num_seqs": stats.num_seqs, "specdec.step.num_tokens": stats.num_tokens,
-         "specdec.step.step_ms": stats.step_ms, "specdec.step.queue_ms": stats.queue_ms,
-         "specdec.step.num_running_seqs": stats.num_running_seqs}
+        {
+            "specdec.step.num_seqs": stats.num_seqs,
+            "specdec.step.num_tokens": stats.num_tokens,
+            "specdec.step.step_ms": stats.step_ms,
+            "specdec.step.queue_ms": stats.queue_ms,
+            "specdec.step.num_running_seqs": stats.num_running_seqs,
+        }
     )
     return common_pb2.StepStats(**dataclasses.asdict(stats))
 
@@ -94,7 +98,9 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         torch.set_num_threads(settings.num_threads)
     metrics = ServiceMetrics()
     limits = EngineLimits(settings.max_num_seqs, settings.max_num_batched_tokens, settings.batch_wait_ms)
-    target = target or Target.load(settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens, limits)
+    target = target or Target.load(
+        settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens, limits
+    )
     target.engine.metrics = metrics.engine_metrics("verify")
     sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = VerifyServicer(target, sessions, metrics)

@@ -17,10 +17,13 @@ class VerifySettings(SessionServiceSettings):
     )
     dtype: str = Field("auto", description="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")
     device_map: str | None = Field(
-        None, description="accelerate device map, e.g. 'auto' to spread the target over every visible GPU; none: the "
-        "first CUDA GPU when there is one, else the CPU."
+        None,
+        description="accelerate device map, e.g. 'auto' to spread the target over every visible GPU; none: the "
+        "first CUDA GPU when there is one, else the CPU.",
     )
     batch_wait_ms: float = Field(
-        5.0, ge=0, description="After a step, wait up to this long for the sessions served in the last two steps to send "
+        5.0,
+        ge=0,
+        description="After a step, wait up to this long for the sessions served in the last two steps to send "
         "their next call, so lock-step clients share steps (with one session about, nothing waits), ms.",
     )

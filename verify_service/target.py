@@ -46,12 +46,15 @@ class Target:
     """A loaded target model, its KV store and engine loop (whose ``metrics`` the service sets),
     shared by all sessions of the verify service."""
 
-    def __init__(self, model, tokenizer, name: str, max_num_speculative_tokens: int, limits: EngineLimits | None = None):
+    def __init__(
+        self, model, tokenizer, name: str, max_num_speculative_tokens: int, limits: EngineLimits | None = None
+    ):
         limits = limits or EngineLimits()
         if limits.max_num_batched_tokens < max_num_speculative_tokens + 1:
             raise ValueError(
                 f"max_num_batched_tokens ({limits.max_num_batched_tokens}) must be at least "
-                f"max_num_speculative_tokens + 1 ({max_num_speculative_tokens + 1}): a verify of the largest K fits one step"
+                f"max_num_speculative_tokens + 1 ({max_num_speculative_tokens + 1}): a verify of the "
+                "largest K fits one step"
             )
         self.name = name
         self.limits = limits
@@ -69,7 +72,9 @@ class Target:
         self.step_costs: list[tuple[int, int, float]] = []  # (num_tokens, num_seqs, ms), see measure_costs
 
     @classmethod
-    def load(cls, spec: str, dtype: str, device_map: str | None, max_k: int, limits: EngineLimits | None = None) -> "Target":
+    def load(
+        cls, spec: str, dtype: str, device_map: str | None, max_k: int, limits: EngineLimits | None = None
+    ) -> "Target":
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         target = cls(model, tokenizer, spec, max_k, limits)
         target.measure_costs()
@@ -94,7 +99,9 @@ class Target:
             num_seqs = 2
             while num_seqs <= self.limits.max_num_seqs:
                 sessions += [self.new_session(context, SamplingParams()) for _ in range(num_seqs - len(sessions))]
-                self.step_costs.append((num_seqs, num_seqs, min_ms(lambda: self._decode_all(sessions))))
+                self.step_costs.append(
+                    (num_seqs, num_seqs, min_ms(lambda sessions=sessions: self._decode_all(sessions)))
+                )
                 num_seqs *= 2
             for session in sessions:
                 session.close()
@@ -103,12 +110,15 @@ class Target:
         """One step with one new token for every session (rolled back after)."""
         steps = [session.kv_cache.step(session.kv_cache.reconcile(session.committed)) for session in sessions]
         self.lm.forward(steps)
-        for session, step in zip(sessions, steps):
+        for session, step in zip(sessions, steps, strict=True):
             session.kv_cache.appended(step)
             session.rollback()
 
     def new_session(
-        self, committed: Sequence[int], sampling: SamplingParams, timeout_s: float | None = None,
+        self,
+        committed: Sequence[int],
+        sampling: SamplingParams,
+        timeout_s: float | None = None,
         abandoned: Callable[[], bool] | None = None,
     ) -> "TargetSession":
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
@@ -141,7 +151,9 @@ class _Score(Work):
 
     def next_step(self, budget: int) -> SequenceStep:
         kv_cache = self.session.kv_cache
-        return kv_cache.step([*kv_cache.reconcile(self.session.committed), *self.draft_tokens], num_logits=len(self.draft_tokens) + 1)
+        return kv_cache.step(
+            [*kv_cache.reconcile(self.session.committed), *self.draft_tokens], num_logits=len(self.draft_tokens) + 1
+        )
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)
@@ -167,7 +179,9 @@ class _Verify(_Score):
                 n, token = greedy_accept(drafts, logits)
             else:
                 generator = round_generator(session.sampling.seed, len(session.committed), "verify")
-                n, token = rejection_sample(drafts, self.draft_probs, logits_to_probs(logits, session.sampling), generator)
+                n, token = rejection_sample(
+                    drafts, self.draft_probs, logits_to_probs(logits, session.sampling), generator
+                )
             span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(drafts) and n == len(drafts)})
         session.committed.extend([*drafts[:n], token])
         session.rollback()
@@ -189,7 +203,9 @@ class TargetSession:
         result, self.last_step = self.target.engine.run(work, timeout_s, abandoned)
         return result
 
-    def prefill(self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None) -> None:
+    def prefill(
+        self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None
+    ) -> None:
         self.committed = list(committed)
         prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned)
 
@@ -199,7 +215,10 @@ class TargetSession:
         return self._run(_Score(self, draft_tokens), None, None)
 
     def verify(
-        self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None, timeout_s: float | None = None,
+        self,
+        draft_tokens: Sequence[int],
+        draft_probs: torch.Tensor | None,
+        timeout_s: float | None = None,
         abandoned: Callable[[], bool] | None = None,
     ) -> tuple[int, int]:
         """Runs the acceptance test on a proposal in the next step and commits its outcome.

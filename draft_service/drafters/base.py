@@ -73,7 +73,7 @@ class DraftSession(abc.ABC):
             "predicted_token_ids (draft-ahead is for model drafters)"
         )
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless there is a cache: model-free drafters have none)
         """Frees the session's cache."""
 
     def kv_cache_bytes(self) -> int:
@@ -134,7 +134,9 @@ class _Propose(Work):
 
     def next_step(self, budget: int) -> SequenceStep:
         kv_cache = self.session.kv_cache
-        return kv_cache.step(self.chosen[-1:] if self.chosen else kv_cache.reconcile(self.context, len(self.session.committed)))
+        return kv_cache.step(
+            self.chosen[-1:] if self.chosen else kv_cache.reconcile(self.context, len(self.session.committed))
+        )
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)

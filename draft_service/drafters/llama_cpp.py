@@ -64,7 +64,9 @@ def _init_backend() -> None:
 
 # llama.cpp file types a GGUF can be re-quantized to (``--llama-cpp-requantize``)
 REQUANTIZE_TYPES = {
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
 }
 
 
@@ -135,11 +137,18 @@ class LlamaCppLM(BatchedLM):
     """
 
     def __init__(
-        self, path: str, n_ctx: int, max_num_seqs: int, max_num_batched_tokens: int = 512,
-        n_threads: int = 0, n_gpu_layers: int = 0,
+        self,
+        path: str,
+        n_ctx: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int = 512,
+        n_threads: int = 0,
+        n_gpu_layers: int = 0,
     ):
         if not 1 <= max_num_seqs <= llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"max_num_seqs must be within 1..{llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)")
+            raise ValueError(
+                f"max_num_seqs must be within 1..{llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)"
+            )
         if n_ctx < 1 or max_num_batched_tokens < 1:
             raise ValueError("n_ctx and max_num_batched_tokens must be at least 1")
         _init_backend()
@@ -248,7 +257,7 @@ class LlamaCppLM(BatchedLM):
                     )
             if total:
                 rows = self._decode([steps[i] for i in live], total)
-                for i, logits in zip(live, rows):
+                for i, logits in zip(live, rows, strict=True):
                     out[i] = logits
             else:
                 for i in live:
@@ -279,14 +288,18 @@ class LlamaCppLM(BatchedLM):
         if code != 0:
             for step in steps:  # a failed decode may leave some micro-batches cached: drop them
                 llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[step.seq_id], self._lengths[step.seq_id], -1)
-            raise RuntimeError(f"llama_decode failed with code {code} (a step of {total} tokens over {len(steps)} sequences)")
+            raise RuntimeError(
+                f"llama_decode failed with code {code} (a step of {total} tokens over {len(steps)} sequences)"
+            )
         for step in steps:
             self._lengths[step.seq_id] += len(step.token_ids)
         rows = []
         for indices in flagged:
             logits = np.empty((len(indices), self.vocab_size), dtype=np.float32)
             for r, index in enumerate(indices):
-                logits[r] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,))
+                logits[r] = np.ctypeslib.as_array(
+                    llama_cpp.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,)
+                )
             rows.append(torch.from_numpy(logits))
         return rows
 
@@ -315,8 +328,14 @@ class LlamaCppDrafter(Drafter):
     name = "llama-cpp"
 
     def __init__(
-        self, spec: str, n_ctx: int = 4096, n_threads: int = 0, n_gpu_layers: int = 0, max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512, requantize: str = "",
+        self,
+        spec: str,
+        n_ctx: int = 4096,
+        n_threads: int = 0,
+        n_gpu_layers: int = 0,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        requantize: str = "",
     ):
         self.model = spec
         self.path = requantized(resolve_model(spec).gguf_path, requantize)

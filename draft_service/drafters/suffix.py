@@ -36,8 +36,12 @@ class SuffixDrafter(Drafter):
     name = DRAFTER_NAME
 
     def __init__(
-        self, max_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-        max_cached_requests: int = 256, max_cached_tokens: int = 16384,
+        self,
+        max_depth: int = 24,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_requests: int = 256,
+        max_cached_tokens: int = 16384,
     ):
         self.cache = SuffixCache(max_depth, max_cached_requests, max_cached_tokens)
         self.limits = ProposalLimits(max_spec_factor, min_token_prob)

@@ -25,7 +25,9 @@ class TransformersDrafter(Drafter):
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
 
     @classmethod
-    def load(cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> "TransformersDrafter":
+    def load(
+        cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 512
+    ) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
         return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens)
 

@@ -6,9 +6,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from specdec_app.bench.report import BASELINE, OVERALL  # noqa: E402
+from specdec_app.bench.report import BASELINE, OVERALL
 
 
 def write_chart(report: dict, path: Path) -> None:
@@ -27,11 +27,21 @@ def write_chart(report: dict, path: Path) -> None:
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup over plain decoding (tokens/s ratio)")
     machine = report["machine"]
-    ax.set_title(f"specdec bench: {report['config']['target']}, {machine['device']}, "
-                 f"{report['config']['max_new_tokens']} new tokens, greedy", fontsize=9)
+    ax.set_title(
+        f"specdec bench: {report['config']['target']}, {machine['device']}, "
+        f"{report['config']['max_new_tokens']} new tokens, greedy",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, ncols=2)
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def _line(ax, cells: list[dict], key: str, style: str, color: str, label: str) -> None:
+    """One method's ``stats[key]`` against N, its cells without a value left out."""
+    points = [(c["concurrency"], c["stats"][key]) for c in cells if c["stats"][key] is not None]
+    if points:
+        ax.plot(*zip(*points, strict=True), style, color=color, marker="o", markersize=3, label=label)
 
 
 def write_concurrency_chart(report: dict, path: Path) -> None:
@@ -40,24 +50,16 @@ def write_concurrency_chart(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.0), layout="constrained")
     for i, method in enumerate(report["methods"]):
         cells = sorted((c for c in report["cells"] if c["method"] == method), key=lambda c: c["concurrency"])
-        if not cells:
-            continue
-        n = [c["concurrency"] for c in cells]
         color = f"C{i}"
-
-        def line(ax, key, style, label):
-            values = [c["stats"][key] for c in cells]
-            points = [(x, y) for x, y in zip(n, values) if y is not None]
-            if points:
-                ax.plot(*zip(*points), style, color=color, marker="o", markersize=3, label=label)
-
-        line(axes[0], "tokens_per_second", "-", method)
-        line(axes[1], "tpot_ms_p50", "-", f"{method} p50")
-        line(axes[1], "tpot_ms_p99", "--", f"{method} p99")
-        line(axes[2], "ttft_ms_p50", "-", f"{method} p50")
-        line(axes[2], "ttft_ms_p99", "--", f"{method} p99")
+        _line(axes[0], cells, "tokens_per_second", "-", color, method)
+        _line(axes[1], cells, "tpot_ms_p50", "-", color, f"{method} p50")
+        _line(axes[1], cells, "tpot_ms_p99", "--", color, f"{method} p99")
+        _line(axes[2], cells, "ttft_ms_p50", "-", color, f"{method} p50")
+        _line(axes[2], cells, "ttft_ms_p99", "--", color, f"{method} p99")
     ticks = sorted({c["concurrency"] for c in report["cells"]})
-    for ax, label in zip(axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"]):
+    for ax, label in zip(
+        axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"], strict=True
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
@@ -66,7 +68,10 @@ def write_concurrency_chart(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     machine, config = report["machine"], report["config"]
-    fig.suptitle(f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
-                 f"{config['max_new_tokens']} new tokens, greedy, closed loop", fontsize=9)
+    fig.suptitle(
+        f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
+        f"{config['max_new_tokens']} new tokens, greedy, closed loop",
+        fontsize=9,
+    )
     fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -51,7 +51,6 @@ import asyncio
 import contextlib
 import gc
 import hashlib
-import json
 import os
 import shlex
 import signal
@@ -224,7 +223,9 @@ def first_mismatch(ids: list[int], reference: list[int]) -> int | None:
     other); None when identical."""
     if ids == reference:
         return None
-    return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+    return next(
+        (i for i, (a, b) in enumerate(zip(ids, reference, strict=False)) if a != b), min(len(ids), len(reference))
+    )
 
 
 def token_at_char(tokenizer, token_ids: list[int], char_index: int) -> int:
@@ -300,8 +301,9 @@ class OpenAIClient:
     async def open(self) -> None:
         import openai
 
-        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
-                                          timeout=REQUEST_TIMEOUT_S)
+        self._client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
 
     async def close(self) -> None:
         if self._client is not None:
@@ -314,9 +316,14 @@ class OpenAIClient:
         usage = None
         start = time.perf_counter()
         stream = await self._client.chat.completions.create(
-            model=self.model, messages=[{"role": "user", "content": question.prompt}],
-            max_tokens=max_new_tokens, temperature=0.0, seed=seed, stream=True,
-            stream_options={"include_usage": True}, extra_body=self.extra_body,
+            model=self.model,
+            messages=[{"role": "user", "content": question.prompt}],
+            max_tokens=max_new_tokens,
+            temperature=0.0,
+            seed=seed,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=self.extra_body,
         )
         async for chunk in stream:
             extra = chunk.model_extra or {}
@@ -334,7 +341,9 @@ class OpenAIClient:
             usage = chunk.usage or usage
         record.latency_ms = ms_since(start)
         if usage is None or not record.finish_reason:
-            raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason and usage")
+            raise RuntimeError(
+                f"the stream for question {question.question_id} ended without a finish reason and usage"
+            )
         record.num_tokens = usage.completion_tokens
         record.num_prompt_tokens = usage.prompt_tokens
         return record
@@ -395,9 +404,24 @@ class ServeProcess:
         from specdec.models import parse_dtype
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model, "--continuous-batching",
-                   "--device", device, "--dtype", str(parse_dtype(self.dtype)).removeprefix("torch."),
-                   "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            self.model,
+            "--continuous-batching",
+            "--device",
+            device,
+            "--dtype",
+            str(parse_dtype(self.dtype)).removeprefix("torch."),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         if device == "cpu":
             command += ["--cb-max-memory-percent", str(CPU_CB_MAX_MEMORY_PERCENT)]
         return command
@@ -415,7 +439,9 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with code {self.process.returncode} (see {self.log_file})")
+                raise RuntimeError(
+                    f"transformers serve exited with code {self.process.returncode} (see {self.log_file})"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
                     if reply.status == 200:
@@ -424,7 +450,9 @@ class ServeProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"transformers serve did not answer /health within {timeout_s:.0f} s (see {self.log_file})")
+                raise RuntimeError(
+                    f"transformers serve did not answer /health within {timeout_s:.0f} s (see {self.log_file})"
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -447,7 +475,9 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-async def _cell(client, concurrency: int, sequence: list[Question], config: ConcurrencyConfig, advance) -> tuple[list[RequestRecord], float]:
+async def _cell(
+    client, concurrency: int, sequence: list[Question], config: ConcurrencyConfig, advance
+) -> tuple[list[RequestRecord], float]:
     """N closed-loop clients, ``requests_per_client`` requests each; returns the records and the
     cell's wall time in ms. A failed request is recorded with its error and its client goes on."""
     start = time.perf_counter()
@@ -459,9 +489,14 @@ async def _cell(client, concurrency: int, sequence: list[Question], config: Conc
             sent = ms_since(start)
             try:
                 record = await client.run(question, config.max_new_tokens, config.seed)
-            except Exception as err:  # noqa: BLE001 (recorded, reported per cell)
-                record = RequestRecord(client.name, question.question_id, question.category, error=_error_text(err),
-                                       latency_ms=ms_since(start) - sent)
+            except Exception as err:  # any failure is recorded, reported per cell
+                record = RequestRecord(
+                    client.name,
+                    question.question_id,
+                    question.category,
+                    error=_error_text(err),
+                    latency_ms=ms_since(start) - sent,
+                )
             record.concurrency, record.client, record.start_ms = concurrency, c, sent
             records.append(record)
             advance()
@@ -471,8 +506,9 @@ async def _cell(client, concurrency: int, sequence: list[Question], config: Conc
     return [record for records in results for record in records], ms_since(start)
 
 
-async def _run_cells(clients: list, reference_client, sequence: list[Question], config: ConcurrencyConfig,
-                     console: Console) -> tuple[list[dict], dict[int, RequestRecord]]:
+async def _run_cells(
+    clients: list, reference_client, sequence: list[Question], config: ConcurrencyConfig, console: Console
+) -> tuple[list[dict], dict[int, RequestRecord]]:
     """Warm-up per method, then every (N, method) cell, the methods' order rotating per N; then
     the reference (K = 0, one client) for every prompt the K = 0 N = 1 cell did not cover."""
     for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
@@ -490,7 +526,7 @@ async def _run_cells(clients: list, reference_client, sequence: list[Question], 
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("cells", total=total)
             for i, n in enumerate(config.concurrency):
-                for client in clients[i % len(clients):] + clients[: i % len(clients)]:
+                for client in clients[i % len(clients) :] + clients[: i % len(clients)]:
                     progress.update(task, description=f"{client.name:<20} N={n:<3}")
                     records, wall_ms = await _cell(client, n, sequence, config, lambda: progress.advance(task))
                     cells.append({"method": client.name, "concurrency": n, "wall_ms": wall_ms, "records": records})
@@ -500,14 +536,22 @@ async def _run_cells(clients: list, reference_client, sequence: list[Question], 
                 references |= {r.question_id: r for r in cell["records"] if r.error is None and r.token_ids is not None}
         if reference_client is not None:
             used = {r.question_id: r for cell in cells for r in cell["records"]}
-            missing = [q for q in dict.fromkeys(q for q in sequence if q.question_id in used) if q.question_id not in references]
+            missing = [
+                q
+                for q in dict.fromkeys(q for q in sequence if q.question_id in used)
+                if q.question_id not in references
+            ]
             if missing:
-                console.print(f"reference: {REFERENCE} at N=1 for the {len(missing)} prompts its N=1 cell did not cover...")
+                console.print(
+                    f"reference: {REFERENCE} at N=1 for the {len(missing)} prompts its N=1 cell did not cover..."
+                )
             for question in missing:
                 try:
                     record = await reference_client.run(question, config.max_new_tokens, config.seed)
-                except Exception as err:  # noqa: BLE001
-                    console.print(f"[red]reference request for question {question.question_id} failed: {_error_text(err)}[/red]")
+                except Exception as err:
+                    console.print(
+                        f"[red]reference request for question {question.question_id} failed: {_error_text(err)}[/red]"
+                    )
                     continue
                 references[question.question_id] = record
         return cells, references
@@ -528,14 +572,17 @@ def _compare(cells: list[dict], references: dict[int, RequestRecord], tokenizer)
             elif record.text == reference.text:
                 record.first_mismatch = None
             else:
-                at = next((i for i, (a, b) in enumerate(zip(record.text, reference.text)) if a != b),
-                          min(len(record.text), len(reference.text)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(record.text, reference.text, strict=False)) if a != b),
+                    min(len(record.text), len(reference.text)),
+                )
                 record.first_mismatch = token_at_char(tokenizer, reference.token_ids, at)
             record.identical = record.first_mismatch is None
 
 
-def _margins(mismatches: list[dict], references: dict[int, RequestRecord], questions: dict[int, Question],
-             model, tokenizer) -> None:
+def _margins(
+    mismatches: list[dict], references: dict[int, RequestRecord], questions: dict[int, Question], model, tokenizer
+) -> None:
     """Adds the target's top-2 logit margin at each mismatch's first differing position (one
     forward per distinct prompt and position)."""
     import torch
@@ -555,8 +602,11 @@ def _margins(mismatches: list[dict], references: dict[int, RequestRecord], quest
             with torch.no_grad():
                 logits = model(input_ids=ids).logits[0, -1].float()
             top = torch.topk(logits, 2)
-            cache[key] = {"margin": float(top.values[0] - top.values[1]), "argmax": int(top.indices[0]),
-                          "logits": logits}
+            cache[key] = {
+                "margin": float(top.values[0] - top.values[1]),
+                "argmax": int(top.indices[0]),
+                "logits": logits,
+            }
         found = cache[key]
         m["margin"] = found["margin"]
         m["reference_token"] = reference[position]
@@ -613,6 +663,7 @@ def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
 def _stopped_by_sigterm():
     """SIGTERM raises SystemExit, so that the services and transformers serve started by the run
     are stopped (the ``finally`` blocks run) instead of being left behind."""
+
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -647,8 +698,14 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
             with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
-                cluster = start_cluster(config.target, config.draft_model, drafters, config.dtype, config.out / "logs",
-                                        http_port=free_port() if config.api == "openai" or config.load_generator else 0)
+                cluster = start_cluster(
+                    config.target,
+                    config.draft_model,
+                    drafters,
+                    config.dtype,
+                    config.out / "logs",
+                    http_port=free_port() if config.api == "openai" or config.load_generator else 0,
+                )
             reference_client = PipelineClient(PIPELINE_K0, cluster.address("coordinator"), 0)
             clients += [_pipeline_client(method, cluster, config) for method in pipelines]
         if SERVE in config.methods:
@@ -672,13 +729,22 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     _compare(cells, references, tokenizer)
     questions = {q.question_id: q for q in sequence}
     mismatches = [
-        {"method": cell["method"], "concurrency": cell["concurrency"], "question_id": r.question_id,
-         "category": r.category, "first_mismatch": r.first_mismatch,
-         "token": r.token_ids[r.first_mismatch] if r.token_ids and r.first_mismatch < len(r.token_ids) else None}
-        for cell in cells for r in cell["records"] if r.identical is False
+        {
+            "method": cell["method"],
+            "concurrency": cell["concurrency"],
+            "question_id": r.question_id,
+            "category": r.category,
+            "first_mismatch": r.first_mismatch,
+            "token": r.token_ids[r.first_mismatch] if r.token_ids and r.first_mismatch < len(r.token_ids) else None,
+        }
+        for cell in cells
+        for r in cell["records"]
+        if r.identical is False
     ]
     if mismatches:
-        console.print(f"{len(mismatches)} outputs differ from the reference: loading the target for the logit margins...")
+        console.print(
+            f"{len(mismatches)} outputs differ from the reference: loading the target for the logit margins..."
+        )
         model, tokenizer = load_causal_lm(config.target, config.dtype)
         _margins(mismatches, references, questions, model, tokenizer)
         del model
@@ -710,14 +776,29 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
         load_tokenizer(config.target).save_pretrained(tokenizer_dir)
         for method in config.methods:
             if method == SERVE:
-                targets.append(load_generator.LoadTarget(SERVE, serve.base_url, serve.model, tokenizer_dir,
-                                                         extra_body=greedy))
+                targets.append(
+                    load_generator.LoadTarget(SERVE, serve.base_url, serve.model, tokenizer_dir, extra_body=greedy)
+                )
             else:
-                targets.append(load_generator.LoadTarget(method, cluster.http_url, config.target, tokenizer_dir,
-                                                         extra_body=greedy | _request_fields(method, config)))
+                targets.append(
+                    load_generator.LoadTarget(
+                        method,
+                        cluster.http_url,
+                        config.target,
+                        tokenizer_dir,
+                        extra_body=greedy | _request_fields(method, config),
+                    )
+                )
         folder = "guidellm"
-        runs = load_generator.run_all(targets, [q.prompt for q in sequence], config.concurrency,
-                                      config.requests_per_client, config.max_new_tokens, config.out / folder, console)
+        runs = load_generator.run_all(
+            targets,
+            [q.prompt for q in sequence],
+            config.concurrency,
+            config.requests_per_client,
+            config.max_new_tokens,
+            config.out / folder,
+            console,
+        )
     return {"name": config.load_generator, "version": load_generator.version(), "folder": folder, "runs": runs}
 
 
@@ -738,12 +819,18 @@ def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
 def _report(config, sequence, clients, cells, references, mismatches, memory, machine) -> dict:
     identity = {}
     for client in clients:
-        done = [r for cell in cells if cell["method"] == client.name for r in cell["records"]
-                if r.error is None and r.question_id in references]
+        done = [
+            r
+            for cell in cells
+            if cell["method"] == client.name
+            for r in cell["records"]
+            if r.error is None and r.question_id in references
+        ]
         compared = [r.identical for r in done if r.identical is not None]
         same_prompt = [r.num_prompt_tokens == references[r.question_id].num_prompt_tokens for r in done]
         identity[client.name] = {
-            "num_compared": len(compared), "identical_rate": sum(compared) / len(compared) if compared else None,
+            "num_compared": len(compared),
+            "identical_rate": sum(compared) / len(compared) if compared else None,
             # the same prompt length as the reference's: both applied the same chat template
             "prompt_tokens_agree_rate": sum(same_prompt) / len(same_prompt) if same_prompt else None,
         }
@@ -756,13 +843,27 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "notes": NOTES,
         "num_questions": len(used),
         "methods": [c.name for c in clients],
-        "reference": {"method": REFERENCE, "concurrency": 1, "num_prompts": len(references),
-                      "prompts": [{"question_id": qid, "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
-                                   "token_ids": r.token_ids} for qid, r in sorted(references.items())]},
+        "reference": {
+            "method": REFERENCE,
+            "concurrency": 1,
+            "num_prompts": len(references),
+            "prompts": [
+                {
+                    "question_id": qid,
+                    "num_tokens": r.num_tokens,
+                    "num_prompt_tokens": r.num_prompt_tokens,
+                    "token_ids": r.token_ids,
+                }
+                for qid, r in sorted(references.items())
+            ],
+        },
         "cells": [
-            {"method": cell["method"], "concurrency": cell["concurrency"],
-             "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"]),
-             "errors": sorted({r.error for r in cell["records"] if r.error})}
+            {
+                "method": cell["method"],
+                "concurrency": cell["concurrency"],
+                "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"]),
+                "errors": sorted({r.error for r in cell["records"] if r.error}),
+            }
             for cell in cells
         ],
         "identity": identity,

@@ -43,15 +43,27 @@ class LoadTarget:
     extra_body: dict = field(default_factory=dict)
 
 
-def scenario(target: LoadTarget, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
-             report_path: Path, request_timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def scenario(
+    target: LoadTarget,
+    prompts: list[str],
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    report_path: Path,
+    request_timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict:
     """The guidellm scenario of one run: ``concurrency`` streams (closed loop: each sends its next
     request when the previous one has finished) until ``num_requests`` requests were sent, each a
     streamed chat completion of one user message (a prompt of ``prompts``, in order) and at most
     ``max_tokens`` new tokens; the JSON report goes to ``report_path``."""
     backend = {
-        "kind": "openai_http", "target": target.base_url, "model": target.model, "max_tokens": max_tokens,
-        "request_format": "/v1/chat/completions", "timeout": request_timeout_s, "http2": False,
+        "kind": "openai_http",
+        "target": target.base_url,
+        "model": target.model,
+        "max_tokens": max_tokens,
+        "request_format": "/v1/chat/completions",
+        "timeout": request_timeout_s,
+        "http2": False,
     }
     if target.api_key:
         backend["api_key"] = target.api_key
@@ -78,8 +90,15 @@ def command(scenario_path: Path) -> list[str]:
     return [sys.executable, "-m", "guidellm", "run", "--scenario", str(scenario_path), "--disable-progress"]
 
 
-def run_guidellm(target: LoadTarget, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
-                 out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def run_guidellm(
+    target: LoadTarget,
+    prompts: list[str],
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    out_dir: Path,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict:
     """Runs guidellm against ``target`` (see :func:`scenario`); its scenario, log and JSON report go
     to ``out_dir`` as ``guidellm-<name>-N<concurrency>.{scenario.json,log,json}``. Returns the
     figures of :func:`summarize` plus ``report_file`` and ``command``. Raises RuntimeError (with
@@ -92,9 +111,13 @@ def run_guidellm(target: LoadTarget, prompts: list[str], concurrency: int, num_r
     report_path, log_path = out_dir / f"{stem}.json", out_dir / f"{stem}.log"
     rows = [prompts[i % len(prompts)] for i in range(num_requests)]  # every request its own row, in order
     scenario_path = out_dir / f"{stem}.scenario.json"
-    scenario_path.write_text(json.dumps(scenario(target, rows, concurrency, num_requests, max_tokens, report_path), indent=1))
+    scenario_path.write_text(
+        json.dumps(scenario(target, rows, concurrency, num_requests, max_tokens, report_path), indent=1)
+    )
     env = dict(os.environ) | {
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
         "NO_PROXY": "127.0.0.1,localhost,::1",
         # one worker process: a closed loop of a few streams needs no more, and each spawned worker
         # imports torch and transformers again
@@ -108,8 +131,9 @@ def run_guidellm(target: LoadTarget, prompts: list[str], concurrency: int, num_r
             raise RuntimeError(f"guidellm did not finish within {timeout_s:.0f} s (see {log_path})") from None
     if done.returncode != 0 or not report_path.exists():
         tail = log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"guidellm exited with code {done.returncode} against {target.base_url} "
-                           f"(log {log_path}):\n{tail}")
+        raise RuntimeError(
+            f"guidellm exited with code {done.returncode} against {target.base_url} (log {log_path}):\n{tail}"
+        )
     summaries = summarize(json.loads(report_path.read_text()))
     if len(summaries) != 1:
         raise RuntimeError(f"guidellm's report {report_path} has {len(summaries)} benchmarks, expected 1")
@@ -123,7 +147,6 @@ def summarize(report: dict) -> list[dict]:
     ``ttft_ms_p50/p99``, ``itl_ms_p50/p99`` (mean inter-token latency per request, ms),
     ``tpot_ms_p50/p99`` and ``latency_s_p50/p99``. Missing figures are None."""
     return [_summary(benchmark) for benchmark in report.get("benchmarks", [])]
-
 
 
 def _successful(metrics: dict, name: str) -> dict:
@@ -153,8 +176,12 @@ def _summary(benchmark: dict) -> dict:
         "num_output_tokens": _successful(metrics, "output_token_count").get("total_sum"),
         "errors": sorted({str((r.get("info") or {}).get("error")) for r in errored}),
     }
-    for key, name in (("ttft_ms", "time_to_first_token_ms"), ("itl_ms", "inter_token_latency_ms"),
-                      ("tpot_ms", "time_per_output_token_ms"), ("latency_s", "request_latency")):
+    for key, name in (
+        ("ttft_ms", "time_to_first_token_ms"),
+        ("itl_ms", "inter_token_latency_ms"),
+        ("tpot_ms", "time_per_output_token_ms"),
+        ("latency_s", "request_latency"),
+    ):
         for p in ("p50", "p99"):
             summary[f"{key}_{p}"] = _percentile(_successful(metrics, name), p)
     return summary
@@ -176,12 +203,21 @@ def check_installed(name: str) -> None:
     if name not in LOAD_GENERATORS:
         raise ValueError(f"--load-generator {name!r}: use {', '.join(LOAD_GENERATORS)}")
     if version() is None:
-        raise ValueError(f"--load-generator {name}: {name} is not installed: pip install 'guidellm>=0.8.1,<0.9' "
-                         "(the test extra has it: pip install -e '.[test]')")
+        raise ValueError(
+            f"--load-generator {name}: {name} is not installed: pip install 'guidellm>=0.8.1,<0.9' "
+            "(the test extra has it: pip install -e '.[test]')"
+        )
 
 
-def run_all(targets: list[LoadTarget], prompts: list[str], concurrency: list[int], requests_per_client: int,
-            max_tokens: int, out_dir: Path, console) -> list[dict]:
+def run_all(
+    targets: list[LoadTarget],
+    prompts: list[str],
+    concurrency: list[int],
+    requests_per_client: int,
+    max_tokens: int,
+    out_dir: Path,
+    console,
+) -> list[dict]:
     """guidellm against every target at every N of ``concurrency``, ``N * requests_per_client``
     requests each (the closed-loop cells' count and prompts, in the cells' order: request j of
     stream c gets prompt ``(j * N + c) mod len``), the targets' order rotating per N as the cells'
@@ -189,7 +225,7 @@ def run_all(targets: list[LoadTarget], prompts: list[str], concurrency: list[int
     entry per (target, N): ``method``, ``concurrency`` and the figures of :func:`run_guidellm`."""
     runs = []
     for i, n in enumerate(concurrency):
-        for target in targets[i % len(targets):] + targets[: i % len(targets)]:
+        for target in targets[i % len(targets) :] + targets[: i % len(targets)]:
             console.print(f"guidellm: {target.name} at N={n}, {n * requests_per_client} requests...")
             try:
                 summary = run_guidellm(target, prompts, n, n * requests_per_client, max_tokens, out_dir)
@@ -223,12 +259,14 @@ def markdown(section: dict) -> list[str]:
     ]
     for run in section.get("runs", []):
         if run.get("error"):
-            lines.append(f"| {run['method']} | {run['concurrency']} | failed: {run['error'].splitlines()[0]} |"
-                         + " |" * 10)
+            lines.append(
+                f"| {run['method']} | {run['concurrency']} | failed: {run['error'].splitlines()[0]} |" + " |" * 10
+            )
             continue
         lines.append(
             f"| {run['method']} | {run['concurrency']} | {run['num_completed']} | {run['num_errored']} "
-            f"| {run['num_incomplete']} | {_fmt(run['requests_per_second'], 2)} | {_fmt(run['output_tokens_per_second'])} "
+            f"| {run['num_incomplete']} | {_fmt(run['requests_per_second'], 2)} "
+            f"| {_fmt(run['output_tokens_per_second'])} "
             f"| {_fmt(run['ttft_ms_p50'], 0)} | {_fmt(run['ttft_ms_p99'], 0)} | {_fmt(run['itl_ms_p50'])} "
             f"| {_fmt(run['itl_ms_p99'])} | {_fmt(run['tpot_ms_p50'])} | {_fmt(run['tpot_ms_p99'])} |"
         )

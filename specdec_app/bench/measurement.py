@@ -49,8 +49,10 @@ class Measurement:
         if self.token_ids == reference:
             self.first_mismatch = None
             return
-        pairs = zip(self.token_ids, reference)
-        self.first_mismatch = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(self.token_ids), len(reference)))
+        pairs = zip(self.token_ids, reference, strict=False)
+        self.first_mismatch = next(
+            (i for i, (a, b) in enumerate(pairs) if a != b), min(len(self.token_ids), len(reference))
+        )
 
     def to_json(self) -> dict:
         record = {name: value for name, value in vars(self).items() if name != "token_ids"}

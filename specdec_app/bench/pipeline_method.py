@@ -14,21 +14,43 @@ from specdec_app.bench.questions import Question
 from specdec_app.launcher import LocalCluster, free_port
 
 
-def start_cluster(target: str, draft_model: str, drafters: list[str], dtype: str, log_dir: Path,
-                  http_port: int = 0, placement: Placement = SHARED) -> LocalCluster:
+def start_cluster(
+    target: str,
+    draft_model: str,
+    drafters: list[str],
+    dtype: str,
+    log_dir: Path,
+    http_port: int = 0,
+    placement: Placement = SHARED,
+) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
     run where ``placement`` puts them. The suffix lookups (the coordinator's and the draft
     service's) keep no cache of earlier outputs: the benchmark sends each prompt once per method,
-    and the cache would hold this prompt's answer from the methods before. Services also read their ``SPECDEC_*`` variables (e.g.
-    ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises RuntimeError when one fails to start."""
-    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus)
+    and the cache would hold this prompt's answer from the methods before. Services also read
+    their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises
+    RuntimeError when one fails to start."""
+    cluster = LocalCluster(
+        free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus
+    )
     pinning = placement.service_args
     cluster.extra_args = {
         "verify": ["--model", target, "--dtype", dtype, *pinning.get("verify", [])],
-        "draft": ["--drafters", ",".join(drafters), "--default-drafter", drafters[0],
-                  "--llama-cpp-model", draft_model, "--transformers-model", draft_model, "--transformers-dtype", dtype,
-                  "--suffix-max-cached-requests", "0", *pinning.get("draft", [])],
+        "draft": [
+            "--drafters",
+            ",".join(drafters),
+            "--default-drafter",
+            drafters[0],
+            "--llama-cpp-model",
+            draft_model,
+            "--transformers-model",
+            draft_model,
+            "--transformers-dtype",
+            dtype,
+            "--suffix-max-cached-requests",
+            "0",
+            *pinning.get("draft", []),
+        ],
         "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0"],
     }
     cluster.start_all()
@@ -74,12 +96,22 @@ class PipelineMethod:
         if metrics is None:
             raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
         return Measurement(
-            method=self.name, question_id=question.question_id, category=question.category, token_ids=completion.token_ids,
-            wall_ms=ms_since(start), ttft_ms=ttft_ms, num_target_forwards=metrics.num_target_forwards + 1,
-            num_spec_steps=metrics.num_spec_steps, num_draft_tokens=metrics.num_draft_tokens,
-            num_accepted_tokens=metrics.num_accepted_draft_tokens, acceptance_histogram=list(metrics.acceptance_histogram),
-            draft_ms=metrics.draft_time_ms, verify_ms=metrics.verify_time_ms, num_verify_rounds=metrics.num_target_forwards,
-            coordination_ms=metrics.coordination_time_ms, wire_bytes=metrics.round_wire_bytes,
+            method=self.name,
+            question_id=question.question_id,
+            category=question.category,
+            token_ids=completion.token_ids,
+            wall_ms=ms_since(start),
+            ttft_ms=ttft_ms,
+            num_target_forwards=metrics.num_target_forwards + 1,
+            num_spec_steps=metrics.num_spec_steps,
+            num_draft_tokens=metrics.num_draft_tokens,
+            num_accepted_tokens=metrics.num_accepted_draft_tokens,
+            acceptance_histogram=list(metrics.acceptance_histogram),
+            draft_ms=metrics.draft_time_ms,
+            verify_ms=metrics.verify_time_ms,
+            num_verify_rounds=metrics.num_target_forwards,
+            coordination_ms=metrics.coordination_time_ms,
+            wire_bytes=metrics.round_wire_bytes,
             rounds_per_drafter={PLAIN: metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
             draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),

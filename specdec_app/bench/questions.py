@@ -31,8 +31,10 @@ def load_questions(path: Path, categories: list[str] | None = None, limit: int |
                 record = json.loads(line)
                 question = Question(int(record["question_id"]), str(record["category"]), str(record["turns"][0]))
             except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise ValueError(f"{path}:{number}: not a Spec-Bench question ({err!r}); each line needs "
-                                 "question_id, category and turns") from None
+                raise ValueError(
+                    f"{path}:{number}: not a Spec-Bench question ({err!r}); each line needs "
+                    "question_id, category and turns"
+                ) from None
             by_category.setdefault(question.category, []).append(question)
     unknown = [name for name in categories or [] if name not in by_category]
     if unknown:

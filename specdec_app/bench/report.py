@@ -91,7 +91,9 @@ def _against_baseline(stats: dict, plain: dict, k: int) -> dict:
     stats["predicted_speedup"] = None
     if k > 0 and stats["draft_acceptance_rate"] is not None and step_ms:
         stats["predicted_speedup"] = predicted_speedup(
-            stats["draft_acceptance_rate"], k, (stats["draft_ms_per_token"] or 0.0) / step_ms,
+            stats["draft_acceptance_rate"],
+            k,
+            (stats["draft_ms_per_token"] or 0.0) / step_ms,
             stats["verify_ms_per_round"] / step_ms,
         )
     return stats
@@ -136,7 +138,9 @@ def speedup_table(report: dict) -> list[str]:
     rows = []
     for method in report["methods"]:
         if method == BASELINE:
-            rows.append([f"{BASELINE} (tokens/s)", *(_cell(summary[g][method]["tokens_per_second"], ".1f") for g in groups)])
+            rows.append(
+                [f"{BASELINE} (tokens/s)", *(_cell(summary[g][method]["tokens_per_second"], ".1f") for g in groups)]
+            )
         else:
             rows.append([method, *(_cell(summary[g][method]["speedup"], ".2f", "x") for g in groups)])
     return _table(["method", *groups], rows)
@@ -145,28 +149,60 @@ def speedup_table(report: dict) -> list[str]:
 def overall_table(report: dict) -> list[str]:
     rows = []
     for method, s in report["summary"][OVERALL].items():
-        rows.append([
-            method, _cell(s["tokens_per_second"], ".1f"), _cell(s["speedup"], ".2f", "x"),
-            _cell(s["predicted_speedup"], ".2f", "x"), _cell(s["tokens_per_target_forward"], ".2f"),
-            _cell(s["draft_acceptance_rate"], ".3f"), _cell(s["identical_rate"], ".0%"),
-            _cell(s["time_to_first_token_ms"], ".0f"),
-        ])
-    return _table(["method", "tokens/s", "speedup", "predicted", "tokens/target forward", "acceptance rate",
-                   "identical to plain", "TTFT ms"], rows)
+        rows.append(
+            [
+                method,
+                _cell(s["tokens_per_second"], ".1f"),
+                _cell(s["speedup"], ".2f", "x"),
+                _cell(s["predicted_speedup"], ".2f", "x"),
+                _cell(s["tokens_per_target_forward"], ".2f"),
+                _cell(s["draft_acceptance_rate"], ".3f"),
+                _cell(s["identical_rate"], ".0%"),
+                _cell(s["time_to_first_token_ms"], ".0f"),
+            ]
+        )
+    return _table(
+        [
+            "method",
+            "tokens/s",
+            "speedup",
+            "predicted",
+            "tokens/target forward",
+            "acceptance rate",
+            "identical to plain",
+            "TTFT ms",
+        ],
+        rows,
+    )
 
 
 def round_cost_table(report: dict) -> list[str]:
     rows = []
     for method, s in report["summary"][OVERALL].items():
-        rows.append([
-            method, _cell(s["draft_ms_per_round"], ".1f"), _cell(s["verify_ms_per_round"], ".1f"),
-            _cell(s["coordination_ms_per_round"], ".1f"), _cell(s["wire_bytes_per_round"], ".0f"),
-            " ".join(map(str, s["acceptance_histogram"])) or "-", _drafter_shares(s["rounds_per_drafter"]),
-            _cell(s["draft_ahead_hit_rate"], ".0%"),
-        ])
+        rows.append(
+            [
+                method,
+                _cell(s["draft_ms_per_round"], ".1f"),
+                _cell(s["verify_ms_per_round"], ".1f"),
+                _cell(s["coordination_ms_per_round"], ".1f"),
+                _cell(s["wire_bytes_per_round"], ".0f"),
+                " ".join(map(str, s["acceptance_histogram"])) or "-",
+                _drafter_shares(s["rounds_per_drafter"]),
+                _cell(s["draft_ahead_hit_rate"], ".0%"),
+            ]
+        )
     return _table(
-        ["method", "draft ms", "verify ms", "coordination ms", "bytes", "acceptance histogram", "rounds by drafter",
-         "draft-ahead hits"], rows
+        [
+            "method",
+            "draft ms",
+            "verify ms",
+            "coordination ms",
+            "bytes",
+            "acceptance histogram",
+            "rounds by drafter",
+            "draft-ahead hits",
+        ],
+        rows,
     )
 
 
@@ -217,7 +253,7 @@ def _header(report: dict, title: str, details: str) -> list[str]:
 PLACEMENT_TEXTS = {
     "shared": "shared: every process on every core",
     "split": "split: draft service on one CPU, verify service on another, one thread each; plain on every core, "
-             "plain/verify-cpu pinned to the verify service's CPU",
+    "plain/verify-cpu pinned to the verify service's CPU",
 }
 
 
@@ -263,13 +299,18 @@ def to_markdown(report: dict) -> str:
         "",
         "## Peak resident memory",
         "",
-        *(f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}" for name, value in report["peak_rss_bytes"].items()),
+        *(
+            f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}"
+            for name, value in report["peak_rss_bytes"].items()
+        ),
         "",
     ]
     if report["mismatches"]:
         lines += ["## Token ids that differ from plain decoding", ""]
-        lines += [f"- {m['method']} on question {m['question_id']} ({m['category']}): first at token {m['first_mismatch']}"
-                  for m in report["mismatches"]]
+        lines += [
+            f"- {m['method']} on question {m['question_id']} ({m['category']}): first at token {m['first_mismatch']}"
+            for m in report["mismatches"]
+        ]
         lines.append("")
     return "\n".join(lines)
 
@@ -373,23 +414,52 @@ def concurrency_table(report: dict) -> list[str]:
     rows = []
     for cell in report["cells"]:
         s = cell["stats"]
-        rows.append([
-            cell["method"], str(cell["concurrency"]), f"{s['num_requests'] - s['num_failed']}/{s['num_requests']}",
-            _cell(s["tokens_per_second"], ".1f"), _cell(s["tpot_ms_p50"], ".1f"), _cell(s["tpot_ms_p99"], ".1f"),
-            _cell(s["ttft_ms_p50"], ".0f"), _cell(s["ttft_ms_p99"], ".0f"), _cell(s["mean_batch_size"], ".2f"),
-            _cell(s["mean_batched_tokens"], ".1f"), _cell(s["queue_ms_per_round"], ".1f"),
-            _cell(s["acceptance_rate"], ".3f"), _cell(s["mean_k"], ".2f"), _cell(s["identical_rate"], ".0%"),
-        ])
-    return _table(["method", "N", "requests ok", "tokens/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms",
-                   "TTFT p99 ms", "batch size", "batched tokens", "queue ms/round", "acceptance", "mean K",
-                   "identical"], rows)
+        rows.append(
+            [
+                cell["method"],
+                str(cell["concurrency"]),
+                f"{s['num_requests'] - s['num_failed']}/{s['num_requests']}",
+                _cell(s["tokens_per_second"], ".1f"),
+                _cell(s["tpot_ms_p50"], ".1f"),
+                _cell(s["tpot_ms_p99"], ".1f"),
+                _cell(s["ttft_ms_p50"], ".0f"),
+                _cell(s["ttft_ms_p99"], ".0f"),
+                _cell(s["mean_batch_size"], ".2f"),
+                _cell(s["mean_batched_tokens"], ".1f"),
+                _cell(s["queue_ms_per_round"], ".1f"),
+                _cell(s["acceptance_rate"], ".3f"),
+                _cell(s["mean_k"], ".2f"),
+                _cell(s["identical_rate"], ".0%"),
+            ]
+        )
+    return _table(
+        [
+            "method",
+            "N",
+            "requests ok",
+            "tokens/s",
+            "TPOT p50 ms",
+            "TPOT p99 ms",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "batch size",
+            "batched tokens",
+            "queue ms/round",
+            "acceptance",
+            "mean K",
+            "identical",
+        ],
+        rows,
+    )
 
 
 def identity_table(report: dict) -> list[str]:
     """Per method: the share of its requests (all N) identical to the reference, and of those
     whose prompt had as many tokens as the reference's (the same chat template applied)."""
-    rows = [[method, str(s["num_compared"]), _cell(s["identical_rate"], ".0%"), _cell(s["prompt_tokens_agree_rate"], ".0%")]
-            for method, s in report["identity"].items()]
+    rows = [
+        [method, str(s["num_compared"]), _cell(s["identical_rate"], ".0%"), _cell(s["prompt_tokens_agree_rate"], ".0%")]
+        for method, s in report["identity"].items()
+    ]
     return _table(["method", "requests compared", "identical to the reference", "same prompt length"], rows)
 
 
@@ -399,7 +469,8 @@ def concurrency_markdown(report: dict) -> str:
     config = report["config"]
     lines = [
         *_header(
-            report, "specdec bench --concurrency",
+            report,
+            "specdec bench --concurrency",
             f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; closed loop: N clients, "
             f"{config['requests_per_client']} requests each "
             f"per cell, over {report['num_questions']} prompts (categories round-robin).",
@@ -413,23 +484,46 @@ def concurrency_markdown(report: dict) -> str:
         "",
         f"## Greedy identity (reference: {report['reference']['method']} at N=1)",
         "",
-        *(identity_table(report) if report["reference"]["num_prompts"] else
-          ["No reference: the pipeline did not run (identity needs its K=0 outputs)."]),
+        *(
+            identity_table(report)
+            if report["reference"]["num_prompts"]
+            else ["No reference: the pipeline did not run (identity needs its K=0 outputs)."]
+        ),
         "",
     ]
     if report["mismatches"]:
-        lines += ["## Outputs that differ from the reference", "",
-                  "`margin`: the target's top-2 logit difference at the first differing position (one forward "
-                  "over the prompt and the reference's tokens before it, in the bench process).", ""]
-        rows = [[m["method"], str(m["concurrency"]), str(m["question_id"]), str(m["first_mismatch"]),
-                 _cell(m.get("margin"), ".4f"), _cell(m.get("reference_token"), "d"), _cell(m.get("token"), "d")]
-                for m in report["mismatches"]]
-        lines += _table(["method", "N", "question", "first differing token", "margin", "reference token",
-                         "its token"], rows)
+        lines += [
+            "## Outputs that differ from the reference",
+            "",
+            "`margin`: the target's top-2 logit difference at the first differing position (one forward "
+            "over the prompt and the reference's tokens before it, in the bench process).",
+            "",
+        ]
+        rows = [
+            [
+                m["method"],
+                str(m["concurrency"]),
+                str(m["question_id"]),
+                str(m["first_mismatch"]),
+                _cell(m.get("margin"), ".4f"),
+                _cell(m.get("reference_token"), "d"),
+                _cell(m.get("token"), "d"),
+            ]
+            for m in report["mismatches"]
+        ]
+        lines += _table(
+            ["method", "N", "question", "first differing token", "margin", "reference token", "its token"], rows
+        )
         lines.append("")
-    lines += ["## Peak resident memory", "",
-              *(f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}" for name, value in report["peak_rss_bytes"].items()),
-              ""]
+    lines += [
+        "## Peak resident memory",
+        "",
+        *(
+            f"- {name}: {_cell(value and value / 2**20, '.0f', ' MiB')}"
+            for name, value in report["peak_rss_bytes"].items()
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Runs ``specdec bench``: every method on the same prompts, interleaved per prompt after a
 warm-up, then the JSON, Markdown and PNG reports."""
 
+import contextlib
 import datetime
 import os
 import platform
@@ -68,19 +69,18 @@ def parse_pipeline(spec: str) -> tuple[str, int | None]:
     """``DRAFTER:K`` (e.g. ``llama-cpp:4``) as ``(drafter, K)``; ``DRAFTER:auto`` as
     ``(drafter, None)``: the coordinator's adaptive K. Raises ValueError naming what to fix."""
     drafter, _, k = spec.partition(":")
-    if drafter not in DRAFTERS or not (k == "auto" or k.isdigit() and 1 <= int(k) <= 16):
-        raise ValueError(f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} "
-                         "and K in 1..16 or auto")
+    if drafter not in DRAFTERS or not (k == "auto" or (k.isdigit() and 1 <= int(k) <= 16)):
+        raise ValueError(
+            f"--pipeline {spec!r}: use DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} and K in 1..16 or auto"
+        )
     return drafter, None if k == "auto" else int(k)
 
 
 def machine_info() -> dict:
     """CPU model, cores, device and library versions, for the report."""
     cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
+        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     return {
         "cpu": cpu,
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -89,7 +89,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -117,12 +117,18 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
     for method in methods:
         method.run(questions[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
     measurements = []
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(questions) * len(methods))
         for i, question in enumerate(questions):
             runs = {}
-            for method in methods[i % len(methods):] + methods[: i % len(methods)]:
+            for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
                 progress.update(task, description=f"{question.category} #{question.question_id} {method.name:<22}")
                 runs[method.name] = method.run(question, config.max_new_tokens, config.seed)
                 progress.advance(task)
@@ -167,16 +173,25 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     clusters = {}
     try:
         for where in placements if pipelines else []:
-            console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services ({where.name})...")
+            console.print(
+                f"starting the coordinator, draft ({', '.join(drafters)}) and verify services ({where.name})..."
+            )
             suffix = f"@{where.name}" if len(placements) > 1 else ""
             clusters[suffix] = start_cluster(
-                config.target, config.draft_model, drafters, config.dtype, config.out / "logs" / where.name, placement=where
+                config.target,
+                config.draft_model,
+                drafters,
+                config.dtype,
+                config.out / "logs" / where.name,
+                placement=where,
             )
             address = clusters[suffix].address("coordinator")
             methods += [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
         measurements = _run_all(methods, questions, config, console)
         memory = {
-            f"{name}{suffix}": peak_rss_bytes(p.pid) for suffix, cluster in clusters.items() for name, p in cluster.processes.items()
+            f"{name}{suffix}": peak_rss_bytes(p.pid)
+            for suffix, cluster in clusters.items()
+            for name, p in cluster.processes.items()
         }
     finally:
         for cluster in clusters.values():

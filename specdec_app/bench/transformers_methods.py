@@ -105,8 +105,16 @@ class TransformersMethod:
     that it matches a fixed-K pipeline). ``cpus``: run pinned to them with one torch thread
     (:func:`specdec_app.bench.placement.pinned`; ``name`` then says where)."""
 
-    def __init__(self, target, tokenizer, k: int = 0, kind: str = "plain", assistant=None,
-                 cpus: frozenset[int] | None = None, name: str | None = None):
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        k: int = 0,
+        kind: str = "plain",
+        assistant=None,
+        cpus: frozenset[int] | None = None,
+        name: str | None = None,
+    ):
         self.target, self.tokenizer, self.k, self.kind, self.cpus = target, tokenizer, k, kind, cpus
         self.name = name or ("plain" if kind == "plain" else f"{kind}/K={k}")
         self.probe = ForwardProbe(target)
@@ -131,20 +139,32 @@ class TransformersMethod:
         timer = _FirstTokenTimer()
         with pinned(self.cpus), torch.inference_mode():
             output = self.target.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, streamer=timer, **self.extra,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                streamer=timer,
+                **self.extra,
             )
         wall_ms = ms_since(timer.start)
-        generated = output[0, ids.shape[1]:].tolist()
+        generated = output[0, ids.shape[1] :].tolist()
         forwards = self.probe.take()
         rounds = [r for r in rounds_from_forwards(forwards, ids.shape[1], len(generated)) if r[0] > 0]
         return Measurement(
-            method=self.name, question_id=question.question_id, category=question.category, token_ids=generated,
-            wall_ms=wall_ms, ttft_ms=timer.first_token_ms, num_target_forwards=len(forwards),
-            num_spec_steps=len(rounds), num_draft_tokens=sum(d for d, _ in rounds),
+            method=self.name,
+            question_id=question.question_id,
+            category=question.category,
+            token_ids=generated,
+            wall_ms=wall_ms,
+            ttft_ms=timer.first_token_ms,
+            num_target_forwards=len(forwards),
+            num_spec_steps=len(rounds),
+            num_draft_tokens=sum(d for d, _ in rounds),
             num_accepted_tokens=sum(a for _, a in rounds),
             acceptance_histogram=histogram((a for _, a in rounds), max((d for d, _ in rounds), default=-1) + 1),
             draft_ms=sum(r.ms for r in self.draft_probe.take()) if self.draft_probe else 0.0,
-            verify_ms=sum(r.ms for r in forwards[1:]), num_verify_rounds=len(forwards) - 1,
+            verify_ms=sum(r.ms for r in forwards[1:]),
+            num_verify_rounds=len(forwards) - 1,
             verify_costs=forward_costs(forwards[1:]),
         )
