@@ -237,7 +237,7 @@ class AdaptiveK:
             return (tokens + others) / self.costs.round_ms(k, draft_call, others_tokens)
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
-        if self.drafter and draft_available:
+        if self.drafter and self.acceptance is not None and draft_available:
             options += [
                 (self.drafter, k, goodput(self.acceptance.expected_tokens(k), k))
                 for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
@@ -290,7 +290,7 @@ class AdaptiveK:
         """Learns from a finished round: its record, the lookups' matches looked up before it
         (used or not) and the tokens it committed."""
         draft_call = bool(self.drafter) and record.drafter == self.drafter
-        if draft_call:
+        if draft_call and self.acceptance is not None:
             self.acceptance.observe(record.num_drafted, record.num_accepted)
         for name, match in (matches or {}).items():
             if match.tokens and name in self.lookups:
@@ -301,7 +301,7 @@ class AdaptiveK:
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
         """Every acceptance model of the request, by the name its warm start is kept under."""
         models = {f"{name}/{n}": model for name, lookup in self.lookups.items() for n, model in enumerate(lookup, 1)}
-        if self.drafter:
+        if self.drafter and self.acceptance is not None:
             models[self.drafter] = self.acceptance
         return models
 

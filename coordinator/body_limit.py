@@ -10,7 +10,7 @@ as the app reads them.
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyLimit:
@@ -36,7 +36,7 @@ class BodyLimit:
             return await self.answer(self._too_large())(scope, receive, send)
         received = 0
 
-        async def limited() -> dict:
+        async def limited() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":

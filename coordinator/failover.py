@@ -51,7 +51,6 @@ class VerifyReplicas:
 
     async def info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
         """GetInfo of the first replica that answers. Raises the last replica's error if none does."""
-        error = None
         for replica in self.order():
             try:
                 return await self.clients.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())

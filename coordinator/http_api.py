@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 import uvicorn
@@ -54,7 +54,8 @@ class ModelNames:
     fetched again only when a request names an unknown model) and the configured aliases."""
 
     def __init__(self, replicas: VerifyReplicas, aliases: list[str]):
-        self.replicas, self.aliases, self.target = replicas, list(aliases), None
+        self.replicas, self.aliases = replicas, list(aliases)
+        self.target: str | None = None
 
     async def names(self, refresh: bool = False) -> list[str]:
         """Raises Unavailable when no verify replica answers."""
@@ -74,7 +75,7 @@ class _Steps:
     twin of the gRPC call's span): a stream's steps run in more than one task, so the span is made
     current per step rather than for the whole stream."""
 
-    def __init__(self, responses: AsyncIterator[coordinator_pb2.GenerateResponse], span: trace.Span):
+    def __init__(self, responses: AsyncGenerator[coordinator_pb2.GenerateResponse, None], span: trace.Span):
         self.responses, self.span = responses, span
 
     async def next(self) -> coordinator_pb2.GenerateResponse | None:
@@ -96,6 +97,7 @@ class _EventStream(StreamingResponse):
     the client disconnects mid-stream the request is cancelled and its sessions released."""
 
     media_type = "text/event-stream"
+    body_iterator: AsyncGenerator[str, None]  # the events of :func:`_events`
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -197,6 +199,7 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
         try:
             # validation and prefill: their errors get their own status
             first = await disconnect.unless(steps.next())
+            assert first is not None  # a request's stream has at least its last message
             shape = ResponseShape(chat, first.request_id, body.model)
             if body.stream:
                 disconnect.stop()  # from here on the event stream sees the client leave
@@ -208,7 +211,7 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
                 events = _events(steps, first, shape, options.include_usage, prompt_tokens)
                 return _EventStream(events, headers=headers)
             completion = Completion()
-            response = first
+            response: coordinator_pb2.GenerateResponse | None = first
             while response is not None:
                 completion.add(response)
                 response = await disconnect.unless(steps.next())
@@ -232,7 +235,7 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
 
 async def _events(
     steps: _Steps, response, shape: ResponseShape, include_usage: bool, continuous_prompt_tokens: int | None = None
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The chunks of a streamed request, from its first message ``response`` on;
     ``continuous_prompt_tokens`` (``stream_options.continuous_usage_stats``): the prompt's token
     count, and every chunk carries the usage so far."""

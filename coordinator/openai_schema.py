@@ -64,7 +64,8 @@ class ApiError(Exception):
         ``params`` renames the field it names (see :meth:`_Request.params`)."""
         message = str(err)
         param = next((p for prefix, p in _PARAMS if message.startswith(prefix)), None)
-        param = (params or {}).get(param, param)
+        if param is not None:
+            param = (params or {}).get(param, param)
         return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower())
 
     def to_json(self) -> dict:
@@ -260,13 +261,15 @@ class ChatCompletionRequest(_Request):
             raise invalid(f"{where}.role", f"{where}.role is {message.role!r}: it must be one of {', '.join(ROLES)}")
         content = message.content
         if isinstance(content, list):
+            texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise invalid(
                         f"{where}.content[{j}]",
                         f"{where}.content[{j}] is of type {part.type!r}: specdec takes text parts only",
                     )
-            content = "\n".join(part.text for part in content)
+                texts.append(part.text)
+            content = "\n".join(texts)
         return coordinator_pb2.ChatMessage(role=ROLES[message.role], content=content or "")
 
 

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -53,7 +53,7 @@ from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2
 from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
         )
         self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
-        self._draft_info = None  # the draft service's last GetInfo, for requests that start while it is down
+        # the draft service's last GetInfo, for requests that start while it is down
+        self._draft_info: draft_pb2.DraftServiceGetInfoResponse | None = None
         self._num_running = 0  # Generate calls in progress
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
@@ -117,7 +118,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def responses(
         self, request: coordinator_pb2.GenerateRequest
-    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The messages of one request, the first carrying its request id: the path of the gRPC
         Generate call and of the HTTP API (:mod:`coordinator.http_api`). Raises SpecdecError;
         closing it early cancels the request."""
@@ -204,7 +205,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         check_resume(request, stored)
         return stored
 
-    async def _generate(self, request, request_id: str) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def _generate(self, request, request_id: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """Opens the request (or replays a finished one), streams what its rounds commit, and
         closes it: its sessions released and its outcome stored, whether it finished, failed or
         was cancelled."""
@@ -230,7 +231,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         resume on another target, ALREADY_EXISTS for a new request whose id is taken."""
         resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
         resuming = stored is not None
-        if resuming:
+        if stored is not None:
             check_same_target(stored, verify_info)
         else:
             original = coordinator_pb2.GenerateRequest()
@@ -276,7 +277,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             left_behind if resuming else None,
         )
 
-    async def _stream(self, running: RunningRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def _stream(self, running: RunningRequest) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The request's messages: the resumed tokens first, then the prefill and one message per
         round, each round's tokens stored before the client has them."""
         rounds, output = running.rounds, running.output
@@ -306,8 +307,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """The message carrying ``kept`` (None if it carries nothing); the last one carries the
         request's metrics."""
         response = running.output.response(kept)
-        if response:
-            running.metrics.record_first_token()
+        if response is None:  # nothing to send: not the end either
+            return None
+        running.metrics.record_first_token()
         if running.output.finish:
             running.final = self._request_metrics(running)
             response.metrics.CopyFrom(running.final)
@@ -350,6 +352,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         output.add(stored.generated)
         output.finish = stored.finish_reason
         response = output.response(stored.generated)
+        assert response is not None and stored.metrics is not None  # a finished request has both
         response.metrics.CopyFrom(stored.metrics)
         return response
 
@@ -390,6 +393,7 @@ async def serve(
         draft_down_s=settings.draft_retry_s,
     )
     metrics = CoordinatorMetrics()
+    store: RequestStore
     if settings.redis_url:
         store = RedisStore(
             settings.redis_url,
@@ -457,7 +461,8 @@ def _internal_tls(settings: CoordinatorSettings) -> Reloading[grpc.ChannelCreden
     if not settings.internal_tls_ca_file:
         return None
     names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
-    return reloading_channel_credentials(*(getattr(settings, name) for name in names), names)
+    ca_file, cert_file, key_file = (getattr(settings, name) for name in names)
+    return reloading_channel_credentials(ca_file, cert_file, key_file, names)
 
 
 def main(settings: CoordinatorSettings) -> None:

@@ -206,7 +206,8 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError("redis_tls_* files are for a TLS connection: make redis_url rediss://host:port/db")
         for prefix in ("internal_tls_", "redis_tls_"):
             names = (f"{prefix}ca_file", f"{prefix}cert_file", f"{prefix}key_file")
-            check_client_files(*(getattr(self, name) for name in names), names)
+            ca_file, cert_file, key_file = (getattr(self, name) for name in names)
+            check_client_files(ca_file, cert_file, key_file, names)
         return self
 
     @model_validator(mode="after")

@@ -27,12 +27,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.typing import EncodableT, FieldT
 
 from specdec.errors import Unavailable
 from specdec.v1 import coordinator_pb2
@@ -61,13 +63,13 @@ class StoredRequest:
     vocab_fingerprint: str
     status: str = RUNNING
     generated: list[int] = field(default_factory=list)
-    finish_reason: int = coordinator_pb2.FINISH_REASON_UNSPECIFIED
+    finish_reason: coordinator_pb2.FinishReason = coordinator_pb2.FINISH_REASON_UNSPECIFIED
     metrics: coordinator_pb2.RequestMetrics | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     sessions: dict[str, str] = field(default_factory=dict)
 
-    def header(self) -> dict[str, bytes | str | int | float]:
+    def header(self) -> dict[FieldT, EncodableT]:
         """Every field but the tokens, as Redis hash fields."""
         return {
             "request": self.request.SerializeToString(),
@@ -91,7 +93,7 @@ class StoredRequest:
             fields["vocab_fingerprint"].decode(),
             fields["status"].decode(),
             np.frombuffer(tokens or b"", dtype=TOKEN_DTYPE).tolist(),
-            int(fields["finish_reason"]),
+            cast(coordinator_pb2.FinishReason, int(fields["finish_reason"])),  # the enum's number
             coordinator_pb2.RequestMetrics.FromString(fields["metrics"]) if fields["metrics"] else None,
             float(fields["created_at"]),
             float(fields["updated_at"]),
@@ -203,13 +205,10 @@ class RedisStore(RequestStore):
         self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0, **ssl_options: str
     ):
         super().__init__(ttl_s)
+        ssl: dict[str, Any] = {name: value for name, value in ssl_options.items() if value}
         # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
         self.redis = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            **{name: value for name, value in ssl_options.items() if value},
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1), **ssl
         )
         self.url = _without_password(url)  # logged and in error messages
         self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
@@ -245,7 +244,9 @@ class RedisStore(RequestStore):
 
         async def claim():
             async with self.redis.pipeline(transaction=True) as pipe:
-                return await pipe.hsetnx(header, "request", b"").expire(header, int(self.ttl_s)).execute()
+                pipe.hsetnx(header, "request", b"")
+                pipe.expire(header, int(self.ttl_s))
+                return await pipe.execute()
 
         claimed, _ = await self._run("create", claim)
         if claimed:
@@ -257,24 +258,28 @@ class RedisStore(RequestStore):
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(header).hset(header, mapping=record.header())
+                pipe.delete(header)
+                pipe.hset(header, mapping=record.header())
                 pipe.set(tokens, np.asarray(record.generated, dtype=TOKEN_DTYPE).tobytes())
-                pipe.expire(header, int(self.ttl_s)).expire(tokens, int(self.ttl_s))
+                pipe.expire(header, int(self.ttl_s))
+                pipe.expire(tokens, int(self.ttl_s))
                 await pipe.execute()
 
         await self._run("put", call)
 
     async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
         header, token_key = self._keys(request_id)
-        fields = {"updated_at": time.time()}
+        fields: dict[FieldT, EncodableT] = {"updated_at": time.time()}
         if sessions is not None:
             fields["sessions"] = json.dumps(sessions)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.append(token_key, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
-                pipe.hset(header, mapping=fields).hlen(header)
-                pipe.expire(header, int(self.ttl_s)).expire(token_key, int(self.ttl_s))
+                pipe.hset(header, mapping=fields)
+                pipe.hlen(header)
+                pipe.expire(header, int(self.ttl_s))
+                pipe.expire(token_key, int(self.ttl_s))
                 return await pipe.execute()
 
         length, _, num_fields, *_ = await self._run("append", call)
@@ -285,7 +290,9 @@ class RedisStore(RequestStore):
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
-                return await pipe.hgetall(header).get(tokens).execute()
+                pipe.hgetall(header)
+                pipe.get(tokens)
+                return await pipe.execute()
 
         fields, token_bytes = await self._run("load", call)
         return StoredRequest.from_redis(request_id, fields, token_bytes) if fields.get(b"request") else None
@@ -295,7 +302,7 @@ class RedisStore(RequestStore):
         return {key.decode(): json.loads(value) for key, value in fields.items()}
 
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        mapping = {source: json.dumps(rates) for source, rates in priors.items()}
+        mapping: dict[FieldT, EncodableT] = {source: json.dumps(rates) for source, rates in priors.items()}
         await self._run("save_priors", lambda: self.redis.hset(f"specdec:acceptance:{target}", mapping=mapping))
 
     async def close(self) -> None:
@@ -329,13 +336,17 @@ class RequestJournal:
         """Stores the newly committed ``tokens`` and, when they changed, the ids of the sessions
         the request holds (``sessions``, by service)."""
         self.record.generated.extend(tokens)
-        changed = sessions is not None and sessions != self.record.sessions
-        if changed:
+        if sessions is None or sessions == self.record.sessions:
+            sessions = None  # unchanged: not written again
+        else:
             self.record.sessions = dict(sessions)
-        await self._sync(self.record.sessions if changed else None)
+        await self._sync(sessions)
 
     async def end(
-        self, status: str, finish_reason: int = 0, metrics: coordinator_pb2.RequestMetrics | None = None
+        self,
+        status: str,
+        finish_reason: coordinator_pb2.FinishReason = coordinator_pb2.FINISH_REASON_UNSPECIFIED,
+        metrics: coordinator_pb2.RequestMetrics | None = None,
     ) -> None:
         """Stores the outcome; the request's sessions are released by then, so none are kept."""
         self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics

@@ -4,7 +4,7 @@ else its IP address. One call over the limit fails with RESOURCE_EXHAUSTED (HTTP
 work starts; the calls in flight go on."""
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from specdec.errors import ResourceExhausted
@@ -36,7 +36,7 @@ class StreamLimit:
             return f"key {authorization.strip().partition(' ')[2].strip()}"
         return f"host {host}"
 
-    async def run(self, client: str, responses: AsyncIterator[T]) -> AsyncIterator[T]:
+    async def run(self, client: str, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
         """``responses`` counted as one of ``client``'s running calls until it ends or is closed
         (closing this closes ``responses``). Raises ResourceExhausted at the first step when the
         client already runs ``max_per_client`` calls."""

@@ -154,7 +154,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     for name, drafter in drafters.items():
         if drafter.engine is not None:
             drafter.engine.metrics = metrics.engine_metrics(name)
-    sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
+    sessions: SessionRegistry[DraftSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = DraftServicer(drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics)
 
     return start_service(

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (CI runs exactly this). Extra arguments go to pytest.
+# Set up, check lint, formatting and types, then run the test suite (CI runs exactly this).
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export HF_HUB_OFFLINE=1
+# Lint, formatting and types (configured in pyproject.toml) before the tests: any finding fails the run.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if [ "$status" -eq 5 ]; then

@@ -34,6 +34,7 @@ from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.errors import Unavailable
+from specdec.prom import EngineMetrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -92,14 +93,6 @@ class _Entry:
             return method(*args)
         finally:
             otel_context.detach(token)
-
-
-class EngineMetrics:
-    """What an engine reports per step and per call (see :class:`specdec.prom.ServiceMetrics`)."""
-
-    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None: ...
-
-    def observe_queue(self, queue_ms: float) -> None: ...
 
 
 class Engine:
@@ -221,7 +214,8 @@ class Engine:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
         arrival order, within the limits."""
         self._queue = [e for e in self._queue if not e.abandoned]
-        batch, budget, seqs = [], self.max_num_batched_tokens, set()
+        batch: list[tuple[_Entry, SequenceStep]] = []
+        budget, seqs = self.max_num_batched_tokens, set()
         for prefill in (False, True):
             for entry in self._queue:
                 work = entry.work
@@ -252,7 +246,7 @@ class Engine:
         step_ms, end_ns = (time.perf_counter() - start) * 1000, time.time_ns()
         num_tokens = sum(len(step.token_ids) for step in steps)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
-        outcomes = []
+        outcomes: list[tuple[_Entry, Exception | None]] = []
         for (entry, step), rows in zip(batch, logits, strict=True):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))

@@ -52,7 +52,9 @@ def load_causal_lm(spec: str, dtype: str = "auto", device_map: str | None = None
     if kwargs.get("gguf_file"):
         _save_converted(ref, model, tokenizer)
     if device_map is None and torch.cuda.is_available():
-        model = model.to("cuda")
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type loses the
+        # method's binding: mypy reads "cuda" as the model argument
+        model = model.to("cuda")  # type: ignore[arg-type]
     return model.eval(), tokenizer
 
 

@@ -5,7 +5,7 @@ prometheus-client appends ``_total`` to counters and ``_bucket`` / ``_sum`` / ``
 histograms. Each service owns its registry: several services may share one process (the tests).
 """
 
-from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
@@ -13,13 +13,19 @@ from prometheus_client.registry import Collector
 
 from specdec.sessions import SessionRegistry
 
-if TYPE_CHECKING:  # the engine module imports torch; the coordinator, which has no engine, must not
-    from specdec.engine import EngineMetrics
-
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineMetrics:
+    """What an engine (:mod:`specdec.engine`) reports per step and per call; these report nothing
+    (see :meth:`ServiceMetrics.engine_metrics` for the ones that do)."""
+
+    def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None: ...
+
+    def observe_queue(self, queue_ms: float) -> None: ...
 
 
 class _EngineHistograms:
@@ -48,9 +54,9 @@ class _EngineHistograms:
         )
 
 
-class _EngineView:
-    """One engine's labelled children of :class:`_EngineHistograms`: a
-    :class:`specdec.engine.EngineMetrics` (the engine calls its two methods)."""
+class _EngineView(EngineMetrics):
+    """One engine's labelled children of :class:`_EngineHistograms` (the engine calls its two
+    methods)."""
 
     def __init__(self, histograms: _EngineHistograms, engine: str):
         self._batch = histograms.batch_size.labels(engine)
@@ -95,9 +101,9 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self._engines: _EngineHistograms | None = None
-        self._http = None
+        self._http: WSGIServer | None = None
 
-    def engine_metrics(self, engine: str) -> "EngineMetrics":
+    def engine_metrics(self, engine: str) -> EngineMetrics:
         """The step and queue histograms of the engine named ``engine`` (its label value)."""
         if self._engines is None:
             self._engines = _EngineHistograms(self.registry)

@@ -55,9 +55,7 @@ class _Layout:
     counts: list[int]
 
 
-def _ragged_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, ragged: _Layout = None, **_
-):
+def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, ragged: _Layout, **_):
     """The attention function (transformers' interface): query ``[1, heads, T, head_dim]``, key and
     value ``[1, kv_heads, T, head_dim]`` of the flattened step; returns ``[1, T, heads, head_dim]``."""
     layer = module.layer_idx

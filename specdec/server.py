@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import tls
 from specdec.decoding import AioRejectUndecodable, RejectUndecodable
+from specdec.prom import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +90,17 @@ def start_server(
     return server, bound
 
 
+class _Servicer(Protocol):
+    metrics: ServiceMetrics
+
+
 @dataclass
 class RunningService:
     """A started draft or verify service: its server, bound port, servicer and janitor."""
 
     server: grpc.Server
     port: int
-    servicer: object
+    servicer: _Servicer  # the DraftServicer or VerifyServicer
     janitor: threading.Event
 
     def stop(self, grace_s: float | None = None) -> None:

@@ -84,5 +84,5 @@ class SessionServiceSettings(ServiceSettings):
 def parse_settings(cls: type[ServiceSettings], args: list[str], prog: str) -> ServiceSettings:
     """Builds ``cls`` from command-line ``args`` and the environment; ``--help`` lists every field
     with its environment variable and exits."""
-    source = CliSettingsSource(cls, cli_prog_name=prog, cli_show_env_vars=True)
+    source: CliSettingsSource[ServiceSettings] = CliSettingsSource(cls, cli_prog_name=prog, cli_show_env_vars=True)
     return CliApp.run(cls, cli_args=args, cli_settings_source=source)

@@ -128,9 +128,10 @@ class SuffixTree:
         for n in range(1, min(len(context), self.max_depth - 1) + 1):
             node = self.root
             for token in context[len(context) - n :]:
-                node = node.children.get(token)
-                if node is None:  # a longer suffix contains this one: none of them is held
+                child = node.children.get(token)
+                if child is None:  # a longer suffix contains this one: none of them is held
                     return
+                node = child
             yield n, node
 
     def suffixes(self, key: Hashable) -> Iterator[tuple[int, _Node]]:
@@ -157,7 +158,9 @@ def _best_proposal(matches: Iterable[tuple[int, _Node]], k: int, limits: Proposa
 def _most_frequent_path(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], list[float]]:
     """Up to ``limit`` tokens below ``node`` along the most frequent child, and the confidence at
     each; stops before the confidence falls below ``min_token_prob``."""
-    tokens, probs, confidence = [], [], 1.0
+    tokens: list[int] = []
+    probs: list[float] = []
+    confidence = 1.0
     while len(tokens) < limit and node.children:
         total = sum(child.count for child in node.children.values())
         token, node = max(node.children.items(), key=lambda item: item[1].count)

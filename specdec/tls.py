@@ -104,7 +104,7 @@ class Reloading(Generic[T]):
         self._lock = threading.Lock()
         self._stamp = self._status()
         self.value = build()  # raises: unusable files fail the start
-        self._failed = None  # the status whose files did not load (logged once)
+        self._failed: tuple | None = None  # the status whose files did not load (logged once)
 
     def _status(self) -> tuple | None:
         try:
@@ -188,4 +188,4 @@ def reloading_channel_credentials(
     """:func:`channel_credentials` of the files, built again (``latest()``) when they change.
     Raises TLSFileError naming the setting of an unusable file."""
     paths = [ca_file, cert_file, key_file]
-    return Reloading(paths, lambda: channel_credentials(*paths, settings))
+    return Reloading(paths, lambda: channel_credentials(ca_file, cert_file, key_file, settings))

@@ -4,15 +4,16 @@ import json
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import grpc
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec.settings import parse_settings
+from specdec.settings import ServiceSettings, parse_settings
 
 app = typer.Typer(help="Speculative decoding as a distributed gRPC service.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
@@ -27,6 +28,8 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 def _run_service(ctx: typer.Context, service: str) -> None:
     from specdec.telemetry import configure_logging, configure_tracing
 
+    main: Callable[[Any], None]  # each service's main takes its own settings class
+    settings_cls: type[ServiceSettings]
     if service == "verify":
         from verify_service.service import main
         from verify_service.settings import VerifySettings as settings_cls
@@ -362,9 +365,9 @@ def generate(
         raise typer.Exit(1)
     credentials = None
     if tls or tls_ca or tls_cert or tls_key:
-        files = [str(path or "") for path in (tls_ca, tls_cert, tls_key)]
+        ca_file, cert_file, key_file = (str(path or "") for path in (tls_ca, tls_cert, tls_key))
         try:
-            credentials = channel_credentials(*files, ("--tls-ca", "--tls-cert", "--tls-key"))
+            credentials = channel_credentials(ca_file, cert_file, key_file, ("--tls-ca", "--tls-cert", "--tls-key"))
         except TLSFileError as err:
             stderr.print(f"[red]error: {err}[/red]")
             raise typer.Exit(1) from None
@@ -570,6 +573,7 @@ def bench(
     from specdec_app.bench.report import overall_table, speedup_table
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
+    given: dict[str, Any] = {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}  # the rest: defaults
     config = BenchConfig(
         questions=questions,
         out=out,
@@ -581,11 +585,7 @@ def bench(
         target=target,
         draft_model=draft_model,
         dtype=dtype,
-        **{
-            name: value
-            for name, value in {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}.items()
-            if value
-        },
+        **{name: value for name, value in given.items() if value},
     )
     try:
         report = run_bench(config, stderr)

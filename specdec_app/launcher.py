@@ -71,6 +71,13 @@ class ServiceProcess:
         return f"{self.host}:{self.port}"
 
     @property
+    def started(self) -> subprocess.Popen:
+        """The process; raises RuntimeError before :meth:`start`."""
+        if self.process is None:
+            raise RuntimeError(f"the {self.service} service was never started")
+        return self.process
+
+    @property
     def metrics_url(self) -> str | None:
         """The Prometheus endpoint, None when off."""
         return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else None
@@ -100,8 +107,8 @@ class ServiceProcess:
         passes ``deadline`` first."""
         hint = f" (see {self.log_file})" if self.log_file else ""
         while not is_serving(self.address, credentials=self.credentials):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the {self.service} service exited with code {self.process.returncode}{hint}")
+            if self.started.poll() is not None:
+                raise RuntimeError(f"the {self.service} service exited with code {self.started.returncode}{hint}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {self.service} service at {self.address} was not SERVING in time{hint}")
             time.sleep(0.5)
@@ -113,7 +120,7 @@ class ServiceProcess:
     def kill(self) -> None:
         """SIGKILL, as a node failure would: no shutdown, no draining."""
         self.signal(signal.SIGKILL)
-        self.process.wait()
+        self.started.wait()
 
     def exit_status(self) -> str | None:
         """None while the process runs (or was never started), else how it ended, e.g. ``exit
@@ -126,7 +133,7 @@ class ServiceProcess:
     def wait_stopped(self, deadline: float) -> None:
         """Waits for the process to exit until time.monotonic() passes ``deadline``, then kills it."""
         try:
-            self.process.wait(max(0.1, deadline - time.monotonic()))
+            self.started.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.kill()
 
@@ -154,7 +161,7 @@ class LocalCluster:
 
     @property
     def processes(self) -> dict[str, subprocess.Popen]:
-        return {name: service.process for name, service in self.services.items()}
+        return {name: service.started for name, service in self.services.items()}
 
     def address(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
@@ -195,7 +202,8 @@ class LocalCluster:
         )
         credentials = None
         if self.tls:
-            credentials = channel_credentials(self.tls.ca_file, self.tls.client_cert_file, self.tls.client_key_file)
+            tls = self.tls
+            credentials = channel_credentials(str(tls.ca_file), str(tls.client_cert_file), str(tls.client_key_file))
         self.services[service] = ServiceProcess(
             service,
             getattr(self, f"{service}_port"),
@@ -217,8 +225,8 @@ class LocalCluster:
         try:
             for service in ("verify", "draft", "coordinator"):
                 self.start(service)
-            for service in self.services.values():
-                service.wait_serving(deadline)
+            for started in self.services.values():
+                started.wait_serving(deadline)
         except BaseException:
             self.stop()
             raise
@@ -335,5 +343,5 @@ class Supervisor:
             "%s service restarted (restart %d, pid %d)",
             name,
             len(history.times),
-            self.cluster.services[name].process.pid,
+            self.cluster.services[name].started.pid,
         )

@@ -39,7 +39,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
-    names = []
+    names: list[x509.GeneralName] = []
     for host in dict.fromkeys(["localhost", "127.0.0.1", "::1", *hosts]):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))

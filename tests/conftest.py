@@ -30,9 +30,9 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
-from specdec.engine import EngineMetrics  # noqa: E402
 from specdec.model_files import load_tokenizer  # noqa: E402
 from specdec.models import load_causal_lm  # noqa: E402
+from specdec.prom import EngineMetrics  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 from specdec_app.launcher import free_port  # noqa: E402

@@ -12,8 +12,9 @@ import torch
 
 from coordinator.client import generate
 from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, EngineMetrics, Work
+from specdec.engine import Engine, Work
 from specdec.errors import Unavailable
+from specdec.prom import EngineMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc

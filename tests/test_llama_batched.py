@@ -12,9 +12,9 @@ import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requantized
 from specdec.batching import SequenceStep
-from specdec.engine import EngineMetrics
 from specdec.errors import ResourceExhausted
 from specdec.model_files import derived_path, resolve_model
+from specdec.prom import EngineMetrics
 from specdec.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -102,7 +102,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens, limits
     )
     target.engine.metrics = metrics.engine_metrics("verify")
-    sessions = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
+    sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = VerifyServicer(target, sessions, metrics)
 
     return start_service(

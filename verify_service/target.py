@@ -179,9 +179,8 @@ class _Verify(_Score):
                 n, token = greedy_accept(drafts, logits)
             else:
                 generator = round_generator(session.sampling.seed, len(session.committed), "verify")
-                n, token = rejection_sample(
-                    drafts, self.draft_probs, logits_to_probs(logits, session.sampling), generator
-                )
+                draft_probs = torch.empty(0) if self.draft_probs is None else self.draft_probs  # None: K = 0
+                n, token = rejection_sample(drafts, draft_probs, logits_to_probs(logits, session.sampling), generator)
             span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(drafts) and n == len(drafts)})
         session.committed.extend([*drafts[:n], token])
         session.rollback()

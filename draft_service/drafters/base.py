@@ -145,7 +145,7 @@ class _Propose(Work):
             self.bonus = int(logits[-1].argmax())
             self.chosen.append(self.bonus)
             return False
-        if sampling.greedy:
+        if self.generator is None:  # greedy
             self.tokens.append(int(logits[-1].argmax()))
         else:
             q = logits_to_probs(logits[-1], sampling)

@@ -235,7 +235,7 @@ class LlamaCppLM(BatchedLM):
         return self._lengths.get(seq_id, 0) * self.bytes_per_token
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(steps)
+        out: dict[int, torch.Tensor] = {}  # by step
         with self._lock:
             live = []
             for i, step in enumerate(steps):
@@ -262,11 +262,12 @@ class LlamaCppLM(BatchedLM):
             else:
                 for i in live:
                     out[i] = torch.empty(0, self.vocab_size)
-        return out
+        return [out[i] for i in range(len(steps))]
 
     def _decode(self, steps: list[SequenceStep], total: int) -> list[torch.Tensor]:
         """Fills the batch, runs one ``llama_decode`` and copies the flagged logits (lock held)."""
         batch = self._batch
+        assert batch is not None, "the LM is closed"
         n = 0
         flagged: list[list[int]] = []
         for step in steps:
@@ -326,6 +327,7 @@ class LlamaCppDrafter(Drafter):
     new tokens a step takes at most (prefill is chunked to it)."""
 
     name = "llama-cpp"
+    engine: Engine  # a model drafter always has one
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ class SuffixSession(DraftSession):
     def __init__(self, sampling: SamplingParams, cache: SuffixCache, limits: ProposalLimits):
         super().__init__(sampling)
         self.cache, self.limits = cache, limits
-        self.index: SuffixIndex | None = None  # made by prefill
+        self.index: SuffixIndex  # made by prefill
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)

@@ -16,6 +16,7 @@ class TransformersDrafter(Drafter):
     (prefill chunks fill what proposals leave)."""
 
     name = "transformers"
+    engine: Engine  # a model drafter always has one
 
     def __init__(self, model, tokenizer, model_name: str, max_num_seqs: int = 16, max_num_batched_tokens: int = 512):
         self.model = model_name

@@ -62,6 +62,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import grpc
 from rich.console import Console
@@ -78,6 +79,9 @@ from specdec_app.bench.questions import Question
 from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
 from specdec_app.bench.run import BenchInputs, machine_info
 from specdec_app.launcher import free_port
+
+if TYPE_CHECKING:  # imported when a client opens (a heavy import)
+    import openai
 
 ADAPTIVE, PIPELINE_K0, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
 METHODS = (ADAPTIVE, PIPELINE_K0, SERVE)
@@ -247,7 +251,8 @@ class PipelineClient:
 
     def __init__(self, name: str, address: str, k: int | None, drafter: str = ""):
         self.name, self.address, self.k, self.drafter = name, address, k, drafter
-        self._channel = self._stub = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorServiceStub  # made by open()
 
     async def open(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
@@ -267,13 +272,14 @@ class PipelineClient:
             request.num_speculative_tokens = self.k
         if self.drafter:
             request.drafter = self.drafter
-        record = RequestRecord(self.name, question.question_id, question.category, token_ids=[])
+        token_ids: list[int] = []
+        record = RequestRecord(self.name, question.question_id, question.category, token_ids=token_ids)
         metrics = None
         start = time.perf_counter()
         async for response in self._stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
             if response.token_ids and record.ttft_ms is None:
                 record.ttft_ms = ms_since(start)
-            record.token_ids.extend(response.token_ids)
+            token_ids.extend(response.token_ids)
             record.text += response.text
             if response.finish_reason:
                 record.finish_reason = FINISH_REASONS.get(response.finish_reason, str(response.finish_reason))
@@ -281,7 +287,7 @@ class PipelineClient:
         record.latency_ms = ms_since(start)
         if metrics is None:
             raise RuntimeError(f"the stream for question {question.question_id} ended without a finish reason")
-        record.num_tokens = len(record.token_ids)
+        record.num_tokens = len(token_ids)
         record.num_prompt_tokens = metrics.num_prompt_tokens
         record.add_metrics(metrics)
         return record
@@ -296,7 +302,7 @@ class OpenAIClient:
 
     def __init__(self, name: str, base_url: str, model: str, extra_body: dict | None = None):
         self.name, self.base_url, self.model, self.extra_body = name, base_url, model, extra_body
-        self._client = None
+        self._client: openai.AsyncOpenAI | None = None
 
     async def open(self) -> None:
         import openai
@@ -312,6 +318,7 @@ class OpenAIClient:
     async def run(self, question: Question, max_new_tokens: int, seed: int) -> RequestRecord:
         """Raises openai.APIError when the request fails, RuntimeError when the stream carries an
         error or ends without a finish reason or usage."""
+        assert self._client is not None, "open() the client first"
         record = RequestRecord(self.name, question.question_id, question.category)
         usage = None
         start = time.perf_counter()
@@ -565,8 +572,8 @@ def _compare(cells: list[dict], references: dict[int, RequestRecord], tokenizer)
     for cell in cells:
         for record in cell["records"]:
             reference = references.get(record.question_id)
-            if record.error or reference is None:
-                continue
+            if record.error or reference is None or reference.token_ids is None:
+                continue  # (a reference has its token ids)
             if record.token_ids is not None:
                 record.first_mismatch = first_mismatch(record.token_ids, reference.token_ids)
             elif record.text == reference.text:
@@ -593,7 +600,7 @@ def _margins(
     for m in mismatches:
         reference = references[m["question_id"]].token_ids
         position = m["first_mismatch"]
-        if position >= len(reference):
+        if reference is None or position >= len(reference):
             continue
         key = (m["question_id"], position)
         if key not in cache:
@@ -718,7 +725,10 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
         cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, console))
         if config.load_generator:
             load_section = _run_load_generator(config, sequence, cluster, serve, console)
-        processes = {**(cluster.processes if cluster else {}), **({SERVE: serve.process} if serve else {})}
+        processes = {
+            **(cluster.processes if cluster else {}),
+            **({SERVE: serve.process} if serve and serve.process else {}),
+        }
         memory = {name: peak_rss_bytes(p.pid) for name, p in processes.items()}
     finally:
         if serve:

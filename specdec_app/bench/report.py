@@ -39,7 +39,9 @@ def _stats(runs: list[Measurement]) -> dict:
     for m in runs:
         for j, count in enumerate(m.acceptance_histogram):
             histogram[j] += count
-    pipeline = all(m.coordination_ms is not None for m in runs)
+    coordination_ms = [m.coordination_ms for m in runs if m.coordination_ms is not None]
+    wire_bytes = [m.wire_bytes for m in runs if m.wire_bytes is not None]
+    pipeline = len(coordination_ms) == len(runs)
     rounds_per_drafter: dict[str, int] = {}
     for m in runs:
         for name, count in (m.rounds_per_drafter or {}).items():
@@ -60,8 +62,8 @@ def _stats(runs: list[Measurement]) -> dict:
         "draft_ms_per_token": _ratio(sum(m.draft_ms for m in runs), drafted),
         "draft_ms_per_round": _ratio(sum(m.draft_ms for m in runs), rounds),
         "verify_ms_per_round": _ratio(sum(m.verify_ms for m in runs), rounds),
-        "coordination_ms_per_round": _ratio(sum(m.coordination_ms for m in runs), rounds) if pipeline else None,
-        "wire_bytes_per_round": _ratio(sum(m.wire_bytes for m in runs), rounds) if pipeline else None,
+        "coordination_ms_per_round": _ratio(sum(coordination_ms), rounds) if pipeline else None,
+        "wire_bytes_per_round": _ratio(sum(wire_bytes), rounds) if pipeline else None,
         "rounds_per_drafter": rounds_per_drafter if pipeline else None,
         "draft_ahead_hit_rate": _ratio(sum(hits for _, hits in ahead), sum(checked for checked, _ in ahead)),
         "verify_costs": _verify_costs(runs),
@@ -230,10 +232,11 @@ def _verify_cost_cell(cost: dict | None, pipeline: bool) -> str:
 
 def _drafter_shares(rounds_per_drafter: dict[str, int] | None) -> str:
     """``plain 10%, ngram 30%, llama-cpp 60%``: the share of rounds each drafter proposed in."""
-    total = sum((rounds_per_drafter or {}).values())
+    shares = rounds_per_drafter or {}
+    total = sum(shares.values())
     if not total:
         return "-"
-    return ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(rounds_per_drafter.items()) if count)
+    return ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(shares.items()) if count)
 
 
 def _header(report: dict, title: str, details: str) -> list[str]:

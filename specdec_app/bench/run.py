@@ -138,7 +138,7 @@ def _run_all(methods, questions: list[Question], config: BenchConfig, console: C
     return measurements
 
 
-def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int]], list[Placement]]:
+def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int | None]], list[Placement]]:
     if not config.placements or len(set(config.placements)) < len(config.placements):
         raise ValueError("--placement: name each placement once (shared, split or both)")
     placements = [placement(name) for name in config.placements]
@@ -169,7 +169,9 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     config.out.mkdir(parents=True, exist_ok=True)
     drafters = list(dict.fromkeys(drafter for drafter, _ in pipelines))
     split = next((where for where in placements if where.cpus), None)
-    methods: list = _transformers_methods(config, split and split.cpus["verify"], "transformers" in drafters, console)
+    methods: list = _transformers_methods(
+        config, split.cpus["verify"] if split else None, "transformers" in drafters, console
+    )
     clusters = {}
     try:
         for where in placements if pipelines else []:

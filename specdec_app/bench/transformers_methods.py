@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from coordinator.metrics import histogram
@@ -30,7 +31,7 @@ class ForwardRecord:
 class ForwardProbe:
     """Records every forward pass of a transformers model through forward hooks."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     records: list[ForwardRecord] = field(default_factory=list)
 
     def __post_init__(self):
