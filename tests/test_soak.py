@@ -8,9 +8,9 @@ fixed K (0 included) and adaptive K, prompts and max_new_tokens; a few sample wi
 random choices come from a fixed seed per client, so every run sends the same sequence of plans.
 
 Afterwards it shows that:
-1. no session is left on the draft or the verify service, and no request runs on a coordinator
-   (their Prometheus gauges; the services' idle timeout is far longer than the test, so an
-   eviction cannot hide a leak);
+1. no session is left on the draft or the verify service and their KV caches hold 0 bytes, and
+   no request runs on a coordinator (their Prometheus gauges; the services' idle timeout is far
+   longer than the test, so an eviction cannot hide a leak);
 2. every service process's resident memory (VmRSS) is back within 10% of its level after a
    warm-up pass of the same load;
 3. every greedy request that completed, resumed ones included (their streams concatenated), has
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.multiprocess
 
 SEED = 16
 STREAMS = 64  # concurrent client streams
-WARM_UP_S, LOAD_S = 5.0, 30.0  # seconds of load: the warm-up pass, the measured one
+WARM_UP_S, LOAD_S = 3.0, 20.0  # seconds of load: the warm-up pass, the measured one
 RSS_TOLERANCE = 0.10
 PROMPTS = [
     "Write a long story about a lighthouse keeper and the ships she guided home.",
@@ -240,11 +240,16 @@ class Fleet:
         }
 
     def load(self) -> dict[str, float]:
-        """Open sessions (draft, verify) and running requests (coordinators), summed by service."""
+        """Open sessions (draft, verify; and "<service> KV bytes" their KV caches hold) and running
+        requests (coordinators), by service."""
         figures = {}
         for name, service in self.services.items():
-            metric = "specdec:num_requests_running" if name.startswith("coordinator") else "specdec:num_sessions"
-            figures[name] = scrape(service.metrics_url)[metric]
+            metrics = scrape(service.metrics_url)
+            if name.startswith("coordinator"):
+                figures[name] = metrics["specdec:num_requests_running"]
+            else:
+                figures[name] = metrics["specdec:num_sessions"]
+                figures[f"{name} KV bytes"] = metrics["specdec:kv_cache_bytes"]
         return figures
 
     def settled(self, timeout_s: float = 20.0) -> dict[str, float]:
