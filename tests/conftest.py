@@ -4,6 +4,7 @@ several test modules use (plain greedy decoding, chat prompts, a chi-square test
 acceptance rule for negative controls, a recorder of the engine's batch sizes, question files)."""
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from specdec.models import load_causal_lm  # noqa: E402
 from specdec.prom import EngineMetrics  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
-from specdec_app.launcher import free_port  # noqa: E402
+from specdec_app.launcher import ServiceProcess, free_port, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
 from verify_service.target import Target  # noqa: E402
@@ -392,3 +394,73 @@ def scrape(url: str) -> dict[str, float]:
         for value in family.samples:
             totals[value.name] = totals.get(value.name, 0.0) + value.value
     return totals
+
+
+@dataclass
+class ProcessFleet:
+    """The services as separate OS processes on free ports (:func:`process_fleet`)."""
+
+    verify: list[ServiceProcess]
+    draft: ServiceProcess
+    coordinators: list[ServiceProcess]
+
+    @property
+    def services(self) -> dict[str, ServiceProcess]:
+        """Every process by name: verify0.., draft, coordinator0.."""
+        return {
+            **{f"verify{i}": v for i, v in enumerate(self.verify)},
+            "draft": self.draft,
+            **{f"coordinator{i}": c for i, c in enumerate(self.coordinators)},
+        }
+
+    def restart(self, service: ServiceProcess) -> None:
+        service.start()
+        service.wait_serving(time.monotonic() + 180)
+
+
+@contextlib.contextmanager
+def process_fleet(
+    tiny_models: TinyModels,
+    redis_url: str,
+    logs: Path,
+    service_args: list[str],
+    coordinator_args: list[str],
+    num_verify: int = 1,
+    num_coordinators: int = 2,
+) -> Iterator[ProcessFleet]:
+    """Starts ``num_verify`` verify services (the tiny target), one draft service (a self-draft:
+    the target's own weights, so every draft passes, with the transformers and n-gram drafters),
+    and ``num_coordinators`` coordinators sharing Redis at ``redis_url``; ``service_args`` go to
+    the draft and verify services, ``coordinator_args`` to the coordinators. Waits until all
+    serve, yields them, and stops them; each writes its log under ``logs``."""
+
+    def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
+        return ServiceProcess(
+            kind,
+            free_port(),
+            args=args,
+            metrics_port=free_port(),
+            log_file=logs / f"{name}.log",
+            env={"SPECDEC_REDIS_URL": redis_url},
+        )
+
+    target = str(tiny_models.target_dir)
+    verify = [service("verify", f"verify{i}", ["--model", target, *service_args]) for i in range(num_verify)]
+    drafters = ["--drafters", "transformers,ngram", "--default-drafter", "transformers", "--transformers-model", target]
+    draft = service("draft", "draft", [*drafters, *service_args])
+    upstream = ["--tokenizer", target, "--draft-address", draft.address, "--verify-addresses"]
+    upstream.append(",".join(v.address for v in verify))
+    coordinators = [
+        service("coordinator", f"coordinator{i}", [*upstream, *coordinator_args]) for i in range(num_coordinators)
+    ]
+    fleet = ProcessFleet(verify, draft, coordinators)
+    processes = list(fleet.services.values())
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + 180
+        for process in processes:
+            process.wait_serving(deadline)
+        yield fleet
+    finally:
+        stop_all(processes)

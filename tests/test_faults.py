@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import signal
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -18,8 +17,7 @@ from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
-from tests.conftest import SUMMARY, scrape
+from tests.conftest import SUMMARY, process_fleet, scrape
 
 pytestmark = pytest.mark.multiprocess
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guided home."
@@ -27,74 +25,17 @@ MAX_NEW, K, FAULT_AFTER = 300, 4, 12  # the fault comes once the client has FAUL
 RECOVERY_S: dict[str, float] = {}
 
 
-@dataclass
-class Fleet:
-    verify: list[ServiceProcess]
-    draft: ServiceProcess
-    coordinators: list[ServiceProcess]
-    all: list[ServiceProcess] = field(default_factory=list)
-
-    def restart(self, service: ServiceProcess) -> None:
-        service.start()
-        service.wait_serving(time.monotonic() + 180)
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_models, redis_server, tmp_path_factory):
+    """Two verify replicas, the self-draft, two coordinators; idle sessions (those of the killed
+    coordinator) are evicted after 3 s, and a failed draft is retried after 0.5 s."""
+    service_args = ["--num-threads", "1", "--session-idle-timeout-s", "3"]
+    coordinator_args = ["--max-new-tokens-limit", "512", "--draft-retry-s", "0.5"]
     logs = tmp_path_factory.mktemp("fault-logs")
-    # idle sessions (those of the killed coordinator) are evicted after 3 s
-    threads = ["--num-threads", "1", "--session-idle-timeout-s", "3"]
-
-    def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
-        return ServiceProcess(
-            kind,
-            free_port(),
-            args=args,
-            metrics_port=free_port(),
-            log_file=logs / f"{name}.log",
-            env={"SPECDEC_REDIS_URL": redis_server.url},
-        )
-
-    verify = [service("verify", f"verify{i}", ["--model", str(tiny_models.target_dir), *threads]) for i in range(2)]
-    # a self-draft (the target's own weights): every draft passes, so lost speculation shows
-    draft = service(
-        "draft",
-        "draft",
-        [
-            "--drafters",
-            "transformers,ngram",
-            "--default-drafter",
-            "transformers",
-            "--transformers-model",
-            str(tiny_models.target_dir),
-            *threads,
-        ],
-    )
-    coordinator_args = [
-        "--tokenizer",
-        str(tiny_models.target_dir),
-        "--draft-address",
-        draft.address,
-        "--verify-addresses",
-        ",".join(v.address for v in verify),
-        "--max-new-tokens-limit",
-        "512",
-        "--draft-retry-s",
-        "0.5",
-    ]
-    coordinators = [service("coordinator", f"coordinator{i}", coordinator_args) for i in range(2)]
-    fleet = Fleet(verify, draft, coordinators, [*verify, draft, *coordinators])
-    for process in fleet.all:
-        process.start()
-    try:
-        deadline = time.monotonic() + 180
-        for process in fleet.all:
-            process.wait_serving(deadline)
+    with process_fleet(tiny_models, redis_server.url, logs, service_args, coordinator_args, num_verify=2) as fleet:
         yield fleet
-    finally:
-        stop_all(fleet.all)
-        for fault, seconds in RECOVERY_S.items():
-            SUMMARY.append(f"{fault}: {seconds * 1000:.0f} ms")
+    for fault, seconds in RECOVERY_S.items():
+        SUMMARY.append(f"{fault}: {seconds * 1000:.0f} ms")
 
 
 def make_request(**fields) -> coordinator_pb2.GenerateRequest:

@@ -32,8 +32,7 @@ import torch
 from coordinator.client import Completion
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
-from tests.conftest import SUMMARY, chat_ids, scrape
+from tests.conftest import SUMMARY, ProcessFleet, chat_ids, process_fleet, scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -225,104 +224,48 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-@dataclass
-class Fleet:
-    verify: ServiceProcess
-    draft: ServiceProcess
-    coordinators: list[ServiceProcess]
+def load(fleet: ProcessFleet) -> dict[str, float]:
+    """Open sessions (draft, verify; and "<service> KV bytes" their KV caches hold) and running
+    requests (coordinators), by service."""
+    figures = {}
+    for name, service in fleet.services.items():
+        metrics = scrape(service.metrics_url)
+        if name.startswith("coordinator"):
+            figures[name] = metrics["specdec:num_requests_running"]
+        else:
+            figures[name] = metrics["specdec:num_sessions"]
+            figures[f"{name} KV bytes"] = metrics["specdec:kv_cache_bytes"]
+    return figures
 
-    @property
-    def services(self) -> dict[str, ServiceProcess]:
-        return {
-            "verify": self.verify,
-            "draft": self.draft,
-            **{f"coordinator{i}": c for i, c in enumerate(self.coordinators)},
-        }
 
-    def load(self) -> dict[str, float]:
-        """Open sessions (draft, verify; and "<service> KV bytes" their KV caches hold) and running
-        requests (coordinators), by service."""
-        figures = {}
-        for name, service in self.services.items():
-            metrics = scrape(service.metrics_url)
-            if name.startswith("coordinator"):
-                figures[name] = metrics["specdec:num_requests_running"]
-            else:
-                figures[name] = metrics["specdec:num_sessions"]
-                figures[f"{name} KV bytes"] = metrics["specdec:kv_cache_bytes"]
-        return figures
+def settled(fleet: ProcessFleet, timeout_s: float = 20.0) -> dict[str, float]:
+    """The :func:`load` figures once all are 0 (background releases done), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any((figures := load(fleet)).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return figures
 
-    def settled(self, timeout_s: float = 20.0) -> dict[str, float]:
-        """The load figures once all are 0 (background releases done), or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while any((figures := self.load()).values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return figures
 
-    def rss(self) -> dict[str, int]:
-        """Each process's VmRSS, the lowest of a few samples over a second and a half (the
-        allocator returns freed memory to the system lazily)."""
-        samples = []
-        for _ in range(4):
-            samples.append({name: rss_bytes(s.process.pid) for name, s in self.services.items()})
-            time.sleep(0.5)
-        return {name: min(sample[name] for sample in samples) for name in self.services}
+def rss(fleet: ProcessFleet) -> dict[str, int]:
+    """Each process's VmRSS, the lowest of a few samples over a second and a half (the allocator
+    returns freed memory to the system lazily)."""
+    samples = []
+    for _ in range(4):
+        samples.append({name: rss_bytes(s.process.pid) for name, s in fleet.services.items()})
+        time.sleep(0.5)
+    return {name: min(sample[name] for sample in samples) for name in fleet.services}
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_models, redis_server, tmp_path_factory):
+    """One verify service, the self-draft, two coordinators: a session limit above the streams (a
+    cut request's sessions are released in the background while its resume opens new ones), an
+    idle timeout far beyond the test's length, and no per-client stream limit."""
+    service_args = ["--num-threads", "1", "--max-sessions", str(2 * STREAMS), "--session-idle-timeout-s", "3600"]
+    coordinator_args = ["--max-new-tokens-limit", "512", "--max-streams-per-client", "0"]
     logs = tmp_path_factory.mktemp("soak-logs")
-    # a session limit above the streams (a cut request's sessions are released in the background
-    # while its resume opens new ones) and an idle timeout far beyond the test's length
-    session_args = ["--num-threads", "1", "--max-sessions", str(2 * STREAMS), "--session-idle-timeout-s", "3600"]
-
-    def service(kind: str, name: str, args: list[str]) -> ServiceProcess:
-        return ServiceProcess(
-            kind,
-            free_port(),
-            args=args,
-            metrics_port=free_port(),
-            log_file=logs / f"{name}.log",
-            env={"SPECDEC_REDIS_URL": redis_server.url, "PYTHONFAULTHANDLER": "1"},
-        )
-
-    verify = service("verify", "verify", ["--model", str(tiny_models.target_dir), *session_args])
-    draft = service(
-        "draft",
-        "draft",
-        [
-            "--drafters",
-            "transformers,ngram",
-            "--default-drafter",
-            "transformers",
-            "--transformers-model",
-            str(tiny_models.target_dir),
-            *session_args,
-        ],
-    )
-    coordinator_args = [
-        "--tokenizer",
-        str(tiny_models.target_dir),
-        "--draft-address",
-        draft.address,
-        "--verify-addresses",
-        verify.address,
-        "--max-new-tokens-limit",
-        "512",
-        "--max-streams-per-client",
-        "0",
-    ]
-    coordinators = [service("coordinator", f"coordinator{i}", coordinator_args) for i in range(2)]
-    fleet = Fleet(verify, draft, coordinators)
-    for process in fleet.services.values():
-        process.start()
-    try:
-        deadline = time.monotonic() + 180
-        for process in fleet.services.values():
-            process.wait_serving(deadline)
+    with process_fleet(tiny_models, redis_server.url, logs, service_args, coordinator_args) as fleet:
         yield fleet
-    finally:
-        stop_all(fleet.services.values())
 
 
 @pytest.fixture(scope="module")
@@ -353,15 +296,15 @@ def test_soak(fleet, references):
     addresses = [c.address for c in fleet.coordinators]
     warm_up = Load(addresses, seed=SEED + 1).run(WARM_UP_S)
     assert not [o.error for o in warm_up if o.error], "the warm-up failed"
-    idle = fleet.settled()
+    idle = settled(fleet)
     assert not any(idle.values()), f"sessions or requests left after the warm-up: {idle}"
-    before = fleet.rss()
+    before = rss(fleet)
 
     start = time.monotonic()
     outcomes = Load(addresses, seed=SEED).run(LOAD_S)
     load_s = time.monotonic() - start
-    after_load = fleet.settled()
-    after = fleet.rss()
+    after_load = settled(fleet)
+    after = rss(fleet)
 
     counts = {
         status: sum(o.status == status for o in outcomes)
