@@ -101,8 +101,7 @@ class VerifySession:
                     error = err
                     continue
                 except asyncio.CancelledError:  # the replica may open the session all the same
-                    release = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
-                    self.in_background(self.clients.call_verify(replica, "Release", release))
+                    self._release(replica, session_id)
                     raise
                 self.replica, self.session_id = replica, session_id
                 return
@@ -131,5 +130,14 @@ class VerifySession:
     def release(self) -> None:
         """Releases the session in the background (nothing when none is open)."""
         if self.session_id:
-            request = verify_pb2.VerifyServiceReleaseRequest(session_id=self.session_id)
-            self.in_background(self.clients.call_verify(self.replica, "Release", request))
+            self._release(self.replica, self.session_id)
+
+    def release_everywhere(self, session_id: str) -> None:
+        """Releases ``session_id`` on every replica in the background: a session another
+        coordinator left behind may be on any (Release of an id a replica lacks is a no-op)."""
+        for replica in range(len(self.clients.verify)):
+            self._release(replica, session_id)
+
+    def _release(self, replica: int, session_id: str) -> None:
+        request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
+        self.in_background(self.clients.call_verify(replica, "Release", request))

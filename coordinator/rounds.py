@@ -148,9 +148,14 @@ class RequestRounds:
             await self._draft_prefill
 
     def _release_draft(self) -> None:
-        request = draft_pb2.DraftServiceReleaseRequest(session_id=self.draft_session)
-        self._in_background(self.clients.call_draft("Release", request))
+        """Releases the draft session in the background, if one is open."""
+        if self.draft_session is not None:
+            self._release_on_draft(self.draft_session)
         self.draft_session = None
+
+    def _release_on_draft(self, session_id: str) -> None:
+        request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
+        self._in_background(self.clients.call_draft("Release", request))
 
     # --- draft side ----------------------------------------------------------------------
 
@@ -164,15 +169,18 @@ class RequestRounds:
     def draft_available(self) -> bool:
         """Whether this round may ask the draft service: its session is open (prefilled) and the
         draft has not failed recently, for this request or (unreachable, late) for any."""
-        return (
-            self.draft_session is not None and time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
-        )
+        return self.draft_session is not None and not self._draft_failed_recently()
+
+    def _draft_failed_recently(self) -> bool:
+        """Whether this request's draft calls failed in the last ``draft_retry_s``, or any draft
+        call of the coordinator found the service unreachable or late (:meth:`ServiceClients.draft_down`)."""
+        return time.monotonic() < self.draft_retry_at or self.clients.draft_down()
 
     def open_draft(self) -> None:
         """Starts the draft session's prefill in the background, unless the request uses no draft,
         the session is open or opening, or the draft failed recently; rounds go on without it."""
-        retry = time.monotonic() >= self.draft_retry_at and not self.clients.draft_down()
-        if self.uses_draft and self.draft_session is None and self._draft_prefill is None and retry:
+        closed = self.draft_session is None and self._draft_prefill is None
+        if self.uses_draft and closed and not self._draft_failed_recently():
             self._draft_prefill = asyncio.ensure_future(self._open_draft_or_fail())
 
     async def _open_draft(self) -> None:
@@ -187,8 +195,7 @@ class RequestRounds:
         try:
             await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
         except asyncio.CancelledError:  # the draft service may open the session all the same
-            release = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
-            self._in_background(self.clients.call_draft("Release", release))
+            self._release_on_draft(session_id)
             raise
         self.draft_session, self.draft_seen = session_id, seen
 
@@ -211,8 +218,7 @@ class RequestRounds:
             err,
             self.draft_retry_s,
         )
-        if self.draft_session is not None:
-            self._release_draft()
+        self._release_draft()
 
     async def _proposal(self, k: int) -> draft_pb2.ProposeResponse | None:
         """The draft's proposal of up to ``k`` tokens; None when the draft service failed."""
@@ -325,7 +331,7 @@ class RequestRounds:
         elif k > 0:
             proposed, draft_ms, ahead = await self._draft_proposal(k, start)
             if proposed is None:  # the draft is unavailable: a plain decode round
-                proposer, k = PLAIN, 0
+                k = 0
             else:
                 proposal, distributions = list(proposed.token_ids[:k]), proposed.distributions[:k]
         if k == 0:
@@ -403,13 +409,9 @@ class RequestRounds:
         Release is a no-op there). They would otherwise hold KV cache until the services' idle
         timeout."""
         if sessions.get("draft"):
-            self._in_background(
-                self.clients.call_draft("Release", draft_pb2.DraftServiceReleaseRequest(session_id=sessions["draft"]))
-            )
+            self._release_on_draft(sessions["draft"])
         if sessions.get("verify"):
-            request = verify_pb2.VerifyServiceReleaseRequest(session_id=sessions["verify"])
-            for replica in range(len(self.clients.verify)):
-                self._in_background(self.clients.call_verify(replica, "Release", request))
+            self.verify.release_everywhere(sessions["verify"])
 
     async def release(self) -> None:
         """Releases both sessions and waits for the background releases; failures are logged (the
@@ -421,8 +423,7 @@ class RequestRounds:
                 await self._draft_prefill
         await self._cancel_ahead()
         self.verify.release()
-        if self.draft_session is not None:
-            self._release_draft()
+        self._release_draft()
         await self._releases.wait()
 
     def _in_background(self, release) -> None:

@@ -49,7 +49,7 @@ class SessionRegistry(Generic[S]):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._entries: dict[str, _Entry[S]] = {}
-        self._released_unknown: OrderedDict[str, None] = OrderedDict()  # released before they were open
+        self._released_unknown: OrderedDict[str, bool] = OrderedDict()  # released before they were open
         self._lock = threading.Lock()
         self.num_evicted = 0  # sessions released for being idle, not by a Release
 
@@ -81,8 +81,7 @@ class SessionRegistry(Generic[S]):
                 )
             self._entries[session_id] = _Entry(factory())
         with self._lock:
-            released_early = session_id in self._released_unknown
-            self._released_unknown.pop(session_id, None)
+            released_early = self._released_unknown.pop(session_id, False)
         if released_early or abandoned():
             self.release(session_id)
 
@@ -107,7 +106,7 @@ class SessionRegistry(Generic[S]):
         with self._lock:
             entry = self._entries.pop(session_id, None)
             if entry is None:
-                self._released_unknown[session_id] = None
+                self._released_unknown[session_id] = True
                 while len(self._released_unknown) > MAX_RELEASED_UNKNOWN:
                     self._released_unknown.popitem(last=False)  # the oldest
         if entry is None:
