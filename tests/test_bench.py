@@ -272,5 +272,7 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     markdown = (out / "report.md").read_text()
     assert "| method | qa | summarization | overall |" in markdown and "transformers/K=3@split" in markdown
     assert "shared: every process on every core; split: draft service on one CPU, verify service on another" in markdown
-    assert "## Verify cost by tokens per forward" in markdown and "| method | 1 token | 4 tokens |" in markdown
+    # Its columns are the token counts common in some method's rounds: adaptive K may add 2 or 3.
+    cost_header = markdown.split("## Verify cost by tokens per forward", 1)[1].split("| method |", 1)[1].split("\n")[0]
+    assert {"1 token", "4 tokens"} <= {cell.strip() for cell in cost_header.split("|")}
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
