@@ -8,16 +8,13 @@
 #   4. hadolint on the Dockerfiles.
 # Any finding fails. The tools live in .venv-deploy (deploy/requirements-check.txt), apart from
 # .venv: checkov would downgrade packages that torch and transformers use there.
+# `deploy/check.sh --install-only` installs the tools and stops (scripts/test.sh does that during
+# its set-up, beside the main install, so the test does not pay for it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KUBERNETES_VERSION=${KUBERNETES_VERSION:-1.32.0}
 venv=.venv-deploy
 out=.deploy-check
-
-if ! command -v kubectl >/dev/null; then
-  echo "deploy/check.sh: kubectl not found; install kubectl (it bundles Kustomize) to render deploy/k8s" >&2
-  exit 1
-fi
 
 # (Re)install the tools when the pinned list changes.
 if ! cmp -s deploy/requirements-check.txt "$venv/requirements-check.txt" 2>/dev/null; then
@@ -30,6 +27,12 @@ if ! cmp -s deploy/requirements-check.txt "$venv/requirements-check.txt" 2>/dev/
     exit 1
   fi
   cp deploy/requirements-check.txt "$venv/requirements-check.txt"
+fi
+[ "${1:-}" = "--install-only" ] && exit 0
+
+if ! command -v kubectl >/dev/null; then
+  echo "deploy/check.sh: kubectl not found; install kubectl (it bundles Kustomize) to render deploy/k8s" >&2
+  exit 1
 fi
 
 rm -rf "$out"
