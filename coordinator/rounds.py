@@ -107,7 +107,7 @@ class RequestRounds:
         self.committed = committed
         self.uses_draft = request.uses_draft_service
         self.lookups = lookups or {}
-        self.draft_retry_s, self.failover_timeout_s = draft_retry_s, failover_timeout_s
+        self.draft_retry_s = draft_retry_s
         self.draft_session: str | None = None  # None: no open draft session
         self.draft_seen = 0  # length of the committed prefix the draft session has seen
         self.draft_retry_at = 0.0  # time.monotonic() before which the draft is not asked again

@@ -137,9 +137,9 @@ class ServiceClients:
         its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
         self._follow_certificate()
         where = f"draft service at {self.draft_address}"
-        propose = method == "Propose" and timeout is None
-        if propose:
-            timeout = self.propose_deadline.seconds(ProposeDeadline.forwards(request))
+        num_forwards = ProposeDeadline.forwards(request) if method == "Propose" and timeout is None else None
+        if num_forwards is not None:
+            timeout = self.propose_deadline.seconds(num_forwards)
             where += f" (Propose deadline {timeout * 1000:.0f} ms)"
         start = time.monotonic()
         try:
@@ -147,8 +147,8 @@ class ServiceClients:
         except Unavailable:
             self._draft_down_until = time.monotonic() + self.draft_down_s
             raise
-        if propose:
-            self.propose_deadline.observe(time.monotonic() - start, ProposeDeadline.forwards(request))
+        if num_forwards is not None:
+            self.propose_deadline.observe(time.monotonic() - start, num_forwards)
         return response
 
     def draft_down(self) -> bool:

@@ -539,6 +539,18 @@ def bench(
     transformers serve --continuous-batching on the same target through its OpenAI-compatible API.
     Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
     identity against pipeline/K=0 at N=1 per method and N."""
+    inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
+        "questions": questions,
+        "out": out,
+        "command": shlex.join(["specdec", *sys.argv[1:]]),
+        "categories": categories.split(",") if categories else None,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "target": target,
+        "draft_model": draft_model,
+        "dtype": dtype,
+    }
     if concurrency is not None:
         if pipeline or hf_k or placement:
             stderr.print(
@@ -546,23 +558,7 @@ def bench(
                 "--concurrency[/red]"
             )
             raise typer.Exit(1)
-        _bench_concurrency(
-            questions,
-            categories,
-            limit,
-            max_new_tokens,
-            seed,
-            target,
-            draft_model,
-            dtype,
-            out,
-            concurrency,
-            requests_per_client,
-            methods,
-            drafter,
-            api,
-            load_generator,
-        )
+        _bench_concurrency(inputs, concurrency, requests_per_client, methods, drafter, api, load_generator)
         return
     if any(option is not None for option in (requests_per_client, methods, drafter, api, load_generator)):
         stderr.print(
@@ -574,19 +570,7 @@ def bench(
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
     given: dict[str, Any] = {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}  # the rest: defaults
-    config = BenchConfig(
-        questions=questions,
-        out=out,
-        command=shlex.join(["specdec", *sys.argv[1:]]),
-        categories=categories.split(",") if categories else None,
-        limit=limit,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        target=target,
-        draft_model=draft_model,
-        dtype=dtype,
-        **{name: value for name, value in given.items() if value},
-    )
+    config = BenchConfig(**inputs, **{name: value for name, value in given.items() if value})
     try:
         report = run_bench(config, stderr)
     except grpc.RpcError as err:
@@ -604,23 +588,16 @@ def bench(
 
 
 def _bench_concurrency(
-    questions,
-    categories,
-    limit,
-    max_new_tokens,
-    seed,
-    target,
-    draft_model,
-    dtype,
-    out,
-    concurrency,
-    requests_per_client,
-    methods,
-    drafter,
-    api,
-    load_generator=None,
+    inputs: dict[str, Any],
+    concurrency: str,
+    requests_per_client: int | None,
+    methods: str | None,
+    drafter: str | None,
+    api: str | None,
+    load_generator: str | None,
 ) -> None:
-    """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`."""
+    """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`. ``inputs``: the
+    options both modes take, as :class:`specdec_app.bench.run.BenchInputs` fields."""
     from specdec_app.bench.concurrency import (
         METHODS,
         REPORT_FILES,
@@ -633,21 +610,12 @@ def _bench_concurrency(
 
     try:
         config = ConcurrencyConfig(
-            questions=questions,
-            out=out,
-            command=shlex.join(["specdec", *sys.argv[1:]]),
-            categories=categories.split(",") if categories else None,
-            limit=limit,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
+            **inputs,
             concurrency=parse_concurrency(concurrency),
             requests_per_client=2 if requests_per_client is None else requests_per_client,
             methods=parse_methods(methods) if methods else list(METHODS),
-            target=target,
-            draft_model=draft_model,
             drafter=drafter or "llama-cpp",
             api=api or "grpc",
-            dtype=dtype,
             load_generator=load_generator or "",
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
@@ -669,4 +637,4 @@ def _bench_concurrency(
     for cell in report["cells"]:
         for error in cell["errors"]:
             stderr.print(f"[red]{cell['method']} at N={cell['concurrency']}: {error}[/red]")
-    stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
+    stderr.print(f"reports written to {config.out}/: {', '.join(REPORT_FILES)}")
