@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
+from coordinator.client import generate  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
 from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
@@ -394,6 +395,23 @@ def scrape(url: str) -> dict[str, float]:
         for value in family.samples:
             totals[value.name] = totals.get(value.name, 0.0) + value.value
     return totals
+
+
+def speculates_again(address: str, request, expected: list[int], timeout_s: float = 30.0) -> bool:
+    """Sends ``request`` (a speculative GenerateRequest) to the coordinator at ``address`` until one
+    completion accepts draft tokens (speculating again, on a restarted or resumed draft service),
+    each asserted identical to ``expected`` token ids. Gives up (False) after ``timeout_s``
+    seconds. More than one can be needed: the coordinator's channel to a restarted service
+    reconnects within a second (upstream.RECONNECT_OPTIONS), a request that finds the draft
+    unreachable meanwhile runs without it for draft_retry_s, and a greedy request does not wait
+    for the draft's prefill, so a short one can end before a restarted draft answers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        later = generate(address, request, timeout_s=180)
+        assert later.token_ids == expected
+        if later.metrics.num_accepted_draft_tokens > 0:
+            return True
+    return False
 
 
 @dataclass

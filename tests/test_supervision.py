@@ -19,7 +19,7 @@ from coordinator.client import generate
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
-from tests.conftest import SUMMARY
+from tests.conftest import SUMMARY, speculates_again
 
 pytestmark = pytest.mark.multiprocess
 
@@ -152,21 +152,7 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
         f"message; the launcher had it SERVING again after {back.group(1)} s"
     )
 
-    assert speculates_again(address, plain.token_ids), "no request after the restart accepted a draft token"
-
-
-def speculates_again(address: str, expected: list[int], timeout_s: float = 30.0) -> bool:
-    """Sends K = 4 requests until one accepts draft tokens (speculating again, on the restarted
-    service), each identical to plain decoding. More than one can be needed: the coordinator's
-    channel to a restarted service reconnects within a second (upstream.RECONNECT_OPTIONS), and a
-    request that finds the draft unreachable meanwhile runs without it for draft_retry_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        later = generate(address, request(4), timeout_s=180)
-        assert later.token_ids == expected
-        if later.metrics.num_accepted_draft_tokens > 0:
-            return True
-    return False
+    assert speculates_again(address, request(4), plain.token_ids), "no request after the restart accepted a draft token"
 
 
 class ExitsAtOnce(ServiceProcess):
