@@ -5,6 +5,7 @@ acceptance rule for negative controls, a recorder of the engine's batch sizes, q
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -13,10 +14,11 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
@@ -25,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-from coordinator.client import generate  # noqa: E402
+from coordinator.client import Completion, generate  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
 from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
@@ -38,6 +40,8 @@ from specdec.models import load_causal_lm  # noqa: E402
 from specdec.prom import EngineMetrics  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
+from specdec.server import GRPC_OPTIONS  # noqa: E402
+from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 from specdec_app.launcher import ServiceProcess, free_port, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
@@ -395,6 +399,49 @@ def scrape(url: str) -> dict[str, float]:
         for value in family.samples:
             totals[value.name] = totals.get(value.name, 0.0) + value.value
     return totals
+
+
+@dataclass
+class FaultedStream:
+    """A stream a fault hit (:func:`stream_with_fault`): the completion, and the time.monotonic()
+    seconds at which the fault came and at which each later message arrived."""
+
+    completion: Completion
+    fault_at: float
+    arrivals: list[float]
+
+    @property
+    def recovery_s(self) -> float:
+        """Seconds from the fault to the client's next message."""
+        return self.arrivals[0] - self.fault_at
+
+    @property
+    def longest_wait_s(self) -> float:
+        """The client's longest wait for a message after the fault, seconds."""
+        return max(b - a for a, b in itertools.pairwise([self.fault_at, *self.arrivals]))
+
+
+def stream_with_fault(
+    address: str, request, fault: Callable[[], object], after_tokens: int, timeout_s: float = 180
+) -> FaultedStream:
+    """Streams ``request`` from the coordinator at ``address``, calls ``fault()`` once the client
+    has ``after_tokens`` tokens and a round speculated (a message of more than one token: a plain
+    round commits one), and reads on to the end. Waiting for speculation makes the fault find the
+    draft in use: a greedy request does not wait for the draft's prefill. Asserts that the fault
+    came and a message followed it."""
+    completion, fault_at, arrivals, speculated = Completion(), None, [], False
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=timeout_s):
+            if fault_at is not None:
+                arrivals.append(time.monotonic())
+            completion.add(response)
+            speculated = speculated or len(response.token_ids) > 1
+            if fault_at is None and speculated and len(completion.token_ids) >= after_tokens:
+                fault()
+                fault_at = time.monotonic()
+    assert fault_at is not None, "no round speculated before the stream ended"
+    assert arrivals, "the stream ended before the fault took effect"
+    return FaultedStream(completion, fault_at, arrivals)
 
 
 def speculates_again(address: str, request, expected: list[int], timeout_s: float = 30.0) -> bool:

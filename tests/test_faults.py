@@ -5,7 +5,6 @@ ids and text of an undisturbed one. The time from each kill to the client's next
 recovery time) is printed at the end of the module."""
 
 import asyncio
-import itertools
 import signal
 import time
 
@@ -17,7 +16,7 @@ from coordinator.client import Completion, generate
 from coordinator.store import FINISHED, RedisStore
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import SUMMARY, process_fleet, scrape, speculates_again
+from tests.conftest import SUMMARY, process_fleet, scrape, speculates_again, stream_with_fault
 
 pytestmark = pytest.mark.multiprocess
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guided home."
@@ -64,22 +63,6 @@ def reference(references) -> Completion:
     return references["greedy"]
 
 
-def stream_with_fault(address: str, request, fault) -> tuple[Completion, float]:
-    """Streams ``request``, calls ``fault()`` once the client has FAULT_AFTER tokens, reads on to
-    the end. Returns the completion and the seconds from the fault to the next message."""
-    completion, fault_at, recovery_s = Completion(), None, None
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120):
-            if fault_at is not None and recovery_s is None:
-                recovery_s = time.monotonic() - fault_at
-            completion.add(response)
-            if fault_at is None and len(completion.token_ids) >= FAULT_AFTER:
-                fault()
-                fault_at = time.monotonic()
-    assert recovery_s is not None, "the stream ended before the fault took effect"
-    return completion, recovery_s
-
-
 def assert_same_completion(got: Completion, expected: Completion) -> None:
     assert got.token_ids == expected.token_ids
     assert got.text == expected.text
@@ -89,8 +72,9 @@ def assert_same_completion(got: Completion, expected: Completion) -> None:
 def test_draft_killed_mid_stream(fleet, reference):
     """The request goes on in plain decode without the draft and completes with identical ids;
     once the draft service is back, requests speculate again."""
-    completion, recovery_s = stream_with_fault(fleet.coordinators[0].address, make_request(), fleet.draft.kill)
-    RECOVERY_S["the draft service was killed: from the kill to the client's next message"] = recovery_s
+    stream = stream_with_fault(fleet.coordinators[0].address, make_request(), fleet.draft.kill, FAULT_AFTER)
+    RECOVERY_S["the draft service was killed: from the kill to the client's next message"] = stream.recovery_s
+    completion = stream.completion
     assert_same_completion(completion, reference)
     assert completion.metrics.num_draft_failures >= 1
     assert completion.metrics.rounds_per_k[0] > 0, "no plain decode round after the draft was lost"
@@ -101,32 +85,16 @@ def test_draft_killed_mid_stream(fleet, reference):
 def test_draft_stopped_mid_stream(fleet, reference):
     """A draft service that stops answering (SIGSTOP) costs the request one Propose deadline (the
     draft's measured cost, floored), not the 30 s RPC deadline: the request completes with
-    identical ids, and the longest wait for a message after the stop is reported. The stop comes
-    once a round speculated (a message of more than one token: a plain round commits one), so that
-    it finds the draft session open: a greedy request does not wait for the draft's prefill."""
-    arrivals, stopped_at, speculated = [], None, False
-
-    def stop():
-        nonlocal stopped_at
-        fleet.draft.signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-
-    completion = Completion()
+    identical ids, and the longest wait for a message after the stop is reported."""
     try:
-        with grpc.insecure_channel(fleet.coordinators[0].address, options=GRPC_OPTIONS) as channel:
-            for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(make_request(), timeout=120):
-                arrivals.append(time.monotonic())
-                completion.add(response)
-                speculated = speculated or len(response.token_ids) > 1
-                if stopped_at is None and speculated and len(completion.token_ids) >= FAULT_AFTER:
-                    stop()
+        stream = stream_with_fault(
+            fleet.coordinators[0].address, make_request(), lambda: fleet.draft.signal(signal.SIGSTOP), FAULT_AFTER
+        )
     finally:
         fleet.draft.signal(signal.SIGCONT)
-    assert stopped_at is not None, "no round speculated before the stream ended"
-    assert_same_completion(completion, reference)
-    assert completion.metrics.num_draft_failures >= 1
-    after = [stopped_at, *(t for t in arrivals if t > stopped_at)]
-    longest_s = max(b - a for a, b in itertools.pairwise(after))
+    assert_same_completion(stream.completion, reference)
+    assert stream.completion.metrics.num_draft_failures >= 1
+    longest_s = stream.longest_wait_s
     RECOVERY_S["the draft service stopped (SIGSTOP): the client's longest wait for a message after it"] = longest_s
     assert longest_s < 10, "the stopped draft held the request for an RPC deadline"
     assert speculates_again(fleet.coordinators[0].address, make_request(), reference.token_ids)  # resumed
@@ -143,12 +111,17 @@ def test_verify_replica_killed_mid_stream(fleet, references, sampling):
         holder.kill()
         killed.append(holder)
 
-    completion, recovery_s = stream_with_fault(
-        fleet.coordinators[1].address, make_request(**SAMPLING[sampling]), kill_the_replica_holding_the_session
+    stream = stream_with_fault(
+        fleet.coordinators[1].address,
+        make_request(**SAMPLING[sampling]),
+        kill_the_replica_holding_the_session,
+        FAULT_AFTER,
     )
-    RECOVERY_S[f"the verify replica was killed ({sampling}): from the kill to the client's next message"] = recovery_s
-    assert_same_completion(completion, references[sampling])
-    assert completion.metrics.num_verify_rebuilds >= 1
+    RECOVERY_S[f"the verify replica was killed ({sampling}): from the kill to the client's next message"] = (
+        stream.recovery_s
+    )
+    assert_same_completion(stream.completion, references[sampling])
+    assert stream.completion.metrics.num_verify_rebuilds >= 1
     fleet.restart(killed[0])
 
 
@@ -195,11 +168,11 @@ def test_redis_killed_mid_stream(fleet, reference, redis_server):
     requests are stored again."""
     coordinator = fleet.coordinators[0]
     errors_before = scrape(coordinator.metrics_url).get("specdec:session_store_errors_total", 0.0)
-    completion, recovery_s = stream_with_fault(
-        coordinator.address, make_request(request_id="redis-lost"), redis_server.kill
+    stream = stream_with_fault(
+        coordinator.address, make_request(request_id="redis-lost"), redis_server.kill, FAULT_AFTER
     )
-    RECOVERY_S["Redis was killed: from the kill to the client's next message"] = recovery_s
-    assert_same_completion(completion, reference)
+    RECOVERY_S["Redis was killed: from the kill to the client's next message"] = stream.recovery_s
+    assert_same_completion(stream.completion, reference)
     assert scrape(coordinator.metrics_url)["specdec:session_store_errors_total"] > errors_before
     redis_server.start()  # empty: nothing was persisted
     time.sleep(1.5)  # past the store's back-off after a failure

@@ -12,14 +12,12 @@ import sys
 import threading
 import time
 
-import grpc
 import pytest
 
 from coordinator.client import generate
-from specdec.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
-from tests.conftest import SUMMARY, speculates_again
+from tests.conftest import SUMMARY, speculates_again, stream_with_fault
 
 pytestmark = pytest.mark.multiprocess
 
@@ -112,24 +110,6 @@ def request(k: int) -> coordinator_pb2.GenerateRequest:
     )
 
 
-def stream_and_kill(address: str, pid: int) -> tuple[list[int], coordinator_pb2.RequestMetrics, float]:
-    """Streams a K = 4 request, SIGKILLs ``pid`` once FAULT_AFTER tokens arrived. Returns the
-    token ids, the final metrics and the seconds from the kill to the next message."""
-    tokens, metrics, killed_at, recovery_s = [], None, None, None
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request(4), timeout=180):
-            if killed_at is not None and recovery_s is None:
-                recovery_s = time.monotonic() - killed_at
-            tokens.extend(response.token_ids)
-            if response.HasField("metrics"):
-                metrics = response.metrics
-            if killed_at is None and len(tokens) >= FAULT_AFTER:
-                os.kill(pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-    assert recovery_s is not None, "the stream ended before the kill"
-    return tokens, metrics, recovery_s
-
-
 @pytest.mark.parametrize("service", ["draft", "verify"])
 def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
     process, output, address = specdec_up
@@ -137,8 +117,9 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
     assert len(plain.token_ids) > 2 * FAULT_AFTER
     killed_pid = pid_of(output, service, 0)
 
-    tokens, metrics, recovery_s = stream_and_kill(address, killed_pid)
-    assert tokens == plain.token_ids
+    stream = stream_with_fault(address, request(4), lambda: os.kill(killed_pid, signal.SIGKILL), FAULT_AFTER)
+    metrics = stream.completion.metrics
+    assert stream.completion.token_ids == plain.token_ids
     if service == "draft":
         assert metrics.num_draft_failures >= 1
     else:
@@ -148,7 +129,7 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
     back = output.wait_for(rf"{service} service SERVING again, ([\d.]+) s after it went down")
     assert process.poll() is None, "specdec up stopped"
     SUMMARY.append(
-        f"specdec up, {service} SIGKILLed: {recovery_s * 1000:.0f} ms from the kill to the client's next "
+        f"specdec up, {service} SIGKILLed: {stream.recovery_s * 1000:.0f} ms from the kill to the client's next "
         f"message; the launcher had it SERVING again after {back.group(1)} s"
     )
 
