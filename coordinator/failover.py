@@ -49,21 +49,27 @@ class VerifyReplicas:
         """Records that a verify replica failed a call."""
         self._down_until[replica] = time.monotonic() + self.down_s
 
-    async def info(self) -> verify_pb2.VerifyServiceGetInfoResponse:
-        """GetInfo of the first replica that answers. Raises the last replica's error if none does."""
-        for replica in self.order():
-            try:
-                return await self.clients.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
-            except SpecdecError as err:  # another replica may answer
-                error = err
-                self.mark_down(replica)
-        raise error
+    async def info(self, deadline: float | None = None) -> verify_pb2.VerifyServiceGetInfoResponse:
+        """GetInfo of the first replica that answers, passing over the replicas every
+        RETRY_INTERVAL_S until ``deadline`` (time.monotonic(); None: one pass). Raises the last
+        replica's error when none answered by then."""
+        while True:
+            for replica in self.order():
+                try:
+                    return await self.clients.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
+                except SpecdecError as err:  # another replica may answer
+                    error = err
+                    self.mark_down(replica)
+            if deadline is None or time.monotonic() >= deadline:
+                raise error
+            await asyncio.sleep(RETRY_INTERVAL_S)
 
 
 class VerifySession:
     """A request's session on the verify service: its id and the replica holding it (one of
     ``replicas``). ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
-    names each new session; ``in_background`` runs a Release without waiting for it."""
+    names each new session; ``in_background`` runs a Release (a function that makes the call)
+    without waiting for it."""
 
     def __init__(
         self,
@@ -82,30 +88,37 @@ class VerifySession:
         self.session_id = ""  # empty: not opened yet
         self.rebuilds = 0
 
-    async def open(self, deadline: float | None = None) -> None:
-        """Prefills the committed log on a replica, the healthy ones first. Without a
-        ``deadline`` (time.monotonic()) one pass over the replicas; with one, passes until it.
-        Raises the last replica's UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. Cancelled
-        during a Prefill, it releases that session id (the Prefill may still open it)."""
+    async def open(self, deadline: float, wait_while_full: bool = False) -> None:
+        """Prefills the committed log on a replica, the healthy ones first, passing over the
+        replicas every RETRY_INTERVAL_S until ``deadline`` (time.monotonic()). A pass on which every
+        replica refused for being full ends the wait unless ``wait_while_full`` (a rebuild
+        mid-request waits for room; a new request is told to back off). Raises the last replica's
+        UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. A Prefill that failed unanswered
+        (unreachable, late) or was cancelled has its session id released: the replica may still
+        open it."""
         session_id = self.new_session_id()
         request = verify_pb2.VerifyServicePrefillRequest(
             session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto()
         )
         while True:
+            unreachable = False
             for replica in self.replicas.order():
                 try:
                     await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
-                except (Unavailable, ResourceExhausted) as err:
-                    if isinstance(err, Unavailable):
-                        self.replicas.mark_down(replica)
-                    error = err
+                except ResourceExhausted as err:
+                    error: SpecdecError = err
                     continue
-                except asyncio.CancelledError:  # the replica may open the session all the same
+                except Unavailable as err:
+                    self.replicas.mark_down(replica)
+                    self._release(replica, session_id)
+                    error, unreachable = err, True
+                    continue
+                except asyncio.CancelledError:
                     self._release(replica, session_id)
                     raise
                 self.replica, self.session_id = replica, session_id
                 return
-            if deadline is None or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or not (unreachable or wait_while_full):
                 raise error
             await asyncio.sleep(RETRY_INTERVAL_S)
 
@@ -124,7 +137,7 @@ class VerifySession:
                     self.replicas.mark_down(self.replica)
                 self.release()
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
-                await self.open(deadline)
+                await self.open(deadline, wait_while_full=True)
                 self.rebuilds += 1
 
     def release(self) -> None:
@@ -140,4 +153,4 @@ class VerifySession:
 
     def _release(self, replica: int, session_id: str) -> None:
         request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
-        self.in_background(self.clients.call_verify(replica, "Release", request))
+        self.in_background(lambda: self.clients.call_verify(replica, "Release", request))

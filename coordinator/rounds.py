@@ -35,16 +35,18 @@ seed, so greedy and seeded sampling output is the same as without the fault.
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.failover import VerifyReplicas, VerifySession
 from coordinator.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.request import ResolvedRequest
-from coordinator.upstream import ServiceClients
+from coordinator.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
 from specdec.background import BackgroundTasks
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
@@ -52,6 +54,7 @@ from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
+RELEASE_RETRY_S = 1.0  # between tries of a Release the service did not answer
 
 
 @dataclass
@@ -139,13 +142,25 @@ class RequestRounds:
         when a round first wants it (:meth:`open_draft`). Under greedy decoding the first tokens
         do not wait for it (a small draft prefills a long prompt slower than the target): rounds
         run without the draft until it is ready, which cannot change greedy output. Under sampling
-        they wait, because the sampled tokens depend on the proposals: a seed reproduces a
-        completion only if the same rounds use the draft whatever the timing."""
+        they wait (bounded, :meth:`_wait_for_draft_prefill`), because the sampled tokens depend on
+        the proposals: a seed reproduces a completion only if the same rounds use the draft
+        whatever the timing. Waits for a verify replica to answer up to ``failover_timeout_s``
+        (the only one may be restarting)."""
         if open_draft:
             self.open_draft()
-        await self.verify.open()
+        await self.verify.open(time.monotonic() + self.verify.failover_timeout_s)
         if self._draft_prefill is not None and not self.request.sampling.greedy:
-            await self._draft_prefill
+            await self._wait_for_draft_prefill()
+
+    async def _wait_for_draft_prefill(self) -> None:
+        """Waits for the draft's prefill at most as long as a Propose of its size may take (the
+        Propose deadline for its forwards, :class:`coordinator.upstream.ProposeDeadline`): a draft
+        that hangs costs a sampling request that deadline, not ``prefill_timeout_s``, and its
+        rounds go on without the draft until the prefill finishes or fails."""
+        assert self._draft_prefill is not None
+        forwards = math.ceil(len(self.committed) / TOKENS_PER_CATCH_UP_FORWARD)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._draft_prefill), self.clients.propose_deadline.seconds(forwards))
 
     def _release_draft(self) -> None:
         """Releases the draft session in the background, if one is open."""
@@ -155,7 +170,7 @@ class RequestRounds:
 
     def _release_on_draft(self, session_id: str) -> None:
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
-        self._in_background(self.clients.call_draft("Release", request))
+        self._in_background(lambda: self.clients.call_draft("Release", request))
 
     # --- draft side ----------------------------------------------------------------------
 
@@ -194,7 +209,7 @@ class RequestRounds:
         seen = len(self.committed)  # rounds may commit more while the prefill runs
         try:
             await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
-        except asyncio.CancelledError:  # the draft service may open the session all the same
+        except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
             self._release_on_draft(session_id)
             raise
         self.draft_session, self.draft_seen = session_id, seen
@@ -426,14 +441,26 @@ class RequestRounds:
         self._release_draft()
         await self._releases.wait()
 
-    def _in_background(self, release) -> None:
-        """Runs a Release call without waiting for it; a failure is logged (the service's idle
-        timeout reclaims the session, or it died with the service)."""
+    def _in_background(self, release: Callable[[], Awaitable]) -> None:
+        """Runs a Release call (``release()`` makes it) without waiting for it. While the service
+        does not answer (stopped, restarting) the call is repeated every RELEASE_RETRY_S for up to
+        ``failover_timeout_s``, so a service that comes back frees the session at once; a failure
+        after that is logged (the service's idle timeout reclaims the session, or it died with
+        the service)."""
 
-        async def logged():
-            try:
-                await release
-            except SpecdecError as err:
-                log.info("sessions %s.*: a release failed: %s", self.session_prefix, err)
+        async def retried():
+            deadline = time.monotonic() + self.verify.failover_timeout_s
+            while True:
+                try:
+                    await release()
+                    return
+                except Unavailable as err:
+                    if time.monotonic() >= deadline:
+                        log.info("sessions %s.*: a release failed: %s", self.session_prefix, err)
+                        return
+                except SpecdecError as err:
+                    log.info("sessions %s.*: a release failed: %s", self.session_prefix, err)
+                    return
+                await asyncio.sleep(RELEASE_RETRY_S)
 
-        self._releases.run(logged())
+        self._releases.run(retried())

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -154,7 +155,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _resolve(self, request):
         """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
-        verify_info, draft_info = await asyncio.gather(self.replicas.info(), self._draft_info_or_last())
+        verify_info, draft_info = await asyncio.gather(
+            self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self._draft_info_or_last()
+        )
         resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
         )

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import tls
 from specdec.decoding import AioRejectUndecodable, RejectUndecodable
+from specdec.delay_hook import DelayCalls, parse_delays
 from specdec.prom import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -68,17 +69,22 @@ def start_server(
     max_workers: int,
     credentials: grpc.ServerCredentials | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    rpc_delays_s: dict[str, float] | None = None,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
     ``register`` adds the servicers and returns their full service names; ``credentials`` (see
-    :func:`server_credentials`): TLS, None for plaintext. Returns the started server and its bound
-    port (useful when ``port`` is 0). Every service reports SERVING.
+    :func:`server_credentials`): TLS, None for plaintext; ``rpc_delays_s``: the fault tests' hook
+    (:mod:`specdec.delay_hook`). Returns the started server and its bound port (useful when
+    ``port`` is 0). Every service reports SERVING.
     """
+    interceptors: list[grpc.ServerInterceptor] = [RejectUndecodable()]
+    if rpc_delays_s:
+        interceptors.append(DelayCalls(rpc_delays_s))
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers),
         options=grpc_options(max_message_bytes),
-        interceptors=[RejectUndecodable()],
+        interceptors=interceptors,
     )
     names = register(server)
     health_servicer = _serving_health(server, names)
@@ -166,6 +172,7 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         settings.max_workers,
         server_credentials(settings),
         settings.max_message_bytes,
+        parse_delays(settings.debug_rpc_delay_ms),
     )
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
     servicer.metrics.track_sessions(sessions)

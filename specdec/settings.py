@@ -3,9 +3,10 @@ environment variable (pydantic-settings); the flag wins over the variable."""
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
+from specdec.delay_hook import parse_delays
 from specdec.server import MAX_MESSAGE_BYTES
 from specdec.tls import TLSFileError, server_ssl_context
 
@@ -79,6 +80,17 @@ class SessionServiceSettings(ServiceSettings):
         description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
         "fill the rest); at least max_num_speculative_tokens + 1.",
     )
+    debug_rpc_delay_ms: CommaSeparated = Field(
+        [],
+        description="Test hook, empty in production: METHOD=MS pairs (for example Prefill=1000); each call of "
+        "that RPC waits MS ms before it is handled, so a fault test finds such calls in flight.",
+    )
+
+    @field_validator("debug_rpc_delay_ms")
+    @classmethod
+    def _delays(cls, pairs: list[str]) -> list[str]:
+        parse_delays(pairs)  # raises ValueError naming a malformed pair
+        return pairs
 
 
 def parse_settings(cls: type[ServiceSettings], args: list[str], prog: str) -> ServiceSettings:

@@ -1,8 +1,10 @@
 """The supervising launcher: under ``specdec up`` (a real subprocess, the tiny models through the
-services' SPECDEC_* variables) the draft service, then the verify service, is killed with
-SIGKILL while a request streams. The request completes with the token ids of plain decoding, the
-launcher restarts the service, and the next request speculates again. The restart policy
-(backoff, limit per minute) is tested directly on processes that exit at once."""
+services' SPECDEC_* variables) the draft service is killed with SIGKILL while a request streams.
+The request completes with the token ids of plain decoding, the launcher restarts the service,
+and the next request speculates again. (A request waiting for the restart of the only verify
+replica, in every phase: the fault matrix in tests/test_faults.py; the launcher restarts every
+service alike.) The restart policy (backoff, limit per minute) is tested directly on processes
+that exit at once."""
 
 import os
 import re
@@ -110,9 +112,9 @@ def request(k: int) -> coordinator_pb2.GenerateRequest:
     )
 
 
-@pytest.mark.parametrize("service", ["draft", "verify"])
-def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
+def test_killed_service_is_restarted_and_requests_complete(specdec_up):
     process, output, address = specdec_up
+    service = "draft"
     plain = generate(address, request(0), timeout_s=180)  # plain decoding: K = 0 on the target
     assert len(plain.token_ids) > 2 * FAULT_AFTER
     killed_pid = pid_of(output, service, 0)
@@ -120,10 +122,7 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up, service):
     stream = stream_with_fault(address, request(4), lambda: os.kill(killed_pid, signal.SIGKILL), FAULT_AFTER)
     metrics = stream.completion.metrics
     assert stream.completion.token_ids == plain.token_ids
-    if service == "draft":
-        assert metrics.num_draft_failures >= 1
-    else:
-        assert metrics.num_verify_rebuilds >= 1
+    assert metrics.num_draft_failures >= 1
     restarted_pid = pid_of(output, service, 1)
     assert restarted_pid != killed_pid
     back = output.wait_for(rf"{service} service SERVING again, ([\d.]+) s after it went down")
