@@ -107,7 +107,7 @@ def test_verify_replica_killed_mid_stream(fleet, references, sampling):
     killed = []
 
     def kill_the_replica_holding_the_session():
-        (holder,) = [v for v in fleet.verify if scrape(v.metrics_url)["specdec:num_sessions"] > 0]
+        (holder,) = [v for v in fleet.verify if scrape(v.metrics_url)["specdec_num_sessions"] > 0]
         holder.kill()
         killed.append(holder)
 
@@ -132,7 +132,7 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     first, second, reference = *fleet.coordinators, references[sampling]
     request_id = f"resume-after-kill-{sampling.replace(' ', '-')}"
     services = [fleet.draft, *fleet.verify]
-    evicted_before = [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services]
+    evicted_before = [scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services]
     received = Completion()
     with pytest.raises(grpc.RpcError) as cut, grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
@@ -158,8 +158,8 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references, sam
     # the resume released the sessions the killed coordinator left (their ids are in the store):
     # none is left for the services' idle eviction (3 s, checked every second)
     time.sleep(max(0.0, killed_at + 5 - time.monotonic()))
-    assert [scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services] == evicted_before
-    assert sum(scrape(s.metrics_url)["specdec:num_sessions"] for s in services) == 0
+    assert [scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services] == evicted_before
+    assert sum(scrape(s.metrics_url)["specdec_num_sessions"] for s in services) == 0
     fleet.restart(first)
 
 
@@ -167,13 +167,13 @@ def test_redis_killed_mid_stream(fleet, reference, redis_server):
     """The request finishes from memory; the failures are counted, and once Redis is back new
     requests are stored again."""
     coordinator = fleet.coordinators[0]
-    errors_before = scrape(coordinator.metrics_url).get("specdec:session_store_errors_total", 0.0)
+    errors_before = scrape(coordinator.metrics_url).get("specdec_session_store_errors_total", 0.0)
     stream = stream_with_fault(
         coordinator.address, make_request(request_id="redis-lost"), redis_server.kill, FAULT_AFTER
     )
     RECOVERY_S["Redis was killed: from the kill to the client's next message"] = stream.recovery_s
     assert_same_completion(stream.completion, reference)
-    assert scrape(coordinator.metrics_url)["specdec:session_store_errors_total"] > errors_before
+    assert scrape(coordinator.metrics_url)["specdec_session_store_errors_total"] > errors_before
     redis_server.start()  # empty: nothing was persisted
     time.sleep(1.5)  # past the store's back-off after a failure
     later = generate(coordinator.address, make_request(request_id="after-redis-returned"), timeout_s=120)
