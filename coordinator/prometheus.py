@@ -142,10 +142,12 @@ class CoordinatorMetrics(ServiceMetrics):
             self.num_drafts.labels(record.drafter).inc()
             self.num_draft_tokens.labels(record.drafter).inc(record.num_drafted)
             self.num_accepted_tokens.labels(record.drafter).inc(record.num_accepted)
+            # a position drafted but never accepted still exports its accepted series (at 0): the
+            # per-position curve then shows 0 there instead of leaving the point out
             for position in range(record.num_drafted):
-                self.num_draft_tokens_per_pos.labels(record.drafter, str(position)).inc()
-                if position < record.num_accepted:
-                    self.num_accepted_tokens_per_pos.labels(record.drafter, str(position)).inc()
+                labels = (record.drafter, str(position))
+                self.num_draft_tokens_per_pos.labels(*labels).inc()
+                self.num_accepted_tokens_per_pos.labels(*labels).inc(position < record.num_accepted)
         if record.draft_ahead:
             self.draft_ahead.labels(record.draft_ahead).inc()
         self.round_draft_time.observe(record.draft_ms / 1000)
