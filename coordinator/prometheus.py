@@ -55,74 +55,74 @@ class CoordinatorMetrics(ServiceMetrics):
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
         self.num_requests_running = Gauge(
-            "specdec:num_requests_running", "Generate streams in progress.", registry=self.registry
+            "specdec_num_requests_running", "Generate streams in progress.", registry=self.registry
         )
         self.num_drafts = counter(
-            "specdec:spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",)
+            "specdec_spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",)
         )
-        self.num_draft_tokens = counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed.", ("drafter",))
+        self.num_draft_tokens = counter("specdec_spec_decode_num_draft_tokens", "Draft tokens proposed.", ("drafter",))
         self.num_accepted_tokens = counter(
-            "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",)
+            "specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",)
         )
         self.num_draft_tokens_per_pos = counter(
-            "specdec:spec_decode_num_draft_tokens_per_pos",
+            "specdec_spec_decode_num_draft_tokens_per_pos",
             "Draft tokens proposed at each position (0 = first) of a proposal.",
             ("drafter", "position"),
         )
         self.num_accepted_tokens_per_pos = counter(
-            "specdec:spec_decode_num_accepted_tokens_per_pos",
+            "specdec_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each position (0 = first) of a proposal.",
             ("drafter", "position"),
         )
         self.num_target_forwards = counter(
-            "specdec:num_target_forwards", "Rounds (Verify or Decode calls), by the K asked (0 = plain decode).", ("k",)
+            "specdec_num_target_forwards", "Rounds (Verify or Decode calls), by the K asked (0 = plain decode).", ("k",)
         )
-        self.prompt_tokens = counter("specdec:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("specdec:generation_tokens", "Tokens generated (streamed to clients).")
+        self.prompt_tokens = counter("specdec_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("specdec_generation_tokens", "Tokens generated (streamed to clients).")
         self.time_to_first_token = histogram(
-            "specdec:time_to_first_token_seconds", "Request start to the first committed round.", TTFT_BUCKETS
+            "specdec_time_to_first_token_seconds", "Request start to the first committed round.", TTFT_BUCKETS
         )
         self.time_per_output_token = histogram(
-            "specdec:time_per_output_token_seconds",
+            "specdec_time_per_output_token_seconds",
             "Per request: time after the first token / tokens after the first.",
             TPOT_BUCKETS,
         )
         self.e2e_request_latency = histogram(
-            "specdec:e2e_request_latency_seconds", "Request start to the last message.", REQUEST_BUCKETS
+            "specdec_e2e_request_latency_seconds", "Request start to the last message.", REQUEST_BUCKETS
         )
         self.request_prefill_time = histogram(
-            "specdec:request_prefill_time_seconds",
+            "specdec_request_prefill_time_seconds",
             "Request start until both services finished prefill.",
             REQUEST_BUCKETS,
         )
         self.round_draft_time = histogram(
-            "specdec:round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS
+            "specdec_round_draft_time_seconds", "A round's draft compute time.", ROUND_BUCKETS
         )
         self.round_verify_time = histogram(
-            "specdec:round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS
+            "specdec_round_verify_time_seconds", "A round's verify compute time.", ROUND_BUCKETS
         )
         self.draft_ahead = counter(
-            "specdec:draft_ahead_proposals",
+            "specdec_draft_ahead_proposals",
             "Proposals drafted ahead (during the previous round's verification) that "
             "a round checked, by outcome (hit: verification went down their branch and the round used them; miss).",
             ("outcome",),
         )
         self.draft_failures = counter(
-            "specdec:draft_failures",
+            "specdec_draft_failures",
             "Times a request's draft service failed (the request went on without it for a while).",
         )
         self.verify_rebuilds = counter(
-            "specdec:verify_rebuilds",
+            "specdec_verify_rebuilds",
             "Times a request's verify session was rebuilt from its committed log on a replica.",
         )
         # the name predates "request store"; dashboards and alerts query it, so it stays
         self.store_errors = counter(
-            "specdec:session_store_errors",
+            "specdec_session_store_errors",
             "Request store (Redis) operations that failed or were skipped while it was down.",
             ("operation",),
         )
         self.k_by_load = Histogram(
-            "specdec:num_speculative_tokens_by_load",
+            "specdec_num_speculative_tokens_by_load",
             "K asked per round (0 = plain decode), by the number of sequences "
             "in the verify step that served the round (label batch_size: 1, 2-4, 5-8, 9-16, 17-32, 33+).",
             ["batch_size"],
@@ -130,7 +130,7 @@ class CoordinatorMetrics(ServiceMetrics):
             registry=self.registry,
         )
         self.round_coordination_time = histogram(
-            "specdec:round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
+            "specdec_round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
         )
 
     def observe_round(self, record: RoundRecord, num_committed: int) -> None:
@@ -142,10 +142,12 @@ class CoordinatorMetrics(ServiceMetrics):
             self.num_drafts.labels(record.drafter).inc()
             self.num_draft_tokens.labels(record.drafter).inc(record.num_drafted)
             self.num_accepted_tokens.labels(record.drafter).inc(record.num_accepted)
+            # a position drafted but never accepted still exports its accepted series (at 0): the
+            # per-position curve then shows 0 there instead of leaving the point out
             for position in range(record.num_drafted):
-                self.num_draft_tokens_per_pos.labels(record.drafter, str(position)).inc()
-                if position < record.num_accepted:
-                    self.num_accepted_tokens_per_pos.labels(record.drafter, str(position)).inc()
+                labels = (record.drafter, str(position))
+                self.num_draft_tokens_per_pos.labels(*labels).inc()
+                self.num_accepted_tokens_per_pos.labels(*labels).inc(position < record.num_accepted)
         if record.draft_ahead:
             self.draft_ahead.labels(record.draft_ahead).inc()
         self.round_draft_time.observe(record.draft_ms / 1000)

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -193,6 +193,10 @@ def _without_password(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
+# The store operations: the `operation` label of specdec_session_store_errors_total.
+Operation = Literal["create", "put", "append", "load", "load_priors", "save_priors"]
+
+
 class RedisStore(RequestStore):
     """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, a password
     as ``rediss://:PASSWORD@host:port/db``), shared by every coordinator replica. ``errors``: a
@@ -213,8 +217,12 @@ class RedisStore(RequestStore):
         self.url = _without_password(url)  # logged and in error messages
         self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
+        # every operation's series exported at 0 from the start: a panel shows "no errors" rather
+        # than nothing, and rate() sees the first error (a series born at 1 has no increase)
+        for operation in get_args(Operation):
+            errors.labels(operation)
 
-    async def _run(self, operation: str, make_call):
+    async def _run(self, operation: Operation, make_call):
         """Awaits ``make_call()``; a Redis failure becomes StoreUnavailable (logged, counted)."""
         if time.monotonic() < self._down_until:
             self.errors.labels(operation).inc()

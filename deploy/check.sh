@@ -53,9 +53,9 @@ echo "== checkov: rendered manifests"
 "$venv/bin/checkov" --framework kubernetes --skip-download --quiet --compact -d "$out/manifests"
 echo "== checkov: Dockerfiles"
 "$venv/bin/checkov" --framework dockerfile --skip-download --quiet --compact \
-  -f deploy/docker/Dockerfile.cpu -f deploy/docker/Dockerfile.cuda
+  $(printf -- "-f %s " deploy/docker/Dockerfile.*)
 
 echo "== hadolint: Dockerfiles"
-"$venv/bin/hadolint" deploy/docker/Dockerfile.cpu deploy/docker/Dockerfile.cuda
+"$venv/bin/hadolint" deploy/docker/Dockerfile.*
 echo "hadolint $("$venv/bin/hadolint" --version | grep -oE '[0-9]+\.[0-9]+\.[0-9]+'): no findings"
 echo "deploy/check.sh: all checks passed"

@@ -20,6 +20,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule-v1.json",
     ("cert-manager.io/v1", "Certificate"): SCHEMAS / "certificate-v1.json",
     ("cert-manager.io/v1", "Issuer"): SCHEMAS / "issuer-v1.json",
 }

@@ -3,10 +3,15 @@
 # torch==2.13.0 comes first: that pin takes the local CPU wheel instead of pulling CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# A real Redis server for the fault-tolerance tests (Debian's package; the tests start their own).
-if ! command -v redis-server >/dev/null; then
+# A real Redis server for the fault-tolerance tests and a real Prometheus (with promtool) for the
+# dashboard and alert tests (Debian's packages; the tests start their own servers).
+missing=""
+command -v redis-server >/dev/null || missing="$missing redis-server"
+command -v promtool >/dev/null || missing="$missing prometheus"
+if [ -n "$missing" ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server
+  # shellcheck disable=SC2086  # one word per package
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091

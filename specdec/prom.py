@@ -1,6 +1,9 @@
 """Prometheus metrics every service exports, and the HTTP endpoint that serves them (prometheus-client).
 
-Names follow vLLM's, with ``specdec:`` where vLLM has ``vllm:``, so dashboards carry over;
+Names follow vLLM's, with ``specdec_`` where vLLM has ``vllm:``, so dashboards carry over by that one
+replacement. Not a colon: Prometheus reserves colons for recording rules, and prometheus-client
+escapes them in the OpenMetrics exposition that a Prometheus server negotiates (``specdec:x`` is
+stored as ``specdec_x``), while the text format keeps them; an underscore reads the same in both.
 prometheus-client appends ``_total`` to counters and ``_bucket`` / ``_sum`` / ``_count`` to
 histograms. Each service owns its registry: several services may share one process (the tests).
 """
@@ -37,18 +40,18 @@ class _EngineHistograms:
             return Histogram(name, doc, ["engine"], buckets=buckets, registry=registry)
 
         self.batch_size = histogram(
-            "specdec:batch_size",
+            "specdec_batch_size",
             "Sequences (sessions) per batched forward (step) of an engine loop.",
             BATCH_SIZE_BUCKETS,
         )
         self.batched_tokens = histogram(
-            "specdec:num_batched_tokens",
+            "specdec_num_batched_tokens",
             "New tokens per step (every sequence's verify, decode or prefill tokens).",
             BATCHED_TOKENS_BUCKETS,
         )
-        self.step_time = histogram("specdec:step_time_seconds", "A step's forward time.", STEP_BUCKETS)
+        self.step_time = histogram("specdec_step_time_seconds", "A step's forward time.", STEP_BUCKETS)
         self.queue_time = histogram(
-            "specdec:queue_time_seconds",
+            "specdec_queue_time_seconds",
             "Per call: time in the engine's queue before its first step began.",
             QUEUE_BUCKETS,
         )
@@ -74,14 +77,14 @@ class _EngineView(EngineMetrics):
 
 
 class _Evictions(Collector):
-    """``specdec:sessions_evicted_total``, read from the registry's count at every scrape."""
+    """``specdec_sessions_evicted_total``, read from the registry's count at every scrape."""
 
     def __init__(self, sessions: SessionRegistry):
         self.sessions = sessions
 
     def collect(self):
         yield CounterMetricFamily(
-            "specdec:sessions_evicted",
+            "specdec_sessions_evicted",
             "Sessions released for being idle longer than session_idle_timeout_s "
             "(left by a coordinator that died, or a client that vanished), not by a Release.",
             value=self.sessions.num_evicted,
@@ -95,7 +98,7 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.rpc_errors = Counter(
-            "specdec:rpc_errors",
+            "specdec_rpc_errors",
             "RPCs this service failed, by method and gRPC status code.",
             ["method", "code"],
             registry=self.registry,
@@ -113,10 +116,10 @@ class ServiceMetrics:
         """Exports the open sessions, the bytes their KV caches hold and the sessions evicted as
         idle (a coordinator that died without releasing them), read at every scrape."""
         Gauge(
-            "specdec:num_sessions", "Open sessions (requests with KV state) on this service.", registry=self.registry
+            "specdec_num_sessions", "Open sessions (requests with KV state) on this service.", registry=self.registry
         ).set_function(lambda: len(sessions))
         Gauge(
-            "specdec:kv_cache_bytes", "Bytes held by the KV caches of the open sessions.", registry=self.registry
+            "specdec_kv_cache_bytes", "Bytes held by the KV caches of the open sessions.", registry=self.registry
         ).set_function(sessions.kv_cache_bytes)
         self.registry.register(_Evictions(sessions))
 

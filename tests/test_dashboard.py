@@ -1,10 +1,16 @@
 """deploy/grafana/specdec-dashboard.json: it loads, its panels are well formed, and every query,
-parsed with promql-parser, names only metrics the services export."""
+parsed with promql-parser, names only metrics the services export; those names read the same in
+both exposition formats a scraper may negotiate. tests/test_prometheus.py runs every query on a
+real Prometheus."""
 
 import json
 from pathlib import Path
 
 import promql_parser
+from prometheus_client import generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from coordinator.prometheus import CoordinatorMetrics
 from specdec.prom import ServiceMetrics
@@ -15,14 +21,19 @@ GRAFANA_RANGES = {"$__rate_interval": "1m", "$__range": "1h"}  # Grafana fills t
 SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
-def exported_sample_names() -> set[str]:
-    """Every sample name the coordinator and a session service (draft, verify) expose."""
+def service_metrics() -> list[ServiceMetrics]:
+    """The coordinator's metrics and a session service's (draft, verify)."""
     session_service = ServiceMetrics()
     session_service.track_sessions(SessionRegistry(1, 60.0))
     session_service.engine_metrics("verify")
+    return [CoordinatorMetrics(), session_service]
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name the coordinator and a session service (draft, verify) expose."""
     return {
         family.name + suffix
-        for metrics in (CoordinatorMetrics(), session_service)
+        for metrics in service_metrics()
         for family in metrics.registry.collect()
         for suffix in SAMPLE_SUFFIXES[family.type]
     }
@@ -63,6 +74,17 @@ def test_dashboard_loads_and_panels_are_well_formed():
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
 
 
+def test_names_read_the_same_in_every_exposition_format():
+    """Prometheus asks for OpenMetrics, where prometheus-client escapes characters it leaves in the
+    text format (a colon becomes an underscore): the dashboard's names must survive both."""
+    for metrics in service_metrics():
+        text = generate_latest(metrics.registry).decode()
+        om = openmetrics.generate_latest(metrics.registry).decode()
+        text_names = {sample.name for family in parse_text(text) for sample in family.samples}
+        om_names = {sample.name for family in parse_openmetrics(om) for sample in family.samples}
+        assert text_names == om_names, f"differ by format: {sorted(text_names ^ om_names)}"
+
+
 def test_every_query_names_exported_metrics():
     dashboard = json.loads(DASHBOARD.read_text())
     exported = exported_sample_names()
@@ -77,20 +99,20 @@ def test_every_query_names_exported_metrics():
     # the issue's panels: throughput, speedup proxy, acceptance and its per-position curve,
     # latency percentiles, fallback share, sessions, KV memory, errors, faults, load and batching
     for name in (
-        "specdec:generation_tokens_total",
-        "specdec:num_target_forwards_total",
-        "specdec:spec_decode_num_accepted_tokens_per_pos_total",
-        "specdec:time_to_first_token_seconds_bucket",
-        "specdec:time_per_output_token_seconds_bucket",
-        "specdec:num_sessions",
-        "specdec:kv_cache_bytes",
-        "specdec:rpc_errors_total",
-        "specdec:draft_failures_total",
-        "specdec:verify_rebuilds_total",
-        "specdec:session_store_errors_total",
-        "specdec:batch_size_sum",
-        "specdec:num_batched_tokens_sum",
-        "specdec:queue_time_seconds_bucket",
-        "specdec:num_speculative_tokens_by_load_sum",
+        "specdec_generation_tokens_total",
+        "specdec_num_target_forwards_total",
+        "specdec_spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec_time_to_first_token_seconds_bucket",
+        "specdec_time_per_output_token_seconds_bucket",
+        "specdec_num_sessions",
+        "specdec_kv_cache_bytes",
+        "specdec_rpc_errors_total",
+        "specdec_draft_failures_total",
+        "specdec_verify_rebuilds_total",
+        "specdec_session_store_errors_total",
+        "specdec_batch_size_sum",
+        "specdec_num_batched_tokens_sum",
+        "specdec_queue_time_seconds_bucket",
+        "specdec_num_speculative_tokens_by_load_sum",
     ):
         assert name in used, f"no panel shows {name}"

@@ -3,6 +3,7 @@ every overlay rendered with `kubectl kustomize`, validated against the Kubernete
 checkov and hadolint. The other tests check what the rendered manifests promise the services:
 setting names they read, probe ports, the coordinator's HTTP port and API keys Secret, which
 ports the NetworkPolicies admit, shutdown timing, GPU placement, where models come from.
+test_dockerfile_copies_survive_dockerignore checks the images' build context without a build.
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
@@ -11,6 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pathspec
 import pytest
 import yaml
 
@@ -20,6 +22,7 @@ from specdec.server import SHUTDOWN_GRACE_S
 from verify_service.settings import VerifySettings
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILES = sorted((ROOT / "deploy/docker").glob("Dockerfile.*"))
 OVERLAYS = sorted(path.name for path in (ROOT / "deploy/k8s/overlays").iterdir() if path.is_dir())
 SETTINGS = {"coordinator": CoordinatorSettings, "draft": DraftSettings, "verify": VerifySettings}
 
@@ -293,3 +296,38 @@ def test_gpu_placement(overlay):
     assert shm["emptyDir"]["medium"] == "Memory"
     hpa = resources[("HorizontalPodAutoscaler", "specdec-coordinator")]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "specdec-coordinator" and hpa["minReplicas"] >= 2
+
+
+def dockerignore() -> pathspec.PathSpec:
+    """.dockerignore as Docker reads it: every pattern anchored at the context's root (gitignore
+    patterns without a slash match at any depth, Docker's never do), `**` any directories, `!` an
+    exception, the last matching line wins."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    anchored = [f"!/{p[1:].lstrip('/')}" if p.startswith("!") else f"/{p.lstrip('/')}" for p in patterns]
+    return pathspec.GitIgnoreSpec.from_lines(anchored)
+
+
+def copied_sources(dockerfile: Path) -> list[str]:
+    """The build-context paths a Dockerfile's COPY and ADD instructions read (not --from=stage)."""
+    sources = []
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if words[:1] in (["COPY"], ["ADD"]) and not any(w.startswith("--from=") for w in words):
+            sources += [w for w in words[1:-1] if not w.startswith("--")]
+    return sources
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_dockerfile_copies_survive_dockerignore(dockerfile):
+    """Every file of the repository under a path a Dockerfile copies reaches the build context (a
+    directory .dockerignore drops makes the build fail at its COPY)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = tracked.stdout.splitlines()
+    ignored = dockerignore()
+    for source in copied_sources(dockerfile):
+        path = source.rstrip("/")
+        under = [f for f in files if f == path or f.startswith(f"{path}/")]
+        assert under, f"{dockerfile.name} copies {source}, which is not in the repository"
+        dropped = [f for f in under if ignored.match_file(f)]
+        assert not dropped, f"{dockerfile.name} copies {source}, but .dockerignore drops {dropped[:5]}: re-include it"

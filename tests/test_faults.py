@@ -213,7 +213,7 @@ CELLS = [
 def test_fault_matrix(fleet, references, redis_server, target, sig, when):
     fault = make_fault(fleet, redis_server, target, signal.Signals[sig])
     services = [fleet.draft, *fleet.verify]
-    evicted_before = sum(scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services)
+    evicted_before = sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services)
     named = requests()
     burst = Burst(fleet.coordinators[0].address)
     if when == "early":
@@ -256,10 +256,10 @@ def assert_no_session_left(services, evicted_before: float, timeout_s: float = 1
     """Every session of the burst is released (in the background, after the requests end; a
     restarted service holds none), none evicted as idle."""
     deadline = time.monotonic() + timeout_s
-    while (held := [scrape(s.metrics_url)["specdec:num_sessions"] for s in services]) != [0] * len(services):
+    while (held := [scrape(s.metrics_url)["specdec_num_sessions"] for s in services]) != [0] * len(services):
         assert time.monotonic() < deadline, f"sessions left on draft, verify0, verify1: {held}"
         time.sleep(0.1)
-    assert sum(scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services) <= evicted_before
+    assert sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services) <= evicted_before
 
 
 def test_a_request_stored_after_redis_returns(fleet, references, redis_server):
@@ -287,7 +287,7 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references):
     reference = generate(second.address, request, timeout_s=120)
     request.request_id = "resume-after-kill"
     services = [fleet.draft, *fleet.verify]
-    evicted_before = sum(scrape(s.metrics_url)["specdec:sessions_evicted_total"] for s in services)
+    evicted_before = sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services)
     received = Completion()
     with pytest.raises(grpc.RpcError) as cut, grpc.insecure_channel(first.address, options=GRPC_OPTIONS) as channel:
         for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=120):

@@ -517,11 +517,11 @@ def test_client_disconnect_mid_stream_releases_both_sessions(api, tiny_pipeline)
 
 
 def generated_tokens(api: Api) -> float:
-    """The coordinator's ``specdec:generation_tokens`` counter (tokens committed to requests)."""
+    """The coordinator's ``specdec_generation_tokens`` counter (tokens committed to requests)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{api.metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return next(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec:generation_tokens_total ")
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec_generation_tokens_total ")
     )
 
 

@@ -321,46 +321,46 @@ def scrape_until(url: str, name: str, expected: float, timeout_s: float = 10.0) 
 
 def test_coordinator_counters_equal_the_request_metrics(traced_run):
     m = traced_run.result["metrics"]
-    samples = scrape_until(traced_run.cluster.metrics_url("coordinator"), "specdec:num_requests_running", 0)
+    samples = scrape_until(traced_run.cluster.metrics_url("coordinator"), "specdec_num_requests_running", 0)
     drafter = (("drafter", "transformers"),)
 
     def value(name: str, labels=()) -> float:
         return samples.get((name, tuple(sorted(labels))), 0.0)
 
-    assert value("specdec:spec_decode_num_drafts_total", drafter) == m["num_spec_steps"]
-    assert value("specdec:spec_decode_num_draft_tokens_total", drafter) == m["num_draft_tokens"]
-    assert value("specdec:spec_decode_num_accepted_tokens_total", drafter) == m["num_accepted_draft_tokens"]
+    assert value("specdec_spec_decode_num_drafts_total", drafter) == m["num_spec_steps"]
+    assert value("specdec_spec_decode_num_draft_tokens_total", drafter) == m["num_draft_tokens"]
+    assert value("specdec_spec_decode_num_accepted_tokens_total", drafter) == m["num_accepted_draft_tokens"]
     histogram = m["acceptance_histogram"]
     for position in range(K):
         labels = (*drafter, ("position", str(position)))
-        assert value("specdec:spec_decode_num_accepted_tokens_per_pos_total", labels) == sum(histogram[position + 1 :])
+        assert value("specdec_spec_decode_num_accepted_tokens_per_pos_total", labels) == sum(histogram[position + 1 :])
     assert (
         sum(
-            value("specdec:spec_decode_num_draft_tokens_per_pos_total", (*drafter, ("position", str(p))))
+            value("specdec_spec_decode_num_draft_tokens_per_pos_total", (*drafter, ("position", str(p))))
             for p in range(K)
         )
         == m["num_draft_tokens"]
     )
     for k, rounds in enumerate(m["rounds_per_k"]):
-        assert value("specdec:num_target_forwards_total", (("k", str(k)),)) == rounds
-    assert value("specdec:generation_tokens_total") == m["num_generated_tokens"]
-    assert value("specdec:prompt_tokens_total") == m["num_prompt_tokens"]
-    assert value("specdec:num_requests_running") == 0
+        assert value("specdec_num_target_forwards_total", (("k", str(k)),)) == rounds
+    assert value("specdec_generation_tokens_total") == m["num_generated_tokens"]
+    assert value("specdec_prompt_tokens_total") == m["num_prompt_tokens"]
+    assert value("specdec_num_requests_running") == 0
     for name, ms in (
         ("time_to_first_token", "time_to_first_token_ms"),
         ("e2e_request_latency", "total_time_ms"),
         ("request_prefill_time", "prefill_time_ms"),
     ):
-        assert value(f"specdec:{name}_seconds_count") == 1
-        assert value(f"specdec:{name}_seconds_sum") == pytest.approx(m[ms] / 1000)
+        assert value(f"specdec_{name}_seconds_count") == 1
+        assert value(f"specdec_{name}_seconds_sum") == pytest.approx(m[ms] / 1000)
     for part in ("draft", "verify"):
-        assert value(f"specdec:round_{part}_time_seconds_count") == m["num_target_forwards"]
-        assert value(f"specdec:round_{part}_time_seconds_sum") == pytest.approx(m[f"{part}_time_ms"] / 1000)
-    assert value("specdec:round_coordination_time_seconds_sum") == pytest.approx(m["coordination_time_ms"] / 1000)
+        assert value(f"specdec_round_{part}_time_seconds_count") == m["num_target_forwards"]
+        assert value(f"specdec_round_{part}_time_seconds_sum") == pytest.approx(m[f"{part}_time_ms"] / 1000)
+    assert value("specdec_round_coordination_time_seconds_sum") == pytest.approx(m["coordination_time_ms"] / 1000)
     proposals, hits = m.get("num_draft_ahead_proposals", 0), m.get("num_draft_ahead_hits", 0)
     assert proposals > 0  # the transformers drafter drafts ahead
-    assert value("specdec:draft_ahead_proposals_total", (("outcome", "hit"),)) == hits
-    assert value("specdec:draft_ahead_proposals_total", (("outcome", "miss"),)) == proposals - hits
+    assert value("specdec_draft_ahead_proposals_total", (("outcome", "hit"),)) == hits
+    assert value("specdec_draft_ahead_proposals_total", (("outcome", "miss"),)) == proposals - hits
 
 
 def test_session_gauges_kv_bytes_and_errors(traced_run):
@@ -384,25 +384,25 @@ def test_session_gauges_kv_bytes_and_errors(traced_run):
         url = cluster.metrics_url(service)
         with grpc.insecure_channel(cluster.address(service), options=GRPC_OPTIONS) as channel:
             stub = stub_cls(channel)
-            assert scrape_until(url, "specdec:num_sessions", 0)[("specdec:kv_cache_bytes", ())] == 0
+            assert scrape_until(url, "specdec_num_sessions", 0)[("specdec_kv_cache_bytes", ())] == 0
             stub.Prefill(prefill, timeout=30)
             samples = scrape(url)
-            assert samples[("specdec:num_sessions", ())] == 1
-            assert samples[("specdec:kv_cache_bytes", ())] == per_token * (len(prompt) - 1)  # all but the last token
+            assert samples[("specdec_num_sessions", ())] == 1
+            assert samples[("specdec_kv_cache_bytes", ())] == per_token * (len(prompt) - 1)  # all but the last token
             with pytest.raises(grpc.RpcError) as err:
                 stub.Prefill(prefill, timeout=30)  # the session exists
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             stub.Release(release, timeout=30)
             samples = scrape(url)
-            assert samples[("specdec:num_sessions", ())] == 0 and samples[("specdec:kv_cache_bytes", ())] == 0
-            assert samples[("specdec:rpc_errors_total", (("code", "ALREADY_EXISTS"), ("method", "Prefill")))] == 1
+            assert samples[("specdec_num_sessions", ())] == 0 and samples[("specdec_kv_cache_bytes", ())] == 0
+            assert samples[("specdec_rpc_errors_total", (("code", "ALREADY_EXISTS"), ("method", "Prefill")))] == 1
     with grpc.insecure_channel(cluster.address("coordinator"), options=GRPC_OPTIONS) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=0), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     samples = scrape(cluster.metrics_url("coordinator"))
-    assert samples[("specdec:rpc_errors_total", (("code", "INVALID_ARGUMENT"), ("method", "Generate")))] == 1
+    assert samples[("specdec_rpc_errors_total", (("code", "INVALID_ARGUMENT"), ("method", "Generate")))] == 1
 
 
 def test_tracing_is_off_unless_an_exporter_is_named(monkeypatch):

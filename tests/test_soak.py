@@ -231,10 +231,10 @@ def load(fleet: ProcessFleet) -> dict[str, float]:
     for name, service in fleet.services.items():
         metrics = scrape(service.metrics_url)
         if name.startswith("coordinator"):
-            figures[name] = metrics["specdec:num_requests_running"]
+            figures[name] = metrics["specdec_num_requests_running"]
         else:
-            figures[name] = metrics["specdec:num_sessions"]
-            figures[f"{name} KV bytes"] = metrics["specdec:kv_cache_bytes"]
+            figures[name] = metrics["specdec_num_sessions"]
+            figures[f"{name} KV bytes"] = metrics["specdec_kv_cache_bytes"]
     return figures
 
 
