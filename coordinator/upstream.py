@@ -133,8 +133,9 @@ class ServiceClients:
 
     async def call_draft(self, method: str, request, timeout: float | None = None):
         """Calls DraftService.<method>; ``timeout`` in seconds defaults to the Propose deadline for
-        Propose, rpc_timeout_s for the others. A call that finds the service unreachable or misses
-        its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
+        Propose, rpc_timeout_s for the others. A call on a request's path (not a Release, which is
+        background clean-up, retried while the service is away) that finds the service unreachable
+        or misses its deadline marks the draft down (:meth:`draft_down`); raises Unavailable."""
         self._follow_certificate()
         where = f"draft service at {self.draft_address}"
         num_forwards = ProposeDeadline.forwards(request) if method == "Propose" and timeout is None else None
@@ -145,7 +146,8 @@ class ServiceClients:
         try:
             response = await self._call(getattr(self.draft, method), request, where, timeout)
         except Unavailable:
-            self._draft_down_until = time.monotonic() + self.draft_down_s
+            if method != "Release":
+                self._draft_down_until = time.monotonic() + self.draft_down_s
             raise
         if num_forwards is not None:
             self.propose_deadline.observe(time.monotonic() - start, num_forwards)
