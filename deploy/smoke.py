@@ -315,10 +315,14 @@ def chat_completion(port: int) -> str:
 
 def speculates_again(address: str, expected: list[int], timeout_s: float = 120.0) -> bool:
     """Whether a Generate drafts with the draft service's drafter again within ``timeout_s``,
-    every completion equal to ``expected``."""
+    every completion equal to ``expected``. The requests name the drafter and K: under adaptive K
+    the coordinator's suffix lookup, which has seen this prompt's output by then, drafts it for
+    free and the draft service is rightly left out."""
+    request = greedy_request()
+    request.drafter, request.num_speculative_tokens = DRAFTER, 4
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        completion = generate(address, greedy_request(), timeout_s=120)
+        completion = generate(address, request, timeout_s=120)
         assert completion.token_ids == expected, "after the draft's restart the tokens differ from plain decoding"
         usage = completion.to_json()["metrics"].get("drafter_usage", {}).get(DRAFTER, {})
         if int(usage.get("num_draft_tokens", 0)) > 0:
@@ -376,6 +380,9 @@ def run(image: str, redis_image: str) -> str:
     assert completion.token_ids == expected, f"Generate {completion.token_ids} != plain decoding {expected}"
     chat = chat_completion(coordinator.host_ports["http"])
     assert chat == completion.text, f"chat completion {chat!r} != Generate {completion.text!r}"
+    redis = next(d for d in deployments if d.name == "specdec-redis")
+    stored = podman("exec", redis.container("redis"), "redis-cli", "--scan", "--pattern", "specdec:request:*")
+    assert stored.split(), "Redis holds no request: the coordinator could not write its request store (see its log)"
     print("peak memory (limit): " + ", ".join(memory_use(d) for d in deployments))
 
     step("kill the draft container")
