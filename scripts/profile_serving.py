@@ -1,0 +1,186 @@
+"""Where the serving path's CPU time goes (issue 26's first step; findings in
+docs/architecture.md#where-the-cpu-time-goes).
+
+Writes a near-free model (a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer: a forward
+costs almost nothing, so what is measured is the path around it), serves it with the three
+services as separate processes (verify: that model; draft: the transformers drafter on the same
+folder, so every draft token is accepted), sends N concurrent greedy streams (closed loop) and
+samples every process with py-spy (``--idle`` off: only frames that run on a CPU). Prints, per
+K and per process, the CPU ms per generated token (user + system time from /proc around the
+load) split by the share of py-spy's samples in each part of the path, and the tokens/s.
+
+    .venv/bin/python scripts/profile_serving.py [--concurrency 64] [--max-new-tokens 128] [--seconds 20]
+"""
+
+import argparse
+import asyncio
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from specdec.model_files import load_tokenizer
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import LocalCluster, free_port
+
+# Parts of the path by the frames that belong to them (file or function substrings). A sample
+# goes to the part of its innermost frame that belongs to one (torch's functions and C code count
+# for their Python caller: a softmax in the acceptance test is acceptance, a Linear module's
+# forward is the model).
+PARTS = [
+    ("acceptance", ("specdec/acceptance.py", "specdec/sampling.py")),
+    ("attention (ragged)", ("_ragged_attention",)),
+    ("model forward", ("transformers/models/", "torch/nn/modules/", "transformers/integrations/")),
+    ("KV store", ("specdec/kv.py", "specdec/ragged_lm.py")),
+    ("engine scheduling", ("specdec/engine.py", "specdec/batching.py")),
+    ("protobuf and gRPC", ("google/protobuf", "grpc/", "grpc_")),
+    ("detokenization and stream output", ("tokenizers", "coordinator/output.py", "transformers/tokenization")),
+    ("request store", ("coordinator/store.py", "redis/")),
+    ("metrics and tracing", ("prometheus_client", "opentelemetry", "coordinator/metrics.py", "specdec/prom.py")),
+    ("round logic (coordinator)", ("coordinator/",)),
+    ("drafter (draft service)", ("draft_service/",)),
+    ("service handlers", ("verify_service/", "specdec/")),
+    ("asyncio", ("asyncio/",)),
+]
+RATE_HZ = 200
+
+
+def write_near_free_model(folder: Path) -> None:
+    """A random 2-layer Llama (hidden 64, SmolLM2's vocabulary and tokenizer) saved to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    load_tokenizer("smollm2").save_pretrained(folder)
+
+
+async def closed_loop(address: str, k: int, concurrency: int, max_new: int, seconds: float) -> int:
+    """``concurrency`` clients each sending its next request when the last one ends, for
+    ``seconds``; returns the tokens generated."""
+    prompts = [f"Tell me about topic number {i}, in detail." for i in range(concurrency)]
+    deadline, total = time.monotonic() + seconds, 0
+
+    async def client(prompt: str) -> None:
+        nonlocal total
+        async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            while time.monotonic() < deadline:
+                request = coordinator_pb2.GenerateRequest(
+                    text=prompt, max_new_tokens=max_new, num_speculative_tokens=k, drafter="transformers"
+                )
+                async for response in stub.Generate(request):
+                    total += len(response.token_ids)
+
+    await asyncio.gather(*(client(p) for p in prompts))
+    return total
+
+
+def part_of(frame: str) -> str | None:
+    return next((name for name, marks in PARTS if any(mark in frame for mark in marks)), None)
+
+
+def parts_of(raw: Path) -> collections.Counter:
+    """Samples per part from py-spy's raw output (one line per stack, root first, then its count)."""
+    samples: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit():
+            frames = reversed(stack.split(";"))
+            samples[next((part for frame in frames if (part := part_of(frame))), "other")] += int(count)
+    return samples
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/<pid>/stat, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile(cluster: LocalCluster, k: int, args, out: Path) -> None:
+    address = cluster.address("coordinator")
+    asyncio.run(closed_loop(address, k, args.concurrency, args.max_new_tokens, 3))  # warm-up
+    py_spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--rate", str(RATE_HZ), "--format", "raw"]
+    py_spy += ["--nonblocking", "--duration", str(int(args.seconds))]
+    spies = {
+        name: subprocess.Popen(
+            [*py_spy, "--pid", str(process.pid), "--output", str(out / f"{name}-k{k}.txt")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, process in cluster.processes.items()
+    }
+    pids = {name: process.pid for name, process in cluster.processes.items()}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    start = time.monotonic()
+    tokens = asyncio.run(closed_loop(address, k, args.concurrency, args.max_new_tokens, args.seconds))
+    elapsed = time.monotonic() - start
+    cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    for spy in spies.values():
+        spy.wait()
+    print(f"\nK = {k}: {tokens} tokens in {elapsed:.1f} s, {tokens / elapsed:.0f} tokens/s")
+    print("| process | part | share of samples | CPU ms per generated token |\n|---|---|---:|---:|")
+    for name in spies:
+        samples = parts_of(out / f"{name}-k{k}.txt")
+        total = sum(samples.values()) or 1
+        print(f"| {name} | **all** (user + system, /proc) | | **{cpu_s[name] * 1000 / tokens:.3f}** |")
+        for part, count in samples.most_common():
+            share = count / total
+            print(f"| {name} | {part} | {share:.0%} | {share * cpu_s[name] * 1000 / tokens:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 4])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, out = Path(tmp) / "near-free", Path(tmp) / "profiles"
+        out.mkdir()
+        write_near_free_model(model)
+        drafter = ["--drafters", "transformers", "--default-drafter", "transformers"]
+        # limits that let every stream join every step (one handler thread per call in flight)
+        limits = ["--max-sessions", str(2 * args.concurrency + 8), "--max-num-seqs", str(args.concurrency)]
+        limits += ["--max-workers", str(2 * args.concurrency + 8)]
+        cluster = LocalCluster(
+            free_port(),
+            free_port(),
+            free_port(),
+            extra_args={
+                "verify": ["--model", str(model), *limits],
+                "draft": [*drafter, "--transformers-model", str(model), *limits],
+                "coordinator": ["--tokenizer", str(model)],
+            },
+            log_dir=Path(tmp) / "logs",
+        )
+        cluster.start_all(timeout_s=300)
+        try:
+            for k in args.k:
+                profile(cluster, k, args, out)
+        finally:
+            cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
