@@ -60,10 +60,20 @@ class ServiceSettings(BaseSettings):
         return self
 
 
+RESERVED_WORKERS = 8  # handler threads beyond one per session: GetInfo, Release and health calls
+
+
 class SessionServiceSettings(ServiceSettings):
     """Settings of the services that hold per-session KV state (draft and verify)."""
 
-    max_workers: int = Field(16, description="gRPC handler threads (concurrent calls).")
+    max_workers: int = Field(
+        0,
+        ge=0,
+        description="gRPC handler threads: calls served at once (each Prefill, Propose, Verify or Decode holds "
+        "one while it waits for its step; more wait in gRPC's queue). 0 = max(max_sessions, max_num_seqs) + 8: "
+        "every session's call and a few GetInfo and Release calls at once. At least max_num_seqs, or a step could "
+        "never fill.",
+    )
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
     max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")
     session_idle_timeout_s: float = Field(300.0, description="Seconds before an unused session is released.")
@@ -85,6 +95,27 @@ class SessionServiceSettings(ServiceSettings):
         description="Test hook, empty in production: METHOD=MS pairs (for example Prefill=1000); each call of "
         "that RPC waits MS ms before it is handled, so a fault test finds such calls in flight.",
     )
+
+    @model_validator(mode="after")
+    def _limits_agree(self):
+        """Fills in max_workers and refuses limits that contradict each other (ValueError naming
+        the settings to change): a step must be able to hold max_num_seqs calls and a verify of
+        the largest K."""
+        if self.max_workers == 0:
+            self.max_workers = max(self.max_sessions, self.max_num_seqs) + RESERVED_WORKERS
+        if self.max_workers < self.max_num_seqs:
+            raise ValueError(
+                f"max_workers ({self.max_workers}) is below max_num_seqs ({self.max_num_seqs}): each call waits for "
+                f"its step in a handler thread, so no step could hold more than {self.max_workers} sequences; raise "
+                f"max_workers to at least {self.max_num_seqs} (0 chooses one thread per session) or lower max_num_seqs"
+            )
+        if self.max_num_batched_tokens < self.max_num_speculative_tokens + 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_speculative_tokens + 1 "
+                f"({self.max_num_speculative_tokens + 1}): a verify of the largest K could not fit one step; raise "
+                "max_num_batched_tokens or lower max_num_speculative_tokens"
+            )
+        return self
 
     @field_validator("debug_rpc_delay_ms")
     @classmethod
