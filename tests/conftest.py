@@ -339,9 +339,13 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
 
 
-def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
-    """A plausible bug in :func:`specdec.acceptance.rejection_sample`, for negative controls: at a
-    rejection, resample from p instead of normalise(max(0, p - q))."""
+def wrong_rejection_sample(draft_token_ids, draft_probs, target_probs, generators):
+    """A plausible bug in :func:`specdec.acceptance.rejection_sample` (same arguments), for negative
+    controls: at a rejection, resample from p instead of normalise(max(0, p - q))."""
+    return [_wrong_rule(*args) for args in zip(draft_token_ids, draft_probs, target_probs, generators, strict=True)]
+
+
+def _wrong_rule(draft_tokens, draft_probs, target_probs, generator):
     for i, token in enumerate(draft_tokens):
         p, q = target_probs[i], draft_probs[i]
         if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
