@@ -12,7 +12,7 @@ from specdec.batching import SequenceStep
 from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM
 from tests.conftest import tiny_llama
 
-VOCAB = 49152
+VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small
 
 
 def reference_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -55,7 +55,7 @@ class Checked:
 
 @pytest.fixture
 def checked() -> Checked:
-    return Checked(lambda: tiny_llama(seed=0))
+    return Checked(lambda: tiny_llama(seed=0, vocab_size=VOCAB))
 
 
 def test_ragged_steps_equal_each_sequence_alone(checked):
@@ -132,3 +132,14 @@ def test_a_sliding_window_limits_what_each_query_attends():
     checked.step({short: random_tokens(6, generator), long: random_tokens(3, generator)}, num_logits=3)
     window_matters = reference_logits(tiny_mistral(window=64), checked.tokens[long])[-1]
     assert not torch.allclose(window_matters, reference_logits(checked.reference, checked.tokens[long])[-1], atol=1e-3)
+
+
+def test_rows_no_step_wrote_are_zeros(checked):
+    """A padded step reads rows no step wrote (masked out, weight 0): they must hold no NaN, as
+    uninitialised memory may (0 x NaN is NaN), so a new pool and each growth of it are zeros."""
+    generator = torch.Generator().manual_seed(6)
+    seq = checked.allocate()
+    checked.step({seq: random_tokens(3 * BLOCK_SIZE, generator)})  # grows the pool from two blocks
+    used = sum(len(s.blocks) for s in checked.lm._sequences.values()) * BLOCK_SIZE
+    assert checked.lm._pool.shape[2] > used
+    assert not checked.lm._pool[:, :, used:].any()
