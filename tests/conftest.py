@@ -5,6 +5,7 @@ acceptance rule for negative controls, a recorder of the engine's batch sizes, q
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -265,6 +266,11 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
             max_new_tokens_limit=256,
         )
     )
+    # The services run in this process: a full garbage collection stops their threads while it
+    # scans every object, and with all the session's models and modules that took longer than a
+    # Propose's 250 ms deadline. Frozen, they are not scanned again.
+    gc.collect()
+    gc.freeze()
     yield Pipeline(
         f"127.0.0.1:{coordinator.port}",
         f"127.0.0.1:{verify.port}",
