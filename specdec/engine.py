@@ -3,7 +3,9 @@
 One thread per model runs steps (continuous batching, as in vLLM and Orca): a step takes the
 pending work in arrival order, at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
 new tokens, runs one :meth:`specdec.batching.BatchedLM.forward` over all of it, and hands each
-sequence its slice of the logits. Sessions join and leave between steps; a step never waits for a
+sequence its slice of the logits: first to one pass per kind of work over all of that kind in the
+step (:meth:`Work.accept`: the verify's acceptance test for every sequence at once), then to each
+work's :meth:`Work.finish_step`. Sessions join and leave between steps; a step never waits for a
 full batch, only (up to ``batch_wait_ms``) for the sequences of the previous step whose callers
 are about to send their next call, so that clients share steps instead of alternating.
 
@@ -69,6 +71,12 @@ class Work(abc.ABC):
         """This step's share: new tokens (at most ``budget`` when the work can be chunked; a
         decoding step may exceed it and then waits for a step with room) and how many logits it
         needs. Must not change state: a step that cannot fit it asks again next time."""
+
+    @classmethod  # noqa: B027 (a no-op unless a kind of work has a batched pass)
+    def accept(cls, works: list["Work"], logits: list[torch.Tensor]) -> None:
+        """Runs once per step, before :meth:`finish_step`, over every work of this class in the
+        step and their logits (each ``[num_logits, V]`` float32), for what costs less done for all
+        sequences at once (the acceptance test). Does nothing here."""
 
     @abc.abstractmethod
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
@@ -246,8 +254,9 @@ class Engine:
         step_ms, end_ns = (time.perf_counter() - start) * 1000, time.time_ns()
         num_tokens = sum(len(step.token_ids) for step in steps)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
+        failed = self._accept(batch, logits)
         outcomes: list[tuple[_Entry, Exception | None]] = []
-        for (entry, step), rows in zip(batch, logits, strict=True):
+        for i, ((entry, step), rows) in enumerate(zip(batch, logits, strict=True)):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
             attributes = {
@@ -258,6 +267,9 @@ class Engine:
             tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(
                 end_time=end_ns
             )
+            if i in failed:
+                outcomes.append((entry, failed[i]))
+                continue
             try:
                 done = entry.call(entry.work.finish_step, step, rows)
             except Exception as err:  # any failure is handed to the caller
@@ -266,6 +278,20 @@ class Engine:
             if done:
                 outcomes.append((entry, None))
         self._finish(outcomes)
+
+    def _accept(self, batch: list[tuple[_Entry, SequenceStep]], logits: list[torch.Tensor]) -> dict[int, Exception]:
+        """Runs :meth:`Work.accept` once per kind of work in the step; returns the batch indices of
+        the entries whose kind's pass failed, with the error (they fail, the others go on)."""
+        kinds: dict[type[Work], list[int]] = {}
+        for i, (entry, _) in enumerate(batch):
+            kinds.setdefault(type(entry.work), []).append(i)
+        failed: dict[int, Exception] = {}
+        for kind, indices in kinds.items():
+            try:
+                kind.accept([batch[i][0].work for i in indices], [logits[i] for i in indices])
+            except Exception as err:  # handed to the callers of that kind of work
+                failed.update((i, err) for i in indices)
+        return failed
 
     def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
         with self._cond:

@@ -1,16 +1,36 @@
 """A transformers causal LM as a :class:`specdec.batching.BatchedLM`: one forward over the new
 tokens of many sequences, each reading and writing its own KV in place.
 
-Layout (vLLM's flattened batch): the steps' tokens are concatenated into one row of T tokens,
+Layout (vLLM's flattened batch): the step's tokens are concatenated into one row of T tokens,
 ``position_ids`` give each token its position in its own sequence, and every linear layer runs
 once over all T (where batching pays). Attention is the one ragged part: a custom attention
-function registered with transformers' ``AttentionInterface`` writes each sequence's new keys and
-values into its slot of the KV store and attends its queries to that slot's cached positions
-(causal within the step), one ``scaled_dot_product_attention`` per sequence and layer.
+function registered with transformers' ``AttentionInterface`` writes the step's new keys and
+values into the KV store with one indexed write per layer, and attends every sequence's queries to
+its own cached positions (causal within the step) in one padded ``scaled_dot_product_attention``
+per layer. The indices and masks that do this are built once per step (:class:`_StepLayout`), so
+no Python runs per sequence per layer.
 
-The KV store: one slot per sequence, a tensor ``[layers, 2 (key, value), kv_heads, capacity,
-head_dim]`` of the model's dtype plus a length. Capacity grows by doubling (the only copy, amortised
-over appends); rollback (:meth:`RaggedLM.truncate`) only lowers the length.
+The KV store (paged, as vLLM's PagedAttention, Kwon et al. 2023): one pool per model, a tensor
+``[layers, 2 (key, value), rows, kv_heads, head_dim]`` of the model's dtype, cut into blocks of
+:data:`BLOCK_SIZE` rows. A sequence is a list of blocks (its block table) and a length; it grows by
+taking free blocks, so nothing copies when a sequence grows, and rollback
+(:meth:`RaggedLM.truncate`) only lowers the length. The pool starts at ``num_blocks`` blocks and
+doubles when every block is taken (one copy at each new high-water mark of all sequences' tokens; it never shrinks);
+a GPU port sizes it from its memory budget once, as vLLM does.
+
+Attention, the choice (measured on CPU, torch 2.13, 2 threads): a sequence's queries are padded to
+the group's longest, its keys gathered from its blocks and padded to the group's longest context,
+and a boolean mask (causal within the step, padding, sliding window) built once per step; one
+``scaled_dot_product_attention`` per layer then runs the whole group on the fused CPU kernel.
+Sequences that bring more than :data:`MAX_PADDED_QUERIES` new tokens (prefill chunks) each attend
+in a group of their own, so a long chunk does not pad every decode to its length. Alternatives:
+``torch.nn.attention.varlen.varlen_attn`` (no padding, block tables) runs on CUDA only; FlexAttention
+runs the same masks but needs ``torch.compile`` on CPU (about 20 s to compile, a recompile per new
+shape) and is 10x slower than SDPA in eager mode. A GPU port would take varlen or FlashAttention
+with the block table as is. The gather copies each sequence's cached keys and values once per
+layer, which the per-sequence SDPA over a contiguous slot did not. Measured on CPU against one
+SDPA per sequence and layer: a step as fast at batch 1, 0.9x the time at 16 sequences
+(docs/architecture.md, "Serving under load").
 
 Why not transformers' own continuous batching (``transformers.generation.continuous_batching``:
 ``PagedAttentionCache`` with the ``sdpa_paged`` / ``paged|eager`` attention)? It is built around its
@@ -21,13 +41,15 @@ every step, none of which that API exposes; driving its internals would tie us t
 that changes between releases. The attention interface used here is public and stable.
 
 Works for models whose attention layers call transformers' attention interface (Llama, Qwen2,
-Mistral, Gemma 3 and most current decoder-only models); sliding-window layers (a ``sliding_window``
-attribute on the attention module) get their window in the mask.
+Mistral, Gemma 3 and most current decoder-only models), with grouped-query attention (fewer KV
+heads than query heads); sliding-window layers (a ``sliding_window`` argument or attribute of the
+attention module) get their window in the mask.
 """
 
+import heapq
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,55 +58,169 @@ from transformers import AttentionInterface
 from specdec.batching import BatchedLM, SequenceStep
 
 ATTENTION = "specdec_ragged"
-MIN_CAPACITY = 64  # tokens a new slot holds before its first growth
+BLOCK_SIZE = 16  # KV rows (token positions) per block
+NUM_BLOCKS = 64  # blocks in a new pool (1024 positions), doubled when all are taken
+MAX_PADDED_QUERIES = 16  # a sequence with more new tokens than this attends in a group of its own
 
 
 @dataclass
-class _Slot:
-    kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
+class _Sequence:
+    """One sequence in the pool: its block table (block ids, in position order) and cached length."""
+
+    blocks: list[int] = field(default_factory=list)
     length: int = 0
 
 
-@dataclass
-class _Layout:
-    """The running step: per sequence, its slot, where its tokens start in the flattened row and
-    how many there are. Passed to the attention function through the model's ``**kwargs``."""
+class _Group:
+    """Sequences attended together by one padded SDPA per layer; B sequences, Q the most new tokens
+    of one of them, C the longest context (cached + new). Built by :func:`_group`.
 
-    slots: list[_Slot]
-    offsets: list[int]
-    counts: list[int]
+    Args:
+        query_rows: ``[B * Q]`` int64, rows of the step's flattened queries; a sequence's padding
+            repeats its last query (its output is never read). Or, when every sequence brings Q
+            tokens and they are consecutive in the step, an int: the first of those B * Q rows (no
+            gather).
+        kv_rows: ``[B * C]`` int64, rows of the pool holding each sequence's positions 0..C-1
+            (padding points into a block the sequence holds or block 0, masked out). Or, for one
+            sequence whose blocks are consecutive in the pool, an int: its first row (no gather).
+        context: C.
+        query_positions: ``[B, Q]`` int64, each query's position in its sequence.
+        needs_mask: False when every key of the padded batch is visible to every query (one new
+            token each and equal contexts): SDPA then runs without a mask.
+    """
 
+    def __init__(self, query_rows, kv_rows, context: int, query_positions, needs_mask: bool):
+        self.query_rows, self.kv_rows, self.context = query_rows, kv_rows, context
+        self.query_positions, self.needs_mask = query_positions, needs_mask
+        self._masks: dict[int | None, torch.Tensor | None] = {}
 
-def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, ragged: _Layout, **_):
-    """The attention function (transformers' interface): query ``[1, heads, T, head_dim]``, key and
-    value ``[1, kv_heads, T, head_dim]`` of the flattened step; returns ``[1, T, heads, head_dim]``."""
-    layer = module.layer_idx
-    window = getattr(module, "sliding_window", None)
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for slot, start, count in zip(ragged.slots, ragged.offsets, ragged.counts, strict=True):
-        end, cached = start + count, slot.length
-        slot.kv[layer, 0, :, cached : cached + count] = key[0, :, start:end]
-        slot.kv[layer, 1, :, cached : cached + count] = value[0, :, start:end]
-        keys = slot.kv[layer, 0, :, : cached + count]
-        values = slot.kv[layer, 1, :, : cached + count]
-        mask = None
-        if count > 1 or (window and cached + count > window):
-            q_pos = torch.arange(cached, cached + count).unsqueeze(1)
-            k_pos = torch.arange(cached + count).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if window:
-                mask &= k_pos > q_pos - window
-            mask = mask.to(query.device)
-        attended = F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            scale=scaling,
-            enable_gqa=query.shape[1] != keys.shape[0],
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """``[B, 1, Q, C]`` bool, True where a query attends a key (causal, no padding, within
+        ``window`` positions when set); built once per step and window."""
+        if window not in self._masks:
+            windowed = window is not None and self.context > window
+            mask = None
+            if self.needs_mask or windowed:
+                key_positions = torch.arange(self.context, device=self.query_positions.device)
+                query_positions = self.query_positions.unsqueeze(-1)
+                mask = key_positions <= query_positions
+                if windowed:
+                    mask &= key_positions > query_positions - window
+                mask = mask.unsqueeze(1)
+            self._masks[window] = mask
+        return self._masks[window]
+
+    def attend(self, queries, pool, window: int | None, scale: float | None) -> torch.Tensor:
+        """queries ``[T, heads, head_dim]`` of the step, pool ``[2, rows, kv_heads, head_dim]`` of
+        one layer; returns ``[B * Q, heads, head_dim]``, row ``b * Q + i`` the output of sequence
+        b's query i."""
+        (batch, num_queries), context = self.query_positions.shape, self.context
+        heads, head_dim, kv_heads = queries.shape[1], queries.shape[2], pool.shape[2]
+        if isinstance(self.query_rows, int):
+            queries = queries[self.query_rows : self.query_rows + batch * num_queries]
+        else:
+            queries = queries.index_select(0, self.query_rows)
+        if isinstance(self.kv_rows, int):
+            pool = pool[:, self.kv_rows : self.kv_rows + context]
+        else:
+            pool = pool.index_select(1, self.kv_rows)  # keys and values in one gather
+        key, value = pool.view(2, batch, context, kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            queries.view(batch, num_queries, heads, head_dim).transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=self.mask(window),
+            scale=scale,
+            enable_gqa=heads != kv_heads,
         )
-        out[:, start:end] = attended.transpose(1, 2)
-    return out, None
+        return out.transpose(1, 2).reshape(batch * num_queries, heads, head_dim)
+
+
+@dataclass
+class _StepLayout:
+    """Everything the attention of one step needs, built once per step (:func:`_layout`) and passed
+    to the attention function through the model's ``**kwargs``.
+
+    ``pool``: the KV store (see the module docstring); ``write_rows``: ``[T]`` int64, the pool rows
+    the step's new keys and values go to; ``groups``: the padded SDPAs; ``out_rows``: ``[T]`` int64,
+    for each token of the step its row in the groups' outputs concatenated (None: the same rows).
+    """
+
+    pool: torch.Tensor
+    write_rows: torch.Tensor
+    groups: list[_Group]
+    out_rows: torch.Tensor | None
+
+
+def _group(sequences: list[_Sequence], counts: list[int], offsets: list[int], device) -> _Group:
+    """One padded SDPA over ``sequences`` (cached lengths before the step), bringing ``counts`` new
+    tokens each from rows ``offsets`` of the step."""
+    num_queries = max(counts)
+    context = max(s.length + n for s, n in zip(sequences, counts, strict=True))
+    steps = [[min(i, n - 1) for i in range(num_queries)] for n in counts]
+    query_rows = [o + i for o, row in zip(offsets, steps, strict=True) for i in row]
+    in_order = query_rows == list(range(offsets[0], offsets[0] + len(query_rows)))
+    blocks = -(-context // BLOCK_SIZE)
+    table = [(s.blocks + [0] * blocks)[:blocks] for s in sequences]
+    kv_rows: torch.Tensor | int = table[0][0] * BLOCK_SIZE
+    if len(table) > 1 or table[0] != list(range(table[0][0], table[0][0] + blocks)):
+        block_rows = torch.tensor(table).unsqueeze(-1) * BLOCK_SIZE + torch.arange(BLOCK_SIZE)
+        kv_rows = block_rows.view(len(sequences), -1)[:, :context].flatten().to(device)
+    return _Group(
+        offsets[0] if in_order else torch.tensor(query_rows, device=device),
+        kv_rows,
+        context,
+        torch.tensor([[s.length + i for i in row] for s, row in zip(sequences, steps, strict=True)], device=device),
+        num_queries > 1 or any(s.length + n != context for s, n in zip(sequences, counts, strict=True)),
+    )
+
+
+def _layout(pool: torch.Tensor, sequences: list[_Sequence], counts: list[int]) -> _StepLayout:
+    """The step's layout for ``sequences`` (cached lengths before the step) bringing ``counts``
+    new tokens each, in that order in the flattened step."""
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    narrow = [i for i, n in enumerate(counts) if 0 < n <= MAX_PADDED_QUERIES]
+    members = [narrow] if narrow else []
+    members += [[i] for i, n in enumerate(counts) if n > MAX_PADDED_QUERIES]
+    groups, out_rows, base = [], [0] * sum(counts), 0
+    for group in members:
+        groups.append(
+            _group([sequences[i] for i in group], [counts[i] for i in group], [offsets[i] for i in group], pool.device)
+        )
+        width = max(counts[i] for i in group)
+        for b, i in enumerate(group):
+            for j in range(counts[i]):
+                out_rows[offsets[i] + j] = base + b * width + j
+        base += len(group) * width
+    write_rows = [
+        s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for s, n in zip(sequences, counts, strict=True)
+        for p in range(s.length, s.length + n)
+    ]
+    in_order = base == len(out_rows) and out_rows == list(range(base))  # no padding, nothing reordered
+    return _StepLayout(
+        pool,
+        torch.tensor(write_rows, device=pool.device),
+        groups,
+        None if in_order else torch.tensor(out_rows, device=pool.device),
+    )
+
+
+def _ragged_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, *, ragged, **_
+):
+    """The attention function (transformers' interface): query ``[1, heads, T, head_dim]``, key and
+    value ``[1, kv_heads, T, head_dim]`` of the flattened step, ``ragged`` the :class:`_StepLayout`;
+    returns ``[1, T, heads, head_dim]``. A sliding window comes as an argument (Mistral) or as the
+    module's ``sliding_window`` attribute (Qwen2, Gemma 3)."""
+    pool = ragged.pool[module.layer_idx]
+    pool[0].index_copy_(0, ragged.write_rows, key[0].transpose(0, 1))
+    pool[1].index_copy_(0, ragged.write_rows, value[0].transpose(0, 1))
+    queries = query[0].transpose(0, 1)
+    window = sliding_window or getattr(module, "sliding_window", None)
+    outs = [group.attend(queries, pool, window, scaling) for group in ragged.groups]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (out if ragged.out_rows is None else out.index_select(0, ragged.out_rows)).unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION, _ragged_attention)
@@ -92,87 +228,97 @@ AttentionInterface.register(ATTENTION, _ragged_attention)
 
 class RaggedLM(BatchedLM):
     """``model``: a loaded transformers causal LM, switched to the ragged attention here (its
-    plain forward no longer works). The number of sequences is bounded by the service's session
+    plain forward no longer works). ``num_blocks``: the pool's first size in blocks of
+    :data:`BLOCK_SIZE` positions. The number of sequences is bounded by the service's session
     limit, their lengths by the context window."""
 
-    def __init__(self, model):
+    def __init__(self, model, num_blocks: int = NUM_BLOCKS):
         model.set_attn_implementation(ATTENTION)
         self.model = model
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._shape = (config.num_hidden_layers, 2, config.num_key_value_heads, head_dim)
         dtype = next(model.parameters()).dtype
-        self._dtype, self._device = dtype, model.device
-        self.bytes_per_token = (
-            torch.tensor([], dtype=dtype).element_size()
-            * config.num_hidden_layers
-            * 2
-            * config.num_key_value_heads
-            * head_dim
+        self._pool = torch.zeros(  # zeros: padding reads rows no step wrote, and 0 x NaN would be NaN
+            config.num_hidden_layers,
+            2,
+            num_blocks * BLOCK_SIZE,
+            config.num_key_value_heads,
+            head_dim,
+            dtype=dtype,
+            device=model.device,
         )
-        self._slots: dict[int, _Slot] = {}
+        self.bytes_per_token = self._pool[:, :, 0].numel() * self._pool.element_size()
+        self._free = list(range(num_blocks))  # a heap: the lowest free block first, so the pool stays compact
+        self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._lock = threading.Lock()  # guards _slots against free() from other threads
+        self._lock = threading.Lock()  # guards _sequences and _free against free() from other threads
 
     def allocate(self) -> int:
         with self._lock:
             seq_id, self._next_id = self._next_id, self._next_id + 1
-            self._slots[seq_id] = _Slot(self._new_kv(MIN_CAPACITY))
+            self._sequences[seq_id] = _Sequence()
         return seq_id
 
     def free(self, seq_id: int) -> None:
         with self._lock:
-            self._slots.pop(seq_id, None)
+            sequence = self._sequences.pop(seq_id, None)
+            if sequence is not None:
+                self._release(sequence)
 
     def truncate(self, seq_id: int, length: int) -> None:
-        slot = self._slots[seq_id]
-        slot.length = min(slot.length, length)
+        sequence = self._sequences[seq_id]
+        sequence.length = min(sequence.length, length)
 
     def cache_bytes(self, seq_id: int) -> int:
-        slot = self._slots.get(seq_id)
-        return slot.length * self.bytes_per_token if slot else 0
+        sequence = self._sequences.get(seq_id)
+        return sequence.length * self.bytes_per_token if sequence else 0
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        with self._lock:  # a sequence freed after its step was scheduled runs on a scratch slot
-            slots = [self._slots.get(step.seq_id) or _Slot(self._new_kv(MIN_CAPACITY)) for step in steps]
         counts = [len(step.token_ids) for step in steps]
-        offsets = [sum(counts[:i]) for i in range(len(counts))]
-        for slot, count in zip(slots, counts, strict=True):
-            self._reserve(slot, slot.length + count)
+        with self._lock:  # a sequence freed after its step was scheduled runs on a scratch sequence
+            sequences = [self._sequences.get(step.seq_id) or _Sequence() for step in steps]
+            for sequence, count in zip(sequences, counts, strict=True):
+                self._reserve(sequence, sequence.length + count)
+            layout = _layout(self._pool, sequences, counts)  # before a free() can take blocks back
         tokens = [t for step in steps for t in step.token_ids]
-        positions = [
-            p for slot, count in zip(slots, counts, strict=True) for p in range(slot.length, slot.length + count)
-        ]
-        keep = [
-            offset + count - step.num_logits + i
-            for step, offset, count in zip(steps, offsets, counts, strict=True)
-            for i in range(step.num_logits)
-        ]
-        device = self._device
+        positions = [p for s, count in zip(sequences, counts, strict=True) for p in range(s.length, s.length + count)]
+        ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+        keep = [e - step.num_logits + i for step, e in zip(steps, ends, strict=True) for i in range(step.num_logits)]
+        device = self._pool.device
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([tokens], device=device),
                 position_ids=torch.tensor([positions], device=device),
                 use_cache=False,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-                ragged=_Layout(slots, offsets, counts),
+                ragged=layout,
             )
-        for slot, count in zip(slots, counts, strict=True):
-            slot.length += count
+        with self._lock:
+            for step, sequence, count in zip(steps, sequences, counts, strict=True):
+                sequence.length += count
+                if self._sequences.get(step.seq_id) is not sequence:  # scratch, or freed during the step
+                    self._release(sequence)
         logits = out.logits[0].float().cpu()
         return list(logits.split([step.num_logits for step in steps]))
 
-    def _new_kv(self, capacity: int) -> torch.Tensor:
-        layers, pair, heads, head_dim = self._shape
-        return torch.empty(layers, pair, heads, capacity, head_dim, dtype=self._dtype, device=self._device)
+    def _reserve(self, sequence: _Sequence, length: int) -> None:
+        """Gives ``sequence`` blocks for ``length`` positions, growing the pool when none is free."""
+        missing = -(-length // BLOCK_SIZE) - len(sequence.blocks)
+        while len(self._free) < missing:
+            self._grow()
+        sequence.blocks += [heapq.heappop(self._free) for _ in range(max(missing, 0))]
 
-    def _reserve(self, slot: _Slot, length: int) -> None:
-        capacity = slot.kv.shape[3]
-        if length <= capacity:
-            return
-        while capacity < length:
-            capacity *= 2
-        grown = self._new_kv(capacity)
-        grown[:, :, :, : slot.length] = slot.kv[:, :, :, : slot.length]
-        slot.kv = grown
+    def _release(self, sequence: _Sequence) -> None:
+        for block in sequence.blocks:
+            heapq.heappush(self._free, block)
+        sequence.blocks = []
+
+    def _grow(self) -> None:
+        """Doubles the pool (the one copy of cached KV, at a new high-water mark of all sequences)."""
+        rows = self._pool.shape[2]
+        grown = self._pool.new_zeros(*self._pool.shape[:2], 2 * rows, *self._pool.shape[3:])
+        grown[:, :, :rows] = self._pool
+        self._pool = grown
+        for block in range(rows // BLOCK_SIZE, 2 * rows // BLOCK_SIZE):
+            heapq.heappush(self._free, block)

@@ -5,6 +5,7 @@ acceptance rule for negative controls, a recorder of the engine's batch sizes, q
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -265,6 +266,11 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
             max_new_tokens_limit=256,
         )
     )
+    # The services run in this process: a full garbage collection stops their threads while it
+    # scans every object, and with all the session's models and modules that took longer than a
+    # Propose's 250 ms deadline. Frozen, they are not scanned again.
+    gc.collect()
+    gc.freeze()
     yield Pipeline(
         f"127.0.0.1:{coordinator.port}",
         f"127.0.0.1:{verify.port}",
@@ -339,9 +345,13 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
 
 
-def wrong_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
-    """A plausible bug in :func:`specdec.acceptance.rejection_sample`, for negative controls: at a
-    rejection, resample from p instead of normalise(max(0, p - q))."""
+def wrong_rejection_sample(draft_token_ids, draft_probs, target_probs, generators):
+    """A plausible bug in :func:`specdec.acceptance.rejection_sample` (same arguments), for negative
+    controls: at a rejection, resample from p instead of normalise(max(0, p - q))."""
+    return [_wrong_rule(*args) for args in zip(draft_token_ids, draft_probs, target_probs, generators, strict=True)]
+
+
+def _wrong_rule(draft_tokens, draft_probs, target_probs, generator):
     for i, token in enumerate(draft_tokens):
         p, q = target_probs[i], draft_probs[i]
         if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):

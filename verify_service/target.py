@@ -3,16 +3,19 @@
 Every session's sequence lives in one shared KV store (:class:`specdec.ragged_lm.RaggedLM`) and
 every call runs as work of one engine loop (:mod:`specdec.engine`): a Prefill is chunked into the
 steps' leftover token budget, a Verify (K + 1 new tokens) or Decode (1) joins the next step, and
-the acceptance test runs on the session's own rows of the batched logits, seeded by (request
-seed, committed length), so a request's output does not depend on what else was in its batch
-beyond floating-point rounding (invariant *batch independence*, docs/architecture.md#invariants).
+one acceptance pass (:mod:`specdec.acceptance`) tests every verify of the step on its own rows of
+the batched logits, each sequence's draws seeded by (request seed, committed length), so a
+request's output does not depend on what else was in its batch beyond floating-point rounding
+(invariant *batch independence*, docs/architecture.md#invariants).
 
 Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test
 and ``rollback`` (see :mod:`specdec.kv`).
 """
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from opentelemetry import trace
@@ -165,23 +168,60 @@ class _Score(Work):
 
 
 class _Verify(_Score):
-    """The acceptance test on the session's rows of the step's logits, then commit: ``result`` is
-    ``(n, next_token)``."""
+    """The acceptance test, for every verify of a step at once (:meth:`accept`), then commit:
+    ``result`` is ``(n, next_token)``."""
 
     def __init__(self, session: "TargetSession", draft_tokens: Sequence[int], draft_probs: torch.Tensor | None):
         super().__init__(session, draft_tokens)
         self.draft_probs = draft_probs
+        self.outcome = (0, 0)  # (n, next_token), set by accept
+        self.accept_ns = (0, 0)  # when the step's acceptance pass ran (ns since the epoch)
+
+    @classmethod
+    def accept(cls, works: list[Work], logits: list[torch.Tensor]) -> None:
+        """The step's greedy verifies in one :func:`greedy_accept`, its sampled ones in one
+        :func:`rejection_sample`, each draw seeded by (request seed, committed length)."""
+        start = time.time_ns()
+        verifies = [cast(_Verify, work) for work in works]
+        for greedy in (True, False):
+            chosen = [(work, rows) for work, rows in zip(verifies, logits, strict=True) if work.greedy == greedy]
+            if not chosen:
+                continue
+            drafts = [work.draft_tokens for work, _ in chosen]
+            if greedy:
+                outcomes = greedy_accept(drafts, [rows for _, rows in chosen])
+            else:
+                target_probs = [logits_to_probs(rows, work.session.sampling) for work, rows in chosen]
+                draft_probs = [work.q(rows.shape[-1]) for work, rows in chosen]
+                generators = [work.generator() for work, _ in chosen]
+                outcomes = rejection_sample(drafts, draft_probs, target_probs, generators)
+            for (work, _), outcome in zip(chosen, outcomes, strict=True):
+                work.outcome = outcome
+        for work in verifies:
+            work.accept_ns = (start, time.time_ns())
+
+    @property
+    def greedy(self) -> bool:
+        return self.session.sampling.greedy
+
+    def q(self, vocab_size: int) -> torch.Tensor:
+        """The draft distributions, ``[K, V]`` float32 (K = 0: none sent)."""
+        return torch.empty(0, vocab_size) if self.draft_probs is None else self.draft_probs
+
+    def generator(self) -> torch.Generator:
+        session = self.session
+        return round_generator(session.sampling.seed, len(session.committed), "verify")
 
     def take(self, logits: torch.Tensor) -> tuple[int, int]:
-        session, drafts = self.session, self.draft_tokens
-        with tracer.start_as_current_span("acceptance", attributes={"specdec.num_draft_tokens": len(drafts)}) as span:
-            if session.sampling.greedy:
-                n, token = greedy_accept(drafts, logits)
-            else:
-                generator = round_generator(session.sampling.seed, len(session.committed), "verify")
-                draft_probs = torch.empty(0) if self.draft_probs is None else self.draft_probs  # None: K = 0
-                n, token = rejection_sample(drafts, draft_probs, logits_to_probs(logits, session.sampling), generator)
-            span.set_attributes({"specdec.num_accepted": n, "specdec.bonus_token": bool(drafts) and n == len(drafts)})
+        session, drafts, (n, token) = self.session, self.draft_tokens, self.outcome
+        attributes = {
+            "specdec.num_draft_tokens": len(drafts),
+            "specdec.num_accepted": n,
+            "specdec.bonus_token": bool(drafts) and n == len(drafts),
+        }
+        tracer.start_span("acceptance", attributes=attributes, start_time=self.accept_ns[0]).end(
+            end_time=self.accept_ns[1]
+        )
         session.committed.extend([*drafts[:n], token])
         session.rollback()
         return n, token

@@ -1,0 +1,161 @@
+"""specdec.engine alone, over a fake BatchedLM that records its steps: the step's limits
+(max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
+leftover budget, a decode that does not fit waiting for the next step, and the per-step
+acceptance pass (one call per kind of work, its failure failing only that kind's calls)."""
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+
+import pytest
+import torch
+
+from specdec.batching import BatchedLM, SequenceStep
+from specdec.engine import Engine, Work
+from specdec.kv import PrefillWork, SequenceKV
+
+VOCAB = 4
+
+
+class RecordingLM(BatchedLM):
+    """Records every step as ``[(seq_id, new tokens), ...]``; its first step waits for ``gate``,
+    so that the test can queue work behind it."""
+
+    vocab_size = VOCAB
+
+    def __init__(self):
+        self.steps: list[list[tuple[int, int]]] = []
+        self.gate = threading.Event()
+        self._next = 0
+
+    def allocate(self) -> int:
+        self._next += 1
+        return self._next
+
+    def free(self, seq_id: int) -> None:
+        pass
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        pass
+
+    def cache_bytes(self, seq_id: int) -> int:
+        return 0
+
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        assert self.gate.wait(10)
+        self.steps.append([(step.seq_id, len(step.token_ids)) for step in steps])
+        return [torch.zeros(step.num_logits, VOCAB) for step in steps]
+
+
+class Decode(Work):
+    """``count`` new tokens in one step (a verify of K + 1, or a decode of 1)."""
+
+    def __init__(self, seq_id: int, count: int):
+        self.seq_id, self.count = seq_id, count
+
+    def next_step(self, budget: int) -> SequenceStep:
+        return SequenceStep(self.seq_id, [0] * self.count, self.count)
+
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        self.result = logits.shape
+        return True
+
+
+class Accepted(Decode):
+    """A decode whose kind has a per-step pass: it records the seq_ids each pass got."""
+
+    passes: ClassVar[list[list[int]]] = []
+    fail = False
+
+    @classmethod
+    def accept(cls, works: list[Work], logits: list[torch.Tensor]) -> None:
+        cls.passes.append([work.seq_id for work in works])
+        if cls.fail:
+            raise RuntimeError("acceptance failed")
+
+
+class Queued:
+    """Runs ``engine.run(work)`` on a thread once the engine's queue holds ``ahead`` calls, so that
+    calls arrive in the order they are made."""
+
+    def __init__(self, engine: Engine, work: Work):
+        self.result: object = None
+        self.error: BaseException | None = None
+        ahead = len(engine._queue)
+        self.thread = threading.Thread(target=self._run, args=(engine, work), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 5
+        while len(engine._queue) <= ahead and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _run(self, engine: Engine, work: Work) -> None:
+        try:
+            self.result, _ = engine.run(work, timeout_s=10)
+        except Exception as err:
+            self.error = err
+
+
+def run_behind_a_blocker(engine: Engine, works: list[Work]) -> list[Queued]:
+    """Queues ``works`` while a first step (seq 0) holds the engine, then lets every step run."""
+    lm = engine.lm
+    assert isinstance(lm, RecordingLM)
+    blocker = threading.Thread(target=engine.run, args=(Decode(0, 1),), daemon=True)
+    blocker.start()
+    while not engine._queue or not engine._queue[0].started:  # until the blocker's step has begun
+        time.sleep(0.001)
+    queued = [Queued(engine, work) for work in works]
+    lm.gate.set()
+    for call in queued:
+        call.thread.join(10)
+    blocker.join(10)
+    return queued
+
+
+@pytest.fixture
+def lm() -> RecordingLM:
+    return RecordingLM()
+
+
+def test_decoding_goes_first_and_a_prefill_fills_what_is_left_a_chunk_a_step(lm):
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=16)
+    prefill = PrefillWork(SequenceKV(lm), list(range(30)))  # caches 29 tokens
+    run_behind_a_blocker(engine, [prefill, Decode(10, 5), Decode(11, 5)])
+    assert lm.steps[1:] == [[(10, 5), (11, 5), (prefill.seq_id, 6)], [(prefill.seq_id, 16)], [(prefill.seq_id, 7)]]
+    engine.stop()
+
+
+def test_a_step_takes_at_most_max_num_seqs(lm):
+    engine = Engine(lm, max_num_seqs=2, max_num_batched_tokens=64)
+    calls = run_behind_a_blocker(engine, [Decode(10 + i, 1) for i in range(5)])
+    assert [len(step) for step in lm.steps[1:]] == [2, 2, 1]
+    assert [call.result for call in calls] == [torch.Size([1, VOCAB])] * 5
+    engine.stop()
+
+
+def test_a_decode_beyond_the_leftover_budget_waits_for_the_next_step(lm):
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=8)
+    run_behind_a_blocker(engine, [Decode(10, 5), Decode(11, 5), Decode(12, 3)])
+    assert lm.steps[1:] == [[(10, 5), (12, 3)], [(11, 5)]]
+    engine.stop()
+
+
+def test_one_acceptance_pass_per_kind_of_work_per_step(lm):
+    Accepted.passes, Accepted.fail = [], False
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64)
+    calls = run_behind_a_blocker(engine, [Accepted(10, 3), Decode(11, 1), Accepted(12, 5)])
+    assert all(call.error is None for call in calls)
+    assert lm.steps[1:] == [[(10, 3), (11, 1), (12, 5)]]
+    assert Accepted.passes == [[10, 12]]
+    engine.stop()
+
+
+def test_a_failed_acceptance_pass_fails_only_its_kinds_calls(lm):
+    Accepted.passes, Accepted.fail = [], True
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64)
+    failed, decoded = run_behind_a_blocker(engine, [Accepted(10, 3), Decode(11, 1)])
+    assert lm.steps[1:] == [[(10, 3), (11, 1)]]
+    assert isinstance(failed.error, RuntimeError) and failed.result is None
+    assert decoded.error is None and decoded.result == torch.Size([1, VOCAB])
+    Accepted.fail = False
+    engine.stop()

@@ -1,0 +1,145 @@
+"""specdec.ragged_lm alone, without the engine or services: every sequence of a ragged batched
+step gets the logits transformers' own forward gives it alone (within float tolerance), through
+steps of mixed sizes (decodes, verifies and prefill chunks, which attend in a group of their own),
+rollback then append, a freed sequence's blocks reused, a pool that grows from two blocks, grouped
+query attention (the tiny Llama has 4 query and 2 KV heads) and a sliding window."""
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from specdec.batching import SequenceStep
+from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM
+from tests.conftest import tiny_llama
+
+VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), V]``: transformers' own forward over the whole sequence, no cache."""
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(count: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
+
+
+class Checked:
+    """A RaggedLM next to its reference model, with every sequence's tokens kept to compare."""
+
+    def __init__(self, build, num_blocks: int = 2):
+        self.reference = build()
+        self.lm = RaggedLM(build(), num_blocks=num_blocks)
+        self.tokens: dict[int, list[int]] = {}
+
+    def allocate(self) -> int:
+        seq_id = self.lm.allocate()
+        self.tokens[seq_id] = []
+        return seq_id
+
+    def step(self, new: dict[int, list[int]], num_logits: int = 3) -> None:
+        """One forward over ``new`` tokens per sequence; asserts each sequence's logits."""
+        steps = [SequenceStep(seq, tokens, min(num_logits, len(tokens))) for seq, tokens in new.items()]
+        for step, logits in zip(steps, self.lm.forward(steps), strict=True):
+            self.tokens[step.seq_id] += step.token_ids
+            expected = reference_logits(self.reference, self.tokens[step.seq_id])[
+                len(self.tokens[step.seq_id]) - step.num_logits :
+            ]
+            assert torch.allclose(logits, expected, atol=1e-4), (logits - expected).abs().max()
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.lm.truncate(seq_id, length)
+        del self.tokens[seq_id][length:]
+
+
+@pytest.fixture
+def checked() -> Checked:
+    return Checked(lambda: tiny_llama(seed=0, vocab_size=VOCAB))
+
+
+def test_ragged_steps_equal_each_sequence_alone(checked):
+    """Steps of 1 to 4 sequences bringing 1, K + 1 or a prefill chunk each, with rollbacks
+    between them; the pool starts at two blocks and grows."""
+    generator = torch.Generator().manual_seed(0)
+    seqs = [checked.allocate() for _ in range(4)]
+    sizes = [MAX_PADDED_QUERIES + 9, 5, 1, 3]  # one prefill chunk attends in a group of its own
+    for round_ in range(6):
+        batch = seqs[: 1 + round_ % 4]
+        checked.step({seq: random_tokens(sizes[(i + round_) % 4], generator) for i, seq in enumerate(batch)})
+        for seq in batch[::2]:  # rejected drafts: a length change
+            checked.truncate(seq, max(1, len(checked.tokens[seq]) - 2))
+    assert checked.lm._pool.shape[2] > 2 * BLOCK_SIZE  # the pool grew while sequences kept their blocks
+
+
+def test_a_sequence_grows_past_many_blocks_and_rolls_back_inside_one(checked):
+    generator = torch.Generator().manual_seed(1)
+    seq = checked.allocate()
+    checked.step({seq: random_tokens(3 * BLOCK_SIZE + 5, generator)})
+    for _ in range(3):
+        checked.step({seq: random_tokens(BLOCK_SIZE - 1, generator)})
+        checked.truncate(seq, len(checked.tokens[seq]) - BLOCK_SIZE // 2)
+    assert checked.lm.cache_bytes(seq) == len(checked.tokens[seq]) * checked.lm.bytes_per_token
+
+
+def test_freed_blocks_serve_a_new_sequence(checked):
+    generator = torch.Generator().manual_seed(2)
+    first, other = checked.allocate(), checked.allocate()
+    checked.step({first: random_tokens(40, generator), other: random_tokens(7, generator)})
+    checked.lm.free(first)
+    reused = checked.allocate()
+    checked.step({reused: random_tokens(30, generator), other: random_tokens(2, generator)})
+    checked.step({reused: random_tokens(1, generator), other: random_tokens(1, generator)})
+
+
+def test_a_sequence_freed_before_its_step_does_not_disturb_the_others(checked):
+    """Its caller gave up after the step was scheduled: it runs on a scratch sequence whose
+    blocks go back to the pool, and the others' logits are right."""
+    generator = torch.Generator().manual_seed(3)
+    gone, kept = checked.allocate(), checked.allocate()
+    checked.step({gone: random_tokens(20, generator), kept: random_tokens(20, generator)})
+    checked.lm.free(gone)
+    free_blocks = len(checked.lm._free)
+    steps = [SequenceStep(gone, random_tokens(5, generator), 1), SequenceStep(kept, random_tokens(5, generator), 5)]
+    logits = checked.lm.forward(steps)[1]
+    checked.tokens[kept] += steps[1].token_ids
+    assert torch.allclose(logits, reference_logits(checked.reference, checked.tokens[kept])[-5:], atol=1e-4)
+    assert len(checked.lm._free) == free_blocks
+
+
+def tiny_mistral(window: int):
+    torch.manual_seed(5)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=window,
+        initializer_range=0.3,
+        attn_implementation="eager",
+    )
+    return MistralForCausalLM(config).eval()
+
+
+def test_a_sliding_window_limits_what_each_query_attends():
+    checked = Checked(lambda: tiny_mistral(window=8))
+    generator = torch.Generator().manual_seed(4)
+    short, long = checked.allocate(), checked.allocate()
+    checked.step({short: random_tokens(5, generator), long: random_tokens(20, generator)}, num_logits=5)
+    checked.step({short: random_tokens(6, generator), long: random_tokens(3, generator)}, num_logits=3)
+    window_matters = reference_logits(tiny_mistral(window=64), checked.tokens[long])[-1]
+    assert not torch.allclose(window_matters, reference_logits(checked.reference, checked.tokens[long])[-1], atol=1e-3)
+
+
+def test_rows_no_step_wrote_are_zeros(checked):
+    """A padded step reads rows no step wrote (masked out, weight 0): they must hold no NaN, as
+    uninitialised memory may (0 x NaN is NaN), so a new pool and each growth of it are zeros."""
+    generator = torch.Generator().manual_seed(6)
+    seq = checked.allocate()
+    checked.step({seq: random_tokens(3 * BLOCK_SIZE, generator)})  # grows the pool from two blocks
+    used = sum(len(s.blocks) for s in checked.lm._sequences.values()) * BLOCK_SIZE
+    assert checked.lm._pool.shape[2] > used
+    assert not checked.lm._pool[:, :, used:].any()
