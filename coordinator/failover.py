@@ -152,5 +152,4 @@ class VerifySession:
             self._release(replica, session_id)
 
     def _release(self, replica: int, session_id: str) -> None:
-        request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
-        self.in_background(lambda: self.clients.call_verify(replica, "Release", request))
+        self.in_background(lambda: self.clients.release_verify(replica, session_id))

@@ -54,7 +54,7 @@ from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
-RELEASE_RETRY_S = 1.0  # a Release's deadline, and the pause before another try, seconds
+RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
 
 
 @dataclass
@@ -169,8 +169,7 @@ class RequestRounds:
         self.draft_session = None
 
     def _release_on_draft(self, session_id: str) -> None:
-        request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
-        self._in_background(lambda: self.clients.call_draft("Release", request, RELEASE_RETRY_S))
+        self._in_background(lambda: self.clients.release_draft(session_id))
 
     # --- draft side ----------------------------------------------------------------------
 

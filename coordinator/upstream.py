@@ -14,7 +14,7 @@ import grpc
 from specdec.errors import Unavailable, from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
-from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 # A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -23,6 +23,7 @@ TLS_CHECK_INTERVAL_S = 1.0  # how often the client certificate files are looked 
 # draft (SmolLM2-135M, llama.cpp, 2 CPU cores) a K = 8 Propose took the same 100-200 ms with 0 and
 # with 17 tokens to append and predict first.
 TOKENS_PER_CATCH_UP_FORWARD = 16
+RELEASE_TIMEOUT_S = 1.0  # a Release's deadline (callers retry one the service did not answer)
 
 
 class ProposeDeadline:
@@ -133,9 +134,8 @@ class ServiceClients:
 
     async def call_draft(self, method: str, request, timeout: float | None = None):
         """Calls DraftService.<method>; ``timeout`` in seconds defaults to the Propose deadline for
-        Propose, rpc_timeout_s for the others. A call on a request's path (not a Release, which is
-        background clean-up, retried while the service is away) that finds the service unreachable
-        or misses its deadline marks the draft down (:meth:`draft_down`); raises Unavailable."""
+        Propose, rpc_timeout_s for the others. A call that finds the service unreachable or misses
+        its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
         self._follow_certificate()
         where = f"draft service at {self.draft_address}"
         num_forwards = ProposeDeadline.forwards(request) if method == "Propose" and timeout is None else None
@@ -146,8 +146,7 @@ class ServiceClients:
         try:
             response = await self._call(getattr(self.draft, method), request, where, timeout)
         except Unavailable:
-            if method != "Release":
-                self._draft_down_until = time.monotonic() + self.draft_down_s
+            self._draft_down_until = time.monotonic() + self.draft_down_s
             raise
         if num_forwards is not None:
             self.propose_deadline.observe(time.monotonic() - start, num_forwards)
@@ -164,6 +163,18 @@ class ServiceClients:
         where = f"verify service at {self.verify_addresses[replica]}"
         self._follow_certificate()
         return await self._call(getattr(self.verify[replica], method), request, where, timeout)
+
+    async def release_draft(self, session_id: str) -> None:
+        """DraftService.Release under a RELEASE_TIMEOUT_S deadline. Background clean-up, retried
+        by the caller while the service is away: a failure raises Unavailable but does not mark
+        the draft down (:meth:`draft_down` is for the calls on a request's path)."""
+        request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
+        await self._call(self.draft.Release, request, f"draft service at {self.draft_address}", RELEASE_TIMEOUT_S)
+
+    async def release_verify(self, replica: int, session_id: str) -> None:
+        """VerifyService.Release on replica number ``replica`` under a RELEASE_TIMEOUT_S deadline."""
+        request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
+        await self.call_verify(replica, "Release", request, RELEASE_TIMEOUT_S)
 
     async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
         return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
