@@ -21,7 +21,7 @@ from collections.abc import Callable
 from coordinator.upstream import ServiceClients
 from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.sampling_params import SamplingParams
-from specdec.v1 import verify_pb2
+from specdec.v1 import common_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
@@ -33,7 +33,7 @@ class VerifyReplicas:
 
     def __init__(self, clients: ServiceClients, down_s: float = 5.0):
         self.clients, self.down_s = clients, down_s
-        self._down_until = [0.0] * len(clients.verify)
+        self._down_until = [0.0] * clients.num_verify_replicas
         self._next = 0
 
     def order(self) -> list[int]:
@@ -56,7 +56,7 @@ class VerifyReplicas:
         while True:
             for replica in self.order():
                 try:
-                    return await self.clients.call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest())
+                    return await self.clients.verify_info(replica)
                 except SpecdecError as err:  # another replica may answer
                     error = err
                     self.mark_down(replica)
@@ -104,7 +104,7 @@ class VerifySession:
             unreachable = False
             for replica in self.replicas.order():
                 try:
-                    await self.clients.call_verify(replica, "Prefill", request, self.clients.prefill_timeout_s)
+                    await self.clients.prefill_verify(replica, request)
                 except ResourceExhausted as err:
                     error: SpecdecError = err
                     continue
@@ -122,14 +122,38 @@ class VerifySession:
                 raise error
             await asyncio.sleep(RETRY_INTERVAL_S)
 
-    async def call(self, method: str, make_request) -> tuple:
-        """VerifyService.<method> with ``make_request(session_id)``, failing over as the module
-        docstring says. Returns the response and the protobuf bytes both ways."""
+    async def verify(
+        self, proposal: list[int], distributions: list[common_pb2.TokenDistribution]
+    ) -> tuple[verify_pb2.VerifyResponse, int]:
+        """Verifies ``proposal`` (draft ids, with their draft distributions under sampling),
+        failing over as the module docstring says. Returns the response and the protobuf bytes
+        both ways."""
+
+        def send(replica: int, session_id: str):
+            request = verify_pb2.VerifyRequest(
+                session_id=session_id, draft_token_ids=proposal, draft_distributions=distributions
+            )
+            return request, self.clients.verify(replica, request)
+
+        return await self._call(send)
+
+    async def decode(self) -> tuple[verify_pb2.DecodeResponse, int]:
+        """One plain decode step, failing over as :meth:`verify`; the response and its bytes."""
+
+        def send(replica: int, session_id: str):
+            request = verify_pb2.DecodeRequest(session_id=session_id)
+            return request, self.clients.decode(replica, request)
+
+        return await self._call(send)
+
+    async def _call(self, send: Callable[[int, str], tuple]) -> tuple:
+        """``send(replica, session_id)`` gives a request and the awaitable of its call; retried on a
+        rebuilt session until ``failover_timeout_s``."""
         deadline = None
         while True:
             try:
-                request = make_request(self.session_id)
-                response = await self.clients.call_verify(self.replica, method, request)
+                request, call = send(self.replica, self.session_id)
+                response = await call
                 return response, request.ByteSize() + response.ByteSize()
             except (Unavailable, NotFound) as err:
                 log.warning("verify session %s: %s; rebuilding it from the committed log", self.session_id, err)
@@ -148,7 +172,7 @@ class VerifySession:
     def release_everywhere(self, session_id: str) -> None:
         """Releases ``session_id`` on every replica in the background: a session another
         coordinator left behind may be on any (Release of an id a replica lacks is a no-op)."""
-        for replica in range(len(self.clients.verify)):
+        for replica in range(self.clients.num_verify_replicas):
             self._release(replica, session_id)
 
     def _release(self, replica: int, session_id: str) -> None:

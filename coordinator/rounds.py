@@ -51,7 +51,7 @@ from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
 from specdec.token_ids import point_masses
-from specdec.v1 import common_pb2, draft_pb2, verify_pb2
+from specdec.v1 import common_pb2, draft_pb2
 
 log = logging.getLogger(__name__)
 RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
@@ -207,7 +207,7 @@ class RequestRounds:
         )
         seen = len(self.committed)  # rounds may commit more while the prefill runs
         try:
-            await self.clients.call_draft("Prefill", request, self.clients.prefill_timeout_s)
+            await self.clients.prefill_draft(request)
         except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
             self._release_on_draft(session_id)
             raise
@@ -257,7 +257,7 @@ class RequestRounds:
             predicted_token_ids=predicted,
         )
         self.draft_seen = len(self.committed)
-        task = asyncio.ensure_future(self.clients.call_draft("Propose", request))
+        task = asyncio.ensure_future(self.clients.propose(request))
         self._ahead = DraftAhead(task, self.num_rounds, len(self.committed), predicted, request.ByteSize())
 
     async def _take_ahead(self) -> tuple[draft_pb2.ProposeResponse | None, str]:
@@ -295,7 +295,7 @@ class RequestRounds:
             appended_token_ids=self.committed[self.draft_seen :],
             num_speculative_tokens=k,
         )
-        response = await self.clients.call_draft("Propose", request)
+        response = await self.clients.propose(request)
         self.draft_seen = len(self.committed)
         self._round_bytes += request.ByteSize() + response.ByteSize()
         return response
@@ -398,16 +398,11 @@ class RequestRounds:
         """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, the
         target's compute ms, the engine step's statistics)."""
         if proposal:
-            verified, size = await self.verify.call(
-                "Verify",
-                lambda sid: verify_pb2.VerifyRequest(
-                    session_id=sid, draft_token_ids=proposal, draft_distributions=distributions
-                ),
-            )
+            verified, size = await self.verify.verify(proposal, distributions)
             self._round_bytes += size
             n = verified.num_accepted
             return n, [*proposal[:n], verified.next_token_id], verified.compute_ms, verified.step
-        decoded, size = await self.verify.call("Decode", lambda sid: verify_pb2.DecodeRequest(session_id=sid))
+        decoded, size = await self.verify.decode()
         self._round_bytes += size
         return 0, [decoded.token_id], decoded.compute_ms, decoded.step
 

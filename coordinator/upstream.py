@@ -8,9 +8,11 @@ import asyncio
 import collections
 import math
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from coordinator.step_client import StepStream
 from specdec.errors import Unavailable, from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
@@ -24,6 +26,8 @@ TLS_CHECK_INTERVAL_S = 1.0  # how often the client certificate files are looked 
 # with 17 tokens to append and predict first.
 TOKENS_PER_CATCH_UP_FORWARD = 16
 RELEASE_TIMEOUT_S = 1.0  # a Release's deadline (callers retry one the service did not answer)
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+VERIFY_SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 class ProposeDeadline:
@@ -67,10 +71,12 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, options:
 
 
 class ServiceClients:
-    """Stubs for the draft service and every verify replica. Every call has a deadline; a failed
-    call raises the matching :class:`specdec.errors.SpecdecError` naming the service and its
-    address. The draft service, once it failed to answer in time or at all, is not asked for
-    ``draft_down_s`` seconds
+    """The coordinator's calls to the draft service and every verify replica, one typed method
+    per call. The per-round calls (Propose, Verify, Decode) of all its requests go over one Step
+    stream per service (:mod:`coordinator.step_client`); the per-request ones (GetInfo, Prefill,
+    Release) are unary RPCs. Every call has a deadline; a failed call raises the matching
+    :class:`specdec.errors.SpecdecError` naming the service and its address. The draft service,
+    once it failed to answer in time or at all, is not asked for ``draft_down_s`` seconds
     (:meth:`draft_down`). Propose calls have the deadline ``propose_deadline`` (default: the
     ``rpc_timeout_s``); messages are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
     plaintext; when its files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new
@@ -93,6 +99,8 @@ class ServiceClients:
         self.draft_address, self.verify_addresses = draft_address, list(verify_addresses)
         self.rpc_timeout_s, self.prefill_timeout_s = rpc_timeout_s, prefill_timeout_s
         self._options = [*grpc_options(max_message_bytes), *RECONNECT_OPTIONS]
+        self._draft_where = f"draft service at {draft_address}"
+        self._verify_where = [f"verify service at {address}" for address in verify_addresses]
         self._tls, self._tls_checked = tls, time.monotonic()
         self._retiring: set[asyncio.Task] = set()  # old channels closing once their calls finish
         self._connect(tls.value if tls else None)
@@ -102,8 +110,19 @@ class ServiceClients:
     def _connect(self, credentials: grpc.ChannelCredentials | None) -> None:
         addresses = (self.draft_address, *self.verify_addresses)
         self._channels = [_channel(address, credentials, self._options) for address in addresses]
-        self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[0])
-        self.verify = [verify_pb2_grpc.VerifyServiceStub(channel) for channel in self._channels[1:]]
+        self._draft = draft_pb2_grpc.DraftServiceStub(self._channels[0])
+        self._verify = [verify_pb2_grpc.VerifyServiceStub(channel) for channel in self._channels[1:]]
+        self._draft_steps = StepStream(
+            self._draft.Step, draft_pb2.DraftStepRequest, draft_pb2.DraftCall, DRAFT_SERVICE, self._draft_where
+        )
+        self._verify_steps = [
+            StepStream(stub.Step, verify_pb2.VerifyStepRequest, verify_pb2.VerifyCall, VERIFY_SERVICE, where)
+            for stub, where in zip(self._verify, self._verify_where, strict=True)
+        ]
+
+    @property
+    def num_verify_replicas(self) -> int:
+        return len(self.verify_addresses)
 
     def _follow_certificate(self) -> None:
         """New channels when the TLS files changed; the old ones close after their calls' deadlines."""
@@ -121,6 +140,8 @@ class ServiceClients:
             task.add_done_callback(self._retiring.discard)
 
     async def close(self) -> None:
+        for stream in (self._draft_steps, *self._verify_steps):
+            await stream.close()
         for channel in self._channels:
             await channel.close()
         for task in list(self._retiring):
@@ -132,49 +153,72 @@ class ServiceClients:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, where) from None
 
-    async def call_draft(self, method: str, request, timeout: float | None = None):
-        """Calls DraftService.<method>; ``timeout`` in seconds defaults to the Propose deadline for
-        Propose, rpc_timeout_s for the others. A call that finds the service unreachable or misses
-        its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
+    async def _call_draft(self, call: Callable[[], Awaitable]):
+        """``call()``, a call to the draft service; one that finds the service unreachable or
+        misses its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
         self._follow_certificate()
-        where = f"draft service at {self.draft_address}"
-        num_forwards = ProposeDeadline.forwards(request) if method == "Propose" and timeout is None else None
-        if num_forwards is not None:
-            timeout = self.propose_deadline.seconds(num_forwards)
-            where += f" (Propose deadline {timeout * 1000:.0f} ms)"
-        start = time.monotonic()
         try:
-            response = await self._call(getattr(self.draft, method), request, where, timeout)
+            return await call()
         except Unavailable:
             self._draft_down_until = time.monotonic() + self.draft_down_s
             raise
-        if num_forwards is not None:
-            self.propose_deadline.observe(time.monotonic() - start, num_forwards)
-        return response
 
     def draft_down(self) -> bool:
         """Whether a draft call failed to answer (unreachable, or past its deadline) in the last
         ``draft_down_s`` seconds: requests then run without the draft instead of waiting on it."""
         return time.monotonic() < self._draft_down_until
 
-    async def call_verify(self, replica: int, method: str, request, timeout: float | None = None):
-        """Calls VerifyService.<method> on replica number ``replica``; ``timeout`` in seconds
-        defaults to rpc_timeout_s."""
-        where = f"verify service at {self.verify_addresses[replica]}"
-        self._follow_certificate()
-        return await self._call(getattr(self.verify[replica], method), request, where, timeout)
+    async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
+        """DraftService.GetInfo; ``timeout`` in seconds defaults to rpc_timeout_s."""
+        request = draft_pb2.DraftServiceGetInfoRequest()
+        return await self._call_draft(lambda: self._call(self._draft.GetInfo, request, self._draft_where, timeout))
+
+    async def prefill_draft(self, request: draft_pb2.DraftServicePrefillRequest) -> None:
+        """DraftService.Prefill under the ``prefill_timeout_s`` deadline."""
+        call = self._draft.Prefill
+        await self._call_draft(lambda: self._call(call, request, self._draft_where, self.prefill_timeout_s))
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        """A Propose over the draft's Step stream, under the Propose deadline for its forwards
+        (:class:`ProposeDeadline`), which learns from its round trip."""
+        num_forwards = ProposeDeadline.forwards(request)
+        timeout = self.propose_deadline.seconds(num_forwards)
+        start = time.monotonic()
+        response = await self._call_draft(lambda: self._draft_steps.call("propose", request, timeout))
+        self.propose_deadline.observe(time.monotonic() - start, num_forwards)
+        return response
 
     async def release_draft(self, session_id: str) -> None:
         """DraftService.Release under a RELEASE_TIMEOUT_S deadline. Background clean-up, retried
         by the caller while the service is away: a failure raises Unavailable but does not mark
         the draft down (:meth:`draft_down` is for the calls on a request's path)."""
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
-        await self._call(self.draft.Release, request, f"draft service at {self.draft_address}", RELEASE_TIMEOUT_S)
+        await self._call(self._draft.Release, request, self._draft_where, RELEASE_TIMEOUT_S)
+
+    async def verify_info(self, replica: int) -> verify_pb2.VerifyServiceGetInfoResponse:
+        """VerifyService.GetInfo on replica number ``replica``, under rpc_timeout_s."""
+        return await self._call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest(), None)
+
+    async def prefill_verify(self, replica: int, request: verify_pb2.VerifyServicePrefillRequest) -> None:
+        """VerifyService.Prefill on replica number ``replica``, under prefill_timeout_s."""
+        await self._call_verify(replica, "Prefill", request, self.prefill_timeout_s)
+
+    async def verify(self, replica: int, request: verify_pb2.VerifyRequest) -> verify_pb2.VerifyResponse:
+        """A Verify over replica ``replica``'s Step stream, under rpc_timeout_s."""
+        self._follow_certificate()
+        return await self._verify_steps[replica].call("verify", request, self.rpc_timeout_s)
+
+    async def decode(self, replica: int, request: verify_pb2.DecodeRequest) -> verify_pb2.DecodeResponse:
+        """A Decode over replica ``replica``'s Step stream, under rpc_timeout_s."""
+        self._follow_certificate()
+        return await self._verify_steps[replica].call("decode", request, self.rpc_timeout_s)
 
     async def release_verify(self, replica: int, session_id: str) -> None:
         """VerifyService.Release on replica number ``replica`` under a RELEASE_TIMEOUT_S deadline."""
         request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
-        await self.call_verify(replica, "Release", request, RELEASE_TIMEOUT_S)
+        await self._call_verify(replica, "Release", request, RELEASE_TIMEOUT_S)
 
-    async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
-        return await self.call_draft("GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
+    async def _call_verify(self, replica: int, method: str, request, timeout: float | None):
+        self._follow_certificate()
+        stub = self._verify[replica]
+        return await self._call(getattr(stub, method), request, self._verify_where[replica], timeout)

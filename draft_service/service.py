@@ -12,8 +12,11 @@ from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.sessions import SessionRegistry
+from specdec.step_stream import StepCalls
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
@@ -62,6 +65,9 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Serves DraftService; Propose as a unary RPC and as calls of Step streams
+    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handler."""
+
     def __init__(
         self,
         drafters: dict[str, Drafter],
@@ -69,6 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         sessions: SessionRegistry[DraftSession],
         max_k: int,
         metrics: ServiceMetrics,
+        max_workers: int,
     ):
         if default_drafter not in drafters:
             raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
@@ -77,6 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.sessions = sessions
         self.max_k = max_k
         self.metrics = metrics
+        self.step_calls = StepCalls(SERVICE, {"propose": self._propose}, draft_pb2.DraftCallResult, metrics, max_workers)
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(
@@ -118,6 +126,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     def Propose(self, request, context):
+        return self._propose(request, context.time_remaining(), lambda: not context.is_active())
+
+    def Step(self, request_iterator, context):
+        for results in self.step_calls.serve(request_iterator, context):
+            yield draft_pb2.DraftStepResponse(results=results)
+
+    def _propose(self, request, timeout_s: float | None, abandoned) -> draft_pb2.ProposeResponse:
+        """Serves one Propose (``timeout_s`` and ``abandoned`` are not used: a proposal's steps
+        run on the drafter's own loop to the end)."""
         start = time.perf_counter()
         k = request.num_speculative_tokens
         if not 1 <= k <= self.max_k:
@@ -155,15 +172,10 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
         if drafter.engine is not None:
             drafter.engine.metrics = metrics.engine_metrics(name)
     sessions: SessionRegistry[DraftSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
-    servicer = DraftServicer(drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics)
-
-    return start_service(
-        servicer,
-        draft_pb2_grpc.add_DraftServiceServicer_to_server,
-        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
-        sessions,
-        settings,
+    servicer = DraftServicer(
+        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics, settings.max_workers
     )
+    return start_service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings)
 
 
 def main(settings: DraftSettings) -> None:

@@ -4,7 +4,8 @@ gRPC answers a request its deserializer cannot parse (garbage bytes, a truncated
 field that is not UTF-8) with INTERNAL, "Exception deserializing request!", which tells the client
 nothing. These interceptors, one for the threaded and one for the asyncio server, parse the
 request themselves and answer such a call with INVALID_ARGUMENT naming the message type and what
-is wrong with it. Streaming requests (server reflection) are left to gRPC.
+is wrong with it; a request stream (the Step streams) that sends one ends with INVALID_ARGUMENT.
+The asyncio server's streaming requests (server reflection) are left to gRPC.
 """
 
 import grpc
@@ -35,11 +36,25 @@ def _parses(handler: grpc.RpcMethodHandler | None) -> bool:
     return handler is not None and not handler.request_streaming and handler.request_deserializer is not None
 
 
+def _decoded(requests, context: grpc.ServicerContext):
+    """The requests of a stream, aborting it with INVALID_ARGUMENT at the first undecodable one."""
+    for request in requests:
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        yield request
+
+
 class RejectUndecodable(grpc.ServerInterceptor):
     """The threaded server's interceptor (see the module docstring)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
+        if handler is not None and handler.stream_stream is not None and handler.request_deserializer is not None:
+            method = handler.stream_stream
+            return handler._replace(
+                request_deserializer=_tolerant(handler.request_deserializer),
+                stream_stream=lambda requests, context: method(_decoded(requests, context), context),
+            )
         if not _parses(handler):
             return handler
         kind = "unary_stream" if handler.response_streaming else "unary_unary"

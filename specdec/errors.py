@@ -69,9 +69,24 @@ _BY_CODE = {
 }
 
 
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status code with number ``number`` (as a CallError carries it); UNKNOWN for none."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def from_status(code: grpc.StatusCode, details: str, where: str) -> SpecdecError:
+    """The SpecdecError for a call to another service that failed with ``code`` and ``details``
+    (a unary RPC's status, or a Step stream's CallError); ``where`` names that service. A missed
+    deadline becomes UNAVAILABLE."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"{where} did not answer within its deadline")
+    return _BY_CODE.get(code, SpecdecError)(f"{where}: {details}")
+
+
 def from_rpc_error(err: grpc.RpcError, where: str) -> SpecdecError:
     """The SpecdecError for a failed call to another service; ``where`` names that service.
     A missed deadline becomes UNAVAILABLE."""
-    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Unavailable(f"{where} did not answer within its deadline")
-    return _BY_CODE.get(err.code(), SpecdecError)(f"{where}: {err.details()}")
+    return from_status(err.code(), err.details(), where)

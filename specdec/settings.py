@@ -60,7 +60,7 @@ class ServiceSettings(BaseSettings):
         return self
 
 
-RESERVED_WORKERS = 8  # handler threads beyond one per session: GetInfo, Release and health calls
+RESERVED_WORKERS = 8  # handler threads beyond one per session: GetInfo, Release, health calls, Step streams
 
 
 class SessionServiceSettings(ServiceSettings):
@@ -69,10 +69,11 @@ class SessionServiceSettings(ServiceSettings):
     max_workers: int = Field(
         0,
         ge=0,
-        description="gRPC handler threads: calls served at once (each Prefill, Propose, Verify or Decode holds "
-        "one while it waits for its step; more wait in gRPC's queue). 0 = max(max_sessions, max_num_seqs) + 8: "
-        "every session's call and a few GetInfo and Release calls at once. At least max_num_seqs, or a step could "
-        "never fill.",
+        description="Calls served at once: gRPC handler threads (each Prefill, unary Propose, Verify or Decode "
+        "holds one while it waits for its step, each coordinator's Step stream one while it is open), and as many "
+        "threads again for the calls that arrive over Step streams; more wait in a queue. 0 = max(max_sessions, "
+        "max_num_seqs) + 8: every session's call, and a few GetInfo, Release calls and streams at once. At least "
+        "max_num_seqs, or a step could never fill.",
     )
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
     max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")

@@ -9,7 +9,8 @@ processor). ``service.name`` is ``specdec-<service>`` unless ``OTEL_SERVICE_NAME
 With tracing on, opentelemetry-instrumentation-grpc instruments every gRPC server and channel the
 process opens (health checks excepted): each call is a span, and the W3C ``traceparent`` rides in
 the call's metadata, so one request is one trace across the coordinator, draft and verify
-processes. With tracing off no provider is installed and every span is the API's no-op.
+processes. The long-lived Step streams are left out too: each call they carry has its own client
+and server span instead, its context in the call's header (:mod:`specdec.step_stream`). With tracing off no provider is installed and every span is the API's no-op.
 """
 
 import importlib.metadata
@@ -23,7 +24,7 @@ from opentelemetry.instrumentation.grpc import (
     GrpcInstrumentorClient,
     GrpcInstrumentorServer,
 )
-from opentelemetry.instrumentation.grpc.filters import health_check, negate
+from opentelemetry.instrumentation.grpc.filters import any_of, health_check, method_name, negate
 from opentelemetry.instrumentation.logging import LoggingInstrumentor
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -73,14 +74,14 @@ def configure_tracing(service: str) -> bool:
     for name in names:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
     trace.set_tracer_provider(provider)
-    not_health = negate(health_check())
+    traced = negate(any_of(health_check(), method_name("Step")))
     for instrumentor in (
         GrpcInstrumentorServer,
         GrpcAioInstrumentorServer,
         GrpcInstrumentorClient,
         GrpcAioInstrumentorClient,
     ):
-        instrumentor(filter_=not_health).instrument()
+        instrumentor(filter_=traced).instrument()
     return True
 
 

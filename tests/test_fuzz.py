@@ -170,6 +170,46 @@ verify_calls = _ops(
 )
 
 
+headers = st.builds(
+    common_pb2.CallHeader,
+    call_id=uint64s,
+    timeout_ms=st.one_of(st.sampled_from([0.0, 1e9]), floats),
+    trace_context=st.dictionaries(st.sampled_from(["traceparent", "tracestate", "x"]), st.text(max_size=60)),
+)
+# Step streams: messages of calls, each a Verify, a Decode or neither, with any header
+verify_streams = st.lists(
+    st.lists(
+        st.one_of(
+            st.builds(verify_pb2.VerifyCall, header=headers, verify=session_names.flatmap(_proposals)),
+            st.builds(verify_pb2.VerifyCall, header=headers, decode=st.builds(verify_pb2.DecodeRequest, session_id=session_names)),
+            st.builds(verify_pb2.VerifyCall, header=headers),
+        ),
+        max_size=4,
+    ).map(lambda calls: verify_pb2.VerifyStepRequest(calls=calls)),
+    max_size=3,
+)
+draft_streams = st.lists(
+    st.lists(
+        st.one_of(
+            st.builds(
+                draft_pb2.DraftCall,
+                header=headers,
+                propose=st.builds(
+                    draft_pb2.ProposeRequest,
+                    session_id=session_names,
+                    appended_token_ids=token_lists,
+                    num_speculative_tokens=int32s,
+                    predicted_token_ids=st.lists(token_ids, max_size=4),
+                ),
+            ),
+            st.builds(draft_pb2.DraftCall, header=headers),
+        ),
+        max_size=4,
+    ).map(lambda calls: draft_pb2.DraftStepRequest(calls=calls)),
+    max_size=3,
+)
+
+
 def _optional(strategy):
     return st.one_of(st.none(), strategy)
 
@@ -294,6 +334,59 @@ def test_verify_service_answers_every_call(channels, tiny_pipeline, calls):
     verify_still_works(verify, tiny_pipeline.target)
 
 
+def expect_every_call_answered(stub, messages, prefix: str) -> None:
+    """Sends ``messages`` over a Step stream (each call's session prefixed, as prefilled by
+    ``prefix``): every call gets exactly one result, OK or an error that names the client's
+    mistake, with a message; or UNAVAILABLE for a call whose own deadline was under a second (it
+    may pass before the call's step)."""
+    for message in messages:
+        for call in message.calls:
+            kind = call.WhichOneof("call")
+            if kind:
+                namespaced(getattr(call, kind), prefix)
+    calls = [call for message in messages for call in message.calls]
+    short = {call.header.call_id for call in calls if 0 < call.header.timeout_ms < 1000}
+    results = [r for response in stub.Step(iter(messages), timeout=TIMEOUT_S) for r in response.results]
+    assert sorted(r.call_id for r in results) == sorted(call.header.call_id for call in calls)
+    for result in results:
+        if result.WhichOneof("result") == "error":
+            code = _status(result.error.code)
+            assert code in CLIENT_ERRORS or (code == grpc.StatusCode.UNAVAILABLE and result.call_id in short), result
+            assert result.error.message
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next(status for status in grpc.StatusCode if status.value[0] == code)
+
+
+@FUZZ
+@given(messages=verify_streams)
+def test_verify_step_stream_answers_every_call(channels, tiny_pipeline, messages):
+    _, verify = channels
+    prefix = uuid.uuid4().hex[:8] + "-"
+    prefill = verify_pb2.VerifyServicePrefillRequest(session_id=prefix + "a", token_ids=[1, 2, 3])
+    verify.Prefill(prefill, timeout=TIMEOUT_S)
+    try:
+        expect_every_call_answered(verify, messages, prefix)
+    finally:
+        verify.Release(verify_pb2.VerifyServiceReleaseRequest(session_id=prefix + "a"), timeout=TIMEOUT_S)
+    verify_still_works(verify, tiny_pipeline.target)
+
+
+@FUZZ
+@given(messages=draft_streams)
+def test_draft_step_stream_answers_every_call(channels, messages):
+    draft, _ = channels
+    prefix = uuid.uuid4().hex[:8] + "-"
+    prefill = draft_pb2.DraftServicePrefillRequest(session_id=prefix + "a", token_ids=[1, 2, 3])
+    draft.Prefill(prefill, timeout=TIMEOUT_S)
+    try:
+        expect_every_call_answered(draft, messages, prefix)
+    finally:
+        draft.Release(draft_pb2.DraftServiceReleaseRequest(session_id=prefix + "a"), timeout=TIMEOUT_S)
+    draft_still_works(draft)
+
+
 @pytest.fixture(scope="module")
 def stored_request(tiny_pipeline):
     """A finished request, "fuzz-reused", that generated requests resume or reuse the id of."""
@@ -395,4 +488,18 @@ def test_oversized_request_is_resource_exhausted(tiny_pipeline, channels, servic
     unlimited = [("grpc.max_send_message_length", -1)]  # the server's limit answers, not the client's
     code, details = raw_call(tiny_pipeline, service, method, payload, unlimited)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    draft_still_works(channels[0])
+
+
+@pytest.mark.parametrize("service", ["draft", "verify"])
+@pytest.mark.parametrize("payload", [b"\xff", b"\x0a\x10ab", length_delimited(1, length_delimited(1, b"\x80"))])
+def test_undecodable_step_message_ends_the_stream_with_invalid_argument(tiny_pipeline, channels, service, payload):
+    address = tiny_pipeline.draft_address if service == "draft" else tiny_pipeline.verify_address
+    name = "DraftService" if service == "draft" else "VerifyService"
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        step = channel.stream_stream(f"/specdec.v1.{name}/Step")
+        with pytest.raises(grpc.RpcError) as failed:
+            list(step(iter([payload]), timeout=TIMEOUT_S))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
+    assert "not a valid protobuf message" in failed.value.details()
     draft_still_works(channels[0])

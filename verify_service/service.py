@@ -12,11 +12,14 @@ from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.sessions import SessionRegistry
+from specdec.step_stream import StepCalls
 from specdec.timing import ms_since
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings
 from verify_service.target import EngineLimits, Target, TargetSession
+
+SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 def step_stats(stats: StepStats) -> common_pb2.StepStats:
@@ -34,10 +37,17 @@ def step_stats(stats: StepStats) -> common_pb2.StepStats:
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, target: Target, sessions: SessionRegistry[TargetSession], metrics: ServiceMetrics):
+    """Serves VerifyService; Verify and Decode as unary RPCs and as calls of Step streams
+    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handlers."""
+
+    def __init__(
+        self, target: Target, sessions: SessionRegistry[TargetSession], metrics: ServiceMetrics, max_workers: int
+    ):
         self.target = target
         self.sessions = sessions
         self.metrics = metrics
+        handlers = {"verify": self._verify, "decode": self._decode}
+        self.step_calls = StepCalls(SERVICE, handlers, verify_pb2.VerifyCallResult, metrics, max_workers)
 
     def GetInfo(self, request, context):
         t = self.target
@@ -68,23 +78,31 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     @grpc_errors
     def Verify(self, request, context):
+        return self._verify(request, context.time_remaining(), lambda: not context.is_active())
+
+    @grpc_errors
+    def Decode(self, request, context):
+        return self._decode(request, context.time_remaining(), lambda: not context.is_active())
+
+    def Step(self, request_iterator, context):
+        for results in self.step_calls.serve(request_iterator, context):
+            yield verify_pb2.VerifyStepResponse(results=results)
+
+    def _verify(self, request, timeout_s: float | None, abandoned) -> verify_pb2.VerifyResponse:
         start = time.perf_counter()
         with self.sessions.use(request.session_id) as session:
             draft_probs = None
             if request.draft_distributions:
                 draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
-            n, token = session.verify(
-                list(request.draft_token_ids), draft_probs, context.time_remaining(), lambda: not context.is_active()
-            )
+            n, token = session.verify(list(request.draft_token_ids), draft_probs, timeout_s, abandoned)
         return verify_pb2.VerifyResponse(
             num_accepted=n, next_token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step)
         )
 
-    @grpc_errors
-    def Decode(self, request, context):
+    def _decode(self, request, timeout_s: float | None, abandoned) -> verify_pb2.DecodeResponse:
         start = time.perf_counter()
         with self.sessions.use(request.session_id) as session:
-            _, token = session.verify([], None, context.time_remaining(), lambda: not context.is_active())
+            _, token = session.verify([], None, timeout_s, abandoned)
         return verify_pb2.DecodeResponse(token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step))
 
     def Release(self, request, context):
@@ -103,15 +121,8 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     )
     target.engine.metrics = metrics.engine_metrics("verify")
     sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
-    servicer = VerifyServicer(target, sessions, metrics)
-
-    return start_service(
-        servicer,
-        verify_pb2_grpc.add_VerifyServiceServicer_to_server,
-        verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name,
-        sessions,
-        settings,
-    )
+    servicer = VerifyServicer(target, sessions, metrics, settings.max_workers)
+    return start_service(servicer, verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE, sessions, settings)
 
 
 def main(settings: VerifySettings) -> None:

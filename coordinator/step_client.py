@@ -1,0 +1,140 @@
+"""The coordinator's end of a Step stream (``VerifyService.Step``, ``DraftService.Step``; the
+service's end is :mod:`specdec.step_stream`): every request's per-round call to one service goes
+over one long-lived stream, and the calls its requests make at about the same time travel in one
+message (docs/architecture.md#the-serving-path-step-streams).
+
+A call (:meth:`StepStream.call`) is queued and sent with the others queued in the same turn of
+the event loop; its result comes back matched by call id. Each call keeps its own deadline (sent
+along, so the service drops work whose caller gave up, and enforced here: a missed one raises
+UNAVAILABLE, as a unary call's DEADLINE_EXCEEDED does), its own error (the CallError the service
+sent, raised as the matching :class:`specdec.errors.SpecdecError`) and its own span (a client
+span whose context travels in the call's header). When the stream fails (the service went away)
+every call in flight on it raises UNAVAILABLE, and the next call opens a new stream.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import Message
+from opentelemetry import propagate, trace
+
+from specdec.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+
+class StepStream:
+    """Calls over a Step stream that ``open_stream()`` opens (the stub's ``Step``, unary-free).
+
+    Args:
+        open_stream: opens the stream (``stub.Step``), called again after a failure.
+        request_cls, call_cls: the stream's request message (with ``calls``) and call message
+            (``header`` and a ``oneof call``), e.g. ``VerifyStepRequest`` and ``VerifyCall``.
+        service: the full gRPC service name, for span names; ``where`` names the service in errors.
+    """
+
+    def __init__(
+        self,
+        open_stream: Callable[[], grpc.aio.StreamStreamCall],
+        request_cls: type[Message],
+        call_cls: type[Message],
+        service: str,
+        where: str,
+    ):
+        self.open_stream, self.request_cls, self.call_cls = open_stream, request_cls, call_cls
+        self.service, self.where = service, where
+        self._ids = itertools.count(1)
+        self._open: _OpenStream | None = None
+
+    async def call(self, kind: str, request: Message, timeout_s: float) -> Message:
+        """Sends ``request`` as the call's ``kind`` field (``verify``, ``decode``, ``propose``) and
+        returns the response. Raises the SpecdecError the service answered with, or Unavailable:
+        the deadline of ``timeout_s`` seconds passed, or the stream failed."""
+        with tracer.start_as_current_span(f"/{self.service}/{kind.capitalize()}", kind=trace.SpanKind.CLIENT):
+            header = common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000)
+            propagate.inject(header.trace_context)
+            if self._open is None or self._open.failed:
+                self._open = _OpenStream(self.open_stream(), self.request_cls, self.where)
+            result = await self._open.send(self.call_cls(header=header, **{kind: request}), timeout_s)
+            outcome = result.WhichOneof("result")
+            if outcome == "error":
+                raise from_status(status_code(result.error.code), result.error.message, self.where)
+            return getattr(result, outcome)
+
+    async def close(self) -> None:
+        """Ends the stream; calls in flight raise UNAVAILABLE."""
+        if self._open is not None:
+            await self._open.close()
+
+
+class _OpenStream:
+    """One opened stream: the calls waiting to go out, the calls in flight, and the tasks that
+    write and read it."""
+
+    def __init__(self, stream: grpc.aio.StreamStreamCall, request_cls: type[Message], where: str):
+        self.stream, self.request_cls, self.where = stream, request_cls, where
+        self.failed = False
+        self._outbox: list[Message] = []
+        self._pending: dict[int, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
+
+    async def send(self, call: Message, timeout_s: float) -> Message:
+        call_id = call.header.call_id
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        self._outbox.append(call)
+        self._wake.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await future
+        except TimeoutError:
+            raise Unavailable(f"{self.where} did not answer within its deadline") from None
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def _write(self) -> None:
+        """Sends the queued calls, one message per turn of the event loop that queued some."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                await asyncio.sleep(0)  # the calls of the requests resumed with this one come along
+                calls, self._outbox = self._outbox, []
+                await self.stream.write(self.request_cls(calls=calls))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+            log.debug("the Step stream to %s stopped taking calls: %s", self.where, err)  # _read fails them
+
+    async def _read(self) -> None:
+        """Hands each result to its call; on the stream's end, fails every call still in flight."""
+        error: SpecdecError = Unavailable(f"{self.where} ended the Step stream: the service is stopping")
+        try:
+            async for message in self.stream:
+                for result in message.results:
+                    future = self._pending.get(result.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        except grpc.aio.AioRpcError as err:
+            error = from_rpc_error(err, self.where)
+            if not isinstance(error, Unavailable):
+                error = Unavailable(str(error))
+        except asyncio.CancelledError:
+            error = Unavailable(f"the Step stream to {self.where} was closed")
+        self.failed = True
+        self._tasks[0].cancel()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def close(self) -> None:
+        self.stream.cancel()
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)

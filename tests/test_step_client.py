@@ -1,0 +1,132 @@
+"""The coordinator's end of a Step stream (coordinator/step_client.py) against a real verify
+service (the tiny target, on a free port): concurrent calls share messages, results and errors
+reach their callers, deadlines hold, and a stream the service dropped is opened again."""
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from coordinator.step_client import StepStream
+from coordinator.upstream import VERIFY_SERVICE
+from specdec.errors import NotFound, Unavailable
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from verify_service.service import build
+from verify_service.settings import VerifySettings
+
+
+def prefill(port: int, session_ids: list[str]) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        for session_id in session_ids:
+            stub.Prefill(
+                verify_pb2.VerifyServicePrefillRequest(
+                    session_id=session_id, token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams()
+                )
+            )
+
+
+def verify_stream(port: int) -> tuple[grpc.aio.Channel, StepStream]:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    stub = verify_pb2_grpc.VerifyServiceStub(channel)
+    stream = StepStream(stub.Step, verify_pb2.VerifyStepRequest, verify_pb2.VerifyCall, VERIFY_SERVICE, "verify")
+    return channel, stream
+
+
+@pytest.fixture
+def verify_service(tiny_target):
+    service = build(VerifySettings(port=0, max_sessions=16), target=tiny_target)
+    yield service
+    service.stop(0)
+
+
+def test_concurrent_calls_travel_together_and_each_gets_its_own_result(verify_service):
+    sessions = [f"s{i}" for i in range(8)]
+    prefill(verify_service.port, [*sessions, "twin"])
+    messages = []
+    serve = verify_service.servicer.step_calls.serve
+
+    def counting(requests, context):
+        for results in serve((messages.append(len(m.calls)) or m for m in requests), context):
+            yield results
+
+    verify_service.servicer.step_calls.serve = counting
+
+    async def run():
+        channel, stream = verify_stream(verify_service.port)
+        calls = [stream.call("decode", verify_pb2.DecodeRequest(session_id=s), 30) for s in sessions]
+        decoded = await asyncio.gather(*calls)
+        await stream.close()
+        await channel.close()
+        return decoded
+
+    decoded = asyncio.run(run())
+    with grpc.insecure_channel(f"127.0.0.1:{verify_service.port}") as channel:
+        twin = verify_pb2_grpc.VerifyServiceStub(channel).Decode(verify_pb2.DecodeRequest(session_id="twin"))
+    assert [d.token_id for d in decoded] == [twin.token_id] * 8  # the same context: the same token
+    assert messages == [8]  # the eight calls made in one turn of the event loop: one message
+
+
+def test_a_call_raises_the_error_the_service_answered(verify_service):
+    async def run():
+        channel, stream = verify_stream(verify_service.port)
+        try:
+            with pytest.raises(NotFound, match="not found"):
+                await stream.call("verify", verify_pb2.VerifyRequest(session_id="nobody", draft_token_ids=[1]), 30)
+        finally:
+            await stream.close()
+            await channel.close()
+
+    asyncio.run(run())
+
+
+def test_a_service_that_never_answers_costs_the_call_its_deadline():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts connections, never speaks HTTP/2
+
+    async def run():
+        channel, stream = verify_stream(silent.getsockname()[1])
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(Unavailable, match="did not answer within its deadline"):
+            await stream.call("decode", verify_pb2.DecodeRequest(session_id="s"), 0.3)
+        assert loop.time() - start < 2
+        await stream.close()
+        await channel.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        silent.close()
+
+
+def test_calls_in_flight_fail_when_the_service_goes_away_and_the_next_call_opens_a_new_stream(tiny_target):
+    service = build(VerifySettings(port=0, max_sessions=4), target=tiny_target)
+    port = service.port
+    prefill(port, ["a"])
+
+    async def run():
+        channel, stream = verify_stream(port)
+        assert (await stream.call("decode", verify_pb2.DecodeRequest(session_id="a"), 30)).token_id >= 0
+        service.stop(0)
+        with pytest.raises(Unavailable):
+            await stream.call("decode", verify_pb2.DecodeRequest(session_id="a"), 5)
+        restarted = build(VerifySettings(port=port, max_sessions=4), target=tiny_target)
+        try:
+            await asyncio.to_thread(prefill, port, ["b"])
+            for _ in range(50):  # the channel reconnects within its backoff
+                try:
+                    response = await stream.call("decode", verify_pb2.DecodeRequest(session_id="b"), 5)
+                    break
+                except Unavailable:
+                    await asyncio.sleep(0.1)
+            assert response.token_id >= 0
+        finally:
+            await stream.close()
+            await channel.close()
+            restarted.stop(0)
+
+    asyncio.run(run())

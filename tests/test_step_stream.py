@@ -1,0 +1,123 @@
+"""The service end of a Step stream (specdec/step_stream.py), driven directly: calls run as their
+handlers, results that are ready travel in one message, errors come back as CallErrors."""
+
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec.errors import NotFound
+from specdec.prom import ServiceMetrics
+from specdec.step_stream import StepCalls
+from specdec.v1 import common_pb2, verify_pb2
+
+
+class Context:
+    """What StepCalls asks of the servicer context: whether the caller is still there."""
+
+    def __init__(self):
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+def decode_call(call_id: int, session_id: str = "s", timeout_ms: float = 1000.0) -> verify_pb2.VerifyCall:
+    header = common_pb2.CallHeader(call_id=call_id, timeout_ms=timeout_ms)
+    return verify_pb2.VerifyCall(header=header, decode=verify_pb2.DecodeRequest(session_id=session_id))
+
+
+@pytest.fixture
+def metrics():
+    metrics = ServiceMetrics()
+    yield metrics
+    metrics.close()
+
+
+def step_calls(metrics, decode) -> StepCalls:
+    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16)
+
+
+def test_results_ready_together_travel_in_one_message(metrics):
+    done = threading.Semaphore(0)
+
+    def decode(request, timeout_s, abandoned):
+        done.release()
+        return verify_pb2.DecodeResponse(token_id=int(request.session_id))
+
+    calls = [decode_call(i, str(100 + i)) for i in range(1, 9)]
+    stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
+    for _ in calls:
+        assert done.acquire(timeout=10)
+    time.sleep(0.05)  # every handler has put its result
+    (results,) = list(stream)  # one message, then the stream ends: the caller closed and all are answered
+    assert sorted((r.call_id, r.decode.token_id) for r in results) == [(i, 100 + i) for i in range(1, 9)]
+
+
+def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):
+    seen = []
+
+    def decode(request, timeout_s, abandoned):
+        seen.append(timeout_s)
+        if request.session_id == "gone":
+            raise NotFound("session 'gone' not found: prefill it again")
+        if request.session_id == "bug":
+            raise RuntimeError("a bug")
+        return verify_pb2.DecodeResponse(token_id=7)
+
+    header = common_pb2.CallHeader(call_id=4)
+    calls = [
+        decode_call(1, "ok", timeout_ms=250),
+        decode_call(2, "gone"),
+        decode_call(3, "bug"),
+        verify_pb2.VerifyCall(header=header, verify=verify_pb2.VerifyRequest(session_id="ok")),  # no handler
+    ]
+    stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
+    results = {r.call_id: r for message in stream for r in message}
+    assert results[1].decode.token_id == 7 and 0.25 in seen
+    assert results[2].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "prefill it again" in results[2].error.message
+    assert results[3].error.code == grpc.StatusCode.INTERNAL.value[0] and "a bug" in results[3].error.message
+    assert results[4].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "must set one of decode" in results[4].error.message
+    errors = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name == "specdec_rpc_errors_total"
+    }
+    assert errors[("Decode", "NOT_FOUND")] == 1 and errors[("Decode", "INTERNAL")] == 1
+
+
+def test_the_stream_waits_for_calls_in_flight_after_the_caller_closes_its_side(metrics):
+    release = threading.Event()
+
+    def decode(request, timeout_s, abandoned):
+        release.wait(10)
+        return verify_pb2.DecodeResponse(token_id=1)
+
+    stream = step_calls(metrics, decode).serve(
+        iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()
+    )
+    answered: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=lambda: answered.put(list(stream)), daemon=True).start()
+    time.sleep(0.2)
+    assert answered.empty()  # the caller closed its side, but its call is still running
+    release.set()
+    assert [[r.call_id for r in message] for message in answered.get(timeout=10)] == [[1]]
+
+
+def test_the_stream_ends_when_the_caller_goes_away(metrics):
+    def requests():
+        yield verify_pb2.VerifyStepRequest(calls=[decode_call(1)])
+        time.sleep(60)  # the caller keeps its side open
+
+    context = Context()
+    stream = step_calls(metrics, lambda r, t, a: verify_pb2.DecodeResponse()).serve(requests(), context)
+    assert [r.call_id for r in next(stream)] == [1]
+    context.active = False
+    start = time.monotonic()
+    assert list(stream) == []
+    assert time.monotonic() - start < 3
