@@ -20,6 +20,7 @@ from opentelemetry import trace
 from coordinator import request as request_validation
 from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.auth import ApiKeys, AuthenticatedCoordinator
+from coordinator.draft_side import DraftService
 from coordinator.failover import VerifyReplicas
 from coordinator.http_api import HttpServer, create_app
 from coordinator.metrics import MetricsRecorder
@@ -45,7 +46,7 @@ from coordinator.stream_limit import StreamLimit, peer_host
 from coordinator.tracing import request_attributes, round_attributes
 from coordinator.upstream import ProposeDeadline, ServiceClients
 from specdec.background import BackgroundTasks
-from specdec.errors import AlreadyExists, NotFound, SpecdecError, Unavailable
+from specdec.errors import AlreadyExists, NotFound, SpecdecError
 from specdec.model_files import load_tokenizer
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramIndex
@@ -54,7 +55,7 @@ from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
         )
         self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
-        # the draft service's last GetInfo, for requests that start while it is down
-        self._draft_info: draft_pb2.DraftServiceGetInfoResponse | None = None
+        self.draft_service = DraftService(clients, settings.draft_retry_s)
         self._num_running = 0  # Generate calls in progress
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
@@ -142,21 +142,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.metrics.num_requests_running.dec()
             self._num_running -= 1
 
-    async def _draft_info_or_last(self):
-        """The draft service's GetInfo; while it is unreachable or late, the last one seen (None if
-        none). Once one was seen, the draft gets the Propose deadline to answer (a hung draft
-        then delays a new request that long, once per retry interval)."""
-        if self._draft_info is not None and self.clients.draft_down():
-            return self._draft_info
-        timeout = self.clients.propose_deadline.seconds(0) if self._draft_info is not None else None
-        with contextlib.suppress(Unavailable):
-            self._draft_info = await self.clients.draft_info(timeout)
-        return self._draft_info
-
     async def _resolve(self, request):
         """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
         verify_info, draft_info = await asyncio.gather(
-            self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self._draft_info_or_last()
+            self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_service.info()
         )
         resolved = request_validation.resolve(
             request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
@@ -165,6 +154,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if resolved.adaptive:
             drafter = None  # the request's lookup alone
             if resolved.uses_draft_service:
+                assert draft_info is not None  # resolve() refuses a drafter of a draft service never reached
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
             with contextlib.suppress(StoreUnavailable):
                 self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
@@ -258,7 +248,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
         rounds = RequestRounds(
-            self.clients,
+            self.draft_service,
             self.replicas,
             uuid.uuid4().hex,
             resolved,
@@ -266,7 +256,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             lookups,
             self.settings.draft_retry_s,
             self.settings.failover_timeout_s,
-            draft_ahead=self.settings.draft_ahead and self._is_model_drafter(resolved.drafter),
+            draft_ahead=self.settings.draft_ahead and self.draft_service.is_model_drafter(resolved.drafter),
         )
         return RunningRequest(
             resolved,
@@ -292,7 +282,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield caught_up
         if not output.finish:
             with tracer.start_as_current_span("prefill"):
-                await rounds.prefill(open_draft=self._opens_draft_at_once(running.policy, running.resolved))
+                await rounds.prefill(running.policy)
         running.metrics.prefill_ms = ms_since(running.metrics.start)
         while not output.finish:
             with tracer.start_as_current_span("round") as span:
@@ -323,7 +313,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         rounds = running.rounds
         self._background.run(rounds.release())
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
-        self.metrics.observe_faults(rounds.draft_failures, rounds.verify.rebuilds)
+        self.metrics.observe_faults(rounds.draft.failures, rounds.verify.rebuilds)
         if running.policy:
             self.adaptive.remember(running.policy)
             self._background.run(self._save_priors(running.target))
@@ -338,7 +328,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             num_speculative_tokens=resolved.num_speculative_tokens,
             adaptive=resolved.adaptive,
             num_resumed_tokens=num_resumed,
-            num_draft_failures=rounds.draft_failures,
+            num_draft_failures=rounds.draft.failures,
             num_verify_rebuilds=rounds.verify.rebuilds,
         )
         self.metrics.observe_request(final)
@@ -363,18 +353,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         with contextlib.suppress(StoreUnavailable):
             await self.store.save_priors(target, self.adaptive.priors_of(target))
 
-    def _is_model_drafter(self, name: str) -> bool:
-        """Whether the draft service's drafter ``name`` runs a model (draft-ahead hides its time;
-        a model-free drafter has none to hide)."""
-        return self._draft_info is not None and any(d.name == name and d.model for d in self._draft_info.drafters)
-
-    @staticmethod
-    def _opens_draft_at_once(policy: AdaptiveK | None, resolved) -> bool:
-        """Whether the draft session is prefilled alongside the target's: always under a fixed K
-        or sampling (see :meth:`RequestRounds.prefill`); under adaptive K and greedy decoding
-        only if the first round would use the drafter, else when a later one would."""
-        return policy is None or not resolved.sampling.greedy or policy.wants_drafter(None)
-
 
 async def serve(
     settings: CoordinatorSettings, ready: asyncio.Future | None = None, handle_signals: bool = True
@@ -393,7 +371,6 @@ async def serve(
         propose_deadline=ProposeDeadline(
             settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s
         ),
-        draft_down_s=settings.draft_retry_s,
     )
     metrics = CoordinatorMetrics()
     store: RequestStore

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -52,7 +53,7 @@ class StepStream:
         self._ids = itertools.count(1)
         self._open: _OpenStream | None = None
 
-    async def call(self, kind: str, request: Message, timeout_s: float) -> Message:
+    async def call(self, kind: str, request: Message, timeout_s: float) -> Any:
         """Sends ``request`` as the call's ``kind`` field (``verify``, ``decode``, ``propose``) and
         returns the response. Raises the SpecdecError the service answered with, or Unavailable:
         the deadline of ``timeout_s`` seconds passed, or the stream failed."""
@@ -61,7 +62,7 @@ class StepStream:
             propagate.inject(header.trace_context)
             if self._open is None or self._open.failed:
                 self._open = _OpenStream(self.open_stream(), self.request_cls, self.where)
-            result = await self._open.send(self.call_cls(header=header, **{kind: request}), timeout_s)
+            result: Any = await self._open.send(self.call_cls(header=header, **{kind: request}), timeout_s)
             outcome = result.WhichOneof("result")
             if outcome == "error":
                 raise from_status(status_code(result.error.code), result.error.message, self.where)
@@ -80,12 +81,12 @@ class _OpenStream:
     def __init__(self, stream: grpc.aio.StreamStreamCall, request_cls: type[Message], where: str):
         self.stream, self.request_cls, self.where = stream, request_cls, where
         self.failed = False
-        self._outbox: list[Message] = []
+        self._outbox: list[Any] = []
         self._pending: dict[int, asyncio.Future] = {}
         self._wake = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
-    async def send(self, call: Message, timeout_s: float) -> Message:
+    async def send(self, call: Any, timeout_s: float) -> Message:
         call_id = call.header.call_id
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future

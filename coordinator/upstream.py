@@ -8,12 +8,11 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import Awaitable, Callable
 
 import grpc
 
 from coordinator.step_client import StepStream
-from specdec.errors import Unavailable, from_rpc_error
+from specdec.errors import from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
 from specdec.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -75,9 +74,9 @@ class ServiceClients:
     per call. The per-round calls (Propose, Verify, Decode) of all its requests go over one Step
     stream per service (:mod:`coordinator.step_client`); the per-request ones (GetInfo, Prefill,
     Release) are unary RPCs. Every call has a deadline; a failed call raises the matching
-    :class:`specdec.errors.SpecdecError` naming the service and its address. The draft service,
-    once it failed to answer in time or at all, is not asked for ``draft_down_s`` seconds
-    (:meth:`draft_down`). Propose calls have the deadline ``propose_deadline`` (default: the
+    :class:`specdec.errors.SpecdecError` naming the service and its address (whether to go on
+    asking a service that failed is :mod:`coordinator.draft_side`'s and
+    :mod:`coordinator.failover`'s concern). Propose calls have the deadline ``propose_deadline`` (default: the
     ``rpc_timeout_s``); messages are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
     plaintext; when its files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new
     calls go over new channels made with the new certificate, and calls in flight finish on the
@@ -92,7 +91,6 @@ class ServiceClients:
         tls: Reloading[grpc.ChannelCredentials] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         propose_deadline: ProposeDeadline | None = None,
-        draft_down_s: float = 2.0,
     ):
         if not verify_addresses:
             raise ValueError("no verify service address: set --verify-addresses")
@@ -105,7 +103,6 @@ class ServiceClients:
         self._retiring: set[asyncio.Task] = set()  # old channels closing once their calls finish
         self._connect(tls.value if tls else None)
         self.propose_deadline = propose_deadline or ProposeDeadline(rpc_timeout_s, 1.0, rpc_timeout_s)
-        self.draft_down_s, self._draft_down_until = draft_down_s, 0.0
 
     def _connect(self, credentials: grpc.ChannelCredentials | None) -> None:
         addresses = (self.draft_address, *self.verify_addresses)
@@ -153,30 +150,15 @@ class ServiceClients:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, where) from None
 
-    async def _call_draft(self, call: Callable[[], Awaitable]):
-        """``call()``, a call to the draft service; one that finds the service unreachable or
-        misses its deadline marks the draft down (:meth:`draft_down`) and raises Unavailable."""
-        self._follow_certificate()
-        try:
-            return await call()
-        except Unavailable:
-            self._draft_down_until = time.monotonic() + self.draft_down_s
-            raise
-
-    def draft_down(self) -> bool:
-        """Whether a draft call failed to answer (unreachable, or past its deadline) in the last
-        ``draft_down_s`` seconds: requests then run without the draft instead of waiting on it."""
-        return time.monotonic() < self._draft_down_until
-
     async def draft_info(self, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
         """DraftService.GetInfo; ``timeout`` in seconds defaults to rpc_timeout_s."""
-        request = draft_pb2.DraftServiceGetInfoRequest()
-        return await self._call_draft(lambda: self._call(self._draft.GetInfo, request, self._draft_where, timeout))
+        self._follow_certificate()
+        return await self._call(self._draft.GetInfo, draft_pb2.DraftServiceGetInfoRequest(), self._draft_where, timeout)
 
     async def prefill_draft(self, request: draft_pb2.DraftServicePrefillRequest) -> None:
         """DraftService.Prefill under the ``prefill_timeout_s`` deadline."""
-        call = self._draft.Prefill
-        await self._call_draft(lambda: self._call(call, request, self._draft_where, self.prefill_timeout_s))
+        self._follow_certificate()
+        await self._call(self._draft.Prefill, request, self._draft_where, self.prefill_timeout_s)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """A Propose over the draft's Step stream, under the Propose deadline for its forwards
@@ -184,14 +166,14 @@ class ServiceClients:
         num_forwards = ProposeDeadline.forwards(request)
         timeout = self.propose_deadline.seconds(num_forwards)
         start = time.monotonic()
-        response = await self._call_draft(lambda: self._draft_steps.call("propose", request, timeout))
+        self._follow_certificate()
+        response = await self._draft_steps.call("propose", request, timeout)
         self.propose_deadline.observe(time.monotonic() - start, num_forwards)
         return response
 
     async def release_draft(self, session_id: str) -> None:
-        """DraftService.Release under a RELEASE_TIMEOUT_S deadline. Background clean-up, retried
-        by the caller while the service is away: a failure raises Unavailable but does not mark
-        the draft down (:meth:`draft_down` is for the calls on a request's path)."""
+        """DraftService.Release under a RELEASE_TIMEOUT_S deadline (callers retry one the service
+        did not answer)."""
         request = draft_pb2.DraftServiceReleaseRequest(session_id=session_id)
         await self._call(self._draft.Release, request, self._draft_where, RELEASE_TIMEOUT_S)
 

@@ -84,7 +84,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.sessions = sessions
         self.max_k = max_k
         self.metrics = metrics
-        self.step_calls = StepCalls(SERVICE, {"propose": self._propose}, draft_pb2.DraftCallResult, metrics, max_workers)
+        handlers = {"propose": self._propose}
+        self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers)
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(

@@ -16,8 +16,9 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -30,8 +31,8 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# A handler: (request, timeout in seconds, abandoned() -> the caller went away) -> response.
-Handler = Callable[[Message, float, Callable[[], bool]], Message]
+# A handler: (request, timeout in seconds or None, abandoned() -> the caller went away) -> response.
+Handler = Callable[[Any, float | None, Callable[[], bool]], Message]
 _END = object()  # the caller closed its side of the stream
 POLL_S = 1.0  # how often a stream waiting for results checks that its caller is still there, seconds
 
@@ -53,7 +54,7 @@ class StepCalls:
     def __init__(
         self,
         service: str,
-        handlers: dict[str, Handler],
+        handlers: Mapping[str, Handler],
         result_cls: type[Message],
         metrics: ServiceMetrics,
         max_workers: int,
@@ -61,7 +62,7 @@ class StepCalls:
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="step-call")
 
-    def serve(self, requests: Iterator[Message], context: grpc.ServicerContext) -> Iterator[list[Message]]:
+    def serve(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[list[Any]]:
         """Starts reading ``requests`` (the stream's incoming messages, each with ``calls``) and
         returns the outgoing messages' results: lists of results, each list one message, until the
         stream ends (see the module docstring)."""
@@ -69,12 +70,15 @@ class StepCalls:
         in_flight = _Counter()
         abandoned = lambda: not context.is_active()  # noqa: E731
 
+        def answer(call: Any) -> None:
+            done.put(self._run(call, abandoned))
+
         def read() -> None:
             try:
                 for message in requests:
                     for call in message.calls:
                         in_flight.add(1)
-                        self._pool.submit(lambda call=call: done.put(self._run(call, abandoned)))
+                        self._pool.submit(answer, call)
             except Exception:  # the caller went away (cancelled, connection lost)
                 log.debug("a Step stream ended on the caller's side", exc_info=True)
             done.put(_END)
@@ -82,7 +86,7 @@ class StepCalls:
         threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
         return _answers(done, in_flight, context)
 
-    def _run(self, call: Message, abandoned: Callable[[], bool]) -> Message:
+    def _run(self, call: Any, abandoned: Callable[[], bool]) -> Message:
         """Serves one call; never raises (a failure is the result's ``error``)."""
         header, kind = call.header, call.WhichOneof("call")
         name = (kind or "unknown").capitalize()
@@ -91,7 +95,8 @@ class StepCalls:
             try:
                 handler = self.handlers.get(kind or "")
                 if handler is None:
-                    raise InvalidArgument(f"a Step call must set one of {', '.join(self.handlers)}; it set {kind or 'none'}")
+                    kinds = ", ".join(self.handlers)
+                    raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
                 response = handler(getattr(call, kind), _timeout_s(header.timeout_ms), abandoned)
                 return self.result_cls(call_id=header.call_id, **{kind: response})
             except SpecdecError as err:

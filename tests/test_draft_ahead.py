@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coordinator.client import generate
+from coordinator.draft_side import DraftService
 from coordinator.failover import VerifyReplicas
 from coordinator.metrics import HIT, MISS
 from coordinator.request import ResolvedRequest
@@ -70,7 +71,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
     rounds = RequestRounds(
-        clients,
+        DraftService(clients),
         VerifyReplicas(clients),
         f"ahead-{drafter}-{draft_ahead}-{sampling.seed}",
         request,

@@ -181,7 +181,11 @@ verify_streams = st.lists(
     st.lists(
         st.one_of(
             st.builds(verify_pb2.VerifyCall, header=headers, verify=session_names.flatmap(_proposals)),
-            st.builds(verify_pb2.VerifyCall, header=headers, decode=st.builds(verify_pb2.DecodeRequest, session_id=session_names)),
+            st.builds(
+                verify_pb2.VerifyCall,
+                header=headers,
+                decode=st.builds(verify_pb2.DecodeRequest, session_id=session_names),
+            ),
             st.builds(verify_pb2.VerifyCall, header=headers),
         ),
         max_size=4,

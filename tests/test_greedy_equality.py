@@ -7,6 +7,7 @@ import random
 import pytest
 
 from coordinator.client import generate
+from coordinator.draft_side import DraftService
 from coordinator.failover import VerifyReplicas
 from coordinator.request import ResolvedRequest
 from coordinator.rounds import RequestRounds
@@ -121,7 +122,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
         rounds = RequestRounds(
-            clients,
+            DraftService(clients),
             VerifyReplicas(clients),
             f"k-schedule-{drafter}-{len(prompt_ids)}",
             request,

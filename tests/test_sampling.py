@@ -26,6 +26,7 @@ import torch
 
 import verify_service.target as target_module
 from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.draft_side import DraftService
 from coordinator.failover import VerifyReplicas
 from coordinator.metrics import PLAIN
 from coordinator.request import ResolvedRequest
@@ -136,7 +137,7 @@ async def pipeline_pair(
     them as one index a * VOCAB + b, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
     request_rounds = RequestRounds(
-        clients, VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
+        DraftService(clients), VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
     )
     policy, rounds = adaptive_policy(), []
     try:

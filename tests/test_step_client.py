@@ -49,8 +49,7 @@ def test_concurrent_calls_travel_together_and_each_gets_its_own_result(verify_se
     serve = verify_service.servicer.step_calls.serve
 
     def counting(requests, context):
-        for results in serve((messages.append(len(m.calls)) or m for m in requests), context):
-            yield results
+        yield from serve((messages.append(len(m.calls)) or m for m in requests), context)
 
     verify_service.servicer.step_calls.serve = counting
 

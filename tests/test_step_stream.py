@@ -98,9 +98,7 @@ def test_the_stream_waits_for_calls_in_flight_after_the_caller_closes_its_side(m
         release.wait(10)
         return verify_pb2.DecodeResponse(token_id=1)
 
-    stream = step_calls(metrics, decode).serve(
-        iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()
-    )
+    stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context())
     answered: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=lambda: answered.put(list(stream)), daemon=True).start()
     time.sleep(0.2)

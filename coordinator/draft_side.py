@@ -1,0 +1,329 @@
+"""The draft side of the coordinator: the one place that decides whether a request's round may
+ask the draft service, as :mod:`coordinator.failover` is for the verify side.
+
+:class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
+call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
+meanwhile), and its last GetInfo stands in while it is down. :class:`DraftSession`, one per
+request, is the request's session on it: opened by a Prefill of the committed log in the
+background, told the committed tokens it has not seen at each Propose, drafting ahead (a model
+drafter, see :class:`DraftAhead`), and after a failure left alone for ``retry_s`` seconds before
+it is prefilled again under a new session id (so a late call to the old one cannot collide).
+"""
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from coordinator.adaptive import AdaptiveK
+from coordinator.metrics import HIT, MISS
+from coordinator.request import ResolvedRequest
+from coordinator.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.timing import ms_since
+from specdec.v1 import draft_pb2
+
+log = logging.getLogger(__name__)
+
+
+class DraftService:
+    """The draft service of ``clients`` as every request of a coordinator sees it: down for
+    ``down_s`` seconds after a call failed to answer (unreachable, or past its deadline)."""
+
+    def __init__(self, clients: ServiceClients, down_s: float = 2.0):
+        self.clients, self.down_s = clients, down_s
+        self._down_until = 0.0
+        self._info: draft_pb2.DraftServiceGetInfoResponse | None = None
+
+    def down(self) -> bool:
+        """Whether a draft call failed to answer in the last ``down_s`` seconds: requests then run
+        without the draft instead of waiting on it."""
+        return time.monotonic() < self._down_until
+
+    async def _marking_down(self, call: Awaitable):
+        try:
+            return await call
+        except Unavailable:
+            self._down_until = time.monotonic() + self.down_s
+            raise
+
+    async def info(self) -> draft_pb2.DraftServiceGetInfoResponse | None:
+        """The draft service's GetInfo; while it is down or does not answer, the last one seen
+        (None if none). Once one was seen, the draft gets the Propose deadline to answer (a hung
+        draft then delays a new request that long, once per ``down_s``)."""
+        if self._info is not None and self.down():
+            return self._info
+        timeout = self.clients.propose_deadline.seconds(0) if self._info is not None else None
+        with contextlib.suppress(Unavailable):
+            self._info = await self._marking_down(self.clients.draft_info(timeout))
+        return self._info
+
+    def is_model_drafter(self, name: str) -> bool:
+        """Whether the drafter ``name`` runs a model (draft-ahead hides its time; a model-free
+        drafter has none to hide), by the last GetInfo."""
+        return self._info is not None and any(d.name == name and d.model for d in self._info.drafters)
+
+    async def prefill(self, request: draft_pb2.DraftServicePrefillRequest) -> None:
+        await self._marking_down(self.clients.prefill_draft(request))
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        return await self._marking_down(self.clients.propose(request))
+
+    async def release(self, session_id: str) -> None:
+        """A Release: background clean-up, so a failure does not mark the service down."""
+        await self.clients.release_draft(session_id)
+
+
+@dataclass
+class DraftAhead:
+    """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
+    ``start`` tokens: its branch is every ``predicted`` token accepted, then the bonus token the
+    draft guessed. ``task`` gives the ProposeResponse or raises SpecdecError."""
+
+    task: asyncio.Future
+    round: int
+    start: int
+    predicted: list[int]
+    request_bytes: int
+
+    def hit(self, committed: list[int], response: draft_pb2.ProposeResponse) -> bool:
+        """Whether verification went down the branch (and the branch has a proposal)."""
+        branch = [*self.predicted, response.predicted_bonus_token_id]
+        return (
+            bool(response.token_ids)
+            and response.HasField("predicted_bonus_token_id")
+            and committed[self.start :] == branch
+        )
+
+
+@dataclass
+class DraftProposal:
+    """A round's proposal from the draft: the response (None when the draft is unavailable or
+    failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``) and the
+    protobuf bytes of the round's Propose calls both ways."""
+
+    response: draft_pb2.ProposeResponse | None
+    wait_ms: float
+    ahead: str
+    wire_bytes: int
+
+
+class DraftSession:
+    """A request's session on the draft service (see the module docstring).
+
+    Args: ``service`` the coordinator's :class:`DraftService`; ``request`` the resolved request
+    (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
+    ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
+    new session; ``in_background`` runs a Release (a function making the call) without waiting;
+    ``retry_s`` seconds without the draft after a failure; ``draft_ahead`` drafts the next round
+    while this one verifies (a model drafter).
+    """
+
+    def __init__(
+        self,
+        service: DraftService,
+        request: ResolvedRequest,
+        committed: list[int],
+        new_session_id: Callable[[], str],
+        in_background: Callable[[Callable[[], Awaitable]], None],
+        retry_s: float = 2.0,
+        draft_ahead: bool = False,
+    ):
+        self.service, self.request, self.committed = service, request, committed
+        self.new_session_id, self.in_background = new_session_id, in_background
+        self.retry_s = retry_s
+        self.uses_draft = request.uses_draft_service
+        self.draft_ahead = draft_ahead and self.uses_draft
+        self.session_id: str | None = None  # None: no open session
+        self.seen = 0  # length of the committed prefix the session has seen
+        self.retry_at = 0.0  # time.monotonic() before which the draft is not asked again
+        self.failures = 0
+        self._prefill: asyncio.Future | None = None  # the background prefill
+        self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
+
+    # --- opening -------------------------------------------------------------------------
+
+    def opens_at_once(self, policy: AdaptiveK | None) -> bool:
+        """Whether the session is prefilled alongside the target's: always under a fixed K or
+        sampling (see :meth:`coordinator.rounds.RequestRounds.prefill`); under adaptive K and
+        greedy decoding only if the first round would use the drafter, else when a later one would."""
+        return policy is None or not self.request.sampling.greedy or policy.wants_drafter(None)
+
+    def available(self) -> bool:
+        """Whether this round may ask the draft service: the session is open (prefilled) and the
+        draft has not failed recently, for this request or (unreachable, late) for any."""
+        return self.session_id is not None and not self._failed_recently()
+
+    def _failed_recently(self) -> bool:
+        return time.monotonic() < self.retry_at or self.service.down()
+
+    def open(self) -> None:
+        """Starts the session's prefill in the background, unless the request uses no draft, the
+        session is open or opening, or the draft failed recently; rounds go on without it."""
+        closed = self.session_id is None and self._prefill is None
+        if self.uses_draft and closed and not self._failed_recently():
+            self._prefill = asyncio.ensure_future(self._open_or_fail())
+
+    async def wait_for_prefill(self) -> None:
+        """Waits for the background prefill, if any, at most as long as a Propose of its size may
+        take (the Propose deadline for its forwards, :class:`coordinator.upstream.ProposeDeadline`):
+        a draft that hangs costs a sampling request that deadline, not ``prefill_timeout_s``, and
+        its rounds go on without the draft until the prefill finishes or fails."""
+        if self._prefill is None:
+            return
+        forwards = math.ceil(len(self.committed) / TOKENS_PER_CATCH_UP_FORWARD)
+        timeout = self.service.clients.propose_deadline.seconds(forwards)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._prefill), timeout)
+
+    def check_prefill(self) -> None:
+        """Once the background prefill is done: raises what it found wrong with the request itself
+        (INVALID_ARGUMENT, FAILED_PRECONDITION; other failures only defer the draft)."""
+        if self._prefill is not None and self._prefill.done():
+            prefill, self._prefill = self._prefill, None
+            prefill.result()
+
+    async def _open(self) -> None:
+        session_id = self.new_session_id()
+        request = draft_pb2.DraftServicePrefillRequest(
+            session_id=session_id,
+            drafter=self.request.drafter,
+            token_ids=self.committed,
+            sampling=self.request.sampling.to_proto(),
+        )
+        seen = len(self.committed)  # rounds may commit more while the prefill runs
+        try:
+            await self.service.prefill(request)
+        except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
+            self._release(session_id)
+            raise
+        self.session_id, self.seen = session_id, seen
+
+    async def _open_or_fail(self) -> None:
+        try:
+            await self._open()
+        except SpecdecError as err:
+            self._failed(err)
+
+    def _failed(self, err: SpecdecError) -> None:
+        """Goes on without the draft until ``retry_s`` has passed. Raises ``err`` when it says the
+        request itself is wrong (INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+        if isinstance(err, InvalidArgument | FailedPrecondition):
+            raise err
+        self.failures += 1
+        self.retry_at = time.monotonic() + self.retry_s
+        log.warning(
+            "draft session %s: %s; plain decode until the draft is retried in %g s",
+            self.session_id or "(opening)",
+            err,
+            self.retry_s,
+        )
+        self._release_open()
+
+    # --- proposing -----------------------------------------------------------------------
+
+    async def proposal(self, k: int, round_number: int, start: float) -> DraftProposal:
+        """Round ``round_number``'s proposal of up to ``k`` tokens (``start``: the round's
+        time.perf_counter()): the one drafted ahead during the previous round when verification
+        went down its branch, else one asked for now; none while the draft is unavailable (its
+        opening is then started in the background). With draft-ahead on, the next round's
+        Propose is sent before returning."""
+        response, ahead, wire_bytes = await self._take_ahead(round_number)
+        wait_ms = ms_since(start)  # the wait for the Propose drafting ahead
+        if response is None and self.available():
+            response, request_bytes = await self._proposal(k)
+            wire_bytes += request_bytes
+            wait_ms += response.compute_ms if response else 0.0
+        elif response is None:
+            self.open()  # this round is a plain one while the draft opens
+        if response is not None and response.token_ids and self.draft_ahead and self.available():
+            self._send_ahead(list(response.token_ids[:k]), k, round_number)
+        return DraftProposal(response, wait_ms, ahead, wire_bytes)
+
+    async def _proposal(self, k: int) -> tuple[draft_pb2.ProposeResponse | None, int]:
+        """The draft's proposal and its bytes both ways; None when the draft service failed."""
+        try:
+            try:
+                return await self._propose(k)
+            except NotFound:
+                log.warning("session %s lost on the draft service: prefilling it again", self.session_id)
+                await self._open()
+                return await self._propose(k)
+        except SpecdecError as err:
+            self._failed(err)
+            return None, 0
+
+    async def _propose(self, k: int) -> tuple[draft_pb2.ProposeResponse, int]:
+        request = draft_pb2.ProposeRequest(
+            session_id=self.session_id, appended_token_ids=self.committed[self.seen :], num_speculative_tokens=k
+        )
+        response = await self.service.propose(request)
+        self.seen = len(self.committed)
+        return response, request.ByteSize() + response.ByteSize()
+
+    def _send_ahead(self, predicted: list[int], k: int, round_number: int) -> None:
+        """Sends the Propose of the branch after ``predicted`` (see :class:`DraftAhead`) and goes on
+        without waiting for it."""
+        request = draft_pb2.ProposeRequest(
+            session_id=self.session_id,
+            appended_token_ids=self.committed[self.seen :],
+            num_speculative_tokens=k,
+            predicted_token_ids=predicted,
+        )
+        self.seen = len(self.committed)
+        task = asyncio.ensure_future(self.service.propose(request))
+        self._ahead = DraftAhead(task, round_number, len(self.committed), predicted, request.ByteSize())
+
+    async def _take_ahead(self, round_number: int) -> tuple[draft_pb2.ProposeResponse | None, str, int]:
+        """Waits for the draft-ahead Propose in flight, if any (no other draft call may overtake
+        it: it carries committed tokens). Returns its proposal if verification went down its
+        branch (else None), the outcome, HIT or MISS, or ``""`` when there was none or it is
+        stale (a round in between did not use the draft), and its bytes both ways."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, "", 0
+        try:
+            response = await ahead.task
+        except NotFound:
+            return None, "", 0  # the next Propose finds the session gone too, and prefills it again
+        except SpecdecError as err:
+            self._failed(err)
+            return None, "", 0
+        wire_bytes = ahead.request_bytes + response.ByteSize()
+        if ahead.round != round_number - 1:
+            return None, "", wire_bytes
+        if ahead.hit(self.committed, response):
+            return response, HIT, wire_bytes
+        return None, MISS, wire_bytes
+
+    # --- releasing -----------------------------------------------------------------------
+
+    async def release(self) -> None:
+        """Releases the session in the background; a prefill still running is cancelled and its
+        session id released all the same (a cancelled Prefill may still open it), a Propose
+        drafting ahead is cancelled."""
+        if self._prefill is not None and not self._prefill.done():
+            self._prefill.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prefill
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SpecdecError):
+                await ahead.task
+        self._release_open()
+
+    def release_left_behind(self, session_id: str) -> None:
+        """Releases, in the background, a session another coordinator opened for this request."""
+        self._release(session_id)
+
+    def _release_open(self) -> None:
+        if self.session_id is not None:
+            self._release(self.session_id)
+        self.session_id = None
+
+    def _release(self, session_id: str) -> None:
+        self.in_background(lambda: self.service.release(session_id))
