@@ -18,12 +18,16 @@ def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds the process ``pid`` has used so far (all its threads); None when
     /proc has no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return None
-    # the command name (field 2) is in parentheses and may hold spaces: count fields after it
+
+
+def stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from the text of a ``/proc/<pid>/stat`` file."""
+    # the command name (field 2) is in parentheses and may hold spaces and parentheses: count from the last ")"
     fields = stat[stat.rindex(")") + 2 :].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5), from field 3 on
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5); fields[0] is field 3
     return (utime + stime) / CLOCK_TICKS_PER_S
 
 
