@@ -484,6 +484,7 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
     assert config.ceiling and config.concurrency == [64] and config.max_new_tokens == 128
     assert config.arrivals == ["closed"] and config.methods == ["pipeline/K=0", "pipeline/K=4", "transformers-serve"]
     assert config.target == config.draft_model == str(tmp_path / "near-free") and config.drafter == "transformers"
+    assert config.service_env == {"SPECDEC_VERIFY_MAX_NUM_SEQS": "64", "SPECDEC_DRAFT_MAX_NUM_SEQS": "64"}
     config = captured_config(monkeypatch, tmp_path, "--ceiling", "--concurrency", "8", "--arrivals", "burst")
     assert config.concurrency == [8] and config.arrivals == ["burst"]
 
@@ -601,3 +602,27 @@ def test_ceiling_targets_from_hand_made_cells():
     lines = markdown(found)
     assert "| pipeline/K=0 tokens/s / transformers serve's | 1.50x | at least 1.5x |" in lines
     assert "| verify: CPU ms per token at K=4 / at K=0 | 0.50x | at most 0.33x |" in lines
+
+
+def test_services_sized_for_the_load(tmp_path):
+    """Sessions and streams per client follow the most requests a cell can have in flight (a
+    Poisson cell's N x requests per client); the ceiling's settings come last."""
+    from dataclasses import replace
+
+    from specdec_app.bench.concurrency import ConcurrencyConfig, max_in_flight, service_settings
+
+    base = ConcurrencyConfig(questions=tmp_path, out=tmp_path, command="", concurrency=[1, 32])
+    closed = replace(base, arrivals=["closed", "burst"])
+    assert max_in_flight(closed) == 32
+    assert service_settings(closed) == {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "32"}  # within the defaults
+    poisson = replace(base, concurrency=[64], requests_per_client=2)
+    assert max_in_flight(poisson) == 128
+    assert service_settings(poisson) == {
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "64",
+        "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": "128",
+        "SPECDEC_VERIFY_MAX_SESSIONS": "264",
+        "SPECDEC_DRAFT_MAX_SESSIONS": "264",
+    }
+    ceiling = replace(poisson, service_env={"SPECDEC_VERIFY_MAX_NUM_SEQS": "64", "SPECDEC_VERIFY_MAX_SESSIONS": "300"})
+    assert service_settings(ceiling)["SPECDEC_VERIFY_MAX_SESSIONS"] == "300"
+    assert service_settings(ceiling)["SPECDEC_VERIFY_MAX_NUM_SEQS"] == "64"

@@ -155,6 +155,10 @@ def markdown(found: dict) -> list[str]:
 
 def configure(config: ConcurrencyConfig, console: Console | None = None) -> ConcurrencyConfig:
     """``config`` for the ceiling: the near-free model (written if missing) as target and draft
-    model, the ``transformers`` drafter (so ``pipeline/K=4`` is the self-draft), ``ceiling`` set."""
+    model, the ``transformers`` drafter (so ``pipeline/K=4`` is the self-draft), both services'
+    steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
+    cap the batch below the issue's N = 64, where transformers serve batches all), ``ceiling`` set."""
     folder = str(near_free_model(console))
-    return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, ceiling=True)
+    seqs = str(max(config.concurrency))
+    service_env = {"SPECDEC_VERIFY_MAX_NUM_SEQS": seqs, "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs} | config.service_env
+    return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, ceiling=True, service_env=service_env)

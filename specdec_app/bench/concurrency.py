@@ -120,6 +120,7 @@ REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 WARM_UP_TOKENS = 16
 REQUEST_TIMEOUT_S = 1800.0
+DEFAULT_SERVICE_LIMIT = 64  # the services' max_sessions and the coordinator's max_streams_per_client by default
 # On CPU, continuous batching sizes its KV cache from the machine's RAM (90% of what its own process
 # does not hold: it cannot see the pipeline's services): 12 GiB resident at N=16 with SmolLM2 on a
 # 23 GiB machine, against 4.7 GiB and the same tokens/s with 0.2. 0.25 still holds 32 requests of
@@ -156,7 +157,9 @@ class ConcurrencyConfig(BenchInputs):
     OpenAI-compatible endpoint after the cells (empty: none); ``arrivals`` the arrival patterns
     (:data:`arrivals.ARRIVALS`); ``request_rate`` the Poisson rate per client in requests/s (None:
     derived from the closed loop at N = 1, see the module docstring); ``ceiling``: the run is
-    ``--ceiling``'s (:mod:`specdec_app.bench.ceiling`), whose targets the reports add."""
+    ``--ceiling``'s (:mod:`specdec_app.bench.ceiling`), whose targets the reports add;
+    ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
+    environment (see :func:`service_settings`)."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
@@ -167,6 +170,7 @@ class ConcurrencyConfig(BenchInputs):
     arrivals: list[str] = field(default_factory=lambda: list(ARRIVALS))
     request_rate: float | None = None
     ceiling: bool = False
+    service_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -758,13 +762,38 @@ def _environment(values: dict[str, str]):
             os.environ.pop(name, None)
 
 
+def max_in_flight(config: ConcurrencyConfig) -> int:
+    """The most requests a cell of the run can have in flight at once: N for the closed loop and
+    a burst, N x ``requests_per_client`` for Poisson arrivals (none waits for another)."""
+    per_client = config.requests_per_client if POISSON in config.arrivals else 1
+    return max(config.concurrency) * per_client
+
+
+def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
+    """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
+    llama-cpp drafter's sequences for the largest N; the coordinator's streams per client and
+    both services' sessions for :func:`max_in_flight` requests where that is above their default
+    (64; sessions twice that plus 8, as a finished request's sessions are released while the
+    client's next one opens); then ``config.service_env`` (the ceiling's)."""
+    in_flight = max_in_flight(config)
+    settings = {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}
+    if in_flight > DEFAULT_SERVICE_LIMIT:
+        sessions = str(2 * in_flight + 8)
+        settings |= {
+            "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": str(in_flight),
+            "SPECDEC_VERIFY_MAX_SESSIONS": sessions,
+            "SPECDEC_DRAFT_MAX_SESSIONS": sessions,
+        }
+    return settings | config.service_env
+
+
 def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
     """Runs the load benchmark and writes ``report-concurrency.json``, ``report-concurrency.md``
     and ``concurrency.png`` to ``config.out`` (service logs under ``logs/``); returns the report.
 
-    The cluster's llama-cpp drafter is sized for the largest N
-    (``SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS``, unless set); every other service setting is its
-    default or the ``SPECDEC_*`` variable in the environment. Raises ValueError for bad options,
+    The services are sized for the run's load (:func:`service_settings`, each unless its variable
+    is set); every other service setting is its default or the ``SPECDEC_*`` variable in the
+    environment. Raises ValueError for bad options,
     RuntimeError when a service fails to start or a warm-up request fails; failed requests inside
     a cell are counted in the report (``num_failed``, ``errors``)."""
     sequence = _validated(config)
@@ -810,7 +839,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
         if pipelines:
             drafters = list(dict.fromkeys([config.drafter, "ngram"]))
             console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
-            with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
+            with _environment(service_settings(config)):
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
                 cluster = start_cluster(
                     config.target,
