@@ -562,7 +562,7 @@ async def run_cell(
 def poisson_rate_per_client(config: ConcurrencyConfig, cells: list[dict]) -> float:
     """The Poisson rate per client in requests/s: ``config.request_rate``, or 1 / the mean
     latency (s) of the reference method's completed requests in the closed-loop N = 1 cell (the
-    first method's where the reference did not run). Raises RuntimeError when neither exists."""
+    first such cell's where the reference did not run). Raises RuntimeError when neither exists."""
     if config.request_rate:
         return config.request_rate
     closed = [c for c in cells if c["arrivals"] == CLOSED and c["concurrency"] == 1]
@@ -600,7 +600,9 @@ async def _pattern_cells(
                     "records": records,
                     "cpu_s": cpu.stop(),
                     "rate_per_client_hz": rate,
-                    "schedule_s": [r.send_at_s for requests in schedule for r in requests] if name == POISSON else None,
+                    "arrival_times_s": (
+                        [r.send_at_s for requests in schedule for r in requests] if name == POISSON else None
+                    ),
                 }
             )
     if rate is not None:
@@ -793,9 +795,9 @@ def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
 
     The services are sized for the run's load (:func:`service_settings`, each unless its variable
     is set); every other service setting is its default or the ``SPECDEC_*`` variable in the
-    environment. Raises ValueError for bad options,
-    RuntimeError when a service fails to start or a warm-up request fails; failed requests inside
-    a cell are counted in the report (``num_failed``, ``errors``)."""
+    environment. Raises ValueError for bad options, RuntimeError when a service fails to start or
+    a warm-up request fails; failed requests inside a cell are counted in the report
+    (``num_failed``, ``errors``)."""
     sequence = _validated(config)
     config.out.mkdir(parents=True, exist_ok=True)
     with _stopped_by_sigterm():
@@ -1036,7 +1038,7 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
                 "concurrency": cell["concurrency"],
                 "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"], cell["cpu_s"]),
                 "errors": sorted({r.error for r in cell["records"] if r.error}),
-                "arrival_times_s": cell["schedule_s"],
+                "arrival_times_s": cell["arrival_times_s"],
             }
             for cell in cells
         ],
