@@ -52,10 +52,12 @@ NEAR_FREE_CONFIG: dict[str, Any] = {
 CPU_TARGET_PROCESSES = ("coordinator", "verify")
 
 
-def model_folder(tokenizer_source: str) -> Path:
+def model_folder(vocabulary: str) -> Path:
     """Where the near-free model is saved: ``$SPECDEC_CACHE_DIR/near-free-model/<key>`` (default
-    ``~/.cache/specdec``), the key a hash of the config, seed and tokenizer source."""
-    key = json.dumps({"config": NEAR_FREE_CONFIG, "seed": SEED, "tokenizer": tokenizer_source}, sort_keys=True)
+    ``~/.cache/specdec``), the key a hash of the config, the seed and the tokenizer's
+    ``vocabulary`` fingerprint (:func:`specdec.vocab.tokenizer_fingerprint`), not of where the
+    tokenizer was loaded from (the GGUF or its float copy: the same vocabulary)."""
+    key = json.dumps({"config": NEAR_FREE_CONFIG, "seed": SEED, "vocabulary": vocabulary}, sort_keys=True)
     cache = Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
     return cache / "near-free-model" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -67,9 +69,10 @@ def near_free_model(console: Console | None = None) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.model_files import load_tokenizer
+    from specdec.vocab import tokenizer_fingerprint
 
     tokenizer = load_tokenizer(TOKENIZER)
-    folder = model_folder(tokenizer.name_or_path)
+    folder = model_folder(tokenizer_fingerprint(tokenizer))
     if (folder / "config.json").exists():
         return folder
     if console is not None:
