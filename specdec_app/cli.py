@@ -559,12 +559,15 @@ def bench(
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
     hf-assisted runs when a pipeline uses the transformers drafter (its model is the assistant).
 
-    With --concurrency 1,4,16,32: the load benchmark instead. For each N, N closed-loop clients send
-    --requests-per-client prompts each (greedy, --max-new-tokens) to every method: the pipeline with
-    adaptive K, the pipeline at K=0 (plain decode through the same batched services), and
-    transformers serve --continuous-batching on the same target through its OpenAI-compatible API.
-    Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
-    identity against pipeline/K=0 at N=1 per method and N."""
+    With --concurrency 1,4,16,32: the load benchmark instead. For each arrival pattern (--arrivals:
+    N closed-loop clients sending --requests-per-client prompts each, a burst of N, Poisson arrivals)
+    and each N, the same prompts at the same times (greedy, --max-new-tokens) go to every method: the
+    pipeline with adaptive K, the pipeline at K=0 (plain decode through the same batched services),
+    and transformers serve --continuous-batching on the same target through its OpenAI-compatible
+    API. Reports total output tokens/s, rounds/s, TTFT and TPOT p50/p99, batch size, acceptance, K
+    chosen, CPU ms per token per process and greedy identity against pipeline/K=0 at N=1 per
+    pattern, method and N. With --ceiling: the same on a near-free model the bench writes, with
+    pipeline/K=0, pipeline/K=4 self-drafted and transformers serve."""
     inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
         "questions": questions,
         "out": out,
