@@ -1,8 +1,9 @@
 """Where the serving path's CPU time goes (issue 26's first step; findings in
 docs/architecture.md#where-the-cpu-time-goes).
 
-Writes a near-free model (a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer: a forward
-costs almost nothing, so what is measured is the path around it), serves it with the three
+Writes a near-free model (``specdec bench --ceiling``'s, :func:`specdec_app.bench.ceiling.near_free_model`:
+a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer; a forward costs almost nothing, so what
+is measured is the path around it), serves it with the three
 services as separate processes (verify: that model; draft: the transformers drafter on the same
 folder, so every draft token is accepted), sends N concurrent greedy streams (closed loop) and
 samples every process with py-spy (``--idle`` off: only frames that run on a CPU). Prints, per
@@ -15,7 +16,6 @@ load) split by the share of py-spy's samples in each part of the path, and the t
 import argparse
 import asyncio
 import collections
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import grpc
-import torch
 
-from specdec.model_files import load_tokenizer
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.bench.ceiling import near_free_model
+from specdec_app.bench.cpu_time import CpuClock, ms_per_token
 from specdec_app.launcher import LocalCluster, free_port
 
 # Parts of the path by the frames that belong to them (file or function substrings). A sample
@@ -50,28 +50,6 @@ PARTS = [
     ("asyncio", ("asyncio/",)),
 ]
 RATE_HZ = 200
-
-
-def write_near_free_model(folder: Path) -> None:
-    """A random 2-layer Llama (hidden 64, SmolLM2's vocabulary and tokenizer) saved to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    load_tokenizer("smollm2").save_pretrained(folder)
 
 
 async def closed_loop(address: str, k: int, concurrency: int, max_new: int, seconds: float) -> int:
@@ -110,12 +88,6 @@ def parts_of(raw: Path) -> collections.Counter:
     return samples
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (/proc/<pid>/stat, all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def profile(cluster: LocalCluster, k: int, args, out: Path) -> None:
     address = cluster.address("coordinator")
     asyncio.run(closed_loop(address, k, args.concurrency, args.max_new_tokens, 3))  # warm-up
@@ -129,12 +101,12 @@ def profile(cluster: LocalCluster, k: int, args, out: Path) -> None:
         )
         for name, process in cluster.processes.items()
     }
-    pids = {name: process.pid for name, process in cluster.processes.items()}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    clock = CpuClock({name: process.pid for name, process in cluster.processes.items()})
+    clock.start()
     start = time.monotonic()
     tokens = asyncio.run(closed_loop(address, k, args.concurrency, args.max_new_tokens, args.seconds))
     elapsed = time.monotonic() - start
-    cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    cpu_ms = {name: ms or 0.0 for name, ms in ms_per_token(clock.stop(), tokens).items()}  # per generated token
     for spy in spies.values():
         spy.wait()
     print(f"\nK = {k}: {tokens} tokens in {elapsed:.1f} s, {tokens / elapsed:.0f} tokens/s")
@@ -142,10 +114,10 @@ def profile(cluster: LocalCluster, k: int, args, out: Path) -> None:
     for name in spies:
         samples = parts_of(out / f"{name}-k{k}.txt")
         total = sum(samples.values()) or 1
-        print(f"| {name} | **all** (user + system, /proc) | | **{cpu_s[name] * 1000 / tokens:.3f}** |")
+        print(f"| {name} | **all** (user + system, /proc) | | **{cpu_ms[name]:.3f}** |")
         for part, count in samples.most_common():
             share = count / total
-            print(f"| {name} | {part} | {share:.0%} | {share * cpu_s[name] * 1000 / tokens:.3f} |")
+            print(f"| {name} | {part} | {share:.0%} | {share * cpu_ms[name]:.3f} |")
 
 
 def main() -> None:
@@ -156,9 +128,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[0, 4])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model, out = Path(tmp) / "near-free", Path(tmp) / "profiles"
+        model, out = near_free_model(), Path(tmp) / "profiles"
         out.mkdir()
-        write_near_free_model(model)
         drafter = ["--drafters", "transformers", "--default-drafter", "transformers"]
         # limits that let every stream join every step (one handler thread per call in flight)
         limits = ["--max-sessions", str(2 * args.concurrency + 8), "--max-num-seqs", str(args.concurrency)]

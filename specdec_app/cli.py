@@ -528,17 +528,46 @@ def bench(
             "into the reports."
         ),
     ] = None,
+    arrivals: Annotated[
+        str | None,
+        typer.Option(
+            help="With --concurrency: comma-separated arrival patterns, each with its own slice of the prompts: "
+            "closed (N closed-loop clients), burst (N requests at once), poisson (N x --requests-per-client "
+            "requests at a seeded Poisson rate of N x --request-rate). Default closed,burst,poisson "
+            "(closed with --ceiling)."
+        ),
+    ] = None,
+    request_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="With --arrivals poisson: requests/s per client (a cell of N arrives at N x this). Default: 1 / "
+            "the mean latency of pipeline/K=0's requests in the closed loop at N=1 of the same run."
+        ),
+    ] = None,
+    ceiling: Annotated[
+        bool,
+        typer.Option(
+            "--ceiling",
+            help="Load mode on a near-free model the bench writes itself (random 2-layer Llama, hidden 64, "
+            "SmolLM2's tokenizer): pipeline/K=0, pipeline/K=4 self-drafted by the transformers drafter on the "
+            "same folder, and transformers serve; reports tokens/s, rounds/s and CPU ms per token per process. "
+            "Default --concurrency 64.",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
     hf-assisted runs when a pipeline uses the transformers drafter (its model is the assistant).
 
-    With --concurrency 1,4,16,32: the load benchmark instead. For each N, N closed-loop clients send
-    --requests-per-client prompts each (greedy, --max-new-tokens) to every method: the pipeline with
-    adaptive K, the pipeline at K=0 (plain decode through the same batched services), and
-    transformers serve --continuous-batching on the same target through its OpenAI-compatible API.
-    Reports total output tokens/s, TTFT and TPOT p50/p99, batch size, acceptance, K chosen and greedy
-    identity against pipeline/K=0 at N=1 per method and N."""
+    With --concurrency 1,4,16,32: the load benchmark instead. For each arrival pattern (--arrivals:
+    N closed-loop clients sending --requests-per-client prompts each, a burst of N, Poisson arrivals)
+    and each N, the same prompts at the same times (greedy, --max-new-tokens) go to every method: the
+    pipeline with adaptive K, the pipeline at K=0 (plain decode through the same batched services),
+    and transformers serve --continuous-batching on the same target through its OpenAI-compatible
+    API. Reports total output tokens/s, rounds/s, TTFT and TPOT p50/p99, batch size, acceptance, K
+    chosen, CPU ms per token per process and greedy identity against pipeline/K=0 at N=1 per
+    pattern, method and N. With --ceiling: the same on a near-free model the bench writes, with
+    pipeline/K=0, pipeline/K=4 self-drafted and transformers serve."""
     inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
         "questions": questions,
         "out": out,
@@ -551,19 +580,37 @@ def bench(
         "draft_model": draft_model,
         "dtype": dtype,
     }
-    if concurrency is not None:
+    if concurrency is not None or ceiling:
         if pipeline or hf_k or placement:
             stderr.print(
                 "[red]error: --pipeline, --hf-k and --placement apply to the batch-1 benchmark, not to "
                 "--concurrency[/red]"
             )
             raise typer.Exit(1)
-        _bench_concurrency(inputs, concurrency, requests_per_client, methods, drafter, api, load_generator)
+        if ceiling and (drafter or target != "smollm2" or draft_model != "smollm2"):
+            stderr.print(
+                "[red]error: --ceiling runs its own near-free model: leave out --target, --draft-model "
+                "and --drafter[/red]"
+            )
+            raise typer.Exit(1)
+        load = {
+            "requests_per_client": requests_per_client,
+            "methods": methods,
+            "drafter": drafter,
+            "api": api,
+            "load_generator": load_generator,
+            "arrivals": arrivals,
+            "request_rate": request_rate,
+        }
+        _bench_concurrency(inputs, concurrency, load, ceiling)
         return
-    if any(option is not None for option in (requests_per_client, methods, drafter, api, load_generator)):
+    if any(
+        option is not None
+        for option in (requests_per_client, methods, drafter, api, load_generator, arrivals, request_rate)
+    ):
         stderr.print(
-            "[red]error: --requests-per-client, --methods, --drafter, --api and --load-generator apply "
-            "with --concurrency[/red]"
+            "[red]error: --requests-per-client, --methods, --drafter, --api, --load-generator, --arrivals and "
+            "--request-rate apply with --concurrency[/red]"
         )
         raise typer.Exit(1)
     from specdec_app.bench.report import overall_table, speedup_table
@@ -587,18 +634,15 @@ def bench(
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
 
 
-def _bench_concurrency(
-    inputs: dict[str, Any],
-    concurrency: str,
-    requests_per_client: int | None,
-    methods: str | None,
-    drafter: str | None,
-    api: str | None,
-    load_generator: str | None,
-) -> None:
-    """``specdec bench --concurrency``: see :mod:`specdec_app.bench.concurrency`. ``inputs``: the
-    options both modes take, as :class:`specdec_app.bench.run.BenchInputs` fields."""
+def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool) -> None:
+    """``specdec bench --concurrency`` (and ``--ceiling``): see :mod:`specdec_app.bench.concurrency`
+    and :mod:`specdec_app.bench.ceiling`. ``inputs``: the options both modes take, as
+    :class:`specdec_app.bench.run.BenchInputs` fields; ``load``: the load options as given (None:
+    not given)."""
+    from specdec_app.bench import ceiling as ceiling_mode
+    from specdec_app.bench.arrivals import ARRIVALS, CLOSED, parse_arrivals
     from specdec_app.bench.concurrency import (
+        DEFAULT_CONCURRENCY,
         METHODS,
         REPORT_FILES,
         ConcurrencyConfig,
@@ -606,35 +650,55 @@ def _bench_concurrency(
         parse_methods,
         run_concurrency,
     )
-    from specdec_app.bench.report import concurrency_table, identity_table
+    from specdec_app.bench.report import comparison_table, concurrency_table, cpu_table, identity_table
 
+    allowed = ceiling_mode.METHODS if ceiling else METHODS
+    default_n = ceiling_mode.DEFAULT_CONCURRENCY if ceiling else DEFAULT_CONCURRENCY
     try:
         config = ConcurrencyConfig(
             **inputs,
-            concurrency=parse_concurrency(concurrency),
-            requests_per_client=2 if requests_per_client is None else requests_per_client,
-            methods=parse_methods(methods) if methods else list(METHODS),
-            drafter=drafter or "llama-cpp",
-            api=api or "grpc",
-            load_generator=load_generator or "",
+            concurrency=parse_concurrency(concurrency) if concurrency else list(default_n),
+            requests_per_client=2 if load["requests_per_client"] is None else load["requests_per_client"],
+            methods=parse_methods(load["methods"], allowed) if load["methods"] else list(allowed),
+            drafter=load["drafter"] or "llama-cpp",
+            api=load["api"] or "grpc",
+            load_generator=load["load_generator"] or "",
+            arrivals=parse_arrivals(load["arrivals"]) if load["arrivals"] else [CLOSED] if ceiling else list(ARRIVALS),
+            request_rate=load["request_rate"],
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")
+        if ceiling:
+            config = ceiling_mode.configure(config, stderr)
         report = run_concurrency(config, stderr)
     except (ValueError, RuntimeError) as err:
         stderr.print(f"[red]error: {err}[/red]")
         raise typer.Exit(1) from None
-    print("\n".join([*concurrency_table(report), "", *identity_table(report)]))
+    for arrivals in config.arrivals:
+        print(
+            "\n".join(
+                [
+                    f"arrivals: {arrivals}",
+                    *comparison_table(report, arrivals),
+                    "",
+                    *concurrency_table(report, arrivals),
+                    "",
+                ]
+            )
+        )
+    print("\n".join([*cpu_table(report), "", *identity_table(report)]))
+    if ceiling:
+        print("\n" + "\n".join(ceiling_mode.markdown(report["ceiling_targets"])))
     if report.get("load_generator"):
         from specdec_app.bench.load_generator import markdown
 
         print("\n" + "\n".join(line for line in markdown(report["load_generator"]) if line.startswith("|")))
     for m in report["mismatches"]:
         stderr.print(
-            f"[yellow]{m['method']} at N={m['concurrency']} differs from the reference on question "
+            f"[yellow]{m['method']} at N={m['concurrency']} ({m['arrivals']}) differs from the reference on question "
             f"{m['question_id']} at token {m['first_mismatch']} (margin {m.get('margin')})[/yellow]"
         )
     for cell in report["cells"]:
         for error in cell["errors"]:
-            stderr.print(f"[red]{cell['method']} at N={cell['concurrency']}: {error}[/red]")
+            stderr.print(f"[red]{cell['method']} at N={cell['concurrency']} ({cell['arrivals']}): {error}[/red]")
     stderr.print(f"reports written to {config.out}/: {', '.join(REPORT_FILES)}")

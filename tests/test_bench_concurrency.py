@@ -5,14 +5,15 @@ as real subprocess services) that writes the JSON, Markdown and PNG reports."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from specdec_app.bench.arrivals import ClosedLoop
 from specdec_app.bench.concurrency import (
     METHODS,
     RequestRecord,
-    assigned_question,
     first_mismatch,
     interleave_categories,
     parse_concurrency,
@@ -154,8 +155,9 @@ def test_prompts_round_robin_over_categories_and_clients():
     questions = [Question(i, c, f"{c}{i}") for i, c in enumerate(["qa", "qa", "qa", "rag", "rag", "math"])]
     sequence = interleave_categories(questions)
     assert [q.prompt for q in sequence] == ["qa0", "rag3", "math5", "qa1", "rag4", "qa2"]
-    # 4 clients, 2 requests each: the first wave takes prompts 0..3, the second 4..7 (mod 6)
-    assigned = [assigned_question(sequence, 4, c, j).question_id for j in range(2) for c in range(4)]
+    # 4 closed-loop clients, 2 requests each: the first wave takes prompts 0..3, the second 4..7 (mod 6)
+    schedule = ClosedLoop().schedule(4, 2)
+    assigned = [sequence[schedule[c][j].index % len(sequence)].question_id for j in range(2) for c in range(4)]
     assert assigned == [0, 3, 5, 1, 4, 2, 0, 3]
 
 
@@ -200,6 +202,13 @@ def test_option_parsing():
         (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
         (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
         (["--load-generator", "guidellm"], "apply with --concurrency"),
+        (["--concurrency", "1", "--arrivals", "trickle"], "--arrivals 'trickle': use a comma-separated subset"),
+        (["--arrivals", "burst"], "apply with --concurrency"),
+        (["--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate, or the closed"),
+        (["--concurrency", "1", "--arrivals", "poisson", "--request-rate", "0"], "--request-rate must be above 0"),
+        (["--concurrency", "1"], "3 arrival patterns need at least 3 prompts"),  # the default: all three
+        (["--ceiling", "--target", "x"], "--ceiling runs its own near-free model"),
+        (["--ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=0, pipeline/K=4"),
     ],
 )
 def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
@@ -209,9 +218,10 @@ def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
-def run_tiny_bench(tiny_models, questions, out, *args):
-    """``specdec bench`` with ``args``, both pipeline methods (the ngram drafter, which needs no
-    model) on the tiny target, 8 new tokens; returns the finished process and its JSON report."""
+def run_tiny_bench(tiny_models, questions, out, *args, methods="pipeline/adaptive,pipeline/K=0"):
+    """``specdec bench`` with ``args``, ``methods`` (default both pipeline methods; the ngram
+    drafter, which needs no model) on the tiny target, 8 new tokens; returns the finished process
+    and its JSON report."""
     run = subprocess.run(
         [
             sys.executable,
@@ -220,7 +230,7 @@ def run_tiny_bench(tiny_models, questions, out, *args):
             "bench",
             *args,
             "--methods",
-            "pipeline/adaptive,pipeline/K=0",
+            methods,
             "--drafter",
             "ngram",
             "--questions",
@@ -255,7 +265,9 @@ def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
         },
     )
     out = tmp_path / "out"
-    run, report = run_tiny_bench(tiny_models, questions, out, "--concurrency", "1,2", "--requests-per-client", "2")
+    run, report = run_tiny_bench(
+        tiny_models, questions, out, "--concurrency", "1,2", "--requests-per-client", "2", "--arrivals", "closed"
+    )
     assert report["methods"] == ["pipeline/adaptive", "pipeline/K=0"]
     assert [(c["method"], c["concurrency"]) for c in report["cells"]] == [
         ("pipeline/adaptive", 1),
@@ -291,7 +303,10 @@ def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
     out = tmp_path / "out"
     _, report = run_tiny_bench(
-        tiny_models, questions, out, "--concurrency", "2", "--requests-per-client", "1", "--api", "openai"
+        tiny_models,
+        questions,
+        out,
+        *("--concurrency", "2", "--requests-per-client", "1", "--api", "openai", "--arrivals", "burst"),
     )
     assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
     for cell in report["cells"]:
@@ -402,6 +417,7 @@ def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
         "notes": ["a note"],
         "num_questions": 4,
         "methods": ["pipeline/K=0", "transformers-serve"],
+        "ratios": [["pipeline/K=0", "transformers-serve"], ["pipeline/adaptive", "pipeline/K=0"]],
         "reference": {"method": "pipeline/K=0", "num_prompts": 4},
         "cells": cells,
         "identity": {
@@ -426,5 +442,187 @@ def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
     assert "| transformers-serve | 5 | 80% | 100% |" in markdown
     assert "| transformers-serve | 4 | 3 | 5 | 0.0123 | 10 | - |" in markdown
     assert "- verify: 1024 MiB" in markdown
+    # a report without arrival patterns reads as the closed loop; ratios of methods that ran only
+    assert "## Arrivals: closed" in markdown and "## Arrivals: burst" not in markdown
+    assert (
+        "| N | pipeline/K=0 tokens/s | transformers-serve tokens/s | K=0 TTFT p50 ms | serve TTFT p50 ms "
+        "| K=0 / serve |" in markdown
+    )
+    assert "| 4 | 40.0 | 40.0 | 100 | 100 | 1.00x | 100% | 100% |" in markdown
     write_concurrency_chart(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def captured_config(monkeypatch, tmp_path, *args):
+    """The ConcurrencyConfig ``specdec bench`` hands the run for ``args`` (the run itself stubbed;
+    the near-free model not written)."""
+    from specdec_app.bench import ceiling, concurrency
+
+    seen = []
+
+    def stop(config, console):
+        seen.append(config)
+        raise RuntimeError("stubbed")
+
+    monkeypatch.setattr(concurrency, "run_concurrency", stop)
+    monkeypatch.setattr(ceiling, "near_free_model", lambda console=None: tmp_path / "near-free")
+    path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
+    result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
+    assert "stubbed" in result.output
+    return seen[0]
+
+
+def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
+    config = captured_config(monkeypatch, tmp_path, "--concurrency", "1,4")
+    assert config.arrivals == ["closed", "burst", "poisson"] and config.request_rate is None
+    assert config.methods == list(METHODS) and not config.ceiling
+    config = captured_config(
+        monkeypatch, tmp_path, "--concurrency", "4", "--arrivals", "poisson,burst", "--request-rate", "0.5"
+    )
+    assert config.arrivals == ["burst", "poisson"] and config.request_rate == 0.5
+    config = captured_config(monkeypatch, tmp_path, "--ceiling")
+    assert config.ceiling and config.concurrency == [64] and config.max_new_tokens == 128
+    assert config.arrivals == ["closed"] and config.methods == ["pipeline/K=0", "pipeline/K=4", "transformers-serve"]
+    assert config.target == config.draft_model == str(tmp_path / "near-free") and config.drafter == "transformers"
+    assert config.service_env == {"SPECDEC_VERIFY_MAX_NUM_SEQS": "64", "SPECDEC_DRAFT_MAX_NUM_SEQS": "64"}
+    config = captured_config(monkeypatch, tmp_path, "--ceiling", "--concurrency", "8", "--arrivals", "burst")
+    assert config.concurrency == [8] and config.arrivals == ["burst"]
+
+
+def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
+    """Closed, burst and Poisson (its rate from the closed loop at N = 1) at N = 1 and 2, each
+    pattern on its own prompt: the same arrival times for every method, every output identical,
+    CPU time per token for every process."""
+    questions = write_questions(
+        tmp_path / "q.jsonl", {"qa": ["What is the capital of France?", "Name two colors.", "Count to three."]}
+    )
+    out = tmp_path / "out"
+    run, report = run_tiny_bench(
+        tiny_models,
+        questions,
+        out,
+        "--concurrency",
+        "1,2",
+        "--requests-per-client",
+        "1",
+        methods="pipeline/K=0,pipeline/adaptive",
+    )
+    assert report["arrivals"]["patterns"] == ["closed", "burst", "poisson"]
+    prompts = report["arrivals"]["prompts"]
+    assert sorted(q for ids in prompts.values() for q in ids) == sorted({q for ids in prompts.values() for q in ids})
+    by_cell = {(c["arrivals"], c["method"], c["concurrency"]): c for c in report["cells"]}
+    assert len(by_cell) == 3 * 2 * 2
+    closed_k0 = [
+        r for r in report["requests"] if (r["arrivals"], r["method"], r["concurrency"]) == ("closed", "pipeline/K=0", 1)
+    ]
+    assert report["arrivals"]["poisson_rate_per_client_hz"] == pytest.approx(1000 / closed_k0[0]["latency_ms"])
+    for n in (1, 2):
+        times = [by_cell[("poisson", m, n)]["arrival_times_s"] for m in ("pipeline/K=0", "pipeline/adaptive")]
+        assert times[0] == times[1] and len(times[0]) == n and times[0][0] == 0.0
+    for (arrivals, _, n), cell in by_cell.items():
+        s = cell["stats"]
+        assert cell["errors"] == [] and s["identical_rate"] == 1.0 and s["rounds_per_second"] > 0
+        assert set(s["cpu_ms_per_token"]) == {"coordinator", "draft", "verify", "bench"}
+        assert all(v is not None and v >= 0 for v in s["cpu_ms_per_token"].values())
+        asked = {r["question_id"] for r in report["requests"] if (r["arrivals"], r["concurrency"]) == (arrivals, n)}
+        assert asked <= set(prompts[arrivals])
+    burst = [r for r in report["requests"] if r["arrivals"] == "burst" and r["concurrency"] == 2]
+    assert len(burst) == 4 and all(r["start_ms"] < 50 for r in burst)  # sent together
+    markdown = (out / "report-concurrency.md").read_text()
+    for arrivals in ("closed", "burst", "poisson"):
+        assert f"## Arrivals: {arrivals}" in markdown and f"arrivals: {arrivals}" in run.stdout
+    assert "| N | pipeline/adaptive tokens/s | pipeline/K=0 tokens/s |" in markdown and "adaptive / K=0" in markdown
+    assert "## CPU time per generated token, per process" in markdown and "coordinator CPU ms/token" in markdown
+
+
+def test_ceiling_on_tiny_models(tmp_path):
+    """--ceiling writes the near-free model (hidden 64, 2 layers, SmolLM2's tokenizer) and runs K = 0
+    and the K = 4 self-draft on it; the K = 4 drafts are all accepted and the targets reported."""
+    questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "bench",
+            "--ceiling",
+            "--concurrency",
+            "2",
+            "--requests-per-client",
+            "1",
+            "--methods",
+            "pipeline/K=0,pipeline/K=4",
+            "--max-new-tokens",
+            "8",
+            "--questions",
+            str(questions),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report-concurrency.json").read_text())
+    model = json.loads((Path(report["config"]["target"]) / "config.json").read_text())
+    assert (model["hidden_size"], model["num_hidden_layers"], model["vocab_size"]) == (64, 2, 49152)
+    assert report["config"]["ceiling"] and report["config"]["drafter"] == "transformers"
+    stats = {c["method"]: c["stats"] for c in report["cells"]}
+    assert stats["pipeline/K=4"]["acceptance_rate"] == pytest.approx(1.0, abs=0.05)
+    assert stats["pipeline/K=0"]["identical_rate"] == stats["pipeline/K=4"]["identical_rate"] == 1.0
+    targets = report["ceiling_targets"]
+    assert targets["concurrency"] == 2 and targets["k4_vs_k0_tokens_per_second"] > 0
+    assert targets["k0_vs_serve_tokens_per_second"] is None  # transformers serve did not run
+    assert "## Ceiling targets (closed loop, N=2)" in (out / "report-concurrency.md").read_text()
+
+
+def test_ceiling_targets_from_hand_made_cells():
+    from specdec_app.bench.ceiling import markdown, targets
+
+    def cell(method, n, tokens_per_second, cpu=None, acceptance=None, arrivals="closed"):
+        stats = {"tokens_per_second": tokens_per_second, "cpu_ms_per_token": cpu, "acceptance_rate": acceptance}
+        return {"arrivals": arrivals, "method": method, "concurrency": n, "stats": stats}
+
+    report = {
+        "cells": [
+            cell("pipeline/K=0", 64, 600.0, {"coordinator": 1.0, "verify": 3.0}),
+            cell("pipeline/K=4", 64, 900.0, {"coordinator": 0.3, "verify": 1.5}, acceptance=1.0),
+            cell("transformers-serve", 64, 400.0, {"transformers-serve": 2.0}),
+            cell("pipeline/K=0", 8, 100.0, {"coordinator": 9.0, "verify": 9.0}),
+            cell("pipeline/K=0", 128, 1.0, {"coordinator": 9.0, "verify": 9.0}, arrivals="burst"),
+        ]
+    }
+    found = targets(report)
+    assert found["concurrency"] == 64  # the largest closed-loop N
+    assert found["k0_vs_serve_tokens_per_second"] == pytest.approx(1.5)
+    assert found["k4_vs_k0_tokens_per_second"] == pytest.approx(1.5)
+    assert found["k4_vs_k0_cpu_ms_per_token"] == pytest.approx({"coordinator": 0.3, "verify": 0.5})
+    lines = markdown(found)
+    assert "| pipeline/K=0 tokens/s / transformers serve's | 1.50x | at least 1.5x |" in lines
+    assert "| verify: CPU ms per token at K=4 / at K=0 | 0.50x | at most 0.33x |" in lines
+
+
+def test_services_sized_for_the_load(tmp_path):
+    """Sessions and streams per client follow the most requests a cell can have in flight (a
+    Poisson cell's N x requests per client); the ceiling's settings come last."""
+    from dataclasses import replace
+
+    from specdec_app.bench.concurrency import ConcurrencyConfig, max_in_flight, service_settings
+
+    base = ConcurrencyConfig(questions=tmp_path, out=tmp_path, command="", concurrency=[1, 32])
+    closed = replace(base, arrivals=["closed", "burst"])
+    assert max_in_flight(closed) == 32
+    assert service_settings(closed) == {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "32"}  # within the defaults
+    poisson = replace(base, concurrency=[64], requests_per_client=2)
+    assert max_in_flight(poisson) == 128
+    assert service_settings(poisson) == {
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "64",
+        "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": "128",
+        "SPECDEC_VERIFY_MAX_SESSIONS": "264",
+        "SPECDEC_DRAFT_MAX_SESSIONS": "264",
+    }
+    ceiling = replace(poisson, service_env={"SPECDEC_VERIFY_MAX_NUM_SEQS": "64", "SPECDEC_VERIFY_MAX_SESSIONS": "300"})
+    assert service_settings(ceiling)["SPECDEC_VERIFY_MAX_SESSIONS"] == "300"
+    assert service_settings(ceiling)["SPECDEC_VERIFY_MAX_NUM_SEQS"] == "64"

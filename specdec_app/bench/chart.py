@@ -8,7 +8,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 
-from specdec_app.bench.report import BASELINE, OVERALL
+from specdec_app.bench.report import BASELINE, OVERALL, arrival_patterns
 
 
 def write_chart(report: dict, path: Path) -> None:
@@ -45,32 +45,41 @@ def _line(ax, cells: list[dict], key: str, style: str, color: str, label: str) -
 
 
 def write_concurrency_chart(report: dict, path: Path) -> None:
-    """``--concurrency``: three panels against N (log scale), one line per method: total output
-    tokens/s, TPOT p50 (solid) and p99 (dashed), TTFT p50 (solid) and p99 (dashed)."""
-    fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.0), layout="constrained")
-    for i, method in enumerate(report["methods"]):
-        cells = sorted((c for c in report["cells"] if c["method"] == method), key=lambda c: c["concurrency"])
-        color = f"C{i}"
-        _line(axes[0], cells, "tokens_per_second", "-", color, method)
-        _line(axes[1], cells, "tpot_ms_p50", "-", color, f"{method} p50")
-        _line(axes[1], cells, "tpot_ms_p99", "--", color, f"{method} p99")
-        _line(axes[2], cells, "ttft_ms_p50", "-", color, f"{method} p50")
-        _line(axes[2], cells, "ttft_ms_p99", "--", color, f"{method} p99")
+    """``--concurrency``: a row per arrival pattern of three panels against N (log scale), one line
+    per method: total output tokens/s, TPOT p50 (solid) and p99 (dashed), TTFT p50 (solid) and
+    p99 (dashed)."""
+    patterns = arrival_patterns(report)
+    fig, rows = plt.subplots(len(patterns), 3, figsize=(13.0, 4.0 * len(patterns)), layout="constrained", squeeze=False)
     ticks = sorted({c["concurrency"] for c in report["cells"]})
-    for ax, label in zip(
-        axes, ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"], strict=True
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrent clients N")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+    for arrivals, axes in zip(patterns, rows, strict=True):
+        for i, method in enumerate(report["methods"]):
+            cells = sorted(
+                (c for c in report["cells"] if c["method"] == method and c.get("arrivals", "closed") == arrivals),
+                key=lambda c: c["concurrency"],
+            )
+            color = f"C{i}"
+            _line(axes[0], cells, "tokens_per_second", "-", color, method)
+            _line(axes[1], cells, "tpot_ms_p50", "-", color, f"{method} p50")
+            _line(axes[1], cells, "tpot_ms_p99", "--", color, f"{method} p99")
+            _line(axes[2], cells, "ttft_ms_p50", "-", color, f"{method} p50")
+            _line(axes[2], cells, "ttft_ms_p99", "--", color, f"{method} p99")
+        for ax, label in zip(
+            axes,
+            ["total output tokens/s", "TPOT ms (time per output token)", "TTFT ms (time to first token)"],
+            strict=True,
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("concurrent clients N")
+            ax.set_ylabel(label)
+            ax.set_title(f"arrivals: {arrivals}", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
     machine, config = report["machine"], report["config"]
     fig.suptitle(
         f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
-        f"{config['max_new_tokens']} new tokens, greedy, closed loop",
+        f"{config['max_new_tokens']} new tokens, greedy",
         fontsize=9,
     )
     fig.savefig(path, dpi=150)

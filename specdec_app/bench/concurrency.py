@@ -1,16 +1,21 @@
 """``specdec bench --concurrency 1,4,16,32``: the serving benchmark under load.
 
-For every N in the list, N closed-loop clients each send their next prompt as soon as their
-previous completion has finished, ``requests_per_client`` prompts each (a *cell* of N x that many
-requests), greedy, the same ``max_new_tokens`` and the same prompts for every method, all methods
-in one run (the order of the methods rotating per N, so machine noise hits all alike), after one
-warm-up request per method:
+For every arrival pattern of ``--arrivals`` and every N in the list, a *cell* per method: its
+requests sent as the pattern schedules them (:mod:`specdec_app.bench.arrivals`: ``closed``, N
+closed-loop clients each sending its next prompt as soon as its previous completion has finished,
+``requests_per_client`` prompts each; ``burst``, N requests at once; ``poisson``, N x
+``requests_per_client`` requests at a Poisson rate of N x the rate per client), greedy, the same
+``max_new_tokens``, the same prompts and arrival times for every method, all methods in one run
+(the order of the methods rotating per N, so machine noise hits all alike), after one warm-up
+request per method:
 
 - ``pipeline/adaptive``: the coordinator, draft (``llama-cpp`` and ``ngram``) and verify services
   started as processes; requests leave ``num_speculative_tokens`` unset (the coordinator chooses
   K every round) and name the drafter (``llama-cpp`` by default);
 - ``pipeline/K=0``: the same cluster, ``num_speculative_tokens = 0``: plain decode through the same
   batched verify service;
+- ``pipeline/K=4``: the same cluster, ``num_speculative_tokens = 4`` with the drafter
+  (``--ceiling``'s self-draft, :mod:`specdec_app.bench.ceiling`);
 - with ``--api openai`` both pipeline methods go through the coordinator's OpenAI-compatible HTTP
   API with the same client code as ``transformers serve`` (``extra_body``: ``drafter`` or
   ``num_speculative_tokens``), so the two are measured on the identical client path;
@@ -27,9 +32,22 @@ guidellm (:mod:`specdec_app.bench.load_generator`) at every N with the cells' pr
 and max tokens; its figures (requests/s, output tokens/s, TTFT, ITL and TPOT percentiles, errors)
 go into the report's ``load_generator`` entry and a Markdown section beside the tables.
 
-The prompts: the Spec-Bench questions (``--limit`` per category), categories taken round-robin;
-request j of client c in a cell of N clients gets prompt ``(j * N + c) mod len``, so every method
-gets the same prompts in every cell.
+The prompts: the Spec-Bench questions (``--limit`` per category), categories taken round-robin,
+then split into one disjoint slice per arrival pattern (:func:`arrivals.prompt_slices`), so no
+prompt is sent in two patterns and each pattern meets prompts the drafters' lookups have not seen
+in the patterns before (the suffix caches are off, see :func:`start_cluster`); request ``index``
+of a cell (arrival order; closed loop: request j of client c is ``j * N + c``) gets prompt
+``index mod len`` of its pattern's slice, so every method gets the same prompts in every cell.
+
+The Poisson rate per client, unless ``--request-rate`` gives it: 1 / the mean latency of the
+reference method's (``pipeline/K=0``, else the first method's) requests in the closed-loop N = 1
+cell of the same run, so a Poisson cell of N offers the load of N clients that each send one
+request per unloaded request latency (Little's law: N requests in flight while the service keeps
+its unloaded latency; more once it queues).
+
+CPU time: every service process's (and transformers serve's and this process's) user + system
+CPU seconds are read from /proc before and after each cell (:mod:`specdec_app.bench.cpu_time`)
+and reported per generated token of the cell.
 
 Token counts: the pipeline's generated ids (EOS included when it stops on EOS). ``transformers
 serve`` streams text only; its final chunk always carries ``usage`` (it ignores
@@ -73,7 +91,9 @@ from specdec.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.bench import load_generator
+from specdec_app.bench.arrivals import ARRIVALS, CLOSED, POISSON, Schedule, arrival_pattern, prompt_slices
 from specdec_app.bench.chart import write_concurrency_chart
+from specdec_app.bench.cpu_time import CpuClock
 from specdec_app.bench.pipeline_method import peak_rss_bytes, start_cluster
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
@@ -83,13 +103,24 @@ from specdec_app.launcher import free_port
 if TYPE_CHECKING:  # imported when a client opens (a heavy import)
     import openai
 
-ADAPTIVE, PIPELINE_K0, SERVE = "pipeline/adaptive", "pipeline/K=0", "transformers-serve"
-METHODS = (ADAPTIVE, PIPELINE_K0, SERVE)
+ADAPTIVE, PIPELINE_K0, PIPELINE_K4, SERVE = "pipeline/adaptive", "pipeline/K=0", "pipeline/K=4", "transformers-serve"
+METHODS = (ADAPTIVE, PIPELINE_K0, SERVE)  # the real-model run's; --ceiling runs its own (specdec_app.bench.ceiling)
+ALL_METHODS = (ADAPTIVE, PIPELINE_K0, PIPELINE_K4, SERVE)  # every method, in the reports' order
+PIPELINE_K = {ADAPTIVE: None, PIPELINE_K0: 0, PIPELINE_K4: 4}  # K a pipeline method asks for (None: adaptive)
+# tokens/s ratios reported per N, (numerator, denominator), where both methods ran
+RATIOS = (
+    (ADAPTIVE, PIPELINE_K0),
+    (PIPELINE_K4, PIPELINE_K0),
+    (ADAPTIVE, SERVE),
+    (PIPELINE_K0, SERVE),
+    (PIPELINE_K4, SERVE),
+)
 APIS = ("grpc", "openai")
 REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 WARM_UP_TOKENS = 16
 REQUEST_TIMEOUT_S = 1800.0
+DEFAULT_SERVICE_LIMIT = 64  # the services' max_sessions and the coordinator's max_streams_per_client by default
 # On CPU, continuous batching sizes its KV cache from the machine's RAM (90% of what its own process
 # does not hold: it cannot see the pipeline's services): 12 GiB resident at N=16 with SmolLM2 on a
 # 23 GiB machine, against 4.7 GiB and the same tokens/s with 0.2. 0.25 still holds 32 requests of
@@ -110,6 +141,9 @@ NOTES = [
     "transformers serve runs with its defaults (continuous batching, paged attention), except on CPU "
     f"--cb-max-memory-percent {CPU_CB_MAX_MEMORY_PERCENT} (it would size its KV cache from the whole RAM); "
     "its command line is in the JSON (transformers_serve_command).",
+    "rounds/s: the pipeline's Verify and Decode calls (one per request per round) of a cell / its wall time.",
+    "CPU ms per token: each process's user + system CPU time during the cell (from /proc/<pid>/stat, all its "
+    "threads) / the cell's output tokens; bench is the process running the clients.",
 ]
 
 
@@ -120,7 +154,12 @@ class ConcurrencyConfig(BenchInputs):
     ``api`` the API the pipeline methods are driven through (``grpc``: ``Generate``; ``openai``:
     the coordinator's OpenAI-compatible HTTP API, the client path of transformers serve);
     ``load_generator`` a third-party load generator (``guidellm``) also run against every method's
-    OpenAI-compatible endpoint after the cells (empty: none)."""
+    OpenAI-compatible endpoint after the cells (empty: none); ``arrivals`` the arrival patterns
+    (:data:`arrivals.ARRIVALS`); ``request_rate`` the Poisson rate per client in requests/s (None:
+    derived from the closed loop at N = 1, see the module docstring); ``ceiling``: the run is
+    ``--ceiling``'s (:mod:`specdec_app.bench.ceiling`), whose targets the reports add;
+    ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
+    environment (see :func:`service_settings`)."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
@@ -128,11 +167,16 @@ class ConcurrencyConfig(BenchInputs):
     drafter: str = "llama-cpp"
     api: str = "grpc"
     load_generator: str = ""
+    arrivals: list[str] = field(default_factory=lambda: list(ARRIVALS))
+    request_rate: float | None = None
+    ceiling: bool = False
+    service_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class RequestRecord:
-    """One request of a cell as its client saw it. Times in ms: ``start_ms`` since the cell began,
+    """One request of a cell as its client saw it (``arrivals``: the cell's pattern). Times in ms:
+    ``start_ms`` since the cell began,
     ``ttft_ms`` until the first token, ``latency_ms`` until the last message. The pipeline's
     ``RequestMetrics`` fill the draft, round and batch fields (None for transformers serve);
     ``num_rounds`` counts the request's Verify and Decode calls (``num_target_forwards``).
@@ -143,6 +187,7 @@ class RequestRecord:
     method: str
     question_id: int
     category: str
+    arrivals: str = CLOSED
     concurrency: int = 0
     client: int = 0
     start_ms: float = 0.0
@@ -198,13 +243,13 @@ def parse_concurrency(spec: str) -> list[int]:
     return values
 
 
-def parse_methods(spec: str) -> list[str]:
-    """``pipeline/K=0,transformers-serve`` as a list in the order of :data:`METHODS`. Raises ValueError."""
+def parse_methods(spec: str, allowed: tuple[str, ...] = METHODS) -> list[str]:
+    """``pipeline/K=0,transformers-serve`` as a list in the order of ``allowed``. Raises ValueError."""
     names = [part.strip() for part in spec.split(",") if part.strip()]
-    unknown = [name for name in names if name not in METHODS]
+    unknown = [name for name in names if name not in allowed]
     if not names or unknown:
-        raise ValueError(f"--methods {spec!r}: use a comma-separated subset of {', '.join(METHODS)}")
-    return [name for name in METHODS if name in names]
+        raise ValueError(f"--methods {spec!r}: use a comma-separated subset of {', '.join(allowed)}")
+    return [name for name in allowed if name in names]
 
 
 def interleave_categories(questions: list[Question]) -> list[Question]:
@@ -215,11 +260,6 @@ def interleave_categories(questions: list[Question]) -> list[Question]:
         by_category.setdefault(question.category, []).append(question)
     groups = list(by_category.values())
     return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
-
-
-def assigned_question(sequence: list[Question], concurrency: int, client: int, request: int) -> Question:
-    """The prompt of request ``request`` of ``client`` in a cell of ``concurrency`` clients."""
-    return sequence[(request * concurrency + client) % len(sequence)]
 
 
 def first_mismatch(ids: list[int], reference: list[int]) -> int | None:
@@ -482,17 +522,23 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-async def _cell(
-    client, concurrency: int, sequence: list[Question], config: ConcurrencyConfig, advance
+async def run_cell(
+    client, schedule: Schedule, prompts: list[Question], config: ConcurrencyConfig, advance
 ) -> tuple[list[RequestRecord], float]:
-    """N closed-loop clients, ``requests_per_client`` requests each; returns the records and the
-    cell's wall time in ms. A failed request is recorded with its error and its client goes on."""
+    """One cell of ``client``'s requests as ``schedule`` (an arrival pattern's) sends them: each
+    of its clients sends its requests in order, at their ``send_at_s`` or when its previous one
+    finished; request ``index`` gets prompt ``index mod len(prompts)``. Returns the records (their
+    ``concurrency`` and ``arrivals`` still to set) and the cell's wall time in ms (the cell's start
+    to the last request finished). A failed request is recorded with its error and its client
+    goes on."""
     start = time.perf_counter()
 
-    async def worker(c: int) -> list[RequestRecord]:
+    async def send(requests) -> list[RequestRecord]:
         records = []
-        for j in range(config.requests_per_client):
-            question = assigned_question(sequence, concurrency, c, j)
+        for scheduled in requests:
+            if scheduled.send_at_s is not None:
+                await asyncio.sleep(max(0.0, scheduled.send_at_s - (time.perf_counter() - start)))
+            question = prompts[scheduled.index % len(prompts)]
             sent = ms_since(start)
             try:
                 record = await client.run(question, config.max_new_tokens, config.seed)
@@ -504,20 +550,76 @@ async def _cell(
                     error=_error_text(err),
                     latency_ms=ms_since(start) - sent,
                 )
-            record.concurrency, record.client, record.start_ms = concurrency, c, sent
+            record.client, record.start_ms = scheduled.client, sent
             records.append(record)
             advance()
         return records
 
-    results = await asyncio.gather(*(worker(c) for c in range(concurrency)))
+    results = await asyncio.gather(*(send(requests) for requests in schedule))
     return [record for records in results for record in records], ms_since(start)
 
 
+def poisson_rate_per_client(config: ConcurrencyConfig, cells: list[dict]) -> float:
+    """The Poisson rate per client in requests/s: ``config.request_rate``, or 1 / the mean
+    latency (s) of the reference method's completed requests in the closed-loop N = 1 cell (the
+    first such cell's where the reference did not run). Raises RuntimeError when neither exists."""
+    if config.request_rate:
+        return config.request_rate
+    closed = [c for c in cells if c["arrivals"] == CLOSED and c["concurrency"] == 1]
+    closed.sort(key=lambda c: c["method"] != REFERENCE)
+    for cell in closed:
+        latencies = [r.latency_ms for r in cell["records"] if r.error is None]
+        if latencies:
+            return 1000.0 * len(latencies) / sum(latencies)
+    raise RuntimeError("no completed closed-loop request at N=1 to derive the Poisson rate from: give --request-rate")
+
+
+async def _pattern_cells(
+    clients: list, name: str, prompts: list[Question], config: ConcurrencyConfig, cells: list[dict], cpu, progress
+) -> None:
+    """Every (N, method) cell of the arrival pattern ``name``, appended to ``cells``: one schedule
+    per N, the same for every method, the methods' order rotating per N."""
+    rate = poisson_rate_per_client(config, cells) if name == POISSON else None
+    pattern = arrival_pattern(name, rate, config.seed)
+    schedules = {n: pattern.schedule(n, config.requests_per_client) for n in config.concurrency}
+    total = sum(len(requests) for schedule in schedules.values() for requests in schedule) * len(clients)
+    task = progress.add_task(name, total=total)
+    for i, (n, schedule) in enumerate(schedules.items()):
+        for client in clients[i % len(clients) :] + clients[: i % len(clients)]:
+            progress.update(task, description=f"{name:<8} {client.name:<20} N={n:<3}")
+            cpu.start()
+            records, wall_ms = await run_cell(client, schedule, prompts, config, lambda: progress.advance(task))
+            for record in records:
+                record.concurrency, record.arrivals = n, name
+            cells.append(
+                {
+                    "arrivals": name,
+                    "method": client.name,
+                    "concurrency": n,
+                    "wall_ms": wall_ms,
+                    "records": records,
+                    "cpu_s": cpu.stop(),
+                    "rate_per_client_hz": rate,
+                    "arrival_times_s": (
+                        [r.send_at_s for requests in schedule for r in requests] if name == POISSON else None
+                    ),
+                }
+            )
+    if rate is not None:
+        progress.console.print(f"poisson: {rate:.4f} requests/s per client (N x that per cell)")
+
+
 async def _run_cells(
-    clients: list, reference_client, sequence: list[Question], config: ConcurrencyConfig, console: Console
+    clients: list,
+    reference_client,
+    sequence: list[Question],
+    config: ConcurrencyConfig,
+    cpu: CpuClock,
+    console: Console,
 ) -> tuple[list[dict], dict[int, RequestRecord]]:
-    """Warm-up per method, then every (N, method) cell, the methods' order rotating per N; then
-    the reference (K = 0, one client) for every prompt the K = 0 N = 1 cell did not cover."""
+    """Warm-up per method, then every arrival pattern's cells (:func:`_pattern_cells`) on its
+    slice of the prompts; then the reference (K = 0, one client) for every prompt the closed-loop
+    K = 0 N = 1 cell did not cover."""
     for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
         await client.open()
     try:
@@ -527,19 +629,15 @@ async def _run_cells(
                 await client.run(sequence[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
             except Exception as err:
                 raise RuntimeError(f"the warm-up request of {client.name} failed: {_error_text(err)}") from err
-        cells = []
-        total = sum(config.concurrency) * config.requests_per_client * len(clients)
+        cells: list[dict] = []
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task("cells", total=total)
-            for i, n in enumerate(config.concurrency):
-                for client in clients[i % len(clients) :] + clients[: i % len(clients)]:
-                    progress.update(task, description=f"{client.name:<20} N={n:<3}")
-                    records, wall_ms = await _cell(client, n, sequence, config, lambda: progress.advance(task))
-                    cells.append({"method": client.name, "concurrency": n, "wall_ms": wall_ms, "records": records})
+            for name, indices in prompt_slices(len(sequence), config.arrivals).items():
+                prompts = [sequence[i] for i in indices]
+                await _pattern_cells(clients, name, prompts, config, cells, cpu, progress)
         references: dict[int, RequestRecord] = {}
         for cell in cells:
-            if cell["method"] == REFERENCE and cell["concurrency"] == 1:
+            if cell["method"] == REFERENCE and cell["concurrency"] == 1 and cell["arrivals"] == CLOSED:
                 references |= {r.question_id: r for r in cell["records"] if r.error is None and r.token_ids is not None}
         if reference_client is not None:
             used = {r.question_id: r for cell in cells for r in cell["records"]}
@@ -629,14 +727,29 @@ def _validated(config: ConcurrencyConfig) -> list[Question]:
         raise ValueError("--requests-per-client must be at least 1")
     if not config.concurrency or min(config.concurrency) < 1:
         raise ValueError("--concurrency needs client counts of at least 1")
-    unknown = [m for m in config.methods if m not in METHODS]
+    unknown = [m for m in config.methods if m not in ALL_METHODS]
     if not config.methods or unknown:
-        raise ValueError(f"--methods: use a subset of {', '.join(METHODS)}")
+        raise ValueError(f"--methods: use a subset of {', '.join(ALL_METHODS)}")
     if config.api not in APIS:
         raise ValueError(f"--api {config.api!r}: use {' or '.join(APIS)}")
     if config.load_generator:
         load_generator.check_installed(config.load_generator)
-    return interleave_categories(config.load_questions())
+    if not config.arrivals or any(name not in ARRIVALS for name in config.arrivals):
+        raise ValueError(f"--arrivals: use a subset of {', '.join(ARRIVALS)}")
+    if config.request_rate is not None and config.request_rate <= 0:
+        raise ValueError("--request-rate must be above 0 (requests/s per client)")
+    if (
+        POISSON in config.arrivals
+        and not config.request_rate
+        and not (CLOSED in config.arrivals and 1 in config.concurrency)
+    ):
+        raise ValueError(
+            "--arrivals poisson needs --request-rate, or the closed loop at N=1 to derive the rate from "
+            "(add closed to --arrivals and 1 to --concurrency)"
+        )
+    sequence = interleave_categories(config.load_questions())
+    prompt_slices(len(sequence), config.arrivals)  # enough prompts for a slice per pattern (ValueError)
+    return sequence
 
 
 @contextlib.contextmanager
@@ -651,15 +764,40 @@ def _environment(values: dict[str, str]):
             os.environ.pop(name, None)
 
 
+def max_in_flight(config: ConcurrencyConfig) -> int:
+    """The most requests a cell of the run can have in flight at once: N for the closed loop and
+    a burst, N x ``requests_per_client`` for Poisson arrivals (none waits for another)."""
+    per_client = config.requests_per_client if POISSON in config.arrivals else 1
+    return max(config.concurrency) * per_client
+
+
+def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
+    """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
+    llama-cpp drafter's sequences for the largest N; the coordinator's streams per client and
+    both services' sessions for :func:`max_in_flight` requests where that is above their default
+    (64; sessions twice that plus 8, as a finished request's sessions are released while the
+    client's next one opens); then ``config.service_env`` (the ceiling's)."""
+    in_flight = max_in_flight(config)
+    settings = {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}
+    if in_flight > DEFAULT_SERVICE_LIMIT:
+        sessions = str(2 * in_flight + 8)
+        settings |= {
+            "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": str(in_flight),
+            "SPECDEC_VERIFY_MAX_SESSIONS": sessions,
+            "SPECDEC_DRAFT_MAX_SESSIONS": sessions,
+        }
+    return settings | config.service_env
+
+
 def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
     """Runs the load benchmark and writes ``report-concurrency.json``, ``report-concurrency.md``
     and ``concurrency.png`` to ``config.out`` (service logs under ``logs/``); returns the report.
 
-    The cluster's llama-cpp drafter is sized for the largest N
-    (``SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS``, unless set); every other service setting is its
-    default or the ``SPECDEC_*`` variable in the environment. Raises ValueError for bad options,
-    RuntimeError when a service fails to start or a warm-up request fails; failed requests inside
-    a cell are counted in the report (``num_failed``, ``errors``)."""
+    The services are sized for the run's load (:func:`service_settings`, each unless its variable
+    is set); every other service setting is its default or the ``SPECDEC_*`` variable in the
+    environment. Raises ValueError for bad options, RuntimeError when a service fails to start or
+    a warm-up request fails; failed requests inside a cell are counted in the report
+    (``num_failed``, ``errors``)."""
     sequence = _validated(config)
     config.out.mkdir(parents=True, exist_ok=True)
     with _stopped_by_sigterm():
@@ -703,7 +841,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
         if pipelines:
             drafters = list(dict.fromkeys([config.drafter, "ngram"]))
             console.print(f"starting the coordinator, draft ({', '.join(drafters)}) and verify services...")
-            with _environment({"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}):
+            with _environment(service_settings(config)):
                 service_env = {name: value for name, value in os.environ.items() if name.startswith("SPECDEC_")}
                 cluster = start_cluster(
                     config.target,
@@ -721,14 +859,15 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             console.print(f"starting transformers serve --continuous-batching on {source}...")
             serve.start()
             clients.append(OpenAIClient(SERVE, serve.base_url, source))
-        clients.sort(key=lambda c: METHODS.index(c.name))
-        cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, console))
-        if config.load_generator:
-            load_section = _run_load_generator(config, sequence, cluster, serve, console)
+        clients.sort(key=lambda c: ALL_METHODS.index(c.name))
         processes = {
             **(cluster.processes if cluster else {}),
             **({SERVE: serve.process} if serve and serve.process else {}),
         }
+        cpu = CpuClock({name: p.pid for name, p in processes.items()} | {"bench": os.getpid()})
+        cells, references = asyncio.run(_run_cells(clients, reference_client, sequence, config, cpu, console))
+        if config.load_generator:
+            load_section = _run_load_generator(config, sequence, cluster, serve, console)
         memory = {name: peak_rss_bytes(p.pid) for name, p in processes.items()}
     finally:
         if serve:
@@ -740,6 +879,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     questions = {q.question_id: q for q in sequence}
     mismatches = [
         {
+            "arrivals": cell["arrivals"],
             "method": cell["method"],
             "concurrency": cell["concurrency"],
             "question_id": r.question_id,
@@ -762,11 +902,16 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     report["environment"] = service_env
     report["transformers_serve_command"] = shlex.join(serve.command()) if serve else None
     report["load_generator"] = load_section
+    sections = [load_generator.markdown(load_section)] if load_section else []
+    if config.ceiling:
+        from specdec_app.bench import ceiling  # (here: it imports this module's method names)
+
+        report["ceiling_targets"] = ceiling.targets(report)
+        sections.insert(0, ceiling.markdown(report["ceiling_targets"]))
     write_json(report, config.out / REPORT_FILES[0])
     write_concurrency_markdown(report, config.out / REPORT_FILES[1])
-    if load_section:
-        with open(config.out / REPORT_FILES[1], "a") as markdown:
-            markdown.write("\n" + "\n".join(load_generator.markdown(load_section)) + "\n")
+    with open(config.out / REPORT_FILES[1], "a") as markdown:
+        markdown.writelines("\n" + "\n".join(section) + "\n" for section in sections)
     write_concurrency_chart(report, config.out / REPORT_FILES[2])
     return report
 
@@ -813,16 +958,20 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
 
 
 def _request_fields(method: str, config: ConcurrencyConfig) -> dict:
-    """A pipeline method's request fields: ``pipeline/adaptive`` names the drafter and leaves K to
-    the coordinator; ``pipeline/K=0`` asks for plain decode."""
-    return {"drafter": config.drafter} if method == ADAPTIVE else {"num_speculative_tokens": 0}
+    """A pipeline method's request fields (:data:`PIPELINE_K`): ``pipeline/adaptive`` names the
+    drafter and leaves K to the coordinator; ``pipeline/K=0`` asks for plain decode;
+    ``pipeline/K=4`` for K = 4 from the drafter."""
+    k = PIPELINE_K[method]
+    return ({"num_speculative_tokens": k} if k is not None else {}) | ({"drafter": config.drafter} if k != 0 else {})
 
 
 def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
     """The client of a pipeline method (:func:`_request_fields`) through ``config.api``."""
     if config.api == "grpc":
-        k, drafter = (None, config.drafter) if method == ADAPTIVE else (0, "")
-        return PipelineClient(method, cluster.address("coordinator"), k, drafter)
+        fields = _request_fields(method, config)
+        return PipelineClient(
+            method, cluster.address("coordinator"), fields.get("num_speculative_tokens"), fields.get("drafter", "")
+        )
     return OpenAIClient(method, cluster.http_url, config.target, _request_fields(method, config))
 
 
@@ -844,7 +993,10 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
             # the same prompt length as the reference's: both applied the same chat template
             "prompt_tokens_agree_rate": sum(same_prompt) / len(same_prompt) if same_prompt else None,
         }
-    cells = sorted(cells, key=lambda cell: (METHODS.index(cell["method"]), cell["concurrency"]))
+    cells = sorted(
+        cells,
+        key=lambda cell: (ARRIVALS.index(cell["arrivals"]), ALL_METHODS.index(cell["method"]), cell["concurrency"]),
+    )
     used = {r.question_id for cell in cells for r in cell["records"]}
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -853,6 +1005,18 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "notes": NOTES,
         "num_questions": len(used),
         "methods": [c.name for c in clients],
+        # the tokens/s ratios the reports give per N: (numerator, denominator) methods
+        "ratios": [[a, b] for a, b in RATIOS if a in config.methods and b in config.methods],
+        "arrivals": {
+            "patterns": config.arrivals,
+            "poisson_rate_per_client_hz": next(
+                (cell["rate_per_client_hz"] for cell in cells if cell["rate_per_client_hz"]), None
+            ),
+            "prompts": {
+                name: [sequence[i].question_id for i in indices]
+                for name, indices in prompt_slices(len(sequence), config.arrivals).items()
+            },
+        },
         "reference": {
             "method": REFERENCE,
             "concurrency": 1,
@@ -869,10 +1033,12 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         },
         "cells": [
             {
+                "arrivals": cell["arrivals"],
                 "method": cell["method"],
                 "concurrency": cell["concurrency"],
-                "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"]),
+                "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"], cell["cpu_s"]),
                 "errors": sorted({r.error for r in cell["records"] if r.error}),
+                "arrival_times_s": cell["arrival_times_s"],
             }
             for cell in cells
         ],

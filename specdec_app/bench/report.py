@@ -5,6 +5,7 @@ seconds), so long completions weigh more than short ones, as in a serving worklo
 import json
 from pathlib import Path
 
+from specdec_app.bench.cpu_time import ms_per_token
 from specdec_app.bench.measurement import Measurement
 
 OVERALL = "overall"
@@ -25,8 +26,8 @@ def predicted_speedup(acceptance_rate: float, k: int, draft_cost_ratio: float, v
     return expected_tokens_per_round(acceptance_rate, k) / (k * draft_cost_ratio + verify_cost_ratio)
 
 
-def _ratio(numerator: float, denominator: float) -> float | None:
-    return numerator / denominator if denominator else None
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
 
 
 def _stats(runs: list[Measurement]) -> dict:
@@ -322,7 +323,7 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text(to_markdown(report))
 
 
-# ``specdec bench --concurrency``: closed-loop load, one cell per (method, N). The functions below
+# ``specdec bench --concurrency``: load, one cell per (arrival pattern, method, N). The functions below
 # read the JSON request records of specdec_app.bench.concurrency (plain dicts), so a report can be
 # recomputed from report-concurrency.json alone.
 
@@ -364,11 +365,14 @@ def mean_k(rounds_per_k: list[int]) -> float | None:
     return sum(k * count for k, count in enumerate(rounds_per_k)) / rounds if rounds else None
 
 
-def concurrency_cell_stats(records: list[dict], wall_ms: float) -> dict:
-    """One (method, N) cell from its request records (see ``RequestRecord`` in
-    specdec_app.bench.concurrency) and its wall time (first request sent to last one finished):
+def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str, float | None] | None = None) -> dict:
+    """One (arrival pattern, method, N) cell from its request records (see ``RequestRecord`` in
+    specdec_app.bench.concurrency), its wall time (first request sent to last one finished) and
+    the CPU seconds each process used during it (``cpu_s``, process name -> s; None: not read):
 
     - ``tokens_per_second``: every completed request's output tokens / the cell's wall time;
+    - ``rounds_per_second``: the pipeline's rounds (Verify and Decode calls) / the wall time;
+    - ``cpu_ms_per_token``: per process, its CPU ms / the cell's output tokens;
     - ``ttft_ms_p50``/``p99``, ``tpot_ms_p50``/``p99``: per-request percentiles (TPOT = the time
       after the first token / the tokens after the first; requests of one token have none);
     - ``mean_batch_size``, ``mean_batched_tokens``: the pipeline's per-request means weighted by
@@ -394,6 +398,8 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float) -> dict:
         "num_tokens": tokens,
         "wall_ms": wall_ms,
         "tokens_per_second": _ratio(tokens * 1000.0, wall_ms),
+        "rounds_per_second": _ratio(rounds * 1000.0, wall_ms) if pipeline else None,
+        "cpu_ms_per_token": ms_per_token(cpu_s or {}, tokens),
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50),
@@ -412,10 +418,17 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float) -> dict:
     }
 
 
-def concurrency_table(report: dict) -> list[str]:
-    """One row per (method, N): throughput, latency percentiles, batching, acceptance, identity."""
+def _cells(report: dict, arrivals: str | None) -> list[dict]:
+    """The report's cells of the arrival pattern ``arrivals`` (None: all; a cell without the key
+    is a closed-loop cell of a report from before the patterns)."""
+    return [c for c in report["cells"] if arrivals is None or c.get("arrivals", "closed") == arrivals]
+
+
+def concurrency_table(report: dict, arrivals: str | None = None) -> list[str]:
+    """One row per (method, N) of the pattern ``arrivals`` (None: every cell): throughput, latency
+    percentiles, batching, acceptance, identity."""
     rows = []
-    for cell in report["cells"]:
+    for cell in _cells(report, arrivals):
         s = cell["stats"]
         rows.append(
             [
@@ -423,6 +436,7 @@ def concurrency_table(report: dict) -> list[str]:
                 str(cell["concurrency"]),
                 f"{s['num_requests'] - s['num_failed']}/{s['num_requests']}",
                 _cell(s["tokens_per_second"], ".1f"),
+                _cell(s.get("rounds_per_second"), ".1f"),
                 _cell(s["tpot_ms_p50"], ".1f"),
                 _cell(s["tpot_ms_p99"], ".1f"),
                 _cell(s["ttft_ms_p50"], ".0f"),
@@ -441,6 +455,7 @@ def concurrency_table(report: dict) -> list[str]:
             "N",
             "requests ok",
             "tokens/s",
+            "rounds/s",
             "TPOT p50 ms",
             "TPOT p99 ms",
             "TTFT p50 ms",
@@ -456,6 +471,63 @@ def concurrency_table(report: dict) -> list[str]:
     )
 
 
+def _short(method: str) -> str:
+    return method.removeprefix("pipeline/").replace("transformers-serve", "serve")
+
+
+def comparison_table(report: dict, arrivals: str) -> list[str]:
+    """One row per N of the pattern ``arrivals``: each method's tokens/s and TTFT p50, the
+    tokens/s ratios of ``report["ratios"]`` (pairs of methods that both ran) and each method's
+    share of requests identical to the reference."""
+    cells = _cells(report, arrivals)
+    methods = [m for m in report["methods"] if any(c["method"] == m for c in cells)]
+    ratios = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+    stats = {(c["method"], c["concurrency"]): c["stats"] for c in cells}
+    rows = []
+    for n in sorted({c["concurrency"] for c in cells}):
+        got = {m: stats.get((m, n), {}) for m in methods}
+        rows.append(
+            [
+                str(n),
+                *(_cell(got[m].get("tokens_per_second"), ".1f") for m in methods),
+                *(_cell(got[m].get("ttft_ms_p50"), ".0f") for m in methods),
+                *(
+                    _cell(_ratio(got[a].get("tokens_per_second"), got[b].get("tokens_per_second")), ".2f", "x")
+                    for a, b in ratios
+                ),
+                *(_cell(got[m].get("identical_rate"), ".0%") for m in methods),
+            ]
+        )
+    return _table(
+        [
+            "N",
+            *(f"{m} tokens/s" for m in methods),
+            *(f"{_short(m)} TTFT p50 ms" for m in methods),
+            *(f"{_short(a)} / {_short(b)}" for a, b in ratios),
+            *(f"{_short(m)} identical" for m in methods),
+        ],
+        rows,
+    )
+
+
+def cpu_table(report: dict) -> list[str]:
+    """One row per (arrival pattern, method, N): tokens/s, rounds/s and each process's CPU ms per
+    generated token during the cell."""
+    processes = list(dict.fromkeys(p for c in report["cells"] for p in c["stats"].get("cpu_ms_per_token") or {}))
+    rows = [
+        [
+            c.get("arrivals", "closed"),
+            c["method"],
+            str(c["concurrency"]),
+            _cell(c["stats"]["tokens_per_second"], ".1f"),
+            _cell(c["stats"].get("rounds_per_second"), ".1f"),
+            *(_cell((c["stats"].get("cpu_ms_per_token") or {}).get(p), ".3f") for p in processes),
+        ]
+        for c in report["cells"]
+    ]
+    return _table(["arrivals", "method", "N", "tokens/s", "rounds/s", *(f"{p} CPU ms/token" for p in processes)], rows)
+
+
 def identity_table(report: dict) -> list[str]:
     """Per method: the share of its requests (all N) identical to the reference, and of those
     whose prompt had as many tokens as the reference's (the same chat template applied)."""
@@ -466,6 +538,37 @@ def identity_table(report: dict) -> list[str]:
     return _table(["method", "requests compared", "identical to the reference", "same prompt length"], rows)
 
 
+ARRIVAL_TEXTS = {
+    "closed": "N clients, each sending its next request when its previous one finished",
+    "burst": "N requests sent at once; the cell ends when the last finishes",
+    "poisson": "N x requests-per-client requests arriving at a Poisson rate of N x {rate} requests/s (seeded: the "
+    "same arrival times for every method)",
+}
+
+
+def arrival_patterns(report: dict) -> list[str]:
+    """The report's arrival patterns in their order (a report from before them: closed)."""
+    return (report.get("arrivals") or {}).get("patterns") or ["closed"]
+
+
+def _pattern_section(report: dict, arrivals: str) -> list[str]:
+    """The Markdown section of one arrival pattern: what it is, the comparison across methods per
+    N, then every cell's figures."""
+    rate = (report.get("arrivals") or {}).get("poisson_rate_per_client_hz")
+    prompts = ((report.get("arrivals") or {}).get("prompts") or {}).get(arrivals)
+    return [
+        f"## Arrivals: {arrivals}",
+        "",
+        ARRIVAL_TEXTS[arrivals].format(rate=_cell(rate, ".4f"))
+        + (f"; its own {len(prompts)} prompts (question ids {', '.join(map(str, prompts))})." if prompts else "."),
+        "",
+        *comparison_table(report, arrivals),
+        "",
+        *concurrency_table(report, arrivals),
+        "",
+    ]
+
+
 def concurrency_markdown(report: dict) -> str:
     """The ``--concurrency`` report as Markdown: command, machine, the per-cell table, identity
     per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
@@ -474,16 +577,17 @@ def concurrency_markdown(report: dict) -> str:
         *_header(
             report,
             "specdec bench --concurrency",
-            f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; closed loop: N clients, "
-            f"{config['requests_per_client']} requests each "
+            f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; arrivals "
+            f"{', '.join(arrival_patterns(report))}; {config['requests_per_client']} requests per client "
             f"per cell, over {report['num_questions']} prompts (categories round-robin).",
         ),
         "",
         *(f"- {note}" for note in report["notes"]),
         "",
-        "## Per method and N",
+        *(line for arrivals in arrival_patterns(report) for line in _pattern_section(report, arrivals)),
+        "## CPU time per generated token, per process",
         "",
-        *concurrency_table(report),
+        *cpu_table(report),
         "",
         f"## Greedy identity (reference: {report['reference']['method']} at N=1)",
         "",
@@ -504,6 +608,7 @@ def concurrency_markdown(report: dict) -> str:
         ]
         rows = [
             [
+                m.get("arrivals", "closed"),
                 m["method"],
                 str(m["concurrency"]),
                 str(m["question_id"]),
@@ -515,7 +620,8 @@ def concurrency_markdown(report: dict) -> str:
             for m in report["mismatches"]
         ]
         lines += _table(
-            ["method", "N", "question", "first differing token", "margin", "reference token", "its token"], rows
+            ["arrivals", "method", "N", "question", "first differing token", "margin", "reference token", "its token"],
+            rows,
         )
         lines.append("")
     lines += [
