@@ -671,6 +671,8 @@ def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: di
         if ceiling:
             config = ceiling_mode.configure(config, stderr)
         report = run_concurrency(config, stderr)
+        if ceiling:
+            ceiling_mode.add_targets(report, config.out)
     except (ValueError, RuntimeError) as err:
         stderr.print(f"[red]error: {err}[/red]")
         raise typer.Exit(1) from None

