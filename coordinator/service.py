@@ -2,7 +2,7 @@
 
 Traced (OpenTelemetry spans, no-ops with tracing off): under the Generate call's span, which gets
 the request's metrics as attributes when it finishes, a ``prefill`` span and one ``round`` span per
-round (attributes: :func:`coordinator.tracing.round_attributes`), the draft and verify calls in them.
+round (attributes: :func:`coordinator.observability.tracing.round_attributes`), the draft and verify calls in them.
 """
 
 import asyncio
@@ -17,20 +17,17 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from coordinator import request as request_validation
-from coordinator.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
-from coordinator.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.draft_side import DraftService
-from coordinator.failover import VerifyReplicas
-from coordinator.http_api import HttpServer, create_app
-from coordinator.metrics import MetricsRecorder
-from coordinator.output import StreamOutput
-from coordinator.prometheus import CoordinatorMetrics
-from coordinator.request import LOOKUPS, ResolvedRequest
-from coordinator.resume import check_request_id, check_resume, check_same_target
-from coordinator.rounds import RequestRounds
-from coordinator.settings import CoordinatorSettings
-from coordinator.store import (
+from coordinator.api import request as request_validation
+from coordinator.api.auth import ApiKeys, AuthenticatedCoordinator
+from coordinator.api.http_api import HttpServer, create_app
+from coordinator.api.output import StreamOutput
+from coordinator.api.request import LOOKUPS, ResolvedRequest
+from coordinator.api.stream_limit import StreamLimit, peer_host
+from coordinator.observability.metrics import MetricsRecorder
+from coordinator.observability.prometheus import CoordinatorMetrics
+from coordinator.observability.tracing import request_attributes, round_attributes
+from coordinator.request_store.resume import check_request_id, check_resume, check_same_target
+from coordinator.request_store.store import (
     CANCELLED,
     FAILED,
     FINISHED,
@@ -42,9 +39,12 @@ from coordinator.store import (
     StoredRequest,
     StoreUnavailable,
 )
-from coordinator.stream_limit import StreamLimit, peer_host
-from coordinator.tracing import request_attributes, round_attributes
-from coordinator.upstream import ProposeDeadline, ServiceClients
+from coordinator.settings import CoordinatorSettings
+from coordinator.speculation.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
+from coordinator.speculation.draft_side import DraftService
+from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.rounds import RequestRounds
+from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError
 from specdec.model_files import load_tokenizer
@@ -121,7 +121,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.GenerateRequest
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The messages of one request, the first carrying its request id: the path of the gRPC
-        Generate call and of the HTTP API (:mod:`coordinator.http_api`). Raises SpecdecError;
+        Generate call and of the HTTP API (:mod:`coordinator.api.http_api`). Raises SpecdecError;
         closing it early cancels the request."""
         self.metrics.num_requests_running.inc()
         self._num_running += 1
@@ -184,7 +184,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _stored(self, request, request_id: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
-        INVALID_ARGUMENT (see :mod:`coordinator.resume`), UNAVAILABLE when a resume cannot reach
+        INVALID_ARGUMENT (see :mod:`coordinator.request_store.resume`), UNAVAILABLE when a resume cannot reach
         the request store."""
         check_request_id(request)
         if not request.HasField("resume_from"):

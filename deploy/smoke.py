@@ -43,7 +43,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import free_port
 

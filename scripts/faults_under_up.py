@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.client import Completion, generate
+from coordinator.api.client import Completion, generate
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import free_port

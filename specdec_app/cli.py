@@ -276,7 +276,7 @@ def _stream_to_stdout(
 ) -> None:
     """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
     ``resumable``: also tells on stderr the request id to resume with; ``credentials``: TLS."""
-    from coordinator.client import Completion, stream
+    from coordinator.api.client import Completion, stream
 
     completion = Completion()
     try:

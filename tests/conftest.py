@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-from coordinator.client import Completion, generate  # noqa: E402
+from coordinator.api.client import Completion, generate  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
 from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402

@@ -3,10 +3,10 @@ and its recovery, over real gRPC with a scripted drafter whose accuracy switches
 
 import pytest
 
-from coordinator.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
-from coordinator.client import generate
-from coordinator.metrics import RoundRecord
+from coordinator.api.client import generate
+from coordinator.observability.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
+from coordinator.speculation.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramMatch
 from specdec.suffix import DRAFTER_NAME as SUFFIX

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.client import generate, stream
+from coordinator.api.client import generate, stream
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 

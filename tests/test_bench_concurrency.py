@@ -366,7 +366,7 @@ def test_margin_at_the_first_difference(tiny_models):
     the coordinator builds it) and the reference's tokens before the first difference."""
     import torch
 
-    from coordinator.request import prompt_ids
+    from coordinator.api.request import prompt_ids
     from specdec.models import load_causal_lm
     from specdec.v1 import coordinator_pb2
     from specdec_app.bench.concurrency import _margins

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, Work
 from specdec.errors import Unavailable

@@ -12,7 +12,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from coordinator.prometheus import CoordinatorMetrics
+from coordinator.observability.prometheus import CoordinatorMetrics
 from specdec.prom import ServiceMetrics
 from specdec.sessions import SessionRegistry
 

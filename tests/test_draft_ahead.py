@@ -9,13 +9,13 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.client import generate
-from coordinator.draft_side import DraftService
-from coordinator.failover import VerifyReplicas
-from coordinator.metrics import HIT, MISS
-from coordinator.request import ResolvedRequest
-from coordinator.rounds import RequestRounds
-from coordinator.upstream import ServiceClients
+from coordinator.api.client import generate
+from coordinator.api.request import ResolvedRequest
+from coordinator.observability.metrics import HIT, MISS
+from coordinator.speculation.draft_side import DraftService
+from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.rounds import RequestRounds
+from coordinator.speculation.upstream import ServiceClients
 from specdec.errors import FailedPrecondition
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2

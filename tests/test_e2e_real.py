@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.models import load_causal_lm
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, free_port

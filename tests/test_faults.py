@@ -44,8 +44,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from coordinator.client import Completion, generate
-from coordinator.store import FINISHED, RedisStore
+from coordinator.api.client import Completion, generate
+from coordinator.request_store.store import FINISHED, RedisStore
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY, chat_ids, plain_greedy, process_fleet, scrape

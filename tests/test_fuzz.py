@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.sampling_params import SamplingParams
 from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from specdec.v1 import (

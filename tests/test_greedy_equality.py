@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from coordinator.client import generate
-from coordinator.draft_side import DraftService
-from coordinator.failover import VerifyReplicas
-from coordinator.request import ResolvedRequest
-from coordinator.rounds import RequestRounds
+from coordinator.api.client import generate
+from coordinator.api.request import ResolvedRequest
 from coordinator.settings import CoordinatorSettings
-from coordinator.upstream import ServiceClients
+from coordinator.speculation.draft_side import DraftService
+from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.rounds import RequestRounds
+from coordinator.speculation.upstream import ServiceClients
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramIndex
 from specdec.sampling_params import SamplingParams

@@ -19,8 +19,8 @@ import pytest
 import schemathesis
 from pydantic import ValidationError
 
-from coordinator.auth import ApiKeys, Unauthenticated
-from coordinator.client import generate
+from coordinator.api.auth import ApiKeys, Unauthenticated
+from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
 from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2

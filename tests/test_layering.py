@@ -102,10 +102,10 @@ def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
     source = (
         "from typing import TYPE_CHECKING\nimport grpc\nfrom specdec import tls\n"
         "if TYPE_CHECKING:\n    from specdec.engine import EngineMetrics\n"
-        "def f():\n    from coordinator.client import stream\n    import torch\n"
+        "def f():\n    from coordinator.api.client import stream\n    import torch\n"
     )
     found = imports(source, "specdec.example")
-    assert {"grpc", "specdec", "specdec.tls", "coordinator.client", "torch"} <= found
+    assert {"grpc", "specdec", "specdec.tls", "coordinator.api.client", "torch"} <= found
     assert not {name for name in found if name.startswith("specdec.engine")}
     assert imports("from . import ngram\nfrom .base import Drafter\n", "draft_service.drafters.suffix") >= {
         "draft_service.drafters.ngram",
@@ -115,7 +115,7 @@ def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
 
 def test_the_layers_are_found():
     assert {layer(name) for name in MODULES} >= {CORE, SERVICE, APP}
-    assert "specdec_app.cli" in MODULES and "coordinator.upstream" in MODULES
+    assert "specdec_app.cli" in MODULES and "coordinator.speculation.upstream" in MODULES
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

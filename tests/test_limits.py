@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
-from coordinator.client import generate, stream
+from coordinator.api.client import generate, stream
+from coordinator.api.stream_limit import peer_host
 from coordinator.settings import CoordinatorSettings
-from coordinator.stream_limit import peer_host
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings

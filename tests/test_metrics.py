@@ -1,8 +1,8 @@
-"""A request's metrics (:mod:`coordinator.metrics`) from hand-made round records."""
+"""A request's metrics (:mod:`coordinator.observability.metrics`) from hand-made round records."""
 
 import pytest
 
-from coordinator.metrics import PLAIN, MetricsRecorder, RoundRecord
+from coordinator.observability.metrics import PLAIN, MetricsRecorder, RoundRecord
 
 
 def test_metrics_arithmetic():

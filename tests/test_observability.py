@@ -24,7 +24,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.server import GRPC_OPTIONS
 from specdec.telemetry import configure_tracing, exporter_names
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings

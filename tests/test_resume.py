@@ -5,7 +5,7 @@ position; bad resumes get their status and a message that says what to change.""
 import grpc
 import pytest
 
-from coordinator.client import Completion, generate, stream
+from coordinator.api.client import Completion, generate, stream
 from specdec.v1 import coordinator_pb2
 
 

@@ -4,7 +4,7 @@ round code and services generates exactly the target's distribution.
 The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
 tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first two
 generated tokens is enumerated from the target; many seeded requests run through the
-coordinator's round code (:meth:`coordinator.rounds.RequestRounds.step`, one round at a
+coordinator's round code (:meth:`coordinator.speculation.rounds.RequestRounds.step`, one round at a
 time, under an adaptive policy) against real draft and verify services
 over gRPC, and must match it by a chi-square test at significance 0.001. The one case covers the
 rest of the path: temperature, top-k and top-p applied on both sides; the model drafter's
@@ -25,13 +25,13 @@ import pytest
 import torch
 
 import verify_service.target as target_module
-from coordinator.adaptive import AcceptanceModel, AdaptiveK, StepCosts
-from coordinator.draft_side import DraftService
-from coordinator.failover import VerifyReplicas
-from coordinator.metrics import PLAIN
-from coordinator.request import ResolvedRequest
-from coordinator.rounds import RequestRounds
-from coordinator.upstream import ServiceClients
+from coordinator.api.request import ResolvedRequest
+from coordinator.observability.metrics import PLAIN
+from coordinator.speculation.adaptive import AcceptanceModel, AdaptiveK, StepCosts
+from coordinator.speculation.draft_side import DraftService
+from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.rounds import RequestRounds
+from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings

@@ -29,7 +29,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.client import Completion
+from coordinator.api.client import Completion
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY, ProcessFleet, chat_ids, process_fleet, scrape

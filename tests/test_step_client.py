@@ -1,4 +1,4 @@
-"""The coordinator's end of a Step stream (coordinator/step_client.py) against a real verify
+"""The coordinator's end of a Step stream (coordinator/speculation/step_client.py) against a real verify
 service (the tiny target, on a free port): concurrent calls share messages, results and errors
 reach their callers, deadlines hold, and a stream the service dropped is opened again."""
 
@@ -8,8 +8,8 @@ import socket
 import grpc
 import pytest
 
-from coordinator.step_client import StepStream
-from coordinator.upstream import VERIFY_SERVICE
+from coordinator.speculation.step_client import StepStream
+from coordinator.speculation.upstream import VERIFY_SERVICE
 from specdec.errors import NotFound, Unavailable
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc

@@ -8,8 +8,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from coordinator.output import StreamOutput
-from coordinator.store import (
+from coordinator.api.output import StreamOutput
+from coordinator.request_store.store import (
     FINISHED,
     RUNNING,
     MemoryStore,

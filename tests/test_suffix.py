@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.service import build as build_draft

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from coordinator.client import generate
+from coordinator.api.client import generate
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from tests.conftest import SUMMARY, speculates_again, stream_with_fault

@@ -1,7 +1,7 @@
-"""The coordinator's incremental detokenizer (:mod:`coordinator.text`): stop strings and
+"""The coordinator's incremental detokenizer (:mod:`coordinator.api.text`): stop strings and
 multi-byte text, on SmolLM2's tokenizer."""
 
-from coordinator.text import IncrementalDetokenizer
+from coordinator.api.text import IncrementalDetokenizer
 
 
 def test_stop_string_cuts_text_and_holds_back_a_possible_prefix(smollm2_tokenizer):

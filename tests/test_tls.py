@@ -24,13 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from coordinator import upstream
-from coordinator.client import generate
-from coordinator.failover import VerifyReplicas
-from coordinator.http_api import HttpServer
+from coordinator.api.client import generate
+from coordinator.api.http_api import HttpServer
+from coordinator.request_store.store import RedisStore, StoredRequest, StoreUnavailable
 from coordinator.settings import CoordinatorSettings
-from coordinator.store import RedisStore, StoredRequest, StoreUnavailable
-from coordinator.upstream import ServiceClients
+from coordinator.speculation import upstream
+from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.upstream import ProposeDeadline
+from coordinator.speculation.upstream import ProposeDeadline
 from specdec.v1 import draft_pb2
 
 

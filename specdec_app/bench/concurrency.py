@@ -86,7 +86,7 @@ import grpc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from coordinator.client import FINISH_REASONS
+from coordinator.api.client import FINISH_REASONS
 from specdec.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -690,7 +690,7 @@ def _margins(
     forward per distinct prompt and position)."""
     import torch
 
-    from coordinator.request import prompt_ids
+    from coordinator.api.request import prompt_ids
 
     cache: dict[tuple[int, int], dict] = {}
     for m in mismatches:

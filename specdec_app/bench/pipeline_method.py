@@ -4,8 +4,8 @@ separate processes on this machine, called over gRPC like any client would."""
 import time
 from pathlib import Path
 
-from coordinator.client import Completion, stream
-from coordinator.metrics import PLAIN
+from coordinator.api.client import Completion, stream
+from coordinator.observability.metrics import PLAIN
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 from specdec_app.bench.measurement import Measurement

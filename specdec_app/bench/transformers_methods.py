@@ -9,8 +9,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from coordinator.metrics import histogram
-from coordinator.request import prompt_ids
+from coordinator.api.request import prompt_ids
+from coordinator.observability.metrics import histogram
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2
 from specdec_app.bench.measurement import Measurement

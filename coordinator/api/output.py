@@ -3,7 +3,7 @@ conditions, and the part of it the client has not received yet."""
 
 from collections.abc import Iterable, Sequence
 
-from coordinator.text import IncrementalDetokenizer
+from coordinator.api.text import IncrementalDetokenizer
 from specdec.v1 import coordinator_pb2
 
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
@@ -14,7 +14,7 @@ class StreamOutput:
     ``max_new_tokens``). ``emit_from``: tokens the client already has (a resumed request); the
     messages carry only the tokens after them, and the text after theirs, which is exactly what
     the first stream had sent with them (the text sent with a prefix of ids depends on those ids
-    alone: see :class:`coordinator.text.IncrementalDetokenizer`)."""
+    alone: see :class:`coordinator.api.text.IncrementalDetokenizer`)."""
 
     def __init__(
         self,

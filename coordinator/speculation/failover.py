@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.upstream import ServiceClients
+from coordinator.speculation.upstream import ServiceClients
 from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, verify_pb2

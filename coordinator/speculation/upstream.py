@@ -1,7 +1,7 @@
 """The coordinator's gRPC clients of its upstream services, the draft service and the verify
 replicas, with deadlines on every call; over TLS (mutual TLS with a client certificate) when given credentials
 (:func:`specdec.tls.reloading_channel_credentials`). The public client of the coordinator itself
-is :mod:`coordinator.client`; which verify replica to call is :mod:`coordinator.failover`'s
+is :mod:`coordinator.api.client`; which verify replica to call is :mod:`coordinator.speculation.failover`'s
 concern."""
 
 import asyncio
@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from coordinator.step_client import StepStream
+from coordinator.speculation.step_client import StepStream
 from specdec.errors import from_rpc_error
 from specdec.server import MAX_MESSAGE_BYTES, grpc_options
 from specdec.tls import Reloading
@@ -72,15 +72,15 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, options:
 class ServiceClients:
     """The coordinator's calls to the draft service and every verify replica, one typed method
     per call. The per-round calls (Propose, Verify, Decode) of all its requests go over one Step
-    stream per service (:mod:`coordinator.step_client`); the per-request ones (GetInfo, Prefill,
-    Release) are unary RPCs. Every call has a deadline; a failed call raises the matching
-    :class:`specdec.errors.SpecdecError` naming the service and its address (whether to go on
-    asking a service that failed is :mod:`coordinator.draft_side`'s and
-    :mod:`coordinator.failover`'s concern). Propose calls have the deadline ``propose_deadline`` (default: the
-    ``rpc_timeout_s``); messages are limited to ``max_message_bytes`` each way. ``tls``: TLS to every service, None for
-    plaintext; when its files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new
-    calls go over new channels made with the new certificate, and calls in flight finish on the
-    old ones."""
+    stream per service (:mod:`coordinator.speculation.step_client`); the per-request ones
+    (GetInfo, Prefill, Release) are unary RPCs. Every call has a deadline; a failed call raises
+    the matching :class:`specdec.errors.SpecdecError` naming the service and its address
+    (whether to go on asking a service that failed is :mod:`coordinator.speculation.draft_side`'s
+    and :mod:`coordinator.speculation.failover`'s concern). Propose calls have the deadline
+    ``propose_deadline`` (default: the ``rpc_timeout_s``); messages are limited to
+    ``max_message_bytes`` each way. ``tls``: TLS to every service, None for plaintext; when its
+    files change (looked at every TLS_CHECK_INTERVAL_S seconds at most), new calls go over new
+    channels made with the new certificate, and calls in flight finish on the old ones."""
 
     def __init__(
         self,

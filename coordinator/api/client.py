@@ -1,6 +1,6 @@
 """The public client of the coordinator's Generate API (used by ``specdec generate``, the
 benchmark, the HTTP API and the tests). The coordinator's own clients of the draft and verify
-services are :mod:`coordinator.upstream`."""
+services are :mod:`coordinator.speculation.upstream`."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field

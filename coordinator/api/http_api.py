@@ -2,7 +2,7 @@
 loop beside the gRPC server).
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` build the GenerateRequest a gRPC client
-would send (:mod:`coordinator.openai_schema`) and run it through
+would send (:mod:`coordinator.api.openai_schema`) and run it through
 :meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
 round loop, request store, metrics and traces, and the same error messages. Streamed responses are
 server-sent events ending in ``data: [DONE]``. A client that disconnects cancels its request, streamed
@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 import uvicorn
@@ -26,11 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException
 
-from coordinator.auth import ApiKeys
-from coordinator.body_limit import BodyLimit
-from coordinator.client import FINISH_REASONS, Completion
-from coordinator.failover import VerifyReplicas
-from coordinator.openai_schema import (
+from coordinator.api.auth import ApiKeys
+from coordinator.api.body_limit import BodyLimit
+from coordinator.api.client import FINISH_REASONS, Completion
+from coordinator.api.openai_schema import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,11 +38,11 @@ from coordinator.openai_schema import (
     specdec_metrics,
     usage,
 )
-from coordinator.request import prompt_ids
+from coordinator.api.request import prompt_ids
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
 from specdec.tls import ReloadingSSLContext
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import coordinator_pb2, verify_pb2
 
 tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
@@ -51,16 +50,19 @@ T = TypeVar("T")
 
 class ModelNames:
     """The names a request's ``model`` may take: the target's (from the verify service's GetInfo,
-    fetched again only when a request names an unknown model) and the configured aliases."""
+    which ``verify_info()`` gives, fetched again only when a request names an unknown model) and
+    the configured aliases."""
 
-    def __init__(self, replicas: VerifyReplicas, aliases: list[str]):
-        self.replicas, self.aliases = replicas, list(aliases)
+    def __init__(
+        self, verify_info: Callable[[], Awaitable[verify_pb2.VerifyServiceGetInfoResponse]], aliases: list[str]
+    ):
+        self.verify_info, self.aliases = verify_info, list(aliases)
         self.target: str | None = None
 
     async def names(self, refresh: bool = False) -> list[str]:
         """Raises Unavailable when no verify replica answers."""
         if self.target is None or refresh:
-            self.target = (await self.replicas.info()).model
+            self.target = (await self.verify_info()).model
         return [self.target, *self.aliases]
 
     async def check(self, name: str) -> None:
@@ -155,12 +157,12 @@ def _sse(data: dict) -> str:
 
 def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
     """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`); request
-    bodies over ``max_body_bytes`` get 413 (:mod:`coordinator.body_limit`)."""
+    bodies over ``max_body_bytes`` get 413 (:mod:`coordinator.api.body_limit`)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(
         BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
     )
-    models = ModelNames(servicer.replicas, served_model_names)
+    models = ModelNames(servicer.replicas.info, served_model_names)
     started = int(time.time())
 
     async def authorized(authorization: str | None = Header(None)) -> None:

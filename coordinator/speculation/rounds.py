@@ -8,8 +8,8 @@ Under adaptive K a round's proposal may instead come from one of the coordinator
 n-gram or suffix (:meth:`RequestRounds.lookup_matches`); the draft session then catches up at
 its next Propose.
 
-The draft side (its session, draft-ahead, its faults) is :class:`coordinator.draft_side.DraftSession`'s;
-the verify side is :class:`coordinator.failover.VerifySession`'s.
+The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSession`'s;
+the verify side is :class:`coordinator.speculation.failover.VerifySession`'s.
 
 Draft-ahead (model drafters, ``draft_ahead``): while the verify service checks a round's
 proposal, the draft service already drafts the next round's, on the branch where verification
@@ -24,12 +24,12 @@ Faults. The committed log here is the truth; a service's session is a cache of i
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
 collide; the old one is released in the background):
 - the draft service fails (unreachable, its Propose deadline missed — see
-  :class:`coordinator.upstream.ProposeDeadline` —, session limit, session lost twice): the
+  :class:`coordinator.speculation.upstream.ProposeDeadline` —, session limit, session lost twice): the
   round goes on as a plain decode step and later rounds run without the draft (plain decode, or
   the coordinator's n-gram and suffix lookups under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
 - a verify call fails (the replica is unreachable or missed its deadline, or answers NOT_FOUND):
-  the session is rebuilt on a replica and the call retried (:mod:`coordinator.failover`), until
+  the session is rebuilt on a replica and the call retried (:mod:`coordinator.speculation.failover`), until
   ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
 A retried call is exact: Verify and Decode depend only on the committed log and the per-position
 seed, so greedy and seeded sampling output is the same as without the fault.
@@ -40,11 +40,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from coordinator.adaptive import AdaptiveK
-from coordinator.draft_side import DraftService, DraftSession
-from coordinator.failover import VerifyReplicas, VerifySession
-from coordinator.metrics import PLAIN, RoundRecord
-from coordinator.request import ResolvedRequest
+from coordinator.api.request import ResolvedRequest
+from coordinator.observability.metrics import PLAIN, RoundRecord
+from coordinator.speculation.adaptive import AdaptiveK
+from coordinator.speculation.draft_side import DraftService, DraftSession
+from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.errors import SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
@@ -59,7 +59,7 @@ RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service d
 
 class RequestRounds:
     """One request's rounds: its committed log, its session on the draft service and its session
-    on a verify replica (:class:`coordinator.failover.VerifySession`); :meth:`step` runs a round.
+    on a verify replica (:class:`coordinator.speculation.failover.VerifySession`); :meth:`step` runs a round.
 
     Args: ``draft_service`` the coordinator's draft service, ``replicas`` its verify replicas (both
     shared by its requests); ``session_prefix`` begins the id of every session the request opens

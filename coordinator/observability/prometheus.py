@@ -3,7 +3,7 @@ request's own metrics are built from (names as vLLM's, see :mod:`specdec.prom`).
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from coordinator.metrics import RoundRecord
+from coordinator.observability.metrics import RoundRecord
 from specdec.prom import ServiceMetrics
 from specdec.v1 import coordinator_pb2
 

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.client import Completion
+from coordinator.api.client import Completion
 from specdec.errors import SpecdecError
 from specdec.v1 import coordinator_pb2
 

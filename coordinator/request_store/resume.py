@@ -2,7 +2,7 @@
 
 import re
 
-from coordinator.store import FINISHED, StoredRequest
+from coordinator.request_store.store import FINISHED, StoredRequest
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import coordinator_pb2, verify_pb2
 

@@ -5,7 +5,7 @@ import dataclasses
 
 from google.protobuf.message import Message
 
-from coordinator.metrics import RoundRecord
+from coordinator.observability.metrics import RoundRecord
 
 ROUND = "specdec.round"
 REQUEST = "specdec.request"

@@ -42,7 +42,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coordinator.metrics import PLAIN, RoundRecord
+from coordinator.observability.metrics import PLAIN, RoundRecord
 from specdec.ngram import NgramMatch
 from specdec.suffix import SuffixMatch
 from specdec.token_ids import common_prefix_length

@@ -1,5 +1,5 @@
 """The draft side of the coordinator: the one place that decides whether a request's round may
-ask the draft service, as :mod:`coordinator.failover` is for the verify side.
+ask the draft service, as :mod:`coordinator.speculation.failover` is for the verify side.
 
 :class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
 call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from coordinator.adaptive import AdaptiveK
-from coordinator.metrics import HIT, MISS
-from coordinator.request import ResolvedRequest
-from coordinator.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
+from coordinator.api.request import ResolvedRequest
+from coordinator.observability.metrics import HIT, MISS
+from coordinator.speculation.adaptive import AdaptiveK
+from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2
@@ -148,7 +148,7 @@ class DraftSession:
 
     def opens_at_once(self, policy: AdaptiveK | None) -> bool:
         """Whether the session is prefilled alongside the target's: always under a fixed K or
-        sampling (see :meth:`coordinator.rounds.RequestRounds.prefill`); under adaptive K and
+        sampling (see :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under adaptive K and
         greedy decoding only if the first round would use the drafter, else when a later one would."""
         return policy is None or not self.request.sampling.greedy or policy.wants_drafter(None)
 
@@ -169,7 +169,7 @@ class DraftSession:
 
     async def wait_for_prefill(self) -> None:
         """Waits for the background prefill, if any, at most as long as a Propose of its size may
-        take (the Propose deadline for its forwards, :class:`coordinator.upstream.ProposeDeadline`):
+        take (the Propose deadline for its forwards, :class:`coordinator.speculation.upstream.ProposeDeadline`):
         a draft that hangs costs a sampling request that deadline, not ``prefill_timeout_s``, and
         its rounds go on without the draft until the prefill finishes or fails."""
         if self._prefill is None:

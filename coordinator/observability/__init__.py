@@ -1,0 +1,1 @@
+"""Per-request metrics, the Prometheus metrics and the span attributes."""
