@@ -123,9 +123,10 @@ class CoordinatorSettings(ServiceSettings):
         0.25,
         gt=0,
         description="Least deadline of a Propose call, seconds. Each Propose gets propose_timeout_factor "
-        "times the slowest of the last 64 Propose round trips (scaled to the draft forwards it costs), at least "
-        "this; a draft that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a "
-        "request about this long, not rpc_timeout_s.",
+        "times the slowest of the last 64 Propose round trips (scaled to the draft forwards it costs; calls "
+        "answered after their deadline count too, so the deadline follows a burst of load), at least this; a draft "
+        "that misses it is skipped for draft_retry_s (plain decode meanwhile), so a hung draft delays a request "
+        "about this long, not rpc_timeout_s.",
     )
     propose_timeout_factor: float = Field(
         3.0,

@@ -7,6 +7,7 @@ from opentelemetry import trace
 
 from draft_service.drafters.base import Drafter, DraftSession
 from draft_service.settings import DraftSettings
+from specdec.delay_hook import parse_delays
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
@@ -176,6 +177,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     servicer = DraftServicer(
         drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics, settings.max_workers
     )
+    servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
     return start_service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings)
 
 

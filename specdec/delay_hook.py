@@ -1,5 +1,6 @@
 """A test hook for fault tests: hold chosen RPCs of a draft or verify service for a fixed time
-before they are handled, so that a fault (a real SIGKILL or SIGSTOP of the process) finds those
+before they are handled (unary calls here; the calls of a Step stream in
+:class:`specdec.step_stream.StepCalls`), so that a fault (a real SIGKILL or SIGSTOP of the process) finds those
 calls in flight. Set by ``--debug-rpc-delay-ms METHOD=MS[,METHOD=MS]`` (for example
 ``Prefill=1000``); empty, the default, installs nothing. Not for production: it only slows a
 service down."""

@@ -94,7 +94,8 @@ class SessionServiceSettings(ServiceSettings):
     debug_rpc_delay_ms: CommaSeparated = Field(
         [],
         description="Test hook, empty in production: METHOD=MS pairs (for example Prefill=1000); each call of "
-        "that RPC waits MS ms before it is handled, so a fault test finds such calls in flight.",
+        "that RPC (unary, or in a Step stream) waits MS ms before it is handled, so a fault test finds such calls "
+        "in flight.",
     )
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,6 +50,9 @@ class StepCalls:
         metrics: failed calls are counted in ``rpc_errors`` under the unary RPC's name.
         max_workers: calls served at once, over every stream of the service (a call holds a
             thread while it waits for its engine step).
+
+    ``delays_s``: the fault tests' hook (:mod:`specdec.delay_hook`), set by the service: seconds
+    each call of an RPC (by its name, ``Propose``) waits before it is handled; empty in production.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class StepCalls:
         max_workers: int,
     ):
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
+        self.delays_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="step-call")
 
     def serve(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[list[Any]]:
@@ -97,6 +102,7 @@ class StepCalls:
                 if handler is None:
                     kinds = ", ".join(self.handlers)
                     raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
+                time.sleep(self.delays_s.get(name, 0.0))
                 response = handler(getattr(call, kind), _timeout_s(header.timeout_ms), abandoned)
                 return self.result_cls(call_id=header.call_id, **{kind: response})
             except SpecdecError as err:

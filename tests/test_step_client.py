@@ -129,3 +129,28 @@ def test_calls_in_flight_fail_when_the_service_goes_away_and_the_next_call_opens
             restarted.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_call_answered_after_its_deadline_reports_its_round_trip(tiny_target):
+    service = build(VerifySettings(port=0, max_sessions=4, debug_rpc_delay_ms=["Decode=400"]), target=tiny_target)
+    prefill(service.port, ["slow"])
+    late: list[float] = []
+
+    async def run():
+        channel, stream = verify_stream(service.port)
+        try:
+            with pytest.raises(Unavailable, match="did not answer within its deadline"):
+                await stream.call("decode", verify_pb2.DecodeRequest(session_id="slow"), 0.1, on_late=late.append)
+            for _ in range(50):
+                if late:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await stream.close()
+            await channel.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.stop(0)
+    assert len(late) == 1 and late[0] >= 0.4

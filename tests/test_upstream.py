@@ -1,8 +1,14 @@
 """The Propose deadline the coordinator derives from the draft's measured round trips."""
 
+import asyncio
+
 import pytest
 
-from coordinator.speculation.upstream import ProposeDeadline
+from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.service import build as build_draft
+from draft_service.settings import DraftSettings
+from specdec.errors import Unavailable
 from specdec.v1 import draft_pb2
 
 
@@ -33,3 +39,32 @@ def test_a_propose_costs_its_drafted_tokens_and_its_catch_up_chunks(appended, pr
         appended_token_ids=range(appended), predicted_token_ids=range(predicted), num_speculative_tokens=k
     )
     assert ProposeDeadline.forwards(request) == forwards
+
+
+def test_a_propose_answered_late_teaches_the_deadline(tiny_pipeline):
+    """A draft slowed by load (its Propose held 600 ms, past a 250 ms deadline) answers late: the
+    deadline grows to cover it, and the next Propose of that size passes."""
+    settings = DraftSettings(port=0, max_sessions=4, default_drafter="ngram", debug_rpc_delay_ms=["Propose=600"])
+    draft = build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
+
+    async def run():
+        deadline = ProposeDeadline(floor_s=0.25, factor=1.5, ceiling_s=30)
+        deadline.observe(0.05, 3)  # learnt while the draft was fast
+        clients = ServiceClients(
+            f"127.0.0.1:{draft.port}", [tiny_pipeline.verify_address], 30, 30, propose_deadline=deadline
+        )
+        try:
+            await clients.prefill_draft(draft_pb2.DraftServicePrefillRequest(session_id="s", token_ids=[1, 2, 1, 2]))
+            request = draft_pb2.ProposeRequest(session_id="s", num_speculative_tokens=3)
+            with pytest.raises(Unavailable):
+                await clients.propose(request)
+            await asyncio.sleep(0.8)  # its answer arrives meanwhile
+            assert deadline.seconds(3) >= 1.5 * 0.6
+            assert (await clients.propose(request)).token_ids
+        finally:
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        draft.stop(0)

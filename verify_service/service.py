@@ -6,6 +6,7 @@ import time
 import torch
 from opentelemetry import trace
 
+from specdec.delay_hook import parse_delays
 from specdec.engine import StepStats
 from specdec.errors import grpc_errors
 from specdec.prom import ServiceMetrics
@@ -122,6 +123,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     target.engine.metrics = metrics.engine_metrics("verify")
     sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = VerifyServicer(target, sessions, metrics, settings.max_workers)
+    servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
     return start_service(servicer, verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE, sessions, settings)
 
 

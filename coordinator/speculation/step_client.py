@@ -9,10 +9,13 @@ along, so the service drops work whose caller gave up, and enforced here: a miss
 UNAVAILABLE, as a unary call's DEADLINE_EXCEEDED does), its own error (the CallError the service
 sent, raised as the matching :class:`specdec.errors.SpecdecError`) and its own span (a client
 span whose context travels in the call's header). When the stream fails (the service went away)
-every call in flight on it raises UNAVAILABLE, and the next call opens a new stream.
+every call in flight on it raises UNAVAILABLE, and the next call opens a new stream. A call that
+gave up at its deadline may still be answered later: its caller can learn the real round trip
+from that (``on_late``), as the Propose deadline does.
 """
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -28,6 +31,7 @@ from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+MAX_LATE = 4096  # calls past their deadline whose late answer a stream still waits for
 
 
 class StepStream:
@@ -53,16 +57,21 @@ class StepStream:
         self._ids = itertools.count(1)
         self._open: _OpenStream | None = None
 
-    async def call(self, kind: str, request: Message, timeout_s: float) -> Any:
+    async def call(
+        self, kind: str, request: Message, timeout_s: float, on_late: Callable[[float], None] | None = None
+    ) -> Any:
         """Sends ``request`` as the call's ``kind`` field (``verify``, ``decode``, ``propose``) and
         returns the response. Raises the SpecdecError the service answered with, or Unavailable:
-        the deadline of ``timeout_s`` seconds passed, or the stream failed."""
+        the deadline of ``timeout_s`` seconds passed, or the stream failed. ``on_late(seconds)``:
+        called with the round trip when a call that missed its deadline is answered after all
+        (successfully, while the stream lasts; up to MAX_LATE such calls are remembered)."""
         with tracer.start_as_current_span(f"/{self.service}/{kind.capitalize()}", kind=trace.SpanKind.CLIENT):
             header = common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000)
             propagate.inject(header.trace_context)
             if self._open is None or self._open.failed:
                 self._open = _OpenStream(self.open_stream(), self.request_cls, self.where)
-            result: Any = await self._open.send(self.call_cls(header=header, **{kind: request}), timeout_s)
+            call = self.call_cls(header=header, **{kind: request})
+            result: Any = await self._open.send(call, timeout_s, on_late)
             outcome = result.WhichOneof("result")
             if outcome == "error":
                 raise from_status(status_code(result.error.code), result.error.message, self.where)
@@ -83,12 +92,14 @@ class _OpenStream:
         self.failed = False
         self._outbox: list[Any] = []
         self._pending: dict[int, asyncio.Future] = {}
+        self._late: collections.OrderedDict[int, tuple[float, Callable[[float], None]]] = collections.OrderedDict()
         self._wake = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
-    async def send(self, call: Any, timeout_s: float) -> Message:
+    async def send(self, call: Any, timeout_s: float, on_late: Callable[[float], None] | None) -> Message:
         call_id = call.header.call_id
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future, start = loop.create_future(), loop.time()
         self._pending[call_id] = future
         self._outbox.append(call)
         self._wake.set()
@@ -96,6 +107,10 @@ class _OpenStream:
             async with asyncio.timeout(timeout_s):
                 return await future
         except TimeoutError:
+            if on_late is not None:
+                self._late[call_id] = (start, on_late)
+                while len(self._late) > MAX_LATE:
+                    self._late.popitem(last=False)
             raise Unavailable(f"{self.where} did not answer within its deadline") from None
         finally:
             self._pending.pop(call_id, None)
@@ -121,6 +136,9 @@ class _OpenStream:
                     future = self._pending.get(result.call_id)
                     if future is not None and not future.done():
                         future.set_result(result)
+                    elif (late := self._late.pop(result.call_id, None)) and result.WhichOneof("result") != "error":
+                        start, on_late = late
+                        on_late(asyncio.get_running_loop().time() - start)
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err, self.where)
             if not isinstance(error, Unavailable):

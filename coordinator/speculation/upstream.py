@@ -36,8 +36,11 @@ class ProposeDeadline:
     without the draft neither misses its deadline nor stretches the next short call's); at least
     ``floor_s``, at most ``ceiling_s``, and ``10 * floor_s`` (capped) until a Propose has been
     measured. Round trips are measured as the
-    coordinator sees them, the draft service's queue included, so the deadline grows with load. A
-    draft that stops answering then costs a round this deadline instead of the RPC deadline."""
+    coordinator sees them, the draft service's queue included, so the deadline grows with load;
+    calls that missed it and were answered late count too (:meth:`ServiceClients.propose`), so a
+    burst that slows the draft at once raises it within a few calls instead of failing every call
+    while the load lasts. A draft that stops answering (no late answer) then costs a round this
+    deadline instead of the RPC deadline."""
 
     def __init__(self, floor_s: float, factor: float, ceiling_s: float, window: int = 64):
         self.floor_s, self.factor, self.ceiling_s = floor_s, factor, ceiling_s
@@ -162,13 +165,19 @@ class ServiceClients:
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """A Propose over the draft's Step stream, under the Propose deadline for its forwards
-        (:class:`ProposeDeadline`), which learns from its round trip."""
+        (:class:`ProposeDeadline`), which learns from its round trip: also from a call that
+        missed it and was answered late (a draft slowed by a burst of load, not one that hangs,
+        so that the deadline grows with the load instead of failing every call under it)."""
         num_forwards = ProposeDeadline.forwards(request)
         timeout = self.propose_deadline.seconds(num_forwards)
         start = time.monotonic()
         self._follow_certificate()
-        response = await self._draft_steps.call("propose", request, timeout)
-        self.propose_deadline.observe(time.monotonic() - start, num_forwards)
+
+        def learn(seconds: float) -> None:
+            self.propose_deadline.observe(seconds, num_forwards)
+
+        response = await self._draft_steps.call("propose", request, timeout, on_late=learn)
+        learn(time.monotonic() - start)
         return response
 
     async def release_draft(self, session_id: str) -> None:
