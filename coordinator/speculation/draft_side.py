@@ -43,11 +43,15 @@ class DraftService:
         without the draft instead of waiting on it."""
         return time.monotonic() < self._down_until
 
+    def mark_down(self) -> None:
+        """Records that a call found the service unreachable or late."""
+        self._down_until = time.monotonic() + self.down_s
+
     async def _marking_down(self, call: Awaitable):
         try:
             return await call
         except Unavailable:
-            self._down_until = time.monotonic() + self.down_s
+            self.mark_down()
             raise
 
     async def info(self) -> draft_pb2.DraftServiceGetInfoResponse | None:

@@ -1,0 +1,146 @@
+"""The coordinator's draft side (coordinator/speculation/draft_side.py) against the real draft
+service of the tiny pipeline, and an address nothing listens on: when a request may ask the
+draft, what a failure costs, and what a lost session does."""
+
+import asyncio
+
+import pytest
+
+from coordinator.api.request import ResolvedRequest
+from coordinator.speculation.draft_side import DraftService, DraftSession
+from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
+from specdec.sampling_params import SamplingParams
+from specdec_app.launcher import free_port
+
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+def request(k: int = 3, drafter: str = "transformers", adaptive: bool = False, temperature: float = 0.0):
+    return ResolvedRequest(list(PROMPT), 8, SamplingParams(temperature=temperature, seed=1), [], k, drafter, adaptive)
+
+
+def clients_of(pipeline, draft_address: str | None = None) -> ServiceClients:
+    deadline = ProposeDeadline(floor_s=0.25, factor=3, ceiling_s=30)
+    address = draft_address or pipeline.draft_address
+    return ServiceClients(address, [pipeline.verify_address], 30, 30, propose_deadline=deadline)
+
+
+def session_of(service: DraftService, resolved: ResolvedRequest, released: list, name: str = "ds") -> DraftSession:
+    ids = iter(f"{name}.d{i}" for i in range(1, 100))
+
+    def in_background(release):
+        released.append(asyncio.ensure_future(release()))
+
+    return DraftSession(service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, retry_s=0.5)
+
+
+def test_a_session_proposes_once_open_and_its_release_frees_it(tiny_pipeline):
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        released: list = []
+        session = session_of(DraftService(clients), request(), released, "open")
+        try:
+            assert not session.available()  # nothing opened yet: a round is a plain one
+            session.open()
+            await session.wait_for_prefill()
+            await asyncio.sleep(0.5)  # greedy rounds do not wait: the prefill finishes meanwhile
+            session.check_prefill()
+            assert session.available() and session.session_id == "open.d1"
+            proposal = await session.proposal(3, round_number=1, start=0.0)
+            assert len(proposal.response.token_ids) == 3 and proposal.wire_bytes > 0
+            await session.release()
+            await asyncio.gather(*released)
+            assert session.session_id is None
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
+
+
+def test_a_lost_session_is_prefilled_again_under_a_new_id(tiny_pipeline):
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        released: list = []
+        service = DraftService(clients)
+        session = session_of(service, request(), released, "lost")
+        try:
+            session.open()
+            await asyncio.sleep(0.5)
+            session.check_prefill()
+            await service.release(session.session_id)  # the service lost it (restart, idle eviction)
+            proposal = await session.proposal(3, round_number=1, start=0.0)
+            assert len(proposal.response.token_ids) == 3 and session.session_id == "lost.d2"
+            assert session.failures == 0
+            await session.release()
+            await asyncio.gather(*released)
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_draft_marks_the_service_down_for_every_request(tiny_pipeline):
+    async def run():
+        clients = clients_of(tiny_pipeline, f"127.0.0.1:{free_port()}")
+        released: list = []
+        service = DraftService(clients, down_s=5.0)
+        first, second = (session_of(service, request(), released, name) for name in ("a", "b"))
+        try:
+            assert await service.info() is None  # never reached: requests run without a draft
+            assert service.down()
+            first.open()
+            second.open()  # skipped: the service is down
+            await asyncio.sleep(0.1)
+            assert not first.available() and not second.available()
+            proposal = await first.proposal(3, round_number=1, start=0.0)
+            assert proposal.response is None  # a plain decode round
+        finally:
+            await first.release()
+            await second.release()
+            for task in released:
+                task.cancel()
+            await clients.close()
+
+    asyncio.run(run())
+
+
+def test_the_last_draft_info_stands_in_while_the_service_is_down(tiny_pipeline):
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        service = DraftService(clients, down_s=5.0)
+        try:
+            info = await service.info()
+            assert service.is_model_drafter("transformers") and not service.is_model_drafter("ngram")
+            service.mark_down()  # a call just found it unreachable
+            assert await service.info() is info
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("resolved", "opens"),
+    [
+        (request(), True),  # a fixed K: the first round uses the draft
+        (request(k=0), False),  # plain decode: no draft at all
+        (request(adaptive=True, drafter="ngram"), False),  # the coordinator's own lookup
+    ],
+)
+def test_which_requests_open_a_draft_session(tiny_pipeline, resolved, opens):
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        released: list = []
+        session = session_of(DraftService(clients), resolved, released, f"which-{resolved.drafter}-{opens}")
+        try:
+            if session.opens_at_once(None):
+                session.open()
+            await asyncio.sleep(0.3)
+            session.check_prefill()
+            assert (session.session_id is not None) == opens
+        finally:
+            await session.release()
+            await asyncio.gather(*released)
+            await clients.close()
+
+    asyncio.run(run())
