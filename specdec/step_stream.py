@@ -75,15 +75,15 @@ class StepCalls:
         in_flight = _Counter()
         abandoned = lambda: not context.is_active()  # noqa: E731
 
-        def answer(call: Any) -> None:
-            done.put(self._run(call, abandoned))
+        def answer(call: Any, received: float) -> None:
+            done.put(self._run(call, received, abandoned))
 
         def read() -> None:
             try:
                 for message in requests:
                     for call in message.calls:
                         in_flight.add(1)
-                        self._pool.submit(answer, call)
+                        self._pool.submit(answer, call, time.monotonic())
             except Exception:  # the caller went away (cancelled, connection lost)
                 log.debug("a Step stream ended on the caller's side", exc_info=True)
             done.put(_END)
@@ -91,8 +91,9 @@ class StepCalls:
         threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
         return _answers(done, in_flight, context)
 
-    def _run(self, call: Any, abandoned: Callable[[], bool]) -> Message:
-        """Serves one call; never raises (a failure is the result's ``error``)."""
+    def _run(self, call: Any, received: float, abandoned: Callable[[], bool]) -> Message:
+        """Serves one call read at ``received`` (time.monotonic()); never raises (a failure is the
+        result's ``error``)."""
         header, kind = call.header, call.WhichOneof("call")
         name = (kind or "unknown").capitalize()
         parent = propagate.extract(dict(header.trace_context)) if header.trace_context else None
@@ -102,8 +103,9 @@ class StepCalls:
                 if handler is None:
                     kinds = ", ".join(self.handlers)
                     raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
+                timeout_s = _timeout_s(header.timeout_ms, received)
                 time.sleep(self.delays_s.get(name, 0.0))
-                response = handler(getattr(call, kind), _timeout_s(header.timeout_ms), abandoned)
+                response = handler(getattr(call, kind), timeout_s, abandoned)
                 return self.result_cls(call_id=header.call_id, **{kind: response})
             except SpecdecError as err:
                 error = common_pb2.CallError(code=err.code.value[0], message=str(err))
@@ -114,12 +116,16 @@ class StepCalls:
         return self.result_cls(call_id=header.call_id, error=error)
 
 
-def _timeout_s(timeout_ms: float) -> float | None:
-    """A call's deadline in seconds from its header's ``timeout_ms``: 0 (unset) is none, as for a
-    unary RPC without a deadline. Raises InvalidArgument for a negative or non-finite value."""
+def _timeout_s(timeout_ms: float, received: float) -> float | None:
+    """The seconds left of a call's deadline, its header's ``timeout_ms`` counted from
+    ``received`` (time.monotonic() when the stream read it; the call may have waited for a thread
+    of the pool since): 0 (unset) is none, as for a unary RPC without a deadline. Raises
+    InvalidArgument for a negative or non-finite value."""
     if not math.isfinite(timeout_ms) or timeout_ms < 0:
         raise InvalidArgument(f"timeout_ms is {timeout_ms}: set the call's deadline in ms (> 0), or 0 for none")
-    return timeout_ms / 1000 or None
+    if timeout_ms == 0:
+        return None
+    return max(0.0, timeout_ms / 1000 - (time.monotonic() - received))
 
 
 def _answers(done: queue.SimpleQueue, in_flight: "_Counter", context: grpc.ServicerContext) -> Iterator[list]:
