@@ -25,6 +25,7 @@ from specdec.batching import SequenceStep
 from specdec.engine import Engine, StepStats, Work
 from specdec.errors import InvalidArgument
 from specdec.kv import SequenceKV, prefill
+from specdec.logits_processors import process
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
@@ -183,6 +184,7 @@ class _Verify(_Score):
         :func:`rejection_sample`, each draw seeded by (request seed, committed length)."""
         start = time.time_ns()
         verifies = [cast(_Verify, work) for work in works]
+        logits = [work.processed(rows) for work, rows in zip(verifies, logits, strict=True)]
         for greedy in (True, False):
             chosen = [(work, rows) for work, rows in zip(verifies, logits, strict=True) if work.greedy == greedy]
             if not chosen:
@@ -203,6 +205,11 @@ class _Verify(_Score):
     @property
     def greedy(self) -> bool:
         return self.session.sampling.greedy
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[K + 1, V]``: the step's logits of this verify after the request's logits processors,
+        row i's from the committed tokens and the first i draft tokens."""
+        return process(logits, self.session.sampling, self.session.committed, self.draft_tokens)
 
     def q(self, vocab_size: int) -> torch.Tensor:
         """The draft distributions, ``[K, V]`` float32 (K = 0: none sent)."""

@@ -11,6 +11,7 @@ from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
 from specdec.errors import FailedPrecondition
 from specdec.kv import SequenceKV, prefill
+from specdec.logits_processors import process
 from specdec.sampling import logits_to_probs, round_generator, sample
 from specdec.sampling_params import SamplingParams
 from specdec.timing import min_ms
@@ -141,14 +142,15 @@ class _Propose(Work):
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)
         sampling = self.session.sampling
+        scores = process(logits[-1:], sampling, [*self.context, *self.chosen])[0]  # as the target's
         if self.guess_bonus and self.bonus is None:
-            self.bonus = int(logits[-1].argmax())
+            self.bonus = int(scores.argmax())
             self.chosen.append(self.bonus)
             return False
         if self.generator is None:  # greedy
-            self.tokens.append(int(logits[-1].argmax()))
+            self.tokens.append(int(scores.argmax()))
         else:
-            q = logits_to_probs(logits[-1], sampling)
+            q = logits_to_probs(scores, sampling)
             self.tokens.append(sample(q, self.generator))
             self.probs.append(q)
         self.chosen.append(self.tokens[-1])
@@ -163,7 +165,8 @@ class ModelDraftSession(DraftSession):
     as work of the drafter's engine loop (a step per draft position for every session at once).
 
     Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
-    logits, seeded by (request seed, committed length), and return q for the acceptance test.
+    logits, seeded by (request seed, committed length), and return q for the acceptance test. Both
+    after the request's logits processors (:mod:`specdec.logits_processors`), as the target's.
     ``window`` is the draft's context length in tokens: a context that would outgrow it gets no
     proposal, and the round becomes a plain decode step on the verify service.
     """
