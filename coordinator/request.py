@@ -22,6 +22,7 @@ class ResolvedRequest:
     num_speculative_tokens: int  # the fixed K, or the adaptive choice's largest K
     drafter: str
     adaptive: bool
+    ignore_eos: bool = False
 
     @property
     def uses_draft_service(self) -> bool:
@@ -90,12 +91,7 @@ def resolve(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
-    sampling = SamplingParams(  # raises InvalidArgument for a value out of range
-        temperature=_field(request, "temperature", 0.0),
-        top_k=_field(request, "top_k", 0),
-        top_p=_field(request, "top_p", 1.0),
-        seed=_field(request, "seed", secrets.randbits(63)),
-    )
+    sampling = _sampling(request, ids, max_new, verify_info)
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
@@ -107,7 +103,40 @@ def resolve(
     drafter = request.drafter
     if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
-    return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0)
+    return ResolvedRequest(
+        ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0, request.ignore_eos
+    )
+
+
+def _sampling(
+    request: coordinator_pb2.GenerateRequest,
+    prompt: list[int],
+    max_new_tokens: int,
+    verify_info: verify_pb2.VerifyServiceGetInfoResponse,
+) -> SamplingParams:
+    """The request's sampling transform and logits processors, every default filled in. Raises
+    InvalidArgument for a value out of range."""
+    min_tokens = _field(request, "min_tokens", 0)
+    if min_tokens > max_new_tokens:
+        raise InvalidArgument(f"min_tokens is {min_tokens}: it must not exceed max_new_tokens ({max_new_tokens})")
+    bad_ids = sorted(i for i in request.logit_bias if not 0 <= i < verify_info.vocab_size)
+    if bad_ids:
+        raise InvalidArgument(
+            f"logit_bias names token {bad_ids[0]}: token ids lie in [0, {verify_info.vocab_size - 1}]"
+        )
+    return SamplingParams(  # raises InvalidArgument for a value out of range
+        temperature=_field(request, "temperature", 0.0),
+        top_k=_field(request, "top_k", 0),
+        top_p=_field(request, "top_p", 1.0),
+        seed=_field(request, "seed", secrets.randbits(63)),
+        frequency_penalty=_field(request, "frequency_penalty", 0.0),
+        presence_penalty=_field(request, "presence_penalty", 0.0),
+        repetition_penalty=_field(request, "repetition_penalty", 1.0),
+        logit_bias=tuple(sorted(request.logit_bias.items())),
+        min_tokens=min_tokens,
+        eos_token_ids=tuple(verify_info.eos_token_ids),
+        num_prompt_tokens=len(prompt),
+    )
 
 
 def _check_drafter(name: str, draft_info, verify_info) -> str:

@@ -1,17 +1,21 @@
 """Logits processors (specdec/logits_processors.py): each against a hand computation, the rows of a
 proposal, and under speculation: the target's acceptance and the model drafter's proposals both
 use the processed distributions (a draft that is the target itself passes every token, greedy and
-sampled), and greedy output equals transformers' own repetition penalty and min_new_tokens."""
+sampled), and greedy output equals transformers' own repetition penalty and min_new_tokens, in
+process and through the services; the new GenerateRequest fields' errors and ignore_eos."""
 
 import math
 
+import grpc
 import pytest
 import torch
 
+from coordinator.client import generate
 from specdec.errors import InvalidArgument
 from specdec.logits_processors import process
 from specdec.sampling_params import SamplingParams
-from tests.conftest import plain_greedy
+from specdec.v1 import coordinator_pb2
+from tests.conftest import TINY_VOCAB, chat_ids, plain_greedy
 
 EOS = 2
 LOGITS = torch.tensor([[1.0, -2.0, 0.5, 3.0, -0.5, 2.0]])
@@ -136,3 +140,46 @@ def test_a_self_draft_passes_every_token_under_the_same_processors(tiny_target, 
         params = SamplingParams(**{**params.__dict__, "num_prompt_tokens": len(prompt)})
         _, (accepted, drafted) = speculate(tiny_target, tiny_drafters["self"], prompt, params, 20)
         assert drafted and accepted == drafted
+
+
+# --- through the services (the tiny pipeline: real gRPC servers on free ports) ---------------
+
+
+@pytest.mark.parametrize("drafter", ["self", "close", "ngram"])
+def test_pipeline_with_processors_equals_transformers_generate(tiny_pipeline, smollm2_tokenizer, drafter):
+    prompt = chat_ids(smollm2_tokenizer, "Say something about the sea")
+    with torch.inference_mode():
+        out = tiny_pipeline.plain_model.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, repetition_penalty=1.4, min_new_tokens=12,
+            eos_token_id=EOS, pad_token_id=0,
+        )  # fmt: skip
+    request = coordinator_pb2.GenerateRequest(
+        text="Say something about the sea", max_new_tokens=24, num_speculative_tokens=4, drafter=drafter,
+        repetition_penalty=1.4, min_tokens=12,
+    )  # fmt: skip
+    completion = generate(tiny_pipeline.address, request, timeout_s=120)
+    assert completion.token_ids == out[0, len(prompt) :].tolist()
+    if drafter == "self":  # the draft applies the target's processors: every draft passes
+        assert completion.metrics.draft_acceptance_rate == 1.0
+
+
+def test_ignore_eos_generates_past_eos(tiny_pipeline):
+    request = coordinator_pb2.GenerateRequest(text="Hi", max_new_tokens=6, logit_bias={EOS: 100.0}, drafter="self")
+    assert generate(tiny_pipeline.address, request, timeout_s=120).token_ids == [EOS]
+    request.ignore_eos = True
+    completion = generate(tiny_pipeline.address, request, timeout_s=120)
+    assert (completion.token_ids, completion.finish_reason) == ([EOS] * 6, "length")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_tokens": 9, "max_new_tokens": 8}, "min_tokens is 9: it must not exceed max_new_tokens"),
+        ({"logit_bias": {TINY_VOCAB: 1.0}}, f"logit_bias names token {TINY_VOCAB}"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty is 3.0"),
+    ],
+)
+def test_bad_processor_fields_are_invalid_argument(tiny_pipeline, fields, message):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", **fields), timeout_s=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
