@@ -1,5 +1,6 @@
 """Validation of a GenerateRequest into the parameters of its speculative rounds."""
 
+import functools
 import secrets
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
@@ -92,6 +94,8 @@ def resolve(
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
     sampling = _sampling(request, ids, max_new, verify_info)
+    if sampling.structured_output is not None:
+        _check_structured_output(sampling, tokenizer, verify_info)
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
@@ -136,7 +140,28 @@ def _sampling(
         min_tokens=min_tokens,
         eos_token_ids=tuple(verify_info.eos_token_ids),
         num_prompt_tokens=len(prompt),
+        structured_output=StructuredOutput.from_proto(request.structured_output),
     )
+
+
+def _check_structured_output(
+    sampling: SamplingParams, tokenizer, verify_info: verify_pb2.VerifyServiceGetInfoResponse
+) -> None:
+    """Compiles the request's structured output against the target's vocabulary, so that a bad
+    spec fails here and not in a service. Raises InvalidArgument naming the part that fails."""
+    assert sampling.structured_output is not None
+    if sampling.min_tokens:
+        raise InvalidArgument(
+            "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
+        )
+    vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
+    sampling.structured_output.grammar(vocab, GrammarLimits())
+
+
+@functools.cache
+def _grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """The llguidance view of the coordinator's tokenizer, built once (about 0.4 s)."""
+    return grammar_tokenizer(tokenizer, vocab_size, list(eos_token_ids))
 
 
 def _check_drafter(name: str, draft_info, verify_info) -> str:

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
+from specdec.structured_output import StructuredOutput
 from specdec.v1 import common_pb2
 
 
@@ -19,6 +20,8 @@ class SamplingParams:
     ``presence_penalty`` in [-2, 2] count the generated tokens; ``repetition_penalty`` > 0 covers
     the prompt too; ``logit_bias`` (token id, bias) pairs, bias in [-100, 100]; ``min_tokens``
     holds back ``eos_token_ids``; ``num_prompt_tokens`` says where the generated tokens start.
+    ``structured_output``: what the generated tokens must match (None: anything), compiled and
+    checked where a tokenizer is at hand (:meth:`StructuredOutput.grammar`).
     Raises InvalidArgument for a value out of range (NaN and infinities included)."""
 
     temperature: float = 0.0
@@ -32,6 +35,7 @@ class SamplingParams:
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:  # also catches NaN
@@ -84,9 +88,11 @@ class SamplingParams:
             min_tokens=msg.min_tokens,
             eos_token_ids=tuple(msg.eos_token_ids),
             num_prompt_tokens=msg.num_prompt_tokens,
+            structured_output=StructuredOutput.from_proto(msg.structured_output),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
+        structured = None if self.structured_output is None else self.structured_output.to_proto()
         return common_pb2.SamplingParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -99,4 +105,5 @@ class SamplingParams:
             min_tokens=self.min_tokens,
             eos_token_ids=self.eos_token_ids,
             num_prompt_tokens=self.num_prompt_tokens,
+            structured_output=structured,
         )

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import llguidance
-import llguidance.hf
 from llguidance import LLMatcher
 
 from specdec.errors import InvalidArgument
+from specdec.v1 import common_pb2
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -58,6 +58,23 @@ class StructuredOutput:
 
     kind: Kind
     spec: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.StructuredOutput) -> "StructuredOutput | None":
+        """None when no kind is set (no constraint)."""
+        kind = msg.WhichOneof("kind")
+        if kind is None:
+            return None
+        if kind == "choice":
+            return cls("choice", json.dumps(list(msg.choice.choices)))
+        return cls(kind, "" if kind == "json_object" else getattr(msg, kind))  # type: ignore[arg-type]
+
+    def to_proto(self) -> common_pb2.StructuredOutput:
+        if self.kind == "json_object":
+            return common_pb2.StructuredOutput(json_object=True)
+        if self.kind == "choice":
+            return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=json.loads(self.spec)))
+        return common_pb2.StructuredOutput(**{self.kind: self.spec})  # type: ignore[arg-type]
 
     @property
     def field(self) -> str:
@@ -116,5 +133,8 @@ class StructuredOutput:
 def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """The llguidance view of a transformers (fast) tokenizer: ``vocab_size`` ids (the model's
     output width; ids past the tokenizer's are never allowed) and the model's EOS ids, which a
-    grammar allows where its text may end. Built once per service (about 0.4 s for SmolLM2)."""
+    grammar allows where its text may end. Built once per service (about 0.4 s for SmolLM2).
+    ``llguidance.hf`` imports transformers, so it is imported here, when a tokenizer is at hand."""
+    import llguidance.hf
+
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)

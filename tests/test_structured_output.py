@@ -1,0 +1,99 @@
+"""Structured output through the services (invariant *lossless under constraints*): greedy output
+of the pipeline equals plain constrained decoding in process (the same grammar module over
+transformers' logits, one token at a time) for every drafter and K, a grammar that forces the end
+finishes with stop, and a bad spec is INVALID_ARGUMENT naming its field. The tiny pipeline: real
+gRPC servers on free ports, the tiny random models."""
+
+import json
+
+import grpc
+import pytest
+import torch
+
+from coordinator.client import generate
+from specdec.grammar import GrammarMatcher
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import TINY_VOCAB, chat_ids
+
+EOS = 2
+MAX_NEW = 32
+PROMPT = "Describe a person as JSON"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+SPECS = {
+    "json_schema": common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+    "regex": common_pb2.StructuredOutput(regex=r"(yes|no), [a-z]{2,8}\."),
+    "choice": common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["red", "green", "blue"])),
+}
+
+
+@pytest.fixture(scope="module")
+def grammar_vocab(smollm2_tokenizer):
+    return grammar_tokenizer(smollm2_tokenizer, TINY_VOCAB, [EOS])
+
+
+def constrained_greedy(model, prompt_ids: list[int], spec: StructuredOutput, vocab, max_new: int) -> list[int]:
+    """Plain constrained greedy decoding: the target's logits after each prefix (a full forward
+    with transformers' own attention), masked by the grammar, argmax, until EOS or max_new."""
+    matcher = GrammarMatcher.from_log(spec, vocab, GrammarLimits())
+    ids: list[int] = []
+    with torch.inference_mode():
+        while len(ids) < max_new and (not ids or ids[-1] != EOS):
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0, -1]
+            token = int(logits.masked_fill(~matcher.allowed(), float("-inf")).argmax())
+            matcher.advance([token])
+            ids.append(token)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pipeline, smollm2_tokenizer, grammar_vocab):
+    prompt = chat_ids(smollm2_tokenizer, PROMPT)
+    return {
+        kind: constrained_greedy(
+            tiny_pipeline.plain_model, prompt, StructuredOutput.from_proto(msg), grammar_vocab, MAX_NEW
+        )
+        for kind, msg in SPECS.items()
+    }
+
+
+def request(kind: str, **fields) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, structured_output=SPECS[kind], **fields)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize(("drafter", "k"), [("self", 4), ("close", 2), ("close", 8), ("ngram", 4), ("wrong", 4)])
+def test_greedy_pipeline_equals_plain_constrained_decoding(tiny_pipeline, references, kind, drafter, k):
+    completion = generate(tiny_pipeline.address, request(kind, num_speculative_tokens=k, drafter=drafter), 120)
+    assert completion.token_ids == references[kind], f"{drafter} K={k} diverged under {kind}"
+
+
+@pytest.mark.parametrize("drafter", ["close", "suffix"])
+def test_adaptive_k_equals_plain_constrained_decoding(tiny_pipeline, references, drafter):
+    completion = generate(tiny_pipeline.address, request("json_schema", drafter=drafter), 120)
+    assert completion.token_ids == references["json_schema"]
+
+
+def test_a_grammar_that_forces_the_end_finishes_with_stop(tiny_pipeline, references):
+    completion = generate(tiny_pipeline.address, request("choice", num_speculative_tokens=4, drafter="self"), 120)
+    assert (completion.finish_reason, completion.token_ids[-1]) == ("stop", EOS)
+    assert completion.text in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (common_pb2.StructuredOutput(regex="(a|b"), "structured_output.regex is not valid"),
+        (common_pb2.StructuredOutput(json_schema='{"type": "objekt"}'), "structured_output.json_schema is not valid"),
+        (common_pb2.StructuredOutput(grammar="start: foo"), 'unknown name: "foo"'),
+    ],
+)
+def test_a_bad_spec_is_invalid_argument_naming_its_field(tiny_pipeline, spec, message):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", structured_output=spec), 60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
