@@ -15,7 +15,8 @@ Once the grammar's text is complete and nothing may follow (:attr:`ended`), the 
 model's EOS ids only, so a request whose grammar forces the end finishes with ``stop``.
 """
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import llguidance
 import numpy as np
@@ -34,6 +35,7 @@ class GrammarMatcher:
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits.parser_limits())
         self.vocab_size = tokenizer.vocab_size
         self.num_tokens = 0  # tokens consumed
+        self._eos_after_end = 0  # of them, EOS tokens after the text's end and its first EOS
 
     @classmethod
     def from_log(
@@ -63,45 +65,82 @@ class GrammarMatcher:
         rows = [self.allowed()]
         consumed = 0
         for token in draft_token_ids:
-            if not (rows[-1][token] and self._matcher.consume_token(token)):
+            if not rows[-1][token]:
                 break
+            self.advance([token])
             consumed += 1
             rows.append(self.allowed())
-        self._matcher.rollback(consumed)
+        self.rollback(consumed)
         rows += [torch.ones(self.vocab_size, dtype=torch.bool)] * (len(draft_token_ids) + 1 - len(rows))
         return torch.stack(rows)
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many leading ``token_ids`` the grammar accepts from here (the matcher stays)."""
-        if self.ended and token_ids:  # llguidance's validate_tokens answers 0 for EOS once stopped
-            return int(bool(self.allowed()[token_ids[0]]))
-        return self._matcher.validate_tokens(list(token_ids))
+        """How many leading ``token_ids`` the grammar accepts from here (the matcher stays). Once
+        the text is complete, EOS is accepted as often as it comes, as the mask allows it (so a
+        request with ``ignore_eos`` goes on with EOS)."""
+        token_ids = list(token_ids)
+        if self.ended:
+            return self._leading_allowed(token_ids)
+        valid = self._matcher.validate_tokens(token_ids)
+        if 0 < valid < len(token_ids):
+            self._matcher.consume_tokens(token_ids[:valid])
+            extra = self._leading_allowed(token_ids[valid:]) if self.ended else 0
+            self._matcher.rollback(valid)
+            valid += extra
+        return valid
+
+    def _leading_allowed(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the mask now allows (all the same state: past the end,
+        where only EOS is allowed)."""
+        allowed = self.allowed()
+        return next((i for i, token in enumerate(token_ids) if not allowed[token]), len(token_ids))
 
     def forced_tokens(self) -> list[int]:
-        """The tokens the grammar allows exactly one way from here (``{"name": `` after the start
-        of an object with one required key), empty when the next token is a choice."""
+        """The tokens of the text the grammar forces from here (``{"name": `` at the start of an
+        object whose first key is required), in the tokenizer's canonical tokenization; empty
+        when the next text is a choice. A proposal, not a certainty: the mask may also allow other
+        tokenizations of the same text, so they are verified like any draft token."""
         return self._matcher.compute_ff_tokens()
+
+    @contextlib.contextmanager
+    def tentatively(self, token_ids: Sequence[int]) -> Iterator[bool]:
+        """Consumes ``token_ids`` for the duration of the block, rolled back after; yields False
+        (consuming nothing) when the grammar rejects one of them."""
+        valid = self.valid_prefix(token_ids) == len(token_ids)
+        if valid:
+            self.advance(token_ids)
+        try:
+            yield valid
+        finally:
+            if valid:
+                self.rollback(len(token_ids))
 
     def advance(self, token_ids: Sequence[int]) -> None:
         """Consumes committed tokens. Raises InvalidArgument for a token the grammar rejects (a
         committed log that does not follow the grammar: never the case for tokens this matcher
         masked)."""
-        if not token_ids:
-            return
+        token_ids = list(token_ids)
         accepted = self.valid_prefix(token_ids)
         if accepted < len(token_ids):
             raise InvalidArgument(
                 f"token {token_ids[accepted]} (position {self.num_tokens + accepted}) does not follow the "
                 "request's grammar"
             )
-        self._matcher.consume_tokens(list(token_ids))
-        self.num_tokens += accepted
+        # llguidance takes the text and the first EOS after it; the EOS tokens after that are
+        # counted here: its validate_tokens stops at them, and a rolled-back consume_token of one
+        # leaves its state off (llguidance 1.9.1)
+        real = 0 if self.ended else self._matcher.validate_tokens(token_ids)
+        self._matcher.consume_tokens(token_ids[:real])
+        self._eos_after_end += len(token_ids) - real
+        self.num_tokens += len(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
         """Takes back the last ``num_tokens`` consumed tokens (0 <= num_tokens <= consumed)."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_tokens} consumed tokens")
-        self._matcher.rollback(num_tokens)
+        from_end = min(num_tokens, self._eos_after_end)
+        self._eos_after_end -= from_end
+        self._matcher.rollback(num_tokens - from_end)
         self.num_tokens -= num_tokens
 
     @property

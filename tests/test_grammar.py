@@ -39,6 +39,16 @@ def person_ids(smollm2_tokenizer):
     return [*smollm2_tokenizer(PERSON_TEXT, add_special_tokens=False).input_ids, EOS]
 
 
+def test_eos_repeats_after_the_end(tokenizer, person_ids):
+    """Past the end only EOS is allowed, as often as it comes (ignore_eos), and rolls back."""
+    matcher = GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[:-2])
+    assert matcher.valid_prefix([*person_ids[-2:], EOS, EOS, 5]) == 4
+    matcher.advance([*person_ids[-2:], EOS, EOS])
+    assert matcher.ended and matcher.allowed().nonzero().flatten().tolist() == [EOS]
+    matcher.rollback(4)
+    assert_same_state(matcher, GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[:-2]))
+
+
 def state(matcher: GrammarMatcher) -> tuple[torch.Tensor, list[int], bool]:
     return matcher.allowed(), matcher.forced_tokens(), matcher.ended
 

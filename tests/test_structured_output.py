@@ -12,6 +12,7 @@ import torch
 
 from coordinator.client import generate
 from specdec.grammar import GrammarMatcher
+from specdec.sampling_params import SamplingParams
 from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.conftest import TINY_VOCAB, chat_ids
@@ -97,3 +98,42 @@ def test_a_bad_spec_is_invalid_argument_naming_its_field(tiny_pipeline, spec, me
     with pytest.raises(grpc.RpcError) as err:
         generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", structured_output=spec), 60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_self_draft_under_the_grammar_passes_every_token(tiny_pipeline, temperature):
+    """The draft model is the target and masks its logits by the same grammar: its greedy drafts
+    all pass, and its sampled ones pass with probability min(1, p/q) = 1."""
+    completion = generate(
+        tiny_pipeline.address,
+        request("json_schema", num_speculative_tokens=4, drafter="self", temperature=temperature, seed=7),
+        120,
+    )
+    assert completion.metrics.num_draft_tokens and completion.metrics.draft_acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_model_drafter_proposes_forced_tokens_without_a_forward(
+    tiny_drafters, smollm2_tokenizer, grammar_vocab, temperature
+):
+    """At the start of the schema's object the grammar forces ``{"name": "``: those tokens open
+    the proposal (q a point mass on each under sampling), and the model drafts after them."""
+    prompt = chat_ids(smollm2_tokenizer, PROMPT)
+    spec = StructuredOutput.from_proto(SPECS["json_schema"])
+    forced = GrammarMatcher.from_log(spec, grammar_vocab, GrammarLimits()).forced_tokens()
+    assert smollm2_tokenizer.decode(forced).startswith('{"name":')
+    params = SamplingParams(
+        temperature=temperature, seed=1, eos_token_ids=(EOS,), num_prompt_tokens=len(prompt), structured_output=spec
+    )
+    session = tiny_drafters["close"].new_session(params)
+    session.prefill(prompt)
+    try:
+        proposal = session.propose(len(forced) + 3)
+    finally:
+        session.close()
+    assert proposal.tokens[: len(forced)] == forced and len(proposal.tokens) == len(forced) + 3
+    matcher = GrammarMatcher.from_log(spec, grammar_vocab, GrammarLimits())
+    assert matcher.valid_prefix(proposal.tokens) == len(proposal.tokens)  # drafted under the mask
+    if temperature:
+        assert proposal.probs is not None
+        assert proposal.probs[: len(forced)].max(dim=1).values.tolist() == [1.0] * len(forced)
