@@ -155,7 +155,7 @@ def _check_structured_output(
             "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
         )
     vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
-    sampling.structured_output.grammar(vocab, GrammarLimits())
+    sampling.structured_output.check(vocab, GrammarLimits())
 
 
 @functools.cache

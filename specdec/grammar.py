@@ -29,10 +29,14 @@ from specdec.structured_output import GrammarLimits, StructuredOutput
 class GrammarMatcher:
     """The grammar state after a session's generated tokens (the prompt is not matched)."""
 
-    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits):
-        """``grammar``: from :meth:`specdec.structured_output.StructuredOutput.grammar` (already
-        checked); ``tokenizer``: from :func:`specdec.structured_output.grammar_tokenizer`."""
+    def __init__(self, structured_output: StructuredOutput, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits):
+        """Compiles ``structured_output`` against ``tokenizer`` (from
+        :func:`specdec.structured_output.grammar_tokenizer`) within ``limits``. Raises
+        InvalidArgument for a spec that does not compile or exceeds a limit, naming its field."""
+        grammar = structured_output.grammar(limits)
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits.parser_limits())
+        if self._matcher.is_error():
+            raise structured_output.invalid(self._matcher.get_error())
         self.vocab_size = tokenizer.vocab_size
         self.num_tokens = 0  # tokens consumed
         self._eos_after_end = 0  # of them, EOS tokens after the text's end and its first EOS
@@ -46,9 +50,9 @@ class GrammarMatcher:
         generated: Sequence[int] = (),
     ) -> "GrammarMatcher":
         """A matcher compiled from ``structured_output`` and fed the ``generated`` tokens (the
-        committed log after the prompt). Raises InvalidArgument for a bad spec (see
-        :meth:`StructuredOutput.grammar`) or generated tokens the grammar rejects."""
-        matcher = cls(structured_output.grammar(tokenizer, limits), tokenizer, limits)
+        committed log after the prompt). Raises InvalidArgument for a bad spec or generated tokens
+        the grammar rejects."""
+        matcher = cls(structured_output, tokenizer, limits)
         matcher.advance(generated)
         return matcher
 

@@ -81,24 +81,34 @@ class StructuredOutput:
         """The request field it came from, for error messages (``structured_output.regex``)."""
         return f"structured_output.{self.kind}"
 
-    def grammar(self, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits) -> str:
-        """The llguidance grammar, checked against ``tokenizer`` within ``limits``.
+    def grammar(self, limits: GrammarLimits) -> str:
+        """The llguidance grammar text, not yet compiled against a vocabulary (the matcher,
+        :class:`specdec.grammar.GrammarMatcher`, does that, or :meth:`check`).
 
         Raises:
-            InvalidArgument: unknown kind, a spec over ``limits.max_spec_bytes``, text that is not
-                valid JSON where JSON is expected, or a schema, regex or grammar that llguidance
-                rejects or that exceeds a compile limit (its message names the limit).
+            InvalidArgument: unknown kind, a spec over ``limits.max_spec_bytes``, or text that is
+                not valid JSON where JSON is expected.
         """
         size = len(self.spec.encode())
         if size > limits.max_spec_bytes:
             raise InvalidArgument(
                 f"{self.field} is {size} bytes: the limit is {limits.max_spec_bytes} bytes; shorten it"
             )
-        grammar = self._compile()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits.parser_limits())
+        return self._compile()
+
+    def check(self, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits) -> None:
+        """Compiles the grammar against ``tokenizer`` within ``limits``. Raises InvalidArgument as
+        :meth:`grammar` does, and for a schema, regex or grammar that llguidance rejects or that
+        exceeds a compile limit (its message names the limit)."""
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(
+            self.grammar(limits), tokenizer, limits=limits.parser_limits()
+        )
         if is_error:
-            raise InvalidArgument(f"{self.field} is not valid: {messages[0].strip()}")
-        return grammar
+            raise self.invalid(messages[0])
+
+    def invalid(self, reason: str) -> InvalidArgument:
+        """The error for a spec llguidance rejects, naming the field."""
+        return InvalidArgument(f"{self.field} is not valid: {reason.strip()}")
 
     def _compile(self) -> str:
         """The llguidance grammar text (not yet checked). Raises InvalidArgument."""
