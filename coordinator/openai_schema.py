@@ -257,12 +257,6 @@ class _Request(BaseModel):
                 f"unsupported field {name!r}: remove it (docs/api.md lists the fields specdec takes)",
                 "unsupported_parameter",
             )
-        if self.n is not None and self.n != 1:
-            raise invalid(
-                "n",
-                f"n is {self.n}: specdec returns one choice per request: leave n out or set it to 1, "
-                "and send one request per choice",
-            )
         if self.stream_options is not None and not self.stream:
             raise invalid(
                 "stream_options",
@@ -287,6 +281,25 @@ class _Request(BaseModel):
                 "response_format and structured_outputs both constrain the output: set only one of them",
             )
         return self.structured_outputs.structured_output()
+
+    def choice_requests(self, max_n: int) -> list[coordinator_pb2.GenerateRequest]:
+        """One GenerateRequest per choice (``n``, at most ``max_n``), each an independent request:
+        choice i's seed is the body's seed + i (so choice 0 is what n = 1 gives), or a random one
+        when the body sets none. Raises ApiError (400)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= max_n:
+            raise invalid("n", f"n is {n}: it must lie in [1, {max_n}] (the coordinator's --max-n)")
+        if n > 1 and self.stream:
+            raise invalid("n", f"n is {n} with stream: specdec streams one choice: set n to 1 or stream to false")
+        request = self.generate_request()
+        choices = []
+        for i in range(n):
+            choice = coordinator_pb2.GenerateRequest()
+            choice.CopyFrom(request)
+            if request.HasField("seed"):
+                choice.seed = (request.seed + i) % 2**64
+            choices.append(choice)
+        return choices
 
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
         """The GenerateRequest of this body (the prompt set by the subclass)."""
@@ -419,18 +432,25 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def completion(self, completion: Completion) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}}
-        else:
-            choice = {"index": 0, "text": completion.text}
-        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        prompt_tokens = completion.metrics.num_prompt_tokens if completion.metrics else 0
+    def completion(self, completions: list[Completion]) -> dict:
+        """The response of a request's choices (``n`` of them); ``specdec`` is the first choice's
+        metrics, and with n > 1 every choice carries its own too."""
+        choices = [self._choice(i, completion, len(completions) > 1) for i, completion in enumerate(completions)]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        first = completions[0].metrics
+        prompt_tokens = first.num_prompt_tokens if first else 0
         return body | {
-            "usage": usage(prompt_tokens, len(completion.token_ids)),
-            "specdec": specdec_metrics(completion.metrics),
+            "usage": usage(prompt_tokens, sum(len(completion.token_ids) for completion in completions)),
+            "specdec": specdec_metrics(first),
         }
+
+    def _choice(self, index: int, completion: Completion, with_metrics: bool) -> dict:
+        if self.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": completion.text}}
+        else:
+            choice = {"index": index, "text": completion.text}
+        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
+        return choice | ({"specdec": specdec_metrics(completion.metrics)} if with_metrics else {})
 
     def chunk(
         self,

@@ -241,7 +241,8 @@ CHAT = {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_
 BAD_REQUESTS = [
     # name, changes to CHAT, HTTP status, param, start of the message
     ("unknown model", {"model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist"),
-    ("n 2", {"n": 2}, 400, "n", "n is 2"),
+    ("n above the limit", {"n": 9}, 400, "n", "n is 9: it must lie in [1, 8]"),
+    ("n with stream", {"n": 2, "stream": True}, 400, "n", "n is 2 with stream"),
     ("logprobs", {"logprobs": True}, 400, "logprobs", "logprobs=True is not supported"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools="),
     ("penalty out of range", {"frequency_penalty": 2.5}, 400, "frequency_penalty", "frequency_penalty is 2.5"),
@@ -758,3 +759,25 @@ def test_penalties_and_limits_from_the_sdk(api, tiny_pipeline):
     )  # fmt: skip
     assert response.choices[0].message.content == expected.text
     assert response.usage.completion_tokens == 12
+
+
+def test_n_choices_are_independent_requests_seeded_by_index(api, tiny_pipeline):
+    """A fixed K: under adaptive K the choices' load (they run at once) could choose other K than
+    a request alone, and a seed reproduces a sampled completion at the same K."""
+    response = api.client().chat.completions.create(
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        extra_body={"num_speculative_tokens": 2},
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    for i, choice in enumerate(response.choices):  # choice i: the request with seed 5 + i
+        expected = grpc_completion(
+            tiny_pipeline.address, text=PROMPT, max_new_tokens=8, temperature=1.0, seed=5 + i, num_speculative_tokens=2
+        )
+        assert choice.message.content == expected.text
+    assert len({choice.message.content for choice in response.choices}) > 1
+    assert response.usage.completion_tokens == sum(c.specdec["num_generated_tokens"] for c in response.choices)
