@@ -8,14 +8,13 @@ import json
 
 import grpc
 import pytest
-import torch
 
 from coordinator.client import generate
 from specdec.grammar import GrammarMatcher
 from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.structured_output import GrammarLimits, StructuredOutput
 from specdec.v1 import common_pb2, coordinator_pb2
-from tests.conftest import TINY_VOCAB, chat_ids
+from tests.conftest import chat_ids, constrained_greedy
 
 EOS = 2
 MAX_NEW = 32
@@ -34,30 +33,11 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
-def grammar_vocab(smollm2_tokenizer):
-    return grammar_tokenizer(smollm2_tokenizer, TINY_VOCAB, [EOS])
-
-
-def constrained_greedy(model, prompt_ids: list[int], spec: StructuredOutput, vocab, max_new: int) -> list[int]:
-    """Plain constrained greedy decoding: the target's logits after each prefix (a full forward
-    with transformers' own attention), masked by the grammar, argmax, until EOS or max_new."""
-    matcher = GrammarMatcher.from_log(spec, vocab, GrammarLimits())
-    ids: list[int] = []
-    with torch.inference_mode():
-        while len(ids) < max_new and (not ids or ids[-1] != EOS):
-            logits = model(torch.tensor([prompt_ids + ids])).logits[0, -1]
-            token = int(logits.masked_fill(~matcher.allowed(), float("-inf")).argmax())
-            matcher.advance([token])
-            ids.append(token)
-    return ids
-
-
-@pytest.fixture(scope="module")
-def references(tiny_pipeline, smollm2_tokenizer, grammar_vocab):
+def references(tiny_pipeline, smollm2_tokenizer, tiny_grammar_vocab):
     prompt = chat_ids(smollm2_tokenizer, PROMPT)
     return {
         kind: constrained_greedy(
-            tiny_pipeline.plain_model, prompt, StructuredOutput.from_proto(msg), grammar_vocab, MAX_NEW
+            tiny_pipeline.plain_model, prompt, StructuredOutput.from_proto(msg), tiny_grammar_vocab, MAX_NEW
         )
         for kind, msg in SPECS.items()
     }
@@ -114,13 +94,13 @@ def test_a_self_draft_under_the_grammar_passes_every_token(tiny_pipeline, temper
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_model_drafter_proposes_forced_tokens_without_a_forward(
-    tiny_drafters, smollm2_tokenizer, grammar_vocab, temperature
+    tiny_drafters, smollm2_tokenizer, tiny_grammar_vocab, temperature
 ):
     """At the start of the schema's object the grammar forces ``{"name": "``: those tokens open
     the proposal (q a point mass on each under sampling), and the model drafts after them."""
     prompt = chat_ids(smollm2_tokenizer, PROMPT)
     spec = StructuredOutput.from_proto(SPECS["json_schema"])
-    forced = GrammarMatcher.from_log(spec, grammar_vocab, GrammarLimits()).forced_tokens()
+    forced = GrammarMatcher.from_log(spec, tiny_grammar_vocab, GrammarLimits()).forced_tokens()
     assert smollm2_tokenizer.decode(forced).startswith('{"name":')
     params = SamplingParams(
         temperature=temperature, seed=1, eos_token_ids=(EOS,), num_prompt_tokens=len(prompt), structured_output=spec
@@ -132,7 +112,7 @@ def test_the_model_drafter_proposes_forced_tokens_without_a_forward(
     finally:
         session.close()
     assert proposal.tokens[: len(forced)] == forced and len(proposal.tokens) == len(forced) + 3
-    matcher = GrammarMatcher.from_log(spec, grammar_vocab, GrammarLimits())
+    matcher = GrammarMatcher.from_log(spec, tiny_grammar_vocab, GrammarLimits())
     assert matcher.valid_prefix(proposal.tokens) == len(proposal.tokens)  # drafted under the mask
     if temperature:
         assert proposal.probs is not None

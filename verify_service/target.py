@@ -87,6 +87,7 @@ class Target:
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         target = cls(model, tokenizer, spec, max_k, limits)
         target.measure_costs()
+        target.grammar_tokenizer  # noqa: B018 (built now: building it holds the GIL for about 0.4 s)
         return target
 
     def measure_costs(self, context_len: int = 64) -> None:
@@ -117,7 +118,8 @@ class Target:
 
     @functools.cached_property
     def grammar_tokenizer(self):
-        """The llguidance view of the tokenizer, built at the first structured-output request."""
+        """The llguidance view of the tokenizer: built by :meth:`load` (a target made otherwise
+        builds it at its first structured-output request)."""
         return grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def grammar_matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:

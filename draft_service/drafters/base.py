@@ -149,13 +149,15 @@ class _Propose(Work):
             self._jump_forward()
 
     def next_step(self, budget: int) -> SequenceStep:
+        """The uncached context (first step) and the chosen tokens not fed yet; no state changes
+        here: the engine may ask again when a step's budget leaves this work for the next one."""
         kv_cache = self.session.kv_cache
         fresh = [] if self.started else kv_cache.reconcile(self.context, len(self.session.committed))
-        self.started, pending, self.num_fed = True, self.chosen[self.num_fed :], len(self.chosen)
-        return kv_cache.step([*fresh, *pending])
+        return kv_cache.step([*fresh, *self.chosen[self.num_fed :]])
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)
+        self.started, self.num_fed = True, len(self.chosen)
         if len(self.tokens) >= self.k:  # forced tokens filled the proposal before this step
             return self._done()
         sampling = self.session.sampling
