@@ -1,6 +1,7 @@
 """The drafter interface, and the proposal loop shared by model-based drafters."""
 
 import abc
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -267,21 +268,32 @@ class ModelDraftSession(DraftSession):
 
 
 class GrammarVocabulary:
-    """A model drafter's tokenizer as the grammar library sees it, built at the first
-    structured-output request (about 0.4 s for SmolLM2) for each set of EOS ids (the target's,
-    sent with each request), so the draft's masks are the target's."""
+    """A model drafter's tokenizer as the grammar library sees it, one per set of EOS ids (the
+    target's, sent with each request), so the draft's masks are the target's. Built at start-up
+    for the drafter's own EOS ids, the target's too when they share a vocabulary; another set is
+    built at its first structured-output request (about 0.4 s for SmolLM2, the GIL held, so the
+    draft's steps wait)."""
 
-    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int):
-        self._load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._built: dict[tuple[int, ...], LLTokenizer] = {}
+        with contextlib.suppress(ValueError):  # a tokenizer llguidance cannot read: refused per request
+            self._vocabulary(tuple(eos_token_ids))
 
     def matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
         """The request's grammar state after ``committed`` (its generated part); None without
         structured output. Raises InvalidArgument for a spec that does not compile."""
         if sampling.structured_output is None:
             return None
-        eos = sampling.eos_token_ids
-        if eos not in self._built:
-            self._built[eos] = grammar_tokenizer(self._load_tokenizer(), self.vocab_size, list(eos))
+        try:
+            vocabulary = self._vocabulary(sampling.eos_token_ids)
+        except ValueError as err:
+            raise FailedPrecondition(f"the drafter's tokenizer cannot be read by the grammar library: {err}") from None
         generated = committed[sampling.num_prompt_tokens :]
-        return GrammarMatcher.from_log(sampling.structured_output, self._built[eos], GrammarLimits(), generated)
+        return GrammarMatcher.from_log(sampling.structured_output, vocabulary, GrammarLimits(), generated)
+
+    def _vocabulary(self, eos: tuple[int, ...]) -> LLTokenizer:
+        """Raises ValueError for a tokenizer llguidance cannot read."""
+        if eos not in self._built:
+            self._built[eos] = grammar_tokenizer(self._tokenizer, self.vocab_size, list(eos))
+        return self._built[eos]

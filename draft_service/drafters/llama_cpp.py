@@ -345,9 +345,10 @@ class LlamaCppDrafter(Drafter):
         self.lm = LlamaCppLM(self.path, n_ctx, max_num_seqs, max_num_batched_tokens, n_threads, n_gpu_layers)
         self.vocab_fingerprint = vocab_fingerprint(self.lm.token_texts())
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, name=self.name)
-        # the grammar's view of the vocabulary: transformers' tokenizer of the same GGUF, loaded at
-        # the first structured-output request (the fingerprint check makes it the target's)
-        self.vocabulary = GrammarVocabulary(lambda: load_tokenizer(spec), self.lm.vocab_size)
+        # the grammar's view of the vocabulary: transformers' tokenizer of the same GGUF (the
+        # fingerprint check makes it the target's)
+        tokenizer = load_tokenizer(spec)
+        self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [tokenizer.eos_token_id])
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
         return ModelDraftSession(sampling, SequenceKV(self.lm), self.n_ctx, self.engine, self.vocabulary)

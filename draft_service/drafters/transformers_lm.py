@@ -24,7 +24,8 @@ class TransformersDrafter(Drafter):
         self.window = context_window(model)
         self.lm = RaggedLM(model)
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
-        self.vocabulary = GrammarVocabulary(lambda: tokenizer, self.lm.vocab_size)
+        eos = model.generation_config.eos_token_id
+        self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [eos] if isinstance(eos, int) else eos or [])
 
     @classmethod
     def load(
