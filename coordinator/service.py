@@ -242,7 +242,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.tokenizer,
             resolved.prompt_ids,
             resolved.stop,
-            verify_info.eos_token_ids,
+            () if resolved.ignore_eos else verify_info.eos_token_ids,
             resolved.max_new_tokens,
             request.resume_from,
         )

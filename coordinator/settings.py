@@ -43,6 +43,12 @@ class CoordinatorSettings(ServiceSettings):
         "(streamed or not) together, a client being its API key when keys are set, else its IP address; one more "
         "gets RESOURCE_EXHAUSTED (HTTP 429); 0 = no limit.",
     )
+    max_n: int = Field(
+        8,
+        ge=1,
+        description="Largest n (choices of one HTTP completion, each run as its own request) a request may ask "
+        "for; more gets 400.",
+    )
     max_request_bytes: int = Field(
         8 * 1024 * 1024,
         ge=1024,

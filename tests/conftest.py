@@ -36,12 +36,14 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
+from specdec.grammar import GrammarMatcher  # noqa: E402
 from specdec.model_files import load_tokenizer  # noqa: E402
 from specdec.models import load_causal_lm  # noqa: E402
 from specdec.prom import EngineMetrics  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 from specdec.server import GRPC_OPTIONS  # noqa: E402
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 from specdec_app.launcher import ServiceProcess, free_port, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
@@ -377,6 +379,27 @@ def plain_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
             torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_grammar_vocab(smollm2_tokenizer):
+    """The grammar library's view of the tiny models' vocabulary (SmolLM2's tokenizer, EOS 2)."""
+    return grammar_tokenizer(smollm2_tokenizer, TINY_VOCAB, [2])
+
+
+def constrained_greedy(model, prompt_ids: list[int], spec: StructuredOutput, vocab, max_new: int) -> list[int]:
+    """Plain constrained greedy decoding: the target's logits after each prefix (a full forward
+    with transformers' own attention), masked by the grammar (:mod:`specdec.grammar`), argmax,
+    until EOS (2, the tiny models') or max_new tokens."""
+    matcher = GrammarMatcher.from_log(spec, vocab, GrammarLimits())
+    ids: list[int] = []
+    with torch.inference_mode():
+        while len(ids) < max_new and (not ids or ids[-1] != 2):
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0, -1]
+            token = int(logits.masked_fill(~matcher.allowed(), float("-inf")).argmax())
+            matcher.advance([token])
+            ids.append(token)
+    return ids
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

@@ -47,8 +47,9 @@ from prometheus_client import CollectorRegistry, Counter
 from coordinator.api.client import Completion, generate
 from coordinator.request_store.store import FINISHED, RedisStore
 from specdec.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import SUMMARY, chat_ids, plain_greedy, process_fleet, scrape
+from specdec.structured_output import StructuredOutput
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import SUMMARY, chat_ids, constrained_greedy, plain_greedy, process_fleet, scrape
 
 pytestmark = pytest.mark.multiprocess
 PROMPTS = [
@@ -61,6 +62,7 @@ PREFILL_HOLD_MS = 1000  # every Prefill waits this long on both services (the te
 RPC_TIMEOUT_S, PREFILL_TIMEOUT_S = 2.0, 3.0  # the coordinators' deadlines here
 STOP_HOLD_S = {"draft": 1.5, "verify": 3.0, "redis": 2.0}  # SIGSTOP to SIGCONT, seconds
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=1234)
+LETTERS = common_pb2.StructuredOutput(regex="[a-z ]{200}")  # longer than MAX_NEW tokens: ends with length
 LONGEST_WAIT_S: dict[str, float] = {}
 
 
@@ -260,6 +262,39 @@ def assert_no_session_left(services, evicted_before: float, timeout_s: float = 1
         assert time.monotonic() < deadline, f"sessions left on draft, verify0, verify1: {held}"
         time.sleep(0.1)
     assert sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services) <= evicted_before
+
+
+def test_constrained_output_survives_a_draft_and_a_verify_kill(
+    fleet, smollm2_tokenizer, plain_target_model, tiny_grammar_vocab
+):
+    """Greedy under a grammar, the draft service and both verify replicas killed mid-stream (and
+    restarted at once): each service's grammar matcher is rebuilt from the committed log with its
+    session, and the output equals plain constrained decoding."""
+    request = coordinator_pb2.GenerateRequest(
+        text=PROMPTS[1], max_new_tokens=MAX_NEW, structured_output=LETTERS, num_speculative_tokens=K,
+        drafter="transformers",
+    )  # fmt: skip
+    prompt = chat_ids(smollm2_tokenizer, request.text)
+    expected = constrained_greedy(
+        plain_target_model, prompt, StructuredOutput.from_proto(LETTERS), tiny_grammar_vocab, MAX_NEW
+    )
+    services = [fleet.draft, *fleet.verify]
+    evicted_before = sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services)
+    burst = Burst(fleet.coordinators[0].address)
+    burst.send({"constrained": request})
+    burst.wait_until(lambda tokens: min(tokens.values(), default=MAX_NEW) >= 12)
+    assert burst.tokens(), "the request ended before the fault"
+    for process in services:
+        process.kill()
+    restarts = [threading.Thread(target=fleet.restart, args=(p,)) for p in services]
+    for thread in restarts:
+        thread.start()
+    stream = burst.join()["constrained"]
+    for thread in restarts:
+        thread.join()
+    assert stream.error is None, f"{stream.error.code()} {stream.error.details()}"
+    assert stream.completion.token_ids == expected
+    assert_no_session_left(services, evicted_before)
 
 
 def test_a_request_stored_after_redis_returns(fleet, references, redis_server):

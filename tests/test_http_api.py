@@ -11,13 +11,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 import hypothesis
 import openai
 import pytest
 import schemathesis
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from coordinator.api.auth import ApiKeys, Unauthenticated
 from coordinator.api.client import generate
@@ -240,11 +241,48 @@ CHAT = {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_
 BAD_REQUESTS = [
     # name, changes to CHAT, HTTP status, param, start of the message
     ("unknown model", {"model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist"),
-    ("n 2", {"n": 2}, 400, "n", "n is 2"),
+    ("n above the limit", {"n": 9}, 400, "n", "n is 9: it must lie in [1, 8]"),
+    ("n with stream", {"n": 2, "stream": True}, 400, "n", "n is 2 with stream"),
     ("logprobs", {"logprobs": True}, 400, "logprobs", "logprobs=True is not supported"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools="),
-    ("response_format", {"response_format": {"type": "json_object"}}, 400, "response_format", "response_format="),
-    ("penalty", {"frequency_penalty": 0.5}, 400, "frequency_penalty", "frequency_penalty=0.5"),
+    ("penalty out of range", {"frequency_penalty": 2.5}, 400, "frequency_penalty", "frequency_penalty is 2.5"),
+    ("logit_bias id", {"logit_bias": {"99999999": 1}}, 400, "logit_bias", "logit_bias names token 99999999"),
+    ("min_tokens", {"min_tokens": 5}, 400, "min_tokens", "min_tokens is 5: it must not exceed max_new_tokens (4)"),
+    (
+        "json_schema without a schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        400,
+        "response_format.json_schema",
+        "response_format of type json_schema needs json_schema.schema",
+    ),
+    (
+        "bad schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+        400,
+        "response_format",
+        "structured_output.json_schema is not valid: Invalid type: objekt",
+    ),
+    (
+        "bad regex",
+        {"structured_outputs": {"regex": "(a|b"}},
+        400,
+        "structured_outputs",
+        "structured_output.regex is not valid",
+    ),
+    (
+        "two structured outputs",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+        400,
+        "structured_outputs",
+        "response_format and structured_outputs both constrain the output",
+    ),
+    (
+        "two kinds in structured_outputs",
+        {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+        400,
+        "structured_outputs",
+        "structured_outputs sets regex, choice: set exactly one",
+    ),
     ("unknown field", {"max_token": 4}, 400, "max_token", "unsupported field 'max_token'"),
     ("max_tokens 0", {"max_tokens": 0}, 400, "max_tokens", "max_new_tokens is 0: it must lie in [1, 256]"),
     (
@@ -658,3 +696,88 @@ def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path, monk
     report = json.loads((tmp_path / "out" / summary["report_file"]).read_text())
     sent = json.loads(report["benchmarks"][0]["requests"]["successful"][0]["request_args"])["body"]
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+# --- structured output, penalties and limits from the SDK -----------------------------------------
+
+
+class Pick(BaseModel):
+    color: Literal["red", "green", "blue"]
+    count: int = Field(ge=0, le=9)
+    ok: bool
+
+
+def test_sdk_parse_with_a_pydantic_model_returns_the_object(api):
+    completion = api.client().chat.completions.parse(
+        model=api.model,
+        messages=[{"role": "user", "content": "Pick a color"}],
+        response_format=Pick,
+        max_tokens=40,
+        temperature=0,
+    )
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop" and isinstance(message.parsed, Pick)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"structured_outputs": {"regex": "[0-9]{3}"}},
+        {"structured_outputs": {"grammar": 'root ::= "a" [b-d]+ "e"'}},
+    ],
+)
+def test_structured_output_fields_constrain_the_text(api, extra):
+    body = {"model": api.model, "messages": [{"role": "user", "content": "Answer"}], "max_tokens": 24, "temperature": 0}
+    status, got = call(api, "POST", "/v1/chat/completions", body | extra)
+    assert status == 200, got
+    text = got["choices"][0]["message"]["content"]
+    if "response_format" in extra:
+        assert got["choices"][0]["finish_reason"] == "length" or isinstance(json.loads(text), dict)
+    elif "choice" in extra["structured_outputs"]:
+        assert text in ("yes", "no")
+    elif "regex" in extra["structured_outputs"]:
+        assert len(text) == 3 and text.isdigit()
+    else:
+        assert got["choices"][0]["finish_reason"] == "length" or (text[0], text[-1]) == ("a", "e")
+
+
+def test_penalties_and_limits_from_the_sdk(api, tiny_pipeline):
+    fields = {"frequency_penalty": 0.8, "presence_penalty": 0.3, "logit_bias": {"2": -100}}
+    response = api.client().chat.completions.create(
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+        **fields,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 3, "ignore_eos": True},
+    )
+    expected = grpc_completion(
+        tiny_pipeline.address, text=PROMPT, max_new_tokens=12, temperature=0, frequency_penalty=0.8,
+        presence_penalty=0.3, logit_bias={2: -100}, repetition_penalty=1.2, min_tokens=3, ignore_eos=True,
+    )  # fmt: skip
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.completion_tokens == 12
+
+
+def test_n_choices_are_independent_requests_seeded_by_index(api, tiny_pipeline):
+    """A fixed K: under adaptive K the choices' load (they run at once) could choose other K than
+    a request alone, and a seed reproduces a sampled completion at the same K."""
+    response = api.client().chat.completions.create(
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        extra_body={"num_speculative_tokens": 2},
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    for i, choice in enumerate(response.choices):  # choice i: the request with seed 5 + i
+        expected = grpc_completion(
+            tiny_pipeline.address, text=PROMPT, max_new_tokens=8, temperature=1.0, seed=5 + i, num_speculative_tokens=2
+        )
+        assert choice.message.content == expected.text
+    assert len({choice.message.content for choice in response.choices}) > 1
+    assert response.usage.completion_tokens == sum(c.specdec["num_generated_tokens"] for c in response.choices)

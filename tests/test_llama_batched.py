@@ -13,9 +13,11 @@ import torch
 from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requantized
 from specdec.batching import SequenceStep
 from specdec.errors import ResourceExhausted
-from specdec.model_files import derived_path, resolve_model
+from specdec.grammar import GrammarMatcher
+from specdec.model_files import derived_path, load_tokenizer, resolve_model
 from specdec.prom import EngineMetrics
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365],
@@ -204,3 +206,24 @@ def test_requantized_is_converted_once_and_cached():
         assert lm.vocab_size == 49152
     finally:
         lm.close()
+
+
+def test_proposals_under_a_grammar_stay_in_it_and_open_with_the_forced_tokens(drafter):
+    """Structured output on the llama.cpp drafter: its grammar vocabulary comes from transformers'
+    tokenizer of the same GGUF; a proposal opens with the tokens the schema forces and every
+    token of it is one the grammar accepts."""
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+    spec = StructuredOutput("json_schema", schema)
+    prompt = PROMPTS[0]
+    params = SamplingParams(eos_token_ids=(2,), num_prompt_tokens=len(prompt), structured_output=spec)
+    vocab = grammar_tokenizer(load_tokenizer("smollm2"), drafter.lm.vocab_size, [2])
+    forced = GrammarMatcher.from_log(spec, vocab, GrammarLimits()).forced_tokens()
+    session = drafter.new_session(params)
+    session.prefill(prompt)
+    try:
+        proposal = session.propose(len(forced) + 4)
+    finally:
+        session.close()
+    assert forced and proposal.tokens[: len(forced)] == forced
+    matcher = GrammarMatcher.from_log(spec, vocab, GrammarLimits())
+    assert matcher.valid_prefix(proposal.tokens) == len(proposal.tokens) == len(forced) + 4

@@ -15,6 +15,11 @@ must fail the same test: the negative control shows the test has power.
 
 The requests run CONCURRENT_SESSIONS at a time, so their sessions share the target's and the
 model draft's batched steps (invariant *batch independence* under sampling).
+
+With a grammar (a regex over the 8 tokens, which the byte-level tokenizer spells as letters) the
+same harness must give the exact distribution of the masked target (invariant *lossless under
+constraints*): the model draft drafts under the mask, the lookup's proposals are cut at their
+first rejected token, and its negative control fails the same way.
 """
 
 import asyncio
@@ -35,10 +40,12 @@ from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
+from specdec.grammar import GrammarMatcher
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramIndex
 from specdec.sampling import logits_to_probs
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from tests.conftest import (
     StepRecorder,
     chi_square_p_value,
@@ -73,14 +80,25 @@ def test_top_k_and_top_p_filters():
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
-class _Tokenizer:
-    """Just enough of a tokenizer for Target / TransformersDrafter fingerprints."""
+def letters_tokenizer():
+    """A byte-level tokenizer of 8 tokens, ``a b </s> c d e f g`` (``</s>``, id 2, the models' EOS),
+    so that a grammar can name the tokens as letters."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
 
-    def __len__(self):
-        return VOCAB
+    backend = Tokenizer(BPE({"a": 0, "b": 1, "</s>": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
 
-    def convert_ids_to_tokens(self, ids):
-        return [f"t{i}" for i in ids]
+
+# the first token a, b or c (ids 0, 1, 3), the second d, e or f (4, 5, 6), then g or the end
+GRAMMAR = StructuredOutput("regex", "[abc][def]g?")
+GRAMMAR_SAMPLES = 500  # 9 outcomes (a, b or c, then d, e or f): fewer samples than for the 64 above
+GRAMMAR_PARAMS = dataclasses.replace(
+    PARAMS, top_k=0, eos_token_ids=(2,), num_prompt_tokens=len(PROMPT), structured_output=GRAMMAR
+)
 
 
 @dataclasses.dataclass
@@ -97,12 +115,12 @@ def small_vocab():
     target_model = tiny_llama(seed=10, vocab_size=VOCAB, init_std=0.15)
     draft_model = tiny_llama(seed=11, vocab_size=VOCAB, init_std=0.15)
     reference = copy.deepcopy(target_model)  # Target switches its copy to the ragged attention
-    target = Target(target_model, _Tokenizer(), "small-target", max_num_speculative_tokens=8)
+    target = Target(target_model, letters_tokenizer(), "small-target", max_num_speculative_tokens=8)
     sessions = 2 * CONCURRENT_SESSIONS
     verify = build_verify(VerifySettings(port=0, max_sessions=sessions), target=target)
     draft = build_draft(
         DraftSettings(port=0, default_drafter="model", max_sessions=sessions),
-        drafters={"model": TransformersDrafter(draft_model, _Tokenizer(), "small-draft")},
+        drafters={"model": TransformersDrafter(draft_model, letters_tokenizer(), "small-draft")},
     )
     yield SmallVocab(target, reference, f"127.0.0.1:{draft.port}", f"127.0.0.1:{verify.port}")
     draft.stop(0)
@@ -115,6 +133,27 @@ def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
         first = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], params)
         contexts = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
         second = logits_to_probs(model(contexts).logits[:, -1], params)
+    return (first[:, None] * second).reshape(-1)
+
+
+def exact_masked_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
+    """As :func:`exact_pair_distribution`, each position's logits masked by ``params``' grammar."""
+    assert params.structured_output is not None
+    vocab = grammar_tokenizer(letters_tokenizer(), VOCAB, list(params.eos_token_ids))
+    matcher = GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits())
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1]
+        first = logits_to_probs(logits.masked_fill(~matcher.allowed(), float("-inf")), params)
+        contexts = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
+        masks = torch.stack(
+            [
+                GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits(), [a]).allowed()
+                if matcher.allowed()[a]
+                else torch.ones(VOCAB, dtype=torch.bool)
+                for a in range(VOCAB)
+            ]
+        )
+        second = logits_to_probs(model(contexts).logits[:, -1].masked_fill(~masks, float("-inf")), params)
     return (first[:, None] * second).reshape(-1)
 
 
@@ -171,9 +210,11 @@ def pipeline_pairs(services: SmallVocab, params: SamplingParams, seeds) -> list[
 
 
 def pipeline_p_value(services: SmallVocab, params: SamplingParams, samples: int) -> float:
-    """The chi-square p-value of ``samples`` seeded requests against the exact distribution;
-    asserts that their sessions did share steps and that every kind of round ran: the model
-    drafter's at K = 3, the n-gram lookup's, and plain decode steps."""
+    """The chi-square p-value of ``samples`` seeded requests against the exact distribution (of the
+    masked target, with a grammar); asserts that their sessions did share steps and that every
+    kind of round ran: the model drafter's at K = 3, the n-gram lookup's, and plain decode steps
+    (without a grammar: with one, the masked draft rarely misses at the first position, the
+    adaptive policy's cue for a plain step, in the fewer samples its test takes)."""
     recorder, metrics = StepRecorder(), services.target.engine.metrics
     services.target.engine.metrics = recorder
     try:
@@ -182,9 +223,11 @@ def pipeline_p_value(services: SmallVocab, params: SamplingParams, samples: int)
         services.target.engine.metrics = metrics
     assert max(recorder.batch_sizes) > 1, "no step batched two sessions"
     rounds = {r for _, rs in runs for r in rs}
-    assert ("model", K_MAX) in rounds and (PLAIN, 0) in rounds and NGRAM in {drafter for drafter, _ in rounds}, rounds
+    assert ("model", K_MAX) in rounds and NGRAM in {drafter for drafter, _ in rounds}, rounds
+    assert params.structured_output is not None or (PLAIN, 0) in rounds, rounds
     counts = torch.bincount(torch.tensor([pair for pair, _ in runs]), minlength=VOCAB * VOCAB).float()
-    return chi_square_p_value(counts, exact_pair_distribution(services.reference, params))
+    exact = exact_pair_distribution if params.structured_output is None else exact_masked_pair_distribution
+    return chi_square_p_value(counts, exact(services.reference, params))
 
 
 def test_speculative_sampling_matches_target_distribution(small_vocab):
@@ -196,6 +239,17 @@ def test_negative_control_wrong_rule_is_detected(small_vocab, monkeypatch):
     # the wrong rule's bias is large: a third of the samples finds it (p about 1e-10 at 500)
     p_value = pipeline_p_value(small_vocab, PARAMS, SAMPLES // 3)
     print(f"wrong rule: chi-square p-value {p_value:.2e}")
+    assert p_value < ALPHA
+
+
+def test_speculative_sampling_under_a_grammar_matches_the_masked_target(small_vocab):
+    assert pipeline_p_value(small_vocab, GRAMMAR_PARAMS, GRAMMAR_SAMPLES) > ALPHA
+
+
+def test_negative_control_under_a_grammar_is_detected(small_vocab, monkeypatch):
+    monkeypatch.setattr(target_module, "rejection_sample", wrong_rejection_sample)
+    p_value = pipeline_p_value(small_vocab, GRAMMAR_PARAMS, GRAMMAR_SAMPLES)
+    print(f"wrong rule under a grammar: chi-square p-value {p_value:.2e}")
     assert p_value < ALPHA
 
 

@@ -12,6 +12,7 @@ Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acc
 and ``rollback`` (see :mod:`specdec.kv`).
 """
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,11 +25,14 @@ from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.batching import SequenceStep
 from specdec.engine import Engine, StepStats, Work
 from specdec.errors import InvalidArgument
+from specdec.grammar import GrammarMatcher
 from specdec.kv import SequenceKV, prefill
+from specdec.logits_processors import process
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
 
@@ -61,6 +65,8 @@ class Target:
             )
         self.name = name
         self.limits = limits
+        self.tokenizer = tokenizer
+        self.grammar_limits = GrammarLimits()
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = model.config.vocab_size
         self.max_context_length = context_window(model)
@@ -81,6 +87,7 @@ class Target:
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         target = cls(model, tokenizer, spec, max_k, limits)
         target.measure_costs()
+        target.grammar_tokenizer  # noqa: B018 (built now: building it holds the GIL for about 0.4 s)
         return target
 
     def measure_costs(self, context_len: int = 64) -> None:
@@ -108,6 +115,22 @@ class Target:
                 num_seqs *= 2
             for session in sessions:
                 session.close()
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        """The llguidance view of the tokenizer: built by :meth:`load` (a target made otherwise
+        builds it at its first structured-output request)."""
+        return grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def grammar_matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
+        """The request's grammar state after ``committed`` (its generated part); None without
+        structured output. Raises InvalidArgument for a spec that does not compile or a log off it."""
+        if sampling.structured_output is None:
+            return None
+        generated = committed[sampling.num_prompt_tokens :]
+        return GrammarMatcher.from_log(
+            sampling.structured_output, self.grammar_tokenizer, self.grammar_limits, generated
+        )
 
     def _decode_all(self, sessions: list["TargetSession"]) -> None:
         """One step with one new token for every session (rolled back after)."""
@@ -183,6 +206,7 @@ class _Verify(_Score):
         :func:`rejection_sample`, each draw seeded by (request seed, committed length)."""
         start = time.time_ns()
         verifies = [cast(_Verify, work) for work in works]
+        logits = [work.processed(rows) for work, rows in zip(verifies, logits, strict=True)]
         for greedy in (True, False):
             chosen = [(work, rows) for work, rows in zip(verifies, logits, strict=True) if work.greedy == greedy]
             if not chosen:
@@ -204,6 +228,16 @@ class _Verify(_Score):
     def greedy(self) -> bool:
         return self.session.sampling.greedy
 
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[K + 1, V]``: the step's logits of this verify after the request's logits processors
+        and grammar mask (disallowed tokens at -inf), row i's from the committed tokens and the
+        first i draft tokens."""
+        session = self.session
+        logits = process(logits, session.sampling, session.committed, self.draft_tokens)
+        if session.grammar is None:
+            return logits
+        return logits.masked_fill(~session.grammar.masks_along(self.draft_tokens), float("-inf"))
+
     def q(self, vocab_size: int) -> torch.Tensor:
         """The draft distributions, ``[K, V]`` float32 (K = 0: none sent)."""
         return torch.empty(0, vocab_size) if self.draft_probs is None else self.draft_probs
@@ -223,6 +257,8 @@ class _Verify(_Score):
             end_time=self.accept_ns[1]
         )
         session.committed.extend([*drafts[:n], token])
+        if session.grammar is not None:
+            session.grammar.advance([*drafts[:n], token])
         session.rollback()
         return n, token
 
@@ -235,6 +271,7 @@ class TargetSession:
         self.target = target
         self.sampling = sampling
         self.committed: list[int] = []
+        self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
         self.kv_cache = SequenceKV(target.lm)
         self.last_step = StepStats()
 
@@ -246,6 +283,7 @@ class TargetSession:
         self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None
     ) -> None:
         self.committed = list(committed)
+        self.grammar = self.target.grammar_matcher(self.sampling, self.committed)
         prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned)
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
@@ -266,6 +304,11 @@ class TargetSession:
             draft_tokens: K proposed ids (K may be 0: a plain decode step).
             draft_probs: q, ``[K, V]`` float32, required when sampling; ignored under greedy.
             timeout_s, abandoned: as in :meth:`specdec.engine.Engine.run`.
+        With structured output, the proposal is cut at its first token the grammar rejects before
+        it is scored: that token could not be accepted (its target probability is 0), and cutting
+        it is lossless because its draft probability is a point mass (a lookup) or it was never
+        drawn (a model drafter drafts under the same mask).
+
         Returns:
             ``(n, next_token)``: accepted drafts and the correction or bonus token.
         Raises:
@@ -274,6 +317,9 @@ class TargetSession:
             Unavailable: the deadline passed before a step ran it.
         """
         self._check(draft_tokens, draft_probs)
+        if self.grammar is not None:
+            k = self.grammar.valid_prefix(draft_tokens)
+            draft_tokens, draft_probs = draft_tokens[:k], None if draft_probs is None else draft_probs[:k]
         return self._run(_Verify(self, draft_tokens, draft_probs), timeout_s, abandoned)
 
     def rollback(self) -> None:

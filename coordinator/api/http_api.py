@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import uvicorn
@@ -191,48 +191,83 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
 
     async def _complete(body: ChatCompletionRequest | CompletionRequest, http: Request, chat: bool):
         await models.check(body.model)
-        request = body.generate_request()
-        span = tracer.start_span(
-            f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
-        )
+        requests = body.choice_requests(servicer.settings.max_n)
         client = servicer.streams.client(http.headers.get("authorization"), http.client.host if http.client else "")
-        steps = _Steps(servicer.streams.run(client, servicer.responses(request)), span)
+        choices = [_Steps(servicer.streams.run(client, servicer.responses(r)), _server_span(http)) for r in requests]
         disconnect = _Disconnect(http)
         try:
             # validation and prefill: their errors get their own status
-            first = await disconnect.unless(steps.next())
-            assert first is not None  # a request's stream has at least its last message
-            shape = ResponseShape(chat, first.request_id, body.model)
-            if body.stream:
+            firsts = await disconnect.unless(_all(_first(steps) for steps in choices))
+            shape = ResponseShape(chat, firsts[0].request_id, body.model)
+            if body.stream:  # one choice (choice_requests refuses n > 1 with stream)
                 disconnect.stop()  # from here on the event stream sees the client leave
                 options = body.stream_options or StreamOptions()
                 prompt_tokens = None
                 if options.include_usage and options.continuous_usage_stats:
-                    prompt_tokens = len(prompt_ids(request, servicer.tokenizer))
+                    prompt_tokens = len(prompt_ids(requests[0], servicer.tokenizer))
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                events = _events(steps, first, shape, options.include_usage, prompt_tokens)
+                events = _events(choices[0], firsts[0], shape, options.include_usage, prompt_tokens)
                 return _EventStream(events, headers=headers)
-            completion = Completion()
-            response: coordinator_pb2.GenerateResponse | None = first
-            while response is not None:
-                completion.add(response)
-                response = await disconnect.unless(steps.next())
+            completions = await disconnect.unless(
+                _all(_rest(steps, first) for steps, first in zip(choices, firsts, strict=True))
+            )
         except SpecdecError as err:
-            await steps.close()
+            await _close(choices)
             raise ApiError.from_specdec(err, body.params()) from None
         except ClientDisconnected:
-            await steps.close()  # cancels the request: both sessions released
+            await _close(choices)  # cancels the requests: their sessions released
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except BaseException:
-            await steps.close()
+            await _close(choices)
             raise
         finally:
             disconnect.stop()
-        await steps.close()
-        return shape.completion(completion)
+        await _close(choices)
+        return shape.completion(completions)
 
     _add_error_handlers(app)
     return app
+
+
+def _server_span(http: Request) -> trace.Span:
+    """The span of one request (one choice) of an HTTP call, its parent the caller's trace."""
+    return tracer.start_span(
+        f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
+    )
+
+
+async def _all(steps: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of ``steps`` run concurrently; when one raises (or this is cancelled) the
+    others are cancelled and awaited first, so their streams can be closed."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _first(steps: _Steps) -> coordinator_pb2.GenerateResponse:
+    response = await steps.next()
+    assert response is not None  # a request's stream has at least its last message
+    return response
+
+
+async def _rest(steps: _Steps, first: coordinator_pb2.GenerateResponse) -> Completion:
+    """A choice's completion: ``first`` and the messages after it."""
+    completion = Completion()
+    response: coordinator_pb2.GenerateResponse | None = first
+    while response is not None:
+        completion.add(response)
+        response = await steps.next()
+    return completion
+
+
+async def _close(choices: list[_Steps]) -> None:
+    for steps in choices:
+        await steps.close()
 
 
 async def _events(

@@ -3,12 +3,15 @@ body becomes the GenerateRequest that gRPC clients send, GenerateResponse messag
 completion, stream chunks and usage, and a SpecdecError becomes OpenAI's error shape.
 
 Fields that would change the output and that specdec does not implement (``logprobs``, ``tools``,
-``response_format``, penalties, ...) are refused by name, never ignored; fields that do not change
-it (``user``, ``metadata``, ...) are accepted.
+``echo``, ...) are refused by name, never ignored; fields that do not change it (``user``,
+``metadata``, ...) are accepted. Structured output comes as OpenAI's ``response_format``
+(``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``json_object``,
+``regex``, ``choice``, ``grammar``), one of them, and becomes ``GenerateRequest.structured_output``.
 """
 
+import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -16,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.client import Completion
 from specdec.errors import SpecdecError
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -48,6 +51,12 @@ _PARAMS = [
     ("num_speculative_tokens", "num_speculative_tokens"),
     ("unknown drafter", "drafter"),
     ("drafter", "drafter"),
+    ("structured_output", "structured_output"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("logit_bias", "logit_bias"),
+    ("min_tokens", "min_tokens"),
 ]
 
 
@@ -99,21 +108,14 @@ NEUTRAL = {
     "logprobs": _off,
     "top_logprobs": _zero,
     "echo": _off,
-    "logit_bias": _off,
     "tools": _off,
     "functions": _off,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
-    "frequency_penalty": _zero,
-    "presence_penalty": _zero,
-    "repetition_penalty": _one,
     "best_of": _one,
-    "min_tokens": _zero,
     "min_p": _zero,
     "suffix": lambda v: v in (None, ""),
-    "ignore_eos": _off,
     "include_stop_str_in_output": _off,
     "skip_special_tokens": lambda v: v is None or v is True,
 }
@@ -146,8 +148,74 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema is enforced whatever ``strict`` says
+    (specdec has no best-effort mode)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_output(self) -> common_pb2.StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return common_pb2.StructuredOutput(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise invalid(
+                "response_format.json_schema",
+                "response_format of type json_schema needs json_schema.schema: the JSON schema the output follows",
+            )
+        return common_pb2.StructuredOutput(json_schema=json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of ``json`` (a JSON schema, as an
+    object or its text), ``json_object``, ``regex``, ``choice`` or ``grammar`` (Lark or GBNF)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_output(self) -> common_pb2.StructuredOutput:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if self._value(name)]
+        if len(given) != 1:
+            raise invalid(
+                "structured_outputs",
+                f"structured_outputs sets {', '.join(given) or 'nothing'}: set exactly one of json, json_object, "
+                "regex, choice or grammar",
+            )
+        value = self._value(given[0])
+        if given[0] == "json":
+            text = value if isinstance(value, str) else json.dumps(value)
+            return common_pb2.StructuredOutput(json_schema=text)
+        if given[0] == "choice":
+            return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=value))
+        return common_pb2.StructuredOutput(**{given[0]: value})
+
+    def _value(self, name: str):
+        return self.json_ if name == "json" else getattr(self, name)
+
+
 class _Request(BaseModel):
-    """Fields of both endpoints. ``top_k``, ``num_speculative_tokens`` and ``drafter`` are
+    """Fields of both endpoints. ``top_k``, ``num_speculative_tokens``, ``drafter``,
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``structured_outputs`` are
     vLLM-style extensions (in the OpenAI SDK: ``extra_body``)."""
 
     model_config = ConfigDict(extra="allow")
@@ -164,6 +232,14 @@ class _Request(BaseModel):
     top_k: int | None = None
     num_speculative_tokens: int | None = None
     drafter: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
         """Raises ApiError (400) for a field specdec does not implement, naming it."""
@@ -181,12 +257,6 @@ class _Request(BaseModel):
                 f"unsupported field {name!r}: remove it (docs/api.md lists the fields specdec takes)",
                 "unsupported_parameter",
             )
-        if self.n is not None and self.n != 1:
-            raise invalid(
-                "n",
-                f"n is {self.n}: specdec returns one choice per request: leave n out or set it to 1, "
-                "and send one request per choice",
-            )
         if self.stream_options is not None and not self.stream:
             raise invalid(
                 "stream_options",
@@ -198,7 +268,38 @@ class _Request(BaseModel):
 
     def params(self) -> dict[str, str]:
         """The names of this body's fields where they differ from the API's usual ones."""
-        return {}
+        return {"structured_output": "structured_outputs" if self.structured_outputs else "response_format"}
+
+    def structured_output(self) -> common_pb2.StructuredOutput | None:
+        """The body's structured output; raises ApiError (400) when it sets two."""
+        from_format = self.response_format.structured_output() if self.response_format else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise invalid(
+                "structured_outputs",
+                "response_format and structured_outputs both constrain the output: set only one of them",
+            )
+        return self.structured_outputs.structured_output()
+
+    def choice_requests(self, max_n: int) -> list[coordinator_pb2.GenerateRequest]:
+        """One GenerateRequest per choice (``n``, at most ``max_n``), each an independent request:
+        choice i's seed is the body's seed + i (so choice 0 is what n = 1 gives), or a random one
+        when the body sets none. Raises ApiError (400)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= max_n:
+            raise invalid("n", f"n is {n}: it must lie in [1, {max_n}] (the coordinator's --max-n)")
+        if n > 1 and self.stream:
+            raise invalid("n", f"n is {n} with stream: specdec streams one choice: set n to 1 or stream to false")
+        request = self.generate_request()
+        choices = []
+        for i in range(n):
+            choice = coordinator_pb2.GenerateRequest()
+            choice.CopyFrom(request)
+            if request.HasField("seed"):
+                choice.seed = (request.seed + i) % 2**64
+            choices.append(choice)
+        return choices
 
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
         """The GenerateRequest of this body (the prompt set by the subclass)."""
@@ -214,10 +315,22 @@ class _Request(BaseModel):
             ("seed", self.seed, "seed"),
             ("num_speculative_tokens", self.num_speculative_tokens, "num_speculative_tokens"),
             ("drafter", self.drafter, "drafter"),
+            ("frequency_penalty", self.frequency_penalty, "frequency_penalty"),
+            ("presence_penalty", self.presence_penalty, "presence_penalty"),
+            ("repetition_penalty", self.repetition_penalty, "repetition_penalty"),
+            ("min_tokens", self.min_tokens, "min_tokens"),
+            ("ignore_eos", self.ignore_eos, "ignore_eos"),
         ]:
             if value is not None:
                 _set(request, name, value, param)
         request.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
+        try:
+            request.logit_bias.update(self.logit_bias or {})
+        except (ValueError, TypeError):
+            raise invalid("logit_bias", "logit_bias keys must be token ids (32-bit integers)") from None
+        structured_output = self.structured_output()
+        if structured_output is not None:
+            request.structured_output.CopyFrom(structured_output)
         return request
 
 
@@ -240,7 +353,7 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def params(self) -> dict[str, str]:
-        renames = {"prompt": "messages"}
+        renames = super().params() | {"prompt": "messages"}
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
@@ -319,18 +432,25 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def completion(self, completion: Completion) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}}
-        else:
-            choice = {"index": 0, "text": completion.text}
-        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        prompt_tokens = completion.metrics.num_prompt_tokens if completion.metrics else 0
+    def completion(self, completions: list[Completion]) -> dict:
+        """The response of a request's choices (``n`` of them); ``specdec`` is the first choice's
+        metrics, and with n > 1 every choice carries its own too."""
+        choices = [self._choice(i, completion, len(completions) > 1) for i, completion in enumerate(completions)]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        first = completions[0].metrics
+        prompt_tokens = first.num_prompt_tokens if first else 0
         return body | {
-            "usage": usage(prompt_tokens, len(completion.token_ids)),
-            "specdec": specdec_metrics(completion.metrics),
+            "usage": usage(prompt_tokens, sum(len(completion.token_ids) for completion in completions)),
+            "specdec": specdec_metrics(first),
         }
+
+    def _choice(self, index: int, completion: Completion, with_metrics: bool) -> dict:
+        if self.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": completion.text}}
+        else:
+            choice = {"index": index, "text": completion.text}
+        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
+        return choice | ({"specdec": specdec_metrics(completion.metrics)} if with_metrics else {})
 
     def chunk(
         self,

@@ -1,5 +1,6 @@
 """Validation of a GenerateRequest into the parameters of its speculative rounds."""
 
+import functools
 import secrets
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
@@ -22,6 +24,7 @@ class ResolvedRequest:
     num_speculative_tokens: int  # the fixed K, or the adaptive choice's largest K
     drafter: str
     adaptive: bool
+    ignore_eos: bool = False
 
     @property
     def uses_draft_service(self) -> bool:
@@ -90,12 +93,9 @@ def resolve(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
-    sampling = SamplingParams(  # raises InvalidArgument for a value out of range
-        temperature=_field(request, "temperature", 0.0),
-        top_k=_field(request, "top_k", 0),
-        top_p=_field(request, "top_p", 1.0),
-        seed=_field(request, "seed", secrets.randbits(63)),
-    )
+    sampling = _sampling(request, ids, max_new, verify_info)
+    if sampling.structured_output is not None:
+        _check_structured_output(sampling, tokenizer, verify_info)
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
@@ -107,7 +107,61 @@ def resolve(
     drafter = request.drafter
     if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
-    return ResolvedRequest(ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0)
+    return ResolvedRequest(
+        ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0, request.ignore_eos
+    )
+
+
+def _sampling(
+    request: coordinator_pb2.GenerateRequest,
+    prompt: list[int],
+    max_new_tokens: int,
+    verify_info: verify_pb2.VerifyServiceGetInfoResponse,
+) -> SamplingParams:
+    """The request's sampling transform and logits processors, every default filled in. Raises
+    InvalidArgument for a value out of range."""
+    min_tokens = _field(request, "min_tokens", 0)
+    if min_tokens > max_new_tokens:
+        raise InvalidArgument(f"min_tokens is {min_tokens}: it must not exceed max_new_tokens ({max_new_tokens})")
+    bad_ids = sorted(i for i in request.logit_bias if not 0 <= i < verify_info.vocab_size)
+    if bad_ids:
+        raise InvalidArgument(
+            f"logit_bias names token {bad_ids[0]}: token ids lie in [0, {verify_info.vocab_size - 1}]"
+        )
+    return SamplingParams(  # raises InvalidArgument for a value out of range
+        temperature=_field(request, "temperature", 0.0),
+        top_k=_field(request, "top_k", 0),
+        top_p=_field(request, "top_p", 1.0),
+        seed=_field(request, "seed", secrets.randbits(63)),
+        frequency_penalty=_field(request, "frequency_penalty", 0.0),
+        presence_penalty=_field(request, "presence_penalty", 0.0),
+        repetition_penalty=_field(request, "repetition_penalty", 1.0),
+        logit_bias=tuple(sorted(request.logit_bias.items())),
+        min_tokens=min_tokens,
+        eos_token_ids=tuple(verify_info.eos_token_ids),
+        num_prompt_tokens=len(prompt),
+        structured_output=StructuredOutput.from_proto(request.structured_output),
+    )
+
+
+def _check_structured_output(
+    sampling: SamplingParams, tokenizer, verify_info: verify_pb2.VerifyServiceGetInfoResponse
+) -> None:
+    """Compiles the request's structured output against the target's vocabulary, so that a bad
+    spec fails here and not in a service. Raises InvalidArgument naming the part that fails."""
+    assert sampling.structured_output is not None
+    if sampling.min_tokens:
+        raise InvalidArgument(
+            "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
+        )
+    vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
+    sampling.structured_output.check(vocab, GrammarLimits())
+
+
+@functools.cache
+def _grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """The llguidance view of the coordinator's tokenizer, built once (about 0.4 s)."""
+    return grammar_tokenizer(tokenizer, vocab_size, list(eos_token_ids))
 
 
 def _check_drafter(name: str, draft_info, verify_info) -> str:

@@ -1,18 +1,23 @@
 """The drafter interface, and the proposal loop shared by model-based drafters."""
 
 import abc
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from llguidance import LLTokenizer
 from opentelemetry import trace
 
 from specdec.batching import SequenceStep
 from specdec.engine import Engine, Work
 from specdec.errors import FailedPrecondition
+from specdec.grammar import GrammarMatcher
 from specdec.kv import SequenceKV, prefill
+from specdec.logits_processors import process
 from specdec.sampling import logits_to_probs, round_generator, sample
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2
@@ -118,11 +123,21 @@ class _Propose(Work):
     The context is the session's committed tokens, plus, when drafting ahead, the ``predicted``
     ones and a guess of the bonus token: the first step's argmax, which is not a draft token.
     Under sampling the draft tokens are drawn with the generator of their first position, so a
-    proposal drafted ahead is the one a plain proposal after the same committed tokens draws."""
+    proposal drafted ahead is the one a plain proposal after the same committed tokens draws.
+
+    With structured output the draft's logits are masked by the grammar as the target's are, so
+    its tokens (and, under sampling, its q) stay within the grammar, and where the grammar forces
+    text (:meth:`specdec.grammar.GrammarMatcher.forced_tokens`) those tokens join the proposal
+    without a forward of their own (jump-forward; q a point mass on each) and are fed to the model
+    with the next step."""
 
     def __init__(self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = ()):
         self.session, self.seq_id, self.k = session, session.kv_cache.seq_id, k
         self.context = [*session.committed, *predicted]
+        self.predicted = list(predicted)
+        self.grammar = session.grammar
+        self.started = False  # whether the first step (the uncached context) was fed
+        self.num_fed = 0  # chosen tokens fed to the model
         self.bonus: int | None = None  # the guessed bonus token, drafting ahead
         self.guess_bonus = bool(predicted)
         self.chosen: list[int] = []  # the bonus guess, then the draft tokens: what the next step feeds
@@ -131,29 +146,63 @@ class _Propose(Work):
         sampling = session.sampling
         first = len(self.context) + self.guess_bonus  # the position of the first draft token
         self.generator = None if sampling.greedy else round_generator(sampling.seed, first, "draft")
+        if not self.guess_bonus:
+            self._jump_forward()
 
     def next_step(self, budget: int) -> SequenceStep:
+        """The uncached context (first step) and the chosen tokens not fed yet; no state changes
+        here: the engine may ask again when a step's budget leaves this work for the next one."""
         kv_cache = self.session.kv_cache
-        return kv_cache.step(
-            self.chosen[-1:] if self.chosen else kv_cache.reconcile(self.context, len(self.session.committed))
-        )
+        fresh = [] if self.started else kv_cache.reconcile(self.context, len(self.session.committed))
+        return kv_cache.step([*fresh, *self.chosen[self.num_fed :]])
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)
+        self.started, self.num_fed = True, len(self.chosen)
+        if len(self.tokens) >= self.k:  # forced tokens filled the proposal before this step
+            return self._done()
         sampling = self.session.sampling
+        scores = process(logits[-1:], sampling, [*self.context, *self.chosen])[0]  # as the target's
+        if self.grammar is not None:
+            allowed = self._in_grammar(lambda grammar: grammar.allowed())
+            if allowed is None:  # predicted tokens off the grammar: nothing valid to draft after them
+                return self._done()
+            scores = scores.masked_fill(~allowed, float("-inf"))
         if self.guess_bonus and self.bonus is None:
-            self.bonus = int(logits[-1].argmax())
+            self.bonus = int(scores.argmax())
             self.chosen.append(self.bonus)
-            return False
-        if self.generator is None:  # greedy
-            self.tokens.append(int(logits[-1].argmax()))
+        elif self.generator is None:  # greedy
+            self._choose(int(scores.argmax()))
         else:
-            q = logits_to_probs(logits[-1], sampling)
-            self.tokens.append(sample(q, self.generator))
+            q = logits_to_probs(scores, sampling)
+            self._choose(sample(q, self.generator), q)
+        self._jump_forward()
+        return len(self.tokens) >= self.k and self._done()
+
+    def _choose(self, token: int, q: torch.Tensor | None = None) -> None:
+        self.tokens.append(token)
+        self.chosen.append(token)
+        if q is not None:
             self.probs.append(q)
-        self.chosen.append(self.tokens[-1])
-        if len(self.tokens) < self.k:
-            return False
+
+    def _jump_forward(self) -> None:
+        """Appends the tokens the grammar forces after the context and the chosen tokens, up to K."""
+        if self.grammar is None:
+            return
+        for token in (self._in_grammar(lambda grammar: grammar.forced_tokens()) or [])[: self.k - len(self.tokens)]:
+            point_mass = None if self.generator is None else torch.zeros(self.session.vocab_size or 0)
+            if point_mass is not None:
+                point_mass[token] = 1.0
+            self._choose(token, point_mass)
+
+    def _in_grammar(self, read: Callable[[GrammarMatcher], object]):
+        """``read`` of the grammar state after the predicted and chosen tokens; None when the
+        grammar rejects one of them."""
+        assert self.grammar is not None
+        with self.grammar.tentatively([*self.predicted, *self.chosen]) as valid:
+            return read(self.grammar) if valid else None
+
+    def _done(self) -> bool:
         self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus)
         return True
 
@@ -163,22 +212,39 @@ class ModelDraftSession(DraftSession):
     as work of the drafter's engine loop (a step per draft position for every session at once).
 
     Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
-    logits, seeded by (request seed, committed length), and return q for the acceptance test.
+    logits, seeded by (request seed, committed length), and return q for the acceptance test. Both
+    after the request's logits processors (:mod:`specdec.logits_processors`), as the target's.
     ``window`` is the draft's context length in tokens: a context that would outgrow it gets no
     proposal, and the round becomes a plain decode step on the verify service.
     """
 
-    def __init__(self, sampling: SamplingParams, kv_cache: SequenceKV, window: int, engine: Engine):
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        kv_cache: SequenceKV,
+        window: int,
+        engine: Engine,
+        vocabulary: "GrammarVocabulary | None" = None,
+    ):
         super().__init__(sampling)
         self.kv_cache = kv_cache
         self.window = window
         self.engine = engine
         self.vocab_size = kv_cache.lm.vocab_size
+        self.vocabulary = vocabulary
+        self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
+        if self.vocabulary is not None:
+            self.grammar = self.vocabulary.matcher(self.sampling, self.committed)
         if len(self.committed) < self.window:
             prefill(self.engine, self.kv_cache, self.committed)
+
+    def sync(self, appended: Sequence[int]) -> None:
+        super().sync(appended)
+        if self.grammar is not None:
+            self.grammar.advance(appended)
 
     def propose(self, k: int) -> Proposal:
         if len(self.committed) + k > self.window:
@@ -199,3 +265,35 @@ class ModelDraftSession(DraftSession):
     def close(self) -> None:
         self.engine.forget(self.kv_cache.seq_id)
         self.kv_cache.close()
+
+
+class GrammarVocabulary:
+    """A model drafter's tokenizer as the grammar library sees it, one per set of EOS ids (the
+    target's, sent with each request), so the draft's masks are the target's. Built at start-up
+    for the drafter's own EOS ids, the target's too when they share a vocabulary; another set is
+    built at its first structured-output request (about 0.4 s for SmolLM2, the GIL held, so the
+    draft's steps wait)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._built: dict[tuple[int, ...], LLTokenizer] = {}
+        with contextlib.suppress(ValueError):  # a tokenizer llguidance cannot read: refused per request
+            self._vocabulary(tuple(eos_token_ids))
+
+    def matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
+        """The request's grammar state after ``committed`` (its generated part); None without
+        structured output. Raises InvalidArgument for a spec that does not compile."""
+        if sampling.structured_output is None:
+            return None
+        try:
+            vocabulary = self._vocabulary(sampling.eos_token_ids)
+        except ValueError as err:
+            raise FailedPrecondition(f"the drafter's tokenizer cannot be read by the grammar library: {err}") from None
+        generated = committed[sampling.num_prompt_tokens :]
+        return GrammarMatcher.from_log(sampling.structured_output, vocabulary, GrammarLimits(), generated)
+
+    def _vocabulary(self, eos: tuple[int, ...]) -> LLTokenizer:
+        """Raises ValueError for a tokenizer llguidance cannot read."""
+        if eos not in self._built:
+            self._built[eos] = grammar_tokenizer(self._tokenizer, self.vocab_size, list(eos))
+        return self._built[eos]

@@ -36,12 +36,12 @@ import llama_cpp
 import numpy as np
 import torch
 
-from draft_service.drafters.base import Drafter, ModelDraftSession
+from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine
 from specdec.errors import ResourceExhausted
 from specdec.kv import SequenceKV
-from specdec.model_files import derived_path, resolve_model
+from specdec.model_files import derived_path, load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from specdec.vocab import vocab_fingerprint
 
@@ -345,6 +345,10 @@ class LlamaCppDrafter(Drafter):
         self.lm = LlamaCppLM(self.path, n_ctx, max_num_seqs, max_num_batched_tokens, n_threads, n_gpu_layers)
         self.vocab_fingerprint = vocab_fingerprint(self.lm.token_texts())
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, name=self.name)
+        # the grammar's view of the vocabulary: transformers' tokenizer of the same GGUF (the
+        # fingerprint check makes it the target's)
+        tokenizer = load_tokenizer(spec)
+        self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [tokenizer.eos_token_id])
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
-        return ModelDraftSession(sampling, SequenceKV(self.lm), self.n_ctx, self.engine)
+        return ModelDraftSession(sampling, SequenceKV(self.lm), self.n_ctx, self.engine, self.vocabulary)

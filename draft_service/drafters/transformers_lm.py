@@ -2,7 +2,7 @@
 batched like the target: its sessions share one KV store (:class:`specdec.ragged_lm.RaggedLM`) and
 one engine loop."""
 
-from draft_service.drafters.base import Drafter, ModelDraftSession
+from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
 from specdec.engine import Engine
 from specdec.kv import SequenceKV
 from specdec.models import context_window, load_causal_lm
@@ -24,6 +24,8 @@ class TransformersDrafter(Drafter):
         self.window = context_window(model)
         self.lm = RaggedLM(model)
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
+        eos = model.generation_config.eos_token_id
+        self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [eos] if isinstance(eos, int) else eos or [])
 
     @classmethod
     def load(
@@ -33,4 +35,4 @@ class TransformersDrafter(Drafter):
         return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens)
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
-        return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine)
+        return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine, self.vocabulary)

@@ -1,0 +1,119 @@
+"""Structured output through the services (invariant *lossless under constraints*): greedy output
+of the pipeline equals plain constrained decoding in process (the same grammar module over
+transformers' logits, one token at a time) for every drafter and K, a grammar that forces the end
+finishes with stop, and a bad spec is INVALID_ARGUMENT naming its field. The tiny pipeline: real
+gRPC servers on free ports, the tiny random models."""
+
+import json
+
+import grpc
+import pytest
+
+from coordinator.api.client import generate
+from specdec.grammar import GrammarMatcher
+from specdec.sampling_params import SamplingParams
+from specdec.structured_output import GrammarLimits, StructuredOutput
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import chat_ids, constrained_greedy
+
+EOS = 2
+MAX_NEW = 32
+PROMPT = "Describe a person as JSON"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+SPECS = {
+    "json_schema": common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+    "regex": common_pb2.StructuredOutput(regex=r"(yes|no), [a-z]{2,8}\."),
+    "choice": common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["red", "green", "blue"])),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pipeline, smollm2_tokenizer, tiny_grammar_vocab):
+    prompt = chat_ids(smollm2_tokenizer, PROMPT)
+    return {
+        kind: constrained_greedy(
+            tiny_pipeline.plain_model, prompt, StructuredOutput.from_proto(msg), tiny_grammar_vocab, MAX_NEW
+        )
+        for kind, msg in SPECS.items()
+    }
+
+
+def request(kind: str, **fields) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, structured_output=SPECS[kind], **fields)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize(("drafter", "k"), [("self", 4), ("close", 2), ("close", 8), ("ngram", 4), ("wrong", 4)])
+def test_greedy_pipeline_equals_plain_constrained_decoding(tiny_pipeline, references, kind, drafter, k):
+    completion = generate(tiny_pipeline.address, request(kind, num_speculative_tokens=k, drafter=drafter), 120)
+    assert completion.token_ids == references[kind], f"{drafter} K={k} diverged under {kind}"
+
+
+@pytest.mark.parametrize("drafter", ["close", "suffix"])
+def test_adaptive_k_equals_plain_constrained_decoding(tiny_pipeline, references, drafter):
+    completion = generate(tiny_pipeline.address, request("json_schema", drafter=drafter), 120)
+    assert completion.token_ids == references["json_schema"]
+
+
+def test_a_grammar_that_forces_the_end_finishes_with_stop(tiny_pipeline, references):
+    completion = generate(tiny_pipeline.address, request("choice", num_speculative_tokens=4, drafter="self"), 120)
+    assert (completion.finish_reason, completion.token_ids[-1]) == ("stop", EOS)
+    assert completion.text in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (common_pb2.StructuredOutput(regex="(a|b"), "structured_output.regex is not valid"),
+        (common_pb2.StructuredOutput(json_schema='{"type": "objekt"}'), "structured_output.json_schema is not valid"),
+        (common_pb2.StructuredOutput(grammar="start: foo"), 'unknown name: "foo"'),
+    ],
+)
+def test_a_bad_spec_is_invalid_argument_naming_its_field(tiny_pipeline, spec, message):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", structured_output=spec), 60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_self_draft_under_the_grammar_passes_every_token(tiny_pipeline, temperature):
+    """The draft model is the target and masks its logits by the same grammar: its greedy drafts
+    all pass, and its sampled ones pass with probability min(1, p/q) = 1."""
+    completion = generate(
+        tiny_pipeline.address,
+        request("json_schema", num_speculative_tokens=4, drafter="self", temperature=temperature, seed=7),
+        120,
+    )
+    assert completion.metrics.num_draft_tokens and completion.metrics.draft_acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_model_drafter_proposes_forced_tokens_without_a_forward(
+    tiny_drafters, smollm2_tokenizer, tiny_grammar_vocab, temperature
+):
+    """At the start of the schema's object the grammar forces ``{"name": "``: those tokens open
+    the proposal (q a point mass on each under sampling), and the model drafts after them."""
+    prompt = chat_ids(smollm2_tokenizer, PROMPT)
+    spec = StructuredOutput.from_proto(SPECS["json_schema"])
+    forced = GrammarMatcher.from_log(spec, tiny_grammar_vocab, GrammarLimits()).forced_tokens()
+    assert smollm2_tokenizer.decode(forced).startswith('{"name":')
+    params = SamplingParams(
+        temperature=temperature, seed=1, eos_token_ids=(EOS,), num_prompt_tokens=len(prompt), structured_output=spec
+    )
+    session = tiny_drafters["close"].new_session(params)
+    session.prefill(prompt)
+    try:
+        proposal = session.propose(len(forced) + 3)
+    finally:
+        session.close()
+    assert proposal.tokens[: len(forced)] == forced and len(proposal.tokens) == len(forced) + 3
+    matcher = GrammarMatcher.from_log(spec, tiny_grammar_vocab, GrammarLimits())
+    assert matcher.valid_prefix(proposal.tokens) == len(proposal.tokens)  # drafted under the mask
+    if temperature:
+        assert proposal.probs is not None
+        assert proposal.probs[: len(forced)].max(dim=1).values.tolist() == [1.0] * len(forced)
