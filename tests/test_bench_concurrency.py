@@ -254,49 +254,6 @@ def run_tiny_bench(tiny_models, questions, out, *args, methods="pipeline/adaptiv
     return run, json.loads((out / "report-concurrency.json").read_text())
 
 
-def test_concurrency_tiny_run_writes_all_reports(tmp_path, tiny_models):
-    """N = 1 and 2, two pipeline methods on the tiny target (services as subprocesses; the ngram
-    drafter, which needs no model), 8 new tokens."""
-    questions = write_questions(
-        tmp_path / "q.jsonl",
-        {
-            "qa": ["What is the capital of France?", "Name three colors."],
-            "summarization": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat."],
-        },
-    )
-    out = tmp_path / "out"
-    run, report = run_tiny_bench(
-        tiny_models, questions, out, "--concurrency", "1,2", "--requests-per-client", "2", "--arrivals", "closed"
-    )
-    assert report["methods"] == ["pipeline/adaptive", "pipeline/K=0"]
-    assert [(c["method"], c["concurrency"]) for c in report["cells"]] == [
-        ("pipeline/adaptive", 1),
-        ("pipeline/adaptive", 2),
-        ("pipeline/K=0", 1),
-        ("pipeline/K=0", 2),
-    ]
-    assert report["num_questions"] == 3 and report["reference"]["num_prompts"] == 3
-    for cell in report["cells"]:
-        s = cell["stats"]
-        assert cell["errors"] == [] and s["num_requests"] == 2 * cell["concurrency"] and s["num_failed"] == 0
-        assert s["tokens_per_second"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p99"] >= s["tpot_ms_p50"] > 0
-        assert s["mean_batch_size"] >= 1 and s["mean_batched_tokens"] >= 1 and s["queue_ms_per_round"] >= 0
-        assert s["num_compared"] == s["num_requests"]
-    by_cell = {(c["method"], c["concurrency"]): c["stats"] for c in report["cells"]}
-    assert by_cell[("pipeline/K=0", 1)]["mean_k"] == 0 and by_cell[("pipeline/K=0", 1)]["identical_rate"] == 1.0
-    assert by_cell[("pipeline/K=0", 1)]["num_draft_tokens"] == 0
-    assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
-    assert report["config"]["command"].startswith("specdec bench --concurrency 1,2")
-    assert report["identity"]["pipeline/K=0"]["prompt_tokens_agree_rate"] == 1.0
-    for m in report["mismatches"]:  # a differing output comes with the target's margin there
-        assert m["margin"] >= 0
-    assert len(report["requests"]) == 2 * (2 + 4)
-    markdown = (out / "report-concurrency.md").read_text()
-    assert "| method | N | requests ok | tokens/s |" in markdown and "pipeline/adaptive" in markdown
-    assert (out / "concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| pipeline/K=0 | 2 |" in run.stdout
-
-
 def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
     """--api openai: both pipeline methods go through the coordinator's HTTP API with the openai
     SDK (the transformers serve client path); the reference stays Generate's token ids."""
@@ -491,8 +448,9 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
 
 def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     """Closed, burst and Poisson (its rate from the closed loop at N = 1) at N = 1 and 2, each
-    pattern on its own prompt: the same arrival times for every method, every output identical,
-    CPU time per token for every process."""
+    pattern on its own prompt, two pipeline methods on the tiny target (services as subprocesses;
+    the ngram drafter, which needs no model): the same arrival times for every method, every
+    output identical, CPU time per token for every process, and every report written."""
     questions = write_questions(
         tmp_path / "q.jsonl", {"qa": ["What is the capital of France?", "Name two colors.", "Count to three."]}
     )
@@ -528,7 +486,22 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
         assert asked <= set(prompts[arrivals])
     burst = [r for r in report["requests"] if r["arrivals"] == "burst" and r["concurrency"] == 2]
     assert len(burst) == 4 and all(r["start_ms"] < 50 for r in burst)  # sent together
+    for cell in report["cells"]:
+        s = cell["stats"]
+        assert s["tokens_per_second"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p99"] >= s["tpot_ms_p50"] > 0
+        assert s["mean_batch_size"] >= 1 and s["mean_batched_tokens"] >= 1 and s["queue_ms_per_round"] >= 0
+        assert s["num_failed"] == 0 and s["num_compared"] == s["num_requests"]
+    k0 = by_cell[("closed", "pipeline/K=0", 1)]["stats"]
+    assert k0["mean_k"] == 0 and k0["num_draft_tokens"] == 0
+    assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
+    assert report["config"]["command"].startswith("specdec bench --concurrency 1,2")
+    assert report["identity"]["pipeline/K=0"]["prompt_tokens_agree_rate"] == 1.0
+    for m in report["mismatches"]:  # a differing output comes with the target's margin there
+        assert m["margin"] >= 0
+    assert (out / "concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| pipeline/K=0 | 2 |" in run.stdout
     markdown = (out / "report-concurrency.md").read_text()
+    assert "| method | N | requests ok | tokens/s |" in markdown
     for arrivals in ("closed", "burst", "poisson"):
         assert f"## Arrivals: {arrivals}" in markdown and f"arrivals: {arrivals}" in run.stdout
     assert "| N | pipeline/adaptive tokens/s | pipeline/K=0 tokens/s |" in markdown and "adaptive / K=0" in markdown
