@@ -218,40 +218,25 @@ def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
+def run_bench(out, *args):
+    """``specdec bench`` with ``args``, writing to ``out``; returns the finished process and its
+    JSON report."""
+    command = [sys.executable, "-m", "specdec", "bench", *args, "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads((out / "report-concurrency.json").read_text())
+
+
 def run_tiny_bench(tiny_models, questions, out, *args, methods="pipeline/adaptive,pipeline/K=0"):
     """``specdec bench`` with ``args``, ``methods`` (default both pipeline methods; the ngram
     drafter, which needs no model) on the tiny target, 8 new tokens; returns the finished process
     and its JSON report."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdec",
-            "bench",
-            *args,
-            "--methods",
-            methods,
-            "--drafter",
-            "ngram",
-            "--questions",
-            str(questions),
-            "--max-new-tokens",
-            "8",
-            "--target",
-            str(tiny_models.target_dir),
-            "--draft-model",
-            str(tiny_models.draft_dir),
-            "--dtype",
-            "float32",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_bench(
+        out,
+        *args,
+        *("--methods", methods, "--drafter", "ngram", "--questions", str(questions), "--max-new-tokens", "8"),
+        *("--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir), "--dtype", "float32"),
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, json.loads((out / "report-concurrency.json").read_text())
 
 
 def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
@@ -512,33 +497,12 @@ def test_ceiling_on_tiny_models(tmp_path):
     """--ceiling writes the near-free model (hidden 64, 2 layers, SmolLM2's tokenizer) and runs K = 0
     and the K = 4 self-draft on it; the K = 4 drafts are all accepted and the targets reported."""
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
-    out = tmp_path / "out"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdec",
-            "bench",
-            "--ceiling",
-            "--concurrency",
-            "2",
-            "--requests-per-client",
-            "1",
-            "--methods",
-            "pipeline/K=0,pipeline/K=4",
-            "--max-new-tokens",
-            "8",
-            "--questions",
-            str(questions),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    _, report = run_bench(
+        tmp_path / "out",
+        *("--ceiling", "--concurrency", "2", "--requests-per-client", "1", "--max-new-tokens", "8"),
+        *("--methods", "pipeline/K=0,pipeline/K=4", "--questions", str(questions)),
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((out / "report-concurrency.json").read_text())
+    out = tmp_path / "out"
     model = json.loads((Path(report["config"]["target"]) / "config.json").read_text())
     assert (model["hidden_size"], model["num_hidden_layers"], model["vocab_size"]) == (64, 2, 49152)
     assert "ceiling_targets" in report and report["config"]["drafter"] == "transformers"

@@ -9,7 +9,12 @@ import pytest
 from coordinator.api.request import ResolvedRequest
 from coordinator.speculation.draft_side import DraftService, DraftSession
 from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.service import build as build_draft
+from draft_service.settings import DraftSettings
+from specdec.errors import Unavailable
 from specdec.sampling_params import SamplingParams
+from specdec.v1 import draft_pb2
 from specdec_app.launcher import free_port
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -144,3 +149,30 @@ def test_which_requests_open_a_draft_session(tiny_pipeline, resolved, opens):
             await clients.close()
 
     asyncio.run(run())
+
+
+def test_a_late_answer_clears_the_down_mark(tiny_pipeline):
+    """A draft slowed by load (its Propose held 600 ms, past a 250 ms deadline) is marked down at
+    the miss, and up again when its late answer arrives: it is alive, and the deadline has learnt."""
+    settings = DraftSettings(port=0, max_sessions=4, default_drafter="ngram", debug_rpc_delay_ms=["Propose=600"])
+    draft = build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
+
+    async def run():
+        clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
+        clients.propose_deadline.observe(0.05, 3)  # learnt while the draft was fast
+        service = DraftService(clients, down_s=30.0)
+        try:
+            await service.prefill(draft_pb2.DraftServicePrefillRequest(session_id="late", token_ids=PROMPT))
+            with pytest.raises(Unavailable, match="deadline"):
+                await service.propose(draft_pb2.ProposeRequest(session_id="late", num_speculative_tokens=3))
+            assert service.down()
+            await asyncio.sleep(0.8)  # the late answer arrives
+            assert not service.down()
+            await service.release("late")
+        finally:
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        draft.stop(0)

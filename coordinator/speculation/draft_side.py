@@ -3,7 +3,8 @@ ask the draft service, as :mod:`coordinator.speculation.failover` is for the ver
 
 :class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
 call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
-meanwhile), and its last GetInfo stands in while it is down. :class:`DraftSession`, one per
+meanwhile) unless a late answer shows it alive first, and its last GetInfo stands in while it is
+down. :class:`DraftSession`, one per
 request, is the request's session on it: opened by a Prefill of the committed log in the
 background, told the committed tokens it has not seen at each Propose, drafting ahead (a model
 drafter, see :class:`DraftAhead`), and after a failure left alone for ``retry_s`` seconds before
@@ -74,7 +75,12 @@ class DraftService:
         await self._marking_down(self.clients.prefill_draft(request))
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        return await self._marking_down(self.clients.propose(request))
+        """A Propose; a late answer to one that missed its deadline clears the down mark (the draft
+        is alive, only slowed by load, and the deadline has just learnt its new round trip)."""
+        return await self._marking_down(self.clients.propose(request, on_late=self._alive))
+
+    def _alive(self) -> None:
+        self._down_until = 0.0
 
     async def release(self, session_id: str) -> None:
         """A Release: background clean-up, so a failure does not mark the service down."""

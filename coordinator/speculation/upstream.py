@@ -8,6 +8,7 @@ import asyncio
 import collections
 import math
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -163,11 +164,14 @@ class ServiceClients:
         self._follow_certificate()
         await self._call(self._draft.Prefill, request, self._draft_where, self.prefill_timeout_s)
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def propose(
+        self, request: draft_pb2.ProposeRequest, on_late: Callable[[], None] | None = None
+    ) -> draft_pb2.ProposeResponse:
         """A Propose over the draft's Step stream, under the Propose deadline for its forwards
         (:class:`ProposeDeadline`), which learns from its round trip: also from a call that
         missed it and was answered late (a draft slowed by a burst of load, not one that hangs,
-        so that the deadline grows with the load instead of failing every call under it)."""
+        so that the deadline grows with the load instead of failing every call under it);
+        ``on_late()`` is called then too."""
         num_forwards = ProposeDeadline.forwards(request)
         timeout = self.propose_deadline.seconds(num_forwards)
         start = time.monotonic()
@@ -176,7 +180,12 @@ class ServiceClients:
         def learn(seconds: float) -> None:
             self.propose_deadline.observe(seconds, num_forwards)
 
-        response = await self._draft_steps.call("propose", request, timeout, on_late=learn)
+        def learn_late(seconds: float) -> None:
+            learn(seconds)
+            if on_late is not None:
+                on_late()
+
+        response = await self._draft_steps.call("propose", request, timeout, on_late=learn_late)
         learn(time.monotonic() - start)
         return response
 
