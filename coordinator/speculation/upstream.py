@@ -197,11 +197,13 @@ class ServiceClients:
 
     async def verify_info(self, replica: int) -> verify_pb2.VerifyServiceGetInfoResponse:
         """VerifyService.GetInfo on replica number ``replica``, under rpc_timeout_s."""
-        return await self._call_verify(replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest(), None)
+        request = verify_pb2.VerifyServiceGetInfoRequest()
+        return await self._call(self._verify_stub(replica).GetInfo, request, self._verify_where[replica], None)
 
     async def prefill_verify(self, replica: int, request: verify_pb2.VerifyServicePrefillRequest) -> None:
         """VerifyService.Prefill on replica number ``replica``, under prefill_timeout_s."""
-        await self._call_verify(replica, "Prefill", request, self.prefill_timeout_s)
+        stub, where = self._verify_stub(replica), self._verify_where[replica]
+        await self._call(stub.Prefill, request, where, self.prefill_timeout_s)
 
     async def verify(self, replica: int, request: verify_pb2.VerifyRequest) -> verify_pb2.VerifyResponse:
         """A Verify over replica ``replica``'s Step stream, under rpc_timeout_s."""
@@ -216,9 +218,8 @@ class ServiceClients:
     async def release_verify(self, replica: int, session_id: str) -> None:
         """VerifyService.Release on replica number ``replica`` under a RELEASE_TIMEOUT_S deadline."""
         request = verify_pb2.VerifyServiceReleaseRequest(session_id=session_id)
-        await self._call_verify(replica, "Release", request, RELEASE_TIMEOUT_S)
+        await self._call(self._verify_stub(replica).Release, request, self._verify_where[replica], RELEASE_TIMEOUT_S)
 
-    async def _call_verify(self, replica: int, method: str, request, timeout: float | None):
+    def _verify_stub(self, replica: int) -> verify_pb2_grpc.VerifyServiceStub:
         self._follow_certificate()
-        stub = self._verify[replica]
-        return await self._call(getattr(stub, method), request, self._verify_where[replica], timeout)
+        return self._verify[replica]
