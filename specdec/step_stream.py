@@ -104,7 +104,8 @@ class StepCalls:
                     kinds = ", ".join(self.handlers)
                     raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
                 timeout_s = _timeout_s(header.timeout_ms, received)
-                time.sleep(self.delays_s.get(name, 0.0))
+                if delay_s := self.delays_s.get(name):
+                    time.sleep(delay_s)
                 response = handler(getattr(call, kind), timeout_s, abandoned)
                 return self.result_cls(call_id=header.call_id, **{kind: response})
             except SpecdecError as err:

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.api.client import generate
+from specdec.errors import status_code
 from specdec.sampling_params import SamplingParams
 from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from specdec.v1 import (
@@ -338,11 +339,12 @@ def test_verify_service_answers_every_call(channels, tiny_pipeline, calls):
     verify_still_works(verify, tiny_pipeline.target)
 
 
-def expect_every_call_answered(stub, messages, prefix: str) -> None:
-    """Sends ``messages`` over a Step stream (each call's session prefixed, as prefilled by
-    ``prefix``): every call gets exactly one result, OK or an error that names the client's
-    mistake, with a message; or UNAVAILABLE for a call whose own deadline was under a second (it
-    may pass before the call's step)."""
+def expect_every_call_answered(stub, messages, prefill_cls, release_cls) -> None:
+    """Prefills a session ``a`` (``prefill_cls``), sends ``messages`` over a Step stream (each
+    call's session prefixed like it) and releases it (``release_cls``): every call gets exactly
+    one result, OK or an error that names the client's mistake, with a message; or UNAVAILABLE
+    for a call whose own deadline was under a second (it may pass before the call's step)."""
+    prefix = uuid.uuid4().hex[:8] + "-"
     for message in messages:
         for call in message.calls:
             kind = call.WhichOneof("call")
@@ -350,30 +352,26 @@ def expect_every_call_answered(stub, messages, prefix: str) -> None:
                 namespaced(getattr(call, kind), prefix)
     calls = [call for message in messages for call in message.calls]
     short = {call.header.call_id for call in calls if 0 < call.header.timeout_ms < 1000}
-    results = [r for response in stub.Step(iter(messages), timeout=TIMEOUT_S) for r in response.results]
+    stub.Prefill(prefill_cls(session_id=prefix + "a", token_ids=[1, 2, 3]), timeout=TIMEOUT_S)
+    try:
+        results = [r for response in stub.Step(iter(messages), timeout=TIMEOUT_S) for r in response.results]
+    finally:
+        stub.Release(release_cls(session_id=prefix + "a"), timeout=TIMEOUT_S)
     assert sorted(r.call_id for r in results) == sorted(call.header.call_id for call in calls)
     for result in results:
         if result.WhichOneof("result") == "error":
-            code = _status(result.error.code)
+            code = status_code(result.error.code)
             assert code in CLIENT_ERRORS or (code == grpc.StatusCode.UNAVAILABLE and result.call_id in short), result
             assert result.error.message
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return next(status for status in grpc.StatusCode if status.value[0] == code)
 
 
 @FUZZ
 @given(messages=verify_streams)
 def test_verify_step_stream_answers_every_call(channels, tiny_pipeline, messages):
     _, verify = channels
-    prefix = uuid.uuid4().hex[:8] + "-"
-    prefill = verify_pb2.VerifyServicePrefillRequest(session_id=prefix + "a", token_ids=[1, 2, 3])
-    verify.Prefill(prefill, timeout=TIMEOUT_S)
-    try:
-        expect_every_call_answered(verify, messages, prefix)
-    finally:
-        verify.Release(verify_pb2.VerifyServiceReleaseRequest(session_id=prefix + "a"), timeout=TIMEOUT_S)
+    expect_every_call_answered(
+        verify, messages, verify_pb2.VerifyServicePrefillRequest, verify_pb2.VerifyServiceReleaseRequest
+    )
     verify_still_works(verify, tiny_pipeline.target)
 
 
@@ -381,13 +379,9 @@ def test_verify_step_stream_answers_every_call(channels, tiny_pipeline, messages
 @given(messages=draft_streams)
 def test_draft_step_stream_answers_every_call(channels, messages):
     draft, _ = channels
-    prefix = uuid.uuid4().hex[:8] + "-"
-    prefill = draft_pb2.DraftServicePrefillRequest(session_id=prefix + "a", token_ids=[1, 2, 3])
-    draft.Prefill(prefill, timeout=TIMEOUT_S)
-    try:
-        expect_every_call_answered(draft, messages, prefix)
-    finally:
-        draft.Release(draft_pb2.DraftServiceReleaseRequest(session_id=prefix + "a"), timeout=TIMEOUT_S)
+    expect_every_call_answered(
+        draft, messages, draft_pb2.DraftServicePrefillRequest, draft_pb2.DraftServiceReleaseRequest
+    )
     draft_still_works(draft)
 
 

@@ -65,9 +65,11 @@ class StepStream:
         the deadline of ``timeout_s`` seconds passed, or the stream failed. ``on_late(seconds)``:
         called with the round trip when a call that missed its deadline is answered after all
         (successfully, while the stream lasts; up to MAX_LATE such calls are remembered)."""
-        with tracer.start_as_current_span(f"/{self.service}/{kind.capitalize()}", kind=trace.SpanKind.CLIENT):
+        span_name = f"/{self.service}/{kind.capitalize()}"
+        with tracer.start_as_current_span(span_name, kind=trace.SpanKind.CLIENT) as span:
             header = common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000)
-            propagate.inject(header.trace_context)
+            if span.is_recording():  # tracing on: the service's span joins this trace
+                propagate.inject(header.trace_context)
             if self._open is None or self._open.failed:
                 self._open = _OpenStream(self.open_stream(), self.request_cls, self.where)
             call = self.call_cls(header=header, **{kind: request})
