@@ -280,10 +280,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await running.journal.commit(kept, sessions={})  # the resumed request, running here now
         if caught_up := self._message(running, kept):
             yield caught_up
-        if not output.finish:
+        if not output.finish:  # the first token comes from the target's prefill
             with tracer.start_as_current_span("prefill"):
-                await rounds.prefill(running.policy)
-        running.metrics.prefill_ms = ms_since(running.metrics.start)
+                first = await rounds.prefill(running.policy)
+            running.metrics.prefill_ms = ms_since(running.metrics.start)
+            kept = output.add(first)
+            self.metrics.generation_tokens.inc(len(kept))
+            await running.journal.commit(kept, rounds.open_sessions())
+            if response := self._message(running, kept):
+                yield response
         while not output.finish:
             with tracer.start_as_current_span("round") as span:
                 new, record = await rounds.step(running.policy, output.remaining - 1)

@@ -80,7 +80,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     )
     generated, outcomes = [], []
     try:
-        await rounds.prefill()
+        generated = await rounds.prefill()  # the first token: the target's prefill
         while len(generated) < MAX_NEW:
             new, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
             generated += new

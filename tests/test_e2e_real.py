@@ -56,6 +56,7 @@ def references(smollm2) -> dict[str, list[int]]:
 @pytest.mark.parametrize("drafter", ["llama-cpp", "ngram"])
 def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2, references, drafter):
     _, tokenizer = smollm2
+    drafted = accepted = 0
     for prompt, expected in references.items():
         request = coordinator_pb2.GenerateRequest(
             text=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter=drafter
@@ -63,8 +64,12 @@ def test_real_model_pipeline_equals_transformers_generate(real_cluster, smollm2,
         completion = generate(real_cluster.address("coordinator"), request, timeout_s=300)
         assert completion.token_ids == expected
         assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
-        if drafter == "llama-cpp":  # the quantized self-draft agrees with the target most of the time
-            assert completion.metrics.draft_acceptance_rate > 0.3
+        drafted += completion.metrics.num_draft_tokens
+        accepted += completion.metrics.num_accepted_draft_tokens
+    if drafter == "llama-cpp":  # the quantized self-draft agrees with the target most of the time
+        # (over all prompts: a short answer may end before the draft, prefilled after the first
+        # token, is ready)
+        assert drafted and accepted / drafted > 0.3
 
 
 def test_cli_generate_json_contract(real_cluster):

@@ -2,16 +2,19 @@
 round code and services generates exactly the target's distribution.
 
 The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
-tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first two
+tests/test_acceptance.py. Here, on an 8-token vocabulary, the exact distribution of the first three
 generated tokens is enumerated from the target; many seeded requests run through the
-coordinator's round code (:meth:`coordinator.speculation.rounds.RequestRounds.step`, one round at a
-time, under an adaptive policy) against real draft and verify services
-over gRPC, and must match it by a chi-square test at significance 0.001. The one case covers the
-rest of the path: temperature, top-k and top-p applied on both sides; the model drafter's
-distributions and the coordinator's n-gram lookup (a point mass) on the wire; K = 3 in the first
-round and K chosen from the first round's random outcome in the second. The same harness with a
-deliberately wrong acceptance rule (resampling from p instead of max(0, p - q) at a rejection)
-must fail the same test: the negative control shows the test has power.
+coordinator's round code (:meth:`coordinator.speculation.rounds.RequestRounds.prefill`, which
+draws the first token in the target's prefill, then
+:meth:`~coordinator.speculation.rounds.RequestRounds.step`, one round at a time, under an adaptive
+policy) against real draft and verify services over gRPC, and must match it by a chi-square test
+at significance 0.001: the first token's distribution, and that of the next two (the rounds'),
+marginalised over the first. The one case covers the rest of the path: temperature, top-k and
+top-p applied on both sides; the model drafter's distributions and the coordinator's n-gram lookup
+(a point mass) on the wire; K = 3 in the first round and K chosen from the first round's random
+outcome in the second. The same harness with a deliberately wrong acceptance rule (resampling from
+p instead of max(0, p - q) at a rejection) must fail the same test: the negative control shows the
+test has power.
 
 The requests run CONCURRENT_SESSIONS at a time, so their sessions share the target's and the
 model draft's batched steps (invariant *batch independence* under sampling).
@@ -40,6 +43,7 @@ from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
+from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarMatcher
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramIndex
@@ -93,9 +97,9 @@ def letters_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
 
 
-# the first token a, b or c (ids 0, 1, 3), the second d, e or f (4, 5, 6), then g or the end
-GRAMMAR = StructuredOutput("regex", "[abc][def]g?")
-GRAMMAR_SAMPLES = 500  # 9 outcomes (a, b or c, then d, e or f): fewer samples than for the 64 above
+# the first token a, b or c (ids 0, 1, 3), the second and third d, e or f (4, 5, 6), then g or the end
+GRAMMAR = StructuredOutput("regex", "[abc][def][def]g?")
+GRAMMAR_SAMPLES = 500  # 9 outcomes of the second and third token: fewer samples than for the 64 above
 GRAMMAR_PARAMS = dataclasses.replace(
     PARAMS, top_k=0, eos_token_ids=(2,), num_prompt_tokens=len(PROMPT), structured_output=GRAMMAR
 )
@@ -127,34 +131,36 @@ def small_vocab():
     verify.stop(0)
 
 
-def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
-    """P(first two generated tokens = (a, b)), ``[VOCAB * VOCAB]``, after the sampling transform."""
-    with torch.inference_mode():
-        first = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], params)
-        contexts = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
-        second = logits_to_probs(model(contexts).logits[:, -1], params)
-    return (first[:, None] * second).reshape(-1)
-
-
-def exact_masked_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
-    """As :func:`exact_pair_distribution`, each position's logits masked by ``params``' grammar."""
-    assert params.structured_output is not None
+def _allowed(params: SamplingParams, generated: list[int]) -> torch.Tensor:
+    """``[VOCAB]`` bool: the tokens ``params``' grammar allows after ``generated`` (all of them
+    without a grammar, or after tokens it rejects: such a prefix has probability 0)."""
+    if params.structured_output is None:
+        return torch.ones(VOCAB, dtype=torch.bool)
     vocab = grammar_tokenizer(letters_tokenizer(), VOCAB, list(params.eos_token_ids))
-    matcher = GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits())
+    try:
+        return GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits(), generated).allowed()
+    except InvalidArgument:
+        return torch.ones(VOCAB, dtype=torch.bool)
+
+
+def _next_probs(model, params: SamplingParams, generated: list[list[int]]) -> torch.Tensor:
+    """``[len(generated), VOCAB]``: the distribution of the token after each generated prefix, after
+    the grammar's mask (if any) and the sampling transform."""
     with torch.inference_mode():
-        logits = model(torch.tensor([PROMPT])).logits[0, -1]
-        first = logits_to_probs(logits.masked_fill(~matcher.allowed(), float("-inf")), params)
-        contexts = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
-        masks = torch.stack(
-            [
-                GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits(), [a]).allowed()
-                if matcher.allowed()[a]
-                else torch.ones(VOCAB, dtype=torch.bool)
-                for a in range(VOCAB)
-            ]
-        )
-        second = logits_to_probs(model(contexts).logits[:, -1].masked_fill(~masks, float("-inf")), params)
-    return (first[:, None] * second).reshape(-1)
+        logits = model(torch.tensor([[*PROMPT, *g] for g in generated])).logits[:, -1]
+    masks = torch.stack([_allowed(params, g) for g in generated])
+    return logits_to_probs(logits.masked_fill(~masks, float("-inf")), params)
+
+
+def exact_distributions(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(first generated token = a), ``[VOCAB]``, and P(second and third = (b, c)), ``[VOCAB * VOCAB]``
+    (marginalised over the first), of the target after the sampling transform and ``params``'
+    grammar, if any."""
+    first = _next_probs(model, params, [[]])[0]
+    second = _next_probs(model, params, [[a] for a in range(VOCAB)])  # [a, b]
+    third = _next_probs(model, params, [[a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
+    joint = first[:, None, None] * second[:, :, None] * third
+    return first, joint.sum(0).reshape(-1)
 
 
 def adaptive_policy() -> AdaptiveK:
@@ -169,29 +175,28 @@ def adaptive_policy() -> AdaptiveK:
     return AdaptiveK(K_MAX, "model", rates(), {NGRAM: [rates(), rates()]}, StepCosts(0.05, [1.0, 1.1, 1.2, 1.3]))
 
 
-async def pipeline_pair(
+async def pipeline_tokens(
     clients: ServiceClients, params: SamplingParams, session_prefix: str
-) -> tuple[int, list[tuple[str, int]]]:
-    """One request's rounds, as the coordinator runs them, until two tokens are committed; returns
-    them as one index a * VOCAB + b, and each round's (drafter, K)."""
-    request = ResolvedRequest(PROMPT, 2, params, [], K_MAX, "model", adaptive=True)
+) -> tuple[list[int], list[tuple[str, int]]]:
+    """One request's prefill and rounds, as the coordinator runs them, until three tokens are
+    committed; returns them, and each round's (drafter, K)."""
+    request = ResolvedRequest(PROMPT, 3, params, [], K_MAX, "model", adaptive=True)
     request_rounds = RequestRounds(
         DraftService(clients), VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
     )
     policy, rounds = adaptive_policy(), []
     try:
-        await request_rounds.prefill()
-        while len(request_rounds.committed) < len(PROMPT) + 2:
+        await request_rounds.prefill(policy)
+        while len(request_rounds.committed) < len(PROMPT) + 3:
             _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))
     finally:
         await request_rounds.release()
-    first, second = request_rounds.committed[len(PROMPT) : len(PROMPT) + 2]
-    return first * VOCAB + second, rounds
+    return request_rounds.committed[len(PROMPT) : len(PROMPT) + 3], rounds
 
 
-def pipeline_pairs(services: SmallVocab, params: SamplingParams, seeds) -> list[tuple[int, list[tuple[str, int]]]]:
-    """:func:`pipeline_pair` for every seed, CONCURRENT_SESSIONS requests at a time."""
+def pipeline_runs(services: SmallVocab, params: SamplingParams, seeds) -> list[tuple[list[int], list[tuple[str, int]]]]:
+    """:func:`pipeline_tokens` for every seed, CONCURRENT_SESSIONS requests at a time."""
 
     async def run_all():
         clients = ServiceClients(services.draft_address, [services.verify_address], 60, 60)
@@ -199,7 +204,7 @@ def pipeline_pairs(services: SmallVocab, params: SamplingParams, seeds) -> list[
 
         async def one(i: int, seed: int):
             async with limit:
-                return await pipeline_pair(clients, dataclasses.replace(params, seed=seed), f"pair-{i}")
+                return await pipeline_tokens(clients, dataclasses.replace(params, seed=seed), f"run-{i}")
 
         try:
             return await asyncio.gather(*(one(i, seed) for i, seed in enumerate(seeds)))
@@ -210,24 +215,27 @@ def pipeline_pairs(services: SmallVocab, params: SamplingParams, seeds) -> list[
 
 
 def pipeline_p_value(services: SmallVocab, params: SamplingParams, samples: int) -> float:
-    """The chi-square p-value of ``samples`` seeded requests against the exact distribution (of the
-    masked target, with a grammar); asserts that their sessions did share steps and that every
-    kind of round ran: the model drafter's at K = 3, the n-gram lookup's, and plain decode steps
-    (without a grammar: with one, the masked draft rarely misses at the first position, the
-    adaptive policy's cue for a plain step, in the fewer samples its test takes)."""
+    """The chi-square p-value of ``samples`` seeded requests against the exact distributions (of
+    the masked target, with a grammar): the smaller of the first token's and the next two's;
+    asserts that their sessions did share steps and that every kind of round ran: the model
+    drafter's at K = 3, the n-gram lookup's, and plain decode steps (without a grammar: with one,
+    the masked draft rarely misses at the first position, the adaptive policy's cue for a plain
+    step, in the fewer samples its test takes)."""
     recorder, metrics = StepRecorder(), services.target.engine.metrics
     services.target.engine.metrics = recorder
     try:
-        runs = pipeline_pairs(services, params, range(samples))
+        runs = pipeline_runs(services, params, range(samples))
     finally:
         services.target.engine.metrics = metrics
     assert max(recorder.batch_sizes) > 1, "no step batched two sessions"
     rounds = {r for _, rs in runs for r in rs}
     assert ("model", K_MAX) in rounds and NGRAM in {drafter for drafter, _ in rounds}, rounds
     assert params.structured_output is not None or (PLAIN, 0) in rounds, rounds
-    counts = torch.bincount(torch.tensor([pair for pair, _ in runs]), minlength=VOCAB * VOCAB).float()
-    exact = exact_pair_distribution if params.structured_output is None else exact_masked_pair_distribution
-    return chi_square_p_value(counts, exact(services.reference, params))
+    first, pair = exact_distributions(services.reference, params)
+    first_counts = torch.bincount(torch.tensor([tokens[0] for tokens, _ in runs]), minlength=VOCAB).float()
+    pairs = torch.tensor([tokens[1] * VOCAB + tokens[2] for tokens, _ in runs])
+    pair_counts = torch.bincount(pairs, minlength=VOCAB * VOCAB).float()
+    return min(chi_square_p_value(first_counts, first), chi_square_p_value(pair_counts, pair))
 
 
 def test_speculative_sampling_matches_target_distribution(small_vocab):
@@ -254,4 +262,4 @@ def test_negative_control_under_a_grammar_is_detected(small_vocab, monkeypatch):
 
 
 def test_same_seed_reproduces_a_sampled_completion(small_vocab):
-    assert len({pair for pair, _ in pipeline_pairs(small_vocab, PARAMS, [1234] * 5)}) == 1
+    assert len({tuple(tokens) for tokens, _ in pipeline_runs(small_vocab, PARAMS, [1234] * 5)}) == 1

@@ -70,12 +70,22 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         start = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
         abandoned = lambda: not context.is_active()  # noqa: E731
-        self.sessions.open(
-            request.session_id,
-            lambda: self.target.new_session(request.token_ids, sampling, context.time_remaining(), abandoned),
-            abandoned=abandoned,
-        )
-        return verify_pb2.VerifyServicePrefillResponse(compute_ms=ms_since(start))
+        opened: list[TargetSession] = []
+
+        def new_session() -> TargetSession:
+            session = self.target.new_session(
+                request.token_ids, sampling, context.time_remaining(), abandoned, request.decode
+            )
+            opened.append(session)
+            return session
+
+        self.sessions.open(request.session_id, new_session, abandoned=abandoned)
+        response = verify_pb2.VerifyServicePrefillResponse(compute_ms=ms_since(start))
+        if request.decode:
+            (session,) = opened
+            response.next_token_id = session.committed[-1]
+            response.step.CopyFrom(step_stats(session.last_step))
+        return response
 
     @grpc_errors
     def Verify(self, request, context):

@@ -146,9 +146,11 @@ class Target:
         sampling: SamplingParams,
         timeout_s: float | None = None,
         abandoned: Callable[[], bool] | None = None,
+        decode: bool = False,
     ) -> "TargetSession":
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
-        :meth:`specdec.engine.Engine.run`). Raises InvalidArgument for an empty or too long context
+        :meth:`specdec.engine.Engine.run`; ``decode``: and the first decode step, see
+        :meth:`TargetSession.prefill`). Raises InvalidArgument for an empty or too long context
         or ids out of range, Unavailable when the deadline passes first."""
         if not committed:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
@@ -160,7 +162,7 @@ class Target:
         check_token_ids(committed, self.vocab_size, "token_ids")
         session = TargetSession(self, sampling)
         try:
-            session.prefill(committed, timeout_s, abandoned)
+            session.prefill(committed, timeout_s, abandoned, decode)
         except BaseException:
             session.close()
             raise
@@ -280,11 +282,27 @@ class TargetSession:
         return result
 
     def prefill(
-        self, committed: Sequence[int], timeout_s: float | None = None, abandoned: Callable[[], bool] | None = None
-    ) -> None:
+        self,
+        committed: Sequence[int],
+        timeout_s: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+        decode: bool = False,
+    ) -> int | None:
+        """Caches ``committed`` but its last token (chunked prefill). With ``decode`` it also
+        decodes the token after ``committed`` and commits it (returned; None without): the
+        prefill's last chunk, at most half a step's token budget, runs as that decode step's
+        work, so the first token costs no forward of its own (as in plain decoding, where the
+        prompt's forward gives it) and is the token a Decode right after the prefill would give
+        (the same seeded draw)."""
         self.committed = list(committed)
         self.grammar = self.target.grammar_matcher(self.sampling, self.committed)
-        prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned)
+        last_chunk = min(len(self.committed), self.target.limits.max_num_batched_tokens // 2) if decode else 1
+        cached = self.committed[: len(self.committed) - last_chunk + 1]  # prefill() caches all but its last token
+        prefill(self.target.engine, self.kv_cache, cached, timeout_s, abandoned)
+        if not decode:
+            return None
+        _, token = self._run(_Verify(self, [], None), timeout_s, abandoned)
+        return token
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
         """``[len(draft_tokens) + 1, V]`` float32 logits after the committed prefix and after each

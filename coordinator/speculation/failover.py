@@ -88,23 +88,27 @@ class VerifySession:
         self.session_id = ""  # empty: not opened yet
         self.rebuilds = 0
 
-    async def open(self, deadline: float, wait_while_full: bool = False) -> None:
+    async def open(
+        self, deadline: float, wait_while_full: bool = False, decode: bool = False
+    ) -> verify_pb2.VerifyServicePrefillResponse:
         """Prefills the committed log on a replica, the healthy ones first, passing over the
         replicas every RETRY_INTERVAL_S until ``deadline`` (time.monotonic()). A pass on which every
         replica refused for being full ends the wait unless ``wait_while_full`` (a rebuild
-        mid-request waits for room; a new request is told to back off). Raises the last replica's
+        mid-request waits for room; a new request is told to back off). ``decode``: the replica
+        also decodes the token after the log (the response's ``next_token_id``, committed on the
+        session but not yet in ``committed``: the caller appends it). Raises the last replica's
         UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. A Prefill that failed unanswered
         (unreachable, late) or was cancelled has its session id released: the replica may still
         open it."""
         session_id = self.new_session_id()
         request = verify_pb2.VerifyServicePrefillRequest(
-            session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto()
+            session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto(), decode=decode
         )
         while True:
             unreachable = False
             for replica in self.replicas.order():
                 try:
-                    await self.clients.prefill_verify(replica, request)
+                    response = await self.clients.prefill_verify(replica, request)
                 except ResourceExhausted as err:
                     error: SpecdecError = err
                     continue
@@ -117,7 +121,7 @@ class VerifySession:
                     self._release(replica, session_id)
                     raise
                 self.replica, self.session_id = replica, session_id
-                return
+                return response
             if time.monotonic() >= deadline or not (unreachable or wait_while_full):
                 raise error
             await asyncio.sleep(RETRY_INTERVAL_S)

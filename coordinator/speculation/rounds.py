@@ -111,23 +111,36 @@ class RequestRounds:
         self._generation += 1
         return f"{self.session_prefix}.{service}{self._generation}"
 
-    async def prefill(self, policy: AdaptiveK | None = None) -> None:
-        """Opens the session on a verify replica; raises UNAVAILABLE or RESOURCE_EXHAUSTED when no
-        replica takes it. The draft session (when the request uses one; a draft that fails here is
-        only retried later) is prefilled alongside when the first round may use it
-        (:meth:`DraftSession.opens_at_once` under ``policy``, None for a fixed K), else when a
-        round first wants it. Under greedy decoding the first tokens do not wait for it (a small
-        draft prefills a long prompt slower than the target): rounds run without the draft until
-        it is ready, which cannot change greedy output. Under sampling they wait (bounded,
+    async def prefill(self, policy: AdaptiveK | None = None) -> list[int]:
+        """Opens the session on a verify replica, which also decodes the request's first token in
+        the forward of the prompt's last chunk, as plain decoding does; returns that token,
+        appended to the committed log (none when the log holds generated tokens already: a
+        resumed request goes on with rounds where its first run's rounds went on, so that a seed
+        gives the same tokens). Raises UNAVAILABLE or RESOURCE_EXHAUSTED when no replica
+        takes it; waits for a replica to answer up to ``failover_timeout_s`` (the only one may be
+        restarting).
+
+        The draft session (when the request uses one) is prefilled in the background when the
+        first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
+        fixed K), else when a round first wants it; a draft that fails here is only retried later.
+        Under greedy decoding it starts after the first token, so that no draft work competes
+        with the target's prefill where they share hardware, and rounds do not wait for it (a
+        small draft prefills a long prompt slower than the target): they run without the draft
+        until it is ready, which cannot change greedy output. Under sampling it starts at once,
+        beside the target's, and the first round waits for it (bounded,
         :meth:`DraftSession.wait_for_prefill`), because the sampled tokens depend on the
         proposals: a seed reproduces a completion only if the same rounds use the draft whatever
-        the timing. Waits for a verify replica to answer up to ``failover_timeout_s`` (the only
-        one may be restarting)."""
-        if self.draft.opens_at_once(policy):
+        the timing."""
+        opens_draft = self.draft.opens_at_once(policy)
+        if opens_draft and not self.request.sampling.greedy:
             self.draft.open()
-        await self.verify.open(time.monotonic() + self.verify.failover_timeout_s)
-        if not self.request.sampling.greedy:
-            await self.draft.wait_for_prefill()
+        decode = len(self.committed) == len(self.request.prompt_ids)
+        response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
+        first = [response.next_token_id] if decode else []
+        self.committed.extend(first)
+        if opens_draft:
+            self.draft.open()  # greedy; under sampling it is open or opening already
+        return first
 
     # --- rounds --------------------------------------------------------------------------
 
@@ -155,6 +168,8 @@ class RequestRounds:
         """
         start, wire_bytes = time.perf_counter(), 0
         self.num_rounds += 1
+        if self.num_rounds == 1 and not self.request.sampling.greedy:
+            await self.draft.wait_for_prefill()  # see prefill()
         self.draft.check_prefill()
         # 1. choose the proposer and K
         matches: dict[str, NgramMatch | SuffixMatch] = {}

@@ -200,10 +200,12 @@ class ServiceClients:
         request = verify_pb2.VerifyServiceGetInfoRequest()
         return await self._call(self._verify_stub(replica).GetInfo, request, self._verify_where[replica], None)
 
-    async def prefill_verify(self, replica: int, request: verify_pb2.VerifyServicePrefillRequest) -> None:
+    async def prefill_verify(
+        self, replica: int, request: verify_pb2.VerifyServicePrefillRequest
+    ) -> verify_pb2.VerifyServicePrefillResponse:
         """VerifyService.Prefill on replica number ``replica``, under prefill_timeout_s."""
         stub, where = self._verify_stub(replica), self._verify_where[replica]
-        await self._call(stub.Prefill, request, where, self.prefill_timeout_s)
+        return await self._call(stub.Prefill, request, where, self.prefill_timeout_s)
 
     async def verify(self, replica: int, request: verify_pb2.VerifyRequest) -> verify_pb2.VerifyResponse:
         """A Verify over replica ``replica``'s Step stream, under rpc_timeout_s."""

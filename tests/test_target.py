@@ -1,0 +1,49 @@
+"""verify_service.target: a Prefill that also decodes the first token gives exactly the token a
+Decode right after a plain Prefill gives (greedy and seeded sampling), in one forward with the
+prompt's last chunk, however the prompt is chunked."""
+
+import pytest
+
+from specdec.sampling_params import SamplingParams
+from tests.conftest import StepRecorder
+from verify_service.target import EngineLimits, Target
+
+
+@pytest.fixture(scope="module")
+def small_budget_target(tiny_target) -> Target:
+    """The tiny target with a 16-token step budget, so that a 40-token prompt prefills in chunks."""
+    target = Target(tiny_target.lm.model, tiny_target.tokenizer, "small-budget", 4, EngineLimits(4, 16, 0.0))
+    yield target
+    target.engine.stop()
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.5, seed=7)], ids=["greedy", "seeded"]
+)
+@pytest.mark.parametrize("prompt_len", [1, 5, 40])
+def test_prefill_with_decode_gives_the_next_decode_token(small_budget_target, sampling, prompt_len):
+    prompt = [(7 * i + 3) % 1000 for i in range(prompt_len)]
+    plain = small_budget_target.new_session(prompt, sampling)
+    _, expected = plain.verify([], None)
+    plain.close()
+    recorder, metrics = StepRecorder(), small_budget_target.engine.metrics
+    small_budget_target.engine.metrics = recorder
+    try:
+        fused = small_budget_target.new_session(prompt, sampling, decode=True)
+    finally:
+        small_budget_target.engine.metrics = metrics
+    assert fused.committed == [*prompt, expected]
+    # every step but the last is a prefill chunk of at most the budget; the last one carries the
+    # prompt's last chunk (at most half the budget) and decodes the token: no forward of its own
+    assert len(recorder.batch_sizes) == max(1, -(-(prompt_len - 8) // 16) + 1)
+    assert fused.verify([], None) == plain_next(small_budget_target, [*prompt, expected], sampling)
+    fused.close()
+
+
+def plain_next(target: Target, committed: list[int], sampling: SamplingParams) -> tuple[int, int]:
+    """The Decode after a plain prefill of ``committed``."""
+    session = target.new_session(committed, sampling)
+    try:
+        return session.verify([], None)
+    finally:
+        session.close()
