@@ -82,7 +82,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     try:
         await rounds.prefill()
         while len(generated) < MAX_NEW:
-            new, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+            new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
             generated += new
             outcomes.append(record.draft_ahead)
     finally:

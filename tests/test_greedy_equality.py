@@ -133,7 +133,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         generated: list[int] = []
         try:
             while len(generated) < MAX_NEW:
-                new, _ = await rounds.step(RandomPolicy(), MAX_NEW)
+                new, _, _ = await rounds.step(RandomPolicy(), MAX_NEW)
                 generated.extend(new)
         finally:
             await rounds.release()

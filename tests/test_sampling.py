@@ -182,7 +182,7 @@ async def pipeline_pair(
     try:
         await request_rounds.prefill()
         while len(request_rounds.committed) < len(PROMPT) + 2:
-            _, record = await request_rounds.step(policy, K_MAX)
+            _, _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))
     finally:
         await request_rounds.release()
