@@ -57,8 +57,8 @@ class ChoiceLogprobs:
         self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs], text: str, final: bool
     ) -> dict | None:
         """The ``logprobs`` object of the chunk of one message (``token_ids`` with their
-        ``logprobs``, and ``text``; ``final``: the choice's last message); None when it has no
-        entries (or the request asked for none)."""
+        ``logprobs``, one each, and ``text``; ``final``: the choice's last message); None when it
+        has no entries."""
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
             self._held.append(_Token(token_id, token_logprobs))
             self._text.add(token_id)
@@ -68,12 +68,12 @@ class ChoiceLogprobs:
             self._num_decoded = self._text.num_decoded
         self._sent_chars += len(text)
         ready = 0
-        while ready < len(self._held) and (final or self._sent(self._held[ready])):
+        while ready < len(self._held) and (final or self._text_sent(self._held[ready])):
             ready += 1
         sent, self._held = self._held[:ready], self._held[ready:]
         return self._shape(sent) if sent else None
 
-    def _sent(self, token: _Token) -> bool:
+    def _text_sent(self, token: _Token) -> bool:
         return token.end is not None and token.end <= self._sent_chars
 
     def _shape(self, tokens: list[_Token]) -> dict:
