@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from coordinator.api import choices
 from coordinator.api import request as request_validation
 from coordinator.api.auth import ApiKeys, AuthenticatedCoordinator
 from coordinator.api.http_api import HttpServer, create_app
@@ -55,7 +56,7 @@ from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.suffix import SuffixCache, SuffixIndex
 from specdec.timing import ms_since
 from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,10 @@ tracer = trace.get_tracer(__name__)
 @dataclass
 class RunningRequest:
     """One request while this coordinator runs it. ``target``: the verify service's model name;
-    ``resumed``: the tokens a resumed request had generated before; ``left_behind``: for a resume,
-    the ids of the sessions its previous coordinator held (None for a new request); ``final``:
-    the metrics of its last message, once sent."""
+    ``resumed``: the tokens a resumed request had generated before, ``resumed_logprobs`` theirs
+    (when it asks for them); ``left_behind``: for a resume, the ids of the sessions its previous
+    coordinator held (None for a new request); ``final``: the metrics of its last message, once
+    sent."""
 
     resolved: ResolvedRequest
     target: str
@@ -77,6 +79,7 @@ class RunningRequest:
     output: StreamOutput
     metrics: MetricsRecorder
     resumed: list[int]
+    resumed_logprobs: list[common_pb2.TokenLogprobs]
     left_behind: dict[str, str] | None
     final: coordinator_pb2.RequestMetrics | None = None
 
@@ -104,34 +107,50 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
         self.draft_service = DraftService(clients, settings.draft_retry_s)
-        self._num_running = 0  # Generate calls in progress
+        self._num_running = 0  # requests in progress (each choice of a request with n > 1 counts)
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
     async def Generate(self, request, context):
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
         client = self.streams.client(authorization, peer_host(context.peer()))
         try:
-            async with contextlib.aclosing(self.streams.run(client, self.responses(request))) as responses:
+            streams = self.streams.run(client, self.responses(request), self.num_choices(request))
+            async with contextlib.aclosing(streams) as responses:
                 async for response in responses:
                     yield response
         except SpecdecError as err:
             await context.abort(err.code, str(err))
 
+    def num_choices(self, request: coordinator_pb2.GenerateRequest) -> int:
+        """The request's n, or 1 when it is out of range (:meth:`responses` then refuses it)."""
+        try:
+            return choices.num_choices(request, self.settings.max_n)
+        except SpecdecError:
+            return 1
+
     async def responses(
         self, request: coordinator_pb2.GenerateRequest
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
-        """The messages of one request, the first carrying its request id: the path of the gRPC
-        Generate call and of the HTTP API (:mod:`coordinator.api.http_api`). Raises SpecdecError;
-        closing it early cancels the request."""
+        """The messages of one request, the path of the gRPC Generate call and of the HTTP API
+        (:mod:`coordinator.api.http_api`): with n > 1 its choices' interleaved
+        (:mod:`coordinator.api.choices`), each message naming its choice in ``index``, the first
+        of each choice carrying its request id. Raises SpecdecError; closing it early cancels the
+        request."""
         self.metrics.num_requests_running.inc()
-        self._num_running += 1
+        requests: list[coordinator_pb2.GenerateRequest] = []
         try:
-            request_id = request.request_id or uuid.uuid4().hex
-            first = True
-            async for response in self._generate(request, request_id):
-                if first:
-                    response.request_id, first = request_id, False
-                yield response
+            check_request_id(request)
+            requests = choices.choice_requests(request, request.request_id or uuid.uuid4().hex, self.settings.max_n)
+            self._num_running += len(requests)
+            if len(requests) == 1:
+                stream = self._generate(requests[0], 0)
+            else:
+                prefilled = asyncio.Event()  # choice 0's prefill: the other choices start after it
+                streams = [self._generate(r, i, prefilled if i == 0 else None) for i, r in enumerate(requests)]
+                stream = choices.interleave(streams, prefilled)
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    yield response
         except SpecdecError as err:
             self.metrics.rpc_errors.labels("Generate", err.code.name).inc()
             raise
@@ -140,7 +159,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise
         finally:
             self.metrics.num_requests_running.dec()
-            self._num_running -= 1
+            self._num_running -= len(requests)
 
     async def _resolve(self, request):
         """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
@@ -186,7 +205,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
         INVALID_ARGUMENT (see :mod:`coordinator.request_store.resume`), UNAVAILABLE when a resume cannot reach
         the request store."""
-        check_request_id(request)
         if not request.HasField("resume_from"):
             return None
         stored = await self.store.load(request_id)
@@ -198,18 +216,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         check_resume(request, stored)
         return stored
 
-    async def _generate(self, request, request_id: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
-        """Opens the request (or replays a finished one), streams what its rounds commit, and
-        closes it: its sessions released and its outcome stored, whether it finished, failed or
-        was cancelled."""
-        stored = await self._stored(request, request_id)
+    async def _generate(
+        self, request, index: int, prefilled: asyncio.Event | None = None
+    ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """One choice of a request, ``request`` its own (:func:`coordinator.api.choices.choice_requests`)
+        and ``index`` its number (a resumed choice keeps its stored one): opens it (or replays a
+        finished one), streams what its rounds commit, every message with the index and the first
+        with the request id, and closes it: its sessions released and its outcome stored, whether
+        it finished, failed or was cancelled. ``prefilled`` is set once its sessions are prefilled."""
+        stored = await self._stored(request, request.request_id)
+        index = index if stored is None else stored.choice
         if stored is not None and stored.status == FINISHED:
-            yield self._replay_finished(stored, request.resume_from)
+            response = self._replay_finished(stored, request.resume_from)
+            response.index, response.request_id = index, request.request_id
+            yield response
             return
-        running = await self._open(request, request_id, stored)
-        outcome = CANCELLED
+        running = await self._open(request, stored, index)
+        outcome, first = CANCELLED, True
         try:
-            async for response in self._stream(running):
+            async for response in self._stream(running, prefilled):
+                response.index = index
+                if first:
+                    response.request_id, first = request.request_id, False
                 yield response
             outcome = FINISHED
         except SpecdecError:
@@ -218,10 +246,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finally:
             self._close(running, outcome)
 
-    async def _open(self, request, request_id: str, stored: StoredRequest | None) -> RunningRequest:
-        """Validates a new request (or a resumed ``stored`` one), writes its record to the store and
-        makes its rounds' state. Raises what :meth:`_resolve` raises, FAILED_PRECONDITION for a
-        resume on another target, ALREADY_EXISTS for a new request whose id is taken."""
+    async def _open(self, request, stored: StoredRequest | None, index: int) -> RunningRequest:
+        """Validates a new request (choice ``index`` of its request) or a resumed ``stored`` one,
+        writes its record to the store and makes its rounds' state. Raises what :meth:`_resolve`
+        raises, FAILED_PRECONDITION for a resume on another target, ALREADY_EXISTS for a new
+        request whose id is taken."""
+        request_id = request.request_id
         resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
         resuming = stored is not None
         if stored is not None:
@@ -232,9 +262,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             original.ClearField("request_id")
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
             original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
-            stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint)
-        resumed, left_behind = list(stored.generated), dict(stored.sessions)
-        stored.generated, stored.status = [], RUNNING
+            stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint, choice=index)
+        resumed, resumed_logprobs, left_behind = list(stored.generated), list(stored.logprobs), dict(stored.sessions)
+        stored.generated, stored.logprobs, stored.status = [], [], RUNNING
         journal = RequestJournal(self.store, stored)
         if not resuming and not await journal.create():
             raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
@@ -267,37 +297,45 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             output,
             MetricsRecorder(num_prompt_tokens=len(resolved.prompt_ids)),
             resumed,
+            resumed_logprobs,
             left_behind if resuming else None,
         )
 
-    async def _stream(self, running: RunningRequest) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
-        """The request's messages: the resumed tokens first, then the prefill and one message per
-        round, each round's tokens stored before the client has them."""
+    async def _stream(
+        self, running: RunningRequest, prefilled: asyncio.Event | None = None
+    ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """The request's messages: the resumed tokens first, then the prefill (``prefilled`` set
+        after it) and one message per round, each round's tokens (and log-probabilities) stored
+        before the client has them."""
         rounds, output = running.rounds, running.output
-        kept = output.add(running.resumed)
+        kept = output.add(running.resumed, running.resumed_logprobs)
         if running.left_behind is not None:
             rounds.release_left_behind(running.left_behind)
-            await running.journal.commit(kept, sessions={})  # the resumed request, running here now
+            resumed_logprobs = running.resumed_logprobs[: len(kept)]
+            await running.journal.commit(kept, {}, resumed_logprobs)  # the resumed request, running here now
         if caught_up := self._message(running, kept):
             yield caught_up
         if not output.finish:  # the first token comes from the target's prefill
             with tracer.start_as_current_span("prefill"):
-                first = await rounds.prefill(running.policy)
+                first, first_logprobs = await rounds.prefill(running.policy)
             running.metrics.prefill_ms = ms_since(running.metrics.start)
-            kept = output.add(first)
+            if prefilled is not None:
+                prefilled.set()
+            kept = output.add(first, first_logprobs)
             self.metrics.generation_tokens.inc(len(kept))
-            await running.journal.commit(kept, rounds.open_sessions())
+            await running.journal.commit(kept, rounds.open_sessions(), first_logprobs[: len(kept)])
             if response := self._message(running, kept):
                 yield response
         while not output.finish:
             with tracer.start_as_current_span("round") as span:
-                new, record = await rounds.step(running.policy, output.remaining - 1)
-                kept = output.add(new)
+                new, logprobs, record = await rounds.step(running.policy, output.remaining - 1)
+                kept = output.add(new, logprobs)
                 if span.is_recording():
                     span.set_attributes(round_attributes(record, len(kept)))
             running.metrics.rounds.append(record)
             self.metrics.observe_round(record, len(kept))
-            await running.journal.commit(kept, rounds.open_sessions())  # stored before the client has them
+            # stored before the client has them
+            await running.journal.commit(kept, rounds.open_sessions(), logprobs[: len(kept)])
             if response := self._message(running, kept):
                 yield response
 
@@ -347,7 +385,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         text, its finish reason and metrics."""
         prompt = request_validation.prompt_ids(stored.request, self.tokenizer)
         output = StreamOutput(self.tokenizer, prompt, stored.request.stop, (), len(stored.generated), resume_from)
-        output.add(stored.generated)
+        output.add(stored.generated, stored.logprobs)
         output.finish = stored.finish_reason
         response = output.response(stored.generated)
         assert response is not None and stored.metrics is not None  # a finished request has both

@@ -46,8 +46,14 @@ class CoordinatorSettings(ServiceSettings):
     max_n: int = Field(
         8,
         ge=1,
-        description="Largest n (choices of one HTTP completion, each run as its own request) a request may ask "
-        "for; more gets 400.",
+        description="Largest n (choices of one request, each run as its own request) a request may ask for; more "
+        "gets INVALID_ARGUMENT (HTTP 400).",
+    )
+    max_logprobs: int = Field(
+        20,
+        ge=0,
+        description="Largest top_logprobs (the most likely tokens listed at each generated position) a request "
+        "may ask for, as vLLM's max_logprobs; more gets INVALID_ARGUMENT (HTTP 400).",
     )
     max_request_bytes: int = Field(
         8 * 1024 * 1024,

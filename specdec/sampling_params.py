@@ -21,7 +21,10 @@ class SamplingParams:
     the prompt too; ``logit_bias`` (token id, bias) pairs, bias in [-100, 100]; ``min_tokens``
     holds back ``eos_token_ids``; ``num_prompt_tokens`` says where the generated tokens start.
     ``structured_output``: what the generated tokens must match (None: anything), compiled and
-    checked where a tokenizer is at hand (:meth:`StructuredOutput.grammar`).
+    checked where a tokenizer is at hand (:meth:`StructuredOutput.grammar`). ``logprobs``: the
+    target returns each committed token's log-probability and its ``top_logprobs`` most likely
+    alternatives' (:mod:`specdec.logprobs`; the bound on ``top_logprobs`` is the target's
+    vocabulary, checked where it is known).
     Raises InvalidArgument for a value out of range (NaN and infinities included)."""
 
     temperature: float = 0.0
@@ -36,6 +39,8 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:  # also catches NaN
@@ -58,6 +63,10 @@ class SamplingParams:
                 )
         if self.min_tokens < 0:
             raise InvalidArgument(f"min_tokens is {self.min_tokens}: it must be >= 0 (0 = off)")
+        if self.top_logprobs < 0:
+            raise InvalidArgument(f"top_logprobs is {self.top_logprobs}: it must be >= 0")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidArgument(f"top_logprobs is {self.top_logprobs} without logprobs: set logprobs to true")
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +98,8 @@ class SamplingParams:
             eos_token_ids=tuple(msg.eos_token_ids),
             num_prompt_tokens=msg.num_prompt_tokens,
             structured_output=StructuredOutput.from_proto(msg.structured_output),
+            logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -106,4 +117,6 @@ class SamplingParams:
             eos_token_ids=self.eos_token_ids,
             num_prompt_tokens=self.num_prompt_tokens,
             structured_output=structured,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
         )

@@ -266,6 +266,17 @@ def _print_metrics(completion) -> None:
     stderr.print(table)
 
 
+def _print_logprobs(completion) -> None:
+    table = Table(title="log-probabilities (raw, of the target)")
+    table.add_column("token id", justify="right")
+    table.add_column("logprob", justify="right")
+    table.add_column("top alternatives (id: logprob)")
+    for token_id, logprobs in zip(completion.token_ids, completion.logprobs, strict=True):
+        top = zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True)
+        table.add_row(str(token_id), f"{logprobs.logprob:.4f}", "  ".join(f"{i}: {lp:.4f}" for i, lp in top))
+    stderr.print(table)
+
+
 def _stream_to_stdout(
     address: str,
     request,
@@ -274,27 +285,41 @@ def _stream_to_stdout(
     api_key: str | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
-    """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line);
-    ``resumable``: also tells on stderr the request id to resume with; ``credentials``: TLS."""
+    """Streams the text to stdout, then the metrics table (or, ``as_json``, one JSON line), and
+    the log-probabilities when asked for; with n > 1 each choice's text once it is complete, under
+    a ``choice i`` line on stderr, and the JSON line ``{"choices": [...]}``. ``resumable``: also
+    tells on stderr the request id (each choice's) to resume with; ``credentials``: TLS."""
     from coordinator.api.client import Completion, stream
 
-    completion = Completion()
+    several = request.n > 1
+    completions: dict[int, Completion] = {}
     try:
         for response in stream(address, request, api_key=api_key, credentials=credentials):
             if response.request_id and resumable and not as_json:
                 stderr.print(f"request_id {response.request_id} (resume with --request-id and --resume-from)")
-            completion.add(response)
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
+            completions.setdefault(response.index, Completion()).add(response)
+            if not several:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
     except grpc.RpcError as err:
         sys.stdout.write("\n")
         stderr.print(f"[red]error: {err.code().name}: {err.details()}[/red]")
         raise typer.Exit(1) from None
-    sys.stdout.write("\n")
-    if as_json:
-        print(json.dumps(completion.to_json()))
+    choices = [completions[index] for index in sorted(completions)]
+    if several:
+        for index, completion in enumerate(choices):
+            stderr.print(f"choice {index}")
+            sys.stdout.write(completion.text + "\n")
+            sys.stdout.flush()
     else:
+        sys.stdout.write("\n")
+    if as_json:
+        print(json.dumps({"choices": [c.to_json() for c in choices]} if several else choices[0].to_json()))
+        return
+    for completion in choices:
         _print_metrics(completion)
+        if completion.logprobs:
+            _print_logprobs(completion)
 
 
 @app.command()
@@ -322,6 +347,16 @@ def generate(
     ] = None,
     resume_from: Annotated[
         int | None, typer.Option(help="Resume --request-id after this many received tokens.")
+    ] = None,
+    n: Annotated[
+        int | None,
+        typer.Option("--n", help="Choices: independent completions, choice i seeded with --seed + i (default 1)."),
+    ] = None,
+    logprobs: Annotated[
+        bool, typer.Option(help="Report the target's log-probability of every generated token (raw).")
+    ] = False,
+    top_logprobs: Annotated[
+        int | None, typer.Option(help="With --logprobs: also the N most likely tokens at each position.")
     ] = None,
     api_key: Annotated[
         str | None,
@@ -385,6 +420,9 @@ def generate(
         drafter=drafter,
         request_id=request_id,
         resume_from=resume_from,
+        n=n,
+        logprobs=logprobs or None,
+        top_logprobs=top_logprobs,
     )
     _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key, credentials=credentials)
 

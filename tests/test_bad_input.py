@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.api.client import generate, stream
+from coordinator.api.client import generate, generate_choices, stream
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -30,12 +30,16 @@ BAD_REQUESTS = [
     ("K beyond the limit", dict(text="hi", num_speculative_tokens=99), INVALID, "[0, 16]"),
     ("unknown drafter", dict(text="hi", drafter="eagle"), INVALID, "unknown drafter 'eagle'"),
     ("different vocabularies", dict(text="hi", drafter="other-vocab"), PRECONDITION, "different vocabulary"),
+    ("n 0", dict(text="hi", n=0), INVALID, "n is 0: it must lie in [1, 8]"),
+    ("n above the limit", dict(text="hi", n=9), INVALID, "n is 9: it must lie in [1, 8] (the coordinator's --max-n)"),
+    ("top_logprobs above the limit", dict(text="hi", logprobs=True, top_logprobs=21), INVALID, "[0, 20]"),
+    ("top_logprobs without logprobs", dict(text="hi", top_logprobs=3), INVALID, "set logprobs to true"),
 ]
 
 
 def expect_error(address: str, fields: dict) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as caught:
-        generate(address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60)
+        generate_choices(address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60)
     return caught.value
 
 

@@ -80,9 +80,9 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     )
     generated, outcomes = [], []
     try:
-        generated = await rounds.prefill()  # the first token: the target's prefill
+        generated, _ = await rounds.prefill()  # the first token: the target's prefill
         while len(generated) < MAX_NEW:
-            new, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+            new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
             generated += new
             outcomes.append(record.draft_ahead)
     finally:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.api.client import generate
+from coordinator.api.client import generate, generate_choices
 from specdec.errors import status_code
 from specdec.sampling_params import SamplingParams
 from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
@@ -78,6 +78,11 @@ drafter_names = st.one_of(
 sampling = st.one_of(
     st.builds(common_pb2.SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1e-30]), seed=uint64s),
     st.builds(common_pb2.SamplingParams, temperature=floats, top_k=int32s, top_p=floats, seed=uint64s),
+    st.builds(  # log-probabilities: top_logprobs up to beyond the vocabulary, with or without logprobs
+        common_pb2.SamplingParams,
+        logprobs=st.booleans(),
+        top_logprobs=st.one_of(st.integers(0, 5), st.sampled_from([TINY_VOCAB, TINY_VOCAB + 1]), int32s),
+    ),
 )
 # q over the tiny vocabulary: ids and probabilities in pairs (any values), or lists of any lengths
 paired = st.lists(st.tuples(token_ids, floats), max_size=4).map(
@@ -255,6 +260,9 @@ generate_requests = st.builds(
                 st.one_of(st.sampled_from(["fuzz-reused", "x" * 129, "bad id!"]), st.text(max_size=8))
             ),
             "resume_from": _optional(int32s),
+            "logprobs": st.booleans(),
+            "top_logprobs": st.one_of(st.integers(0, 3), int32s),
+            "n": _optional(st.one_of(st.integers(0, 2), int32s)),
         }
     ),
 )
@@ -395,7 +403,7 @@ def stored_request(tiny_pipeline):
 @FUZZ
 @given(request=generate_requests)
 def test_coordinator_answers_every_generate(tiny_pipeline, stored_request, request):
-    expect_answered(lambda: generate(tiny_pipeline.address, request, timeout_s=TIMEOUT_S))
+    expect_answered(lambda: generate_choices(tiny_pipeline.address, request, timeout_s=TIMEOUT_S))
     valid = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=2)
     completion = generate(tiny_pipeline.address, valid, timeout_s=TIMEOUT_S)
     assert len(completion.token_ids) == 2

@@ -129,10 +129,10 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             list(prompt_ids),
             lookups,
         )
-        generated = await rounds.prefill()  # the first token: the target's prefill
+        generated, _ = await rounds.prefill()  # the first token: the target's prefill
         try:
             while len(generated) < MAX_NEW:
-                new, _ = await rounds.step(RandomPolicy(), MAX_NEW)
+                new, _, _ = await rounds.step(RandomPolicy(), MAX_NEW)
                 generated.extend(new)
         finally:
             await rounds.release()

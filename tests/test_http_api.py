@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from coordinator.api.auth import ApiKeys, Unauthenticated
 from coordinator.api.client import generate
+from coordinator.api.logprobs import token_texts
 from coordinator.settings import CoordinatorSettings
 from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2
@@ -242,8 +243,15 @@ BAD_REQUESTS = [
     # name, changes to CHAT, HTTP status, param, start of the message
     ("unknown model", {"model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist"),
     ("n above the limit", {"n": 9}, 400, "n", "n is 9: it must lie in [1, 8]"),
-    ("n with stream", {"n": 2, "stream": True}, 400, "n", "n is 2 with stream"),
-    ("logprobs", {"logprobs": True}, 400, "logprobs", "logprobs=True is not supported"),
+    (
+        "top_logprobs above the limit",
+        {"logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        "top_logprobs is 21: it must lie in [0, 20] (the coordinator's --max-logprobs)",
+    ),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs is 2 without logprobs"),
+    ("negative top_logprobs", {"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs is -1"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools="),
     ("penalty out of range", {"frequency_penalty": 2.5}, 400, "frequency_penalty", "frequency_penalty is 2.5"),
     ("logit_bias id", {"logit_bias": {"99999999": 1}}, 400, "logit_bias", "logit_bias names token 99999999"),
@@ -781,3 +789,89 @@ def test_n_choices_are_independent_requests_seeded_by_index(api, tiny_pipeline):
         assert choice.message.content == expected.text
     assert len({choice.message.content for choice in response.choices}) > 1
     assert response.usage.completion_tokens == sum(c.specdec["num_generated_tokens"] for c in response.choices)
+
+
+# --- logprobs and n > 1 from the SDK --------------------------------------------------------------
+
+
+def test_chat_logprobs_streamed_and_not(api, tiny_pipeline, smollm2_tokenizer):
+    """The SDK parses ``choices[0].logprobs.content``: the gRPC API's values for the same request,
+    each token's text, bytes and top alternatives; a stream's chunks carry the same entries (the
+    values within float rounding: another run's rounds may verify in other forwards)."""
+    expected = grpc_completion(
+        tiny_pipeline.address, text=PROMPT, max_new_tokens=16, temperature=0, num_speculative_tokens=3,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    request = dict(
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"num_speculative_tokens": 3},
+    )
+    content = api.client().chat.completions.create(**request).choices[0].logprobs.content
+    assert [entry.token for entry in content] == token_texts(smollm2_tokenizer, expected.token_ids)
+    assert [entry.logprob for entry in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 3 for entry in content)
+    tops = [[top.token for top in entry.top_logprobs] for entry in content]
+    assert tops == [token_texts(smollm2_tokenizer, e.top_token_ids) for e in expected.logprobs]
+    chunks = list(api.client().chat.completions.create(**request, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content
+    ]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_completions_logprobs_streamed_and_not(api, tiny_pipeline):
+    prompt = "Once upon a time"
+    expected = grpc_completion(
+        tiny_pipeline.address, text=prompt, raw_prompt=True, max_new_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    request = dict(model=api.model, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    logprobs = api.client().completions.create(**request).choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert len(logprobs.tokens) == len(logprobs.top_logprobs) == len(logprobs.text_offset) == 12
+    assert all(logprobs.tokens[i] in top and len(top) <= 3 for i, top in enumerate(logprobs.top_logprobs))
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    chunks = list(api.client().completions.create(**request, stream=True))
+    streamed = {
+        key: [v for c in chunks if c.choices and c.choices[0].logprobs for v in getattr(c.choices[0].logprobs, key)]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert (streamed["tokens"], streamed["text_offset"]) == (logprobs.tokens, logprobs.text_offset)
+    assert [list(top) for top in streamed["top_logprobs"]] == [list(top) for top in logprobs.top_logprobs]
+    assert streamed["token_logprobs"] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.client().completions.create(**request | {"logprobs": 21})
+    assert caught.value.param == "logprobs" and caught.value.body["message"].startswith(
+        "logprobs is 21: it must lie in [0, 20]"
+    )
+
+
+def test_n_choices_stream_interleaved(api):
+    """Streamed n > 1: every chunk names its choice, each choice opens with the role and ends with
+    its finish chunk, the usage counts every choice, and the texts are the non-streamed ones."""
+    request = dict(
+        model=api.model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body={"num_speculative_tokens": 2},
+    )
+    whole = api.client().chat.completions.create(**request)
+    chunks = list(api.client().chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    texts, roles, finishes = {0: "", 1: ""}, [], []
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles += [choice.index] if choice.delta.role else []
+        finishes += [(choice.index, chunk.specdec["num_generated_tokens"])] if choice.finish_reason else []
+    assert sorted(roles) == [0, 1] and sorted(index for index, _ in finishes) == [0, 1]
+    assert texts == {choice.index: choice.message.content for choice in whole.choices}
+    assert chunks[-1].usage.completion_tokens == sum(n for _, n in finishes) == whole.usage.completion_tokens

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.api.client import generate, stream
+from coordinator.api.client import generate, generate_choices, stream
 from coordinator.api.stream_limit import peer_host
 from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.ngram import NgramDrafter
@@ -102,7 +102,7 @@ def eventually(check, timeout_s: float = 10.0):
 
 def grpc_error(address: str, request, api_key: str | None = None) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as caught:
-        generate(address, request, timeout_s=60, api_key=api_key)
+        generate_choices(address, request, timeout_s=60, api_key=api_key)
     return caught.value
 
 
@@ -164,6 +164,12 @@ def test_one_request_over_the_client_limit_is_refused(limited, tiny_models):
     assert len(eventually(lambda: generate(address, SHORT, timeout_s=60)).token_ids) == 2
     status, body = post(limited.http_port, completion(model))
     assert status == 200, body
+
+
+def test_each_choice_counts_against_the_client_limit(limited):
+    two = coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=2, n=2)
+    err = grpc_error(f"127.0.0.1:{limited.port}", two)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "asks for 2 more" in err.details()
 
 
 def test_client_limit_counts_per_api_key(keyed):

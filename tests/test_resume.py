@@ -1,12 +1,21 @@
 """Request ids and resuming (GenerateRequest.request_id, resume_from) on the in-process pipeline
 (its coordinator keeps requests in its in-process store): a finished request replays from any
-position; bad resumes get their status and a message that says what to change."""
+position; a running one left in Redis continues with its stored log-probabilities; bad resumes
+get their status and a message that says what to change."""
+
+import asyncio
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.api.client import Completion, generate, stream
-from specdec.v1 import coordinator_pb2
+from coordinator.request_store.resume import check_resume
+from coordinator.request_store.store import RUNNING, RedisStore, StoredRequest
+from coordinator.settings import CoordinatorSettings
+from specdec.errors import FailedPrecondition
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import CoordinatorThread
 
 
 def request(**fields) -> coordinator_pb2.GenerateRequest:
@@ -83,3 +92,47 @@ def test_bad_resumes(tiny_pipeline, taken, fields, code, message):
         generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(**fields), timeout_s=60)
     assert caught.value.code() == code
     assert message in caught.value.details()
+
+
+def test_a_running_request_resumes_with_its_stored_logprobs(tiny_pipeline, tiny_models, redis_server):
+    """The record a coordinator that died after 12 tokens left in Redis: a resume from 5 sends the
+    7 stored tokens with their stored log-probabilities, then the rest with new ones, as the
+    uncut request had them."""
+    settings = CoordinatorSettings(
+        port=0,
+        draft_address=tiny_pipeline.draft_address,
+        verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+        redis_url=redis_server.url,
+    )
+    coordinator = CoordinatorThread(settings)
+    address = f"127.0.0.1:{coordinator.port}"
+    try:
+        fields = dict(logprobs=True, top_logprobs=2, num_speculative_tokens=2)
+        whole = generate(address, request(request_id="uncut", **fields), timeout_s=60)
+
+        async def cut_after(num_tokens: int) -> None:
+            store = RedisStore(redis_server.url, 60, Counter("errors", "", ["operation"], registry=CollectorRegistry()))
+            record = await store.load("uncut")
+            record.request_id, record.status = "cut", RUNNING
+            record.generated, record.logprobs = record.generated[:num_tokens], record.logprobs[:num_tokens]
+            await store.put(record)
+            await store.close()
+
+        asyncio.run(cut_after(12))
+        rest = generate(address, coordinator_pb2.GenerateRequest(request_id="cut", resume_from=5), timeout_s=60)
+    finally:
+        coordinator.stop()
+    assert rest.token_ids == whole.token_ids[5:] and rest.metrics.num_resumed_tokens == 12
+    assert rest.logprobs[:7] == whole.logprobs[5:12]  # the stored ones, as they were
+    assert [e.logprob for e in rest.logprobs] == pytest.approx([e.logprob for e in whole.logprobs[5:]], abs=1e-4)
+    assert [e.top_token_ids for e in rest.logprobs] == [e.top_token_ids for e in whole.logprobs[5:]]
+
+
+def test_a_record_without_every_tokens_logprobs_is_not_resumed():
+    """Part of a record lost (in Redis, under memory pressure): the resumed stream would carry
+    tokens without log-probabilities, so the resume fails and says what to do."""
+    original = coordinator_pb2.GenerateRequest(text="hi", logprobs=True)
+    stored = StoredRequest("x", original, "t", "f", generated=[1, 2], logprobs=[common_pb2.TokenLogprobs()])
+    with pytest.raises(FailedPrecondition, match="the log-probabilities of 1: send it again without resume_from"):
+        check_resume(coordinator_pb2.GenerateRequest(request_id="x", resume_from=0), stored)

@@ -188,7 +188,7 @@ async def pipeline_tokens(
     try:
         await request_rounds.prefill(policy)
         while len(request_rounds.committed) < len(PROMPT) + 3:
-            _, record = await request_rounds.step(policy, K_MAX)
+            _, _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))
     finally:
         await request_rounds.release()

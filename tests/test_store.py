@@ -18,7 +18,7 @@ from coordinator.request_store.store import (
     StoredRequest,
     StoreUnavailable,
 )
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 
 def error_counter() -> Counter:
@@ -90,6 +90,27 @@ def test_journal_keeps_the_ids_of_the_sessions_a_running_request_holds(with_stor
         assert loaded.sessions == {"verify": "s.v3", "draft": "s.d2"} and loaded.generated == [1, 2, 3]
         await journal.end(FINISHED)
         assert (await store.load("r-sessions")).sessions == {}
+
+    with_store(scenario)
+
+
+def test_journal_keeps_each_tokens_logprobs_and_the_choice(with_store):
+    """Appended with their tokens (in Redis: protobuf bytes that append to a list) and written
+    whole again at the end; a request without logprobs stores none."""
+    entries = [common_pb2.TokenLogprobs(logprob=-i, top_token_ids=[i, 9], top_logprobs=[-i, -9]) for i in range(5)]
+
+    async def scenario(store):
+        journal = RequestJournal(store, StoredRequest("r-logprobs", record("").request, "t", "f", choice=2))
+        assert await journal.create()
+        await journal.commit([0, 1], {"verify": "s.v1"}, entries[:2])
+        await journal.commit([2], {"verify": "s.v1"}, entries[2:3])
+        loaded = await store.load("r-logprobs")
+        assert (loaded.generated, loaded.logprobs, loaded.choice) == ([0, 1, 2], entries[:3], 2)
+        await journal.commit([3, 4], None, entries[3:])
+        await journal.end(FINISHED)
+        assert (await store.load("r-logprobs")).logprobs == entries
+        await store.put(record("r-none", [1, 2]))
+        assert (await store.load("r-none")).logprobs == []
 
     with_store(scenario)
 

@@ -85,6 +85,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             (session,) = opened
             response.next_token_id = session.committed[-1]
             response.step.CopyFrom(step_stats(session.last_step))
+            response.logprobs.extend(session.last_logprobs)
         return response
 
     @grpc_errors
@@ -107,14 +108,23 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
             n, token = session.verify(list(request.draft_token_ids), draft_probs, timeout_s, abandoned)
         return verify_pb2.VerifyResponse(
-            num_accepted=n, next_token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step)
+            num_accepted=n,
+            next_token_id=token,
+            compute_ms=ms_since(start),
+            step=step_stats(session.last_step),
+            logprobs=session.last_logprobs,
         )
 
     def _decode(self, request, timeout_s: float | None, abandoned) -> verify_pb2.DecodeResponse:
         start = time.perf_counter()
         with self.sessions.use(request.session_id) as session:
             _, token = session.verify([], None, timeout_s, abandoned)
-        return verify_pb2.DecodeResponse(token_id=token, compute_ms=ms_since(start), step=step_stats(session.last_step))
+        return verify_pb2.DecodeResponse(
+            token_id=token,
+            compute_ms=ms_since(start),
+            step=step_stats(session.last_step),
+            logprobs=session.last_logprobs,
+        )
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)

@@ -28,12 +28,14 @@ from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarMatcher
 from specdec.kv import SequenceKV, prefill
 from specdec.logits_processors import process
+from specdec.logprobs import committed_logprobs
 from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
 from specdec.structured_output import GrammarLimits, grammar_tokenizer
 from specdec.timing import min_ms
+from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
 
 tracer = trace.get_tracer(__name__)
@@ -151,7 +153,8 @@ class Target:
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
         :meth:`specdec.engine.Engine.run`; ``decode``: and the first decode step, see
         :meth:`TargetSession.prefill`). Raises InvalidArgument for an empty or too long context
-        or ids out of range, Unavailable when the deadline passes first."""
+        or ids out of range or top_logprobs above the vocabulary size, Unavailable when the deadline
+        passes first."""
         if not committed:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
         if len(committed) >= self.max_context_length:
@@ -160,6 +163,10 @@ class Target:
                 f"{self.max_context_length} tokens: shorten the prompt"
             )
         check_token_ids(committed, self.vocab_size, "token_ids")
+        if sampling.top_logprobs > self.vocab_size:
+            raise InvalidArgument(
+                f"top_logprobs is {sampling.top_logprobs}: it must not exceed the vocabulary size ({self.vocab_size})"
+            )
         session = TargetSession(self, sampling)
         try:
             session.prefill(committed, timeout_s, abandoned, decode)
@@ -194,21 +201,24 @@ class _Score(Work):
 
 class _Verify(_Score):
     """The acceptance test, for every verify of a step at once (:meth:`accept`), then commit:
-    ``result`` is ``(n, next_token)``."""
+    ``result`` is ``(n, next_token)``; ``logprobs``, with the session's ``sampling.logprobs``, the
+    committed tokens' (:mod:`specdec.logprobs`)."""
 
     def __init__(self, session: "TargetSession", draft_tokens: Sequence[int], draft_probs: torch.Tensor | None):
         super().__init__(session, draft_tokens)
         self.draft_probs = draft_probs
         self.outcome = (0, 0)  # (n, next_token), set by accept
+        self.logprobs: list[common_pb2.TokenLogprobs] = []  # set by accept when the session asks
         self.accept_ns = (0, 0)  # when the step's acceptance pass ran (ns since the epoch)
 
     @classmethod
     def accept(cls, works: list[Work], logits: list[torch.Tensor]) -> None:
         """The step's greedy verifies in one :func:`greedy_accept`, its sampled ones in one
-        :func:`rejection_sample`, each draw seeded by (request seed, committed length)."""
+        :func:`rejection_sample`, each draw seeded by (request seed, committed length); then the
+        raw log-probabilities of what the verifies asking for them commit, in one pass."""
         start = time.time_ns()
         verifies = [cast(_Verify, work) for work in works]
-        logits = [work.processed(rows) for work, rows in zip(verifies, logits, strict=True)]
+        raw, logits = logits, [work.processed(rows) for work, rows in zip(verifies, logits, strict=True)]
         for greedy in (True, False):
             chosen = [(work, rows) for work, rows in zip(verifies, logits, strict=True) if work.greedy == greedy]
             if not chosen:
@@ -223,8 +233,23 @@ class _Verify(_Score):
                 outcomes = rejection_sample(drafts, draft_probs, target_probs, generators)
             for (work, _), outcome in zip(chosen, outcomes, strict=True):
                 work.outcome = outcome
+        cls._logprobs(
+            [(work, rows) for work, rows in zip(verifies, raw, strict=True) if work.session.sampling.logprobs]
+        )
         for work in verifies:
             work.accept_ns = (start, time.time_ns())
+
+    @staticmethod
+    def _logprobs(asking: list[tuple["_Verify", torch.Tensor]]) -> None:
+        """Sets each work's ``logprobs`` from its raw logits (rows 0..n: the positions of draft[:n]
+        and the next token)."""
+        if not asking:
+            return
+        committed = [[*work.draft_tokens[: work.outcome[0]], work.outcome[1]] for work, _ in asking]
+        rows = [raw[: len(tokens)] for (_, raw), tokens in zip(asking, committed, strict=True)]
+        tops = [work.session.sampling.top_logprobs for work, _ in asking]
+        for (work, _), logprobs in zip(asking, committed_logprobs(rows, committed, tops), strict=True):
+            work.logprobs = logprobs
 
     @property
     def greedy(self) -> bool:
@@ -267,7 +292,8 @@ class _Verify(_Score):
 
 class TargetSession:
     """One request's committed tokens and its sequence in the target's KV store. ``last_step``:
-    the step that served the last call."""
+    the step that served the last call; ``last_logprobs``: with ``sampling.logprobs``, the
+    log-probabilities of the tokens the last :meth:`verify` committed, one per token."""
 
     def __init__(self, target: Target, sampling: SamplingParams):
         self.target = target
@@ -276,6 +302,7 @@ class TargetSession:
         self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
         self.kv_cache = SequenceKV(target.lm)
         self.last_step = StepStats()
+        self.last_logprobs: list[common_pb2.TokenLogprobs] = []
 
     def _run(self, work: Work, timeout_s: float | None, abandoned: Callable[[], bool] | None):
         result, self.last_step = self.target.engine.run(work, timeout_s, abandoned)
@@ -293,7 +320,7 @@ class TargetSession:
         prefill's last chunk, at most half a step's token budget, runs as that decode step's
         work, so the first token costs no forward of its own (as in plain decoding, where the
         prompt's forward gives it) and is the token a Decode right after the prefill would give
-        (the same seeded draw)."""
+        (the same seeded draw; its log-probabilities in ``last_logprobs``)."""
         self.committed = list(committed)
         self.grammar = self.target.grammar_matcher(self.sampling, self.committed)
         last_chunk = min(len(self.committed), self.target.limits.max_num_batched_tokens // 2) if decode else 1
@@ -301,7 +328,9 @@ class TargetSession:
         prefill(self.target.engine, self.kv_cache, cached, timeout_s, abandoned)
         if not decode:
             return None
-        _, token = self._run(_Verify(self, [], None), timeout_s, abandoned)
+        work = _Verify(self, [], None)
+        _, token = self._run(work, timeout_s, abandoned)
+        self.last_logprobs = work.logprobs
         return token
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
@@ -328,7 +357,8 @@ class TargetSession:
         drawn (a model drafter drafts under the same mask).
 
         Returns:
-            ``(n, next_token)``: accepted drafts and the correction or bonus token.
+            ``(n, next_token)``: accepted drafts and the correction or bonus token (their
+            log-probabilities, when the session asks for them, in ``last_logprobs``).
         Raises:
             InvalidArgument: K above the limit, the window would overflow, ids out of range, or
                 missing draft distributions under sampling.
@@ -338,7 +368,10 @@ class TargetSession:
         if self.grammar is not None:
             k = self.grammar.valid_prefix(draft_tokens)
             draft_tokens, draft_probs = draft_tokens[:k], None if draft_probs is None else draft_probs[:k]
-        return self._run(_Verify(self, draft_tokens, draft_probs), timeout_s, abandoned)
+        work = _Verify(self, draft_tokens, draft_probs)
+        outcome = self._run(work, timeout_s, abandoned)
+        self.last_logprobs = work.logprobs
+        return outcome
 
     def rollback(self) -> None:
         """Drops cached positions past the committed prefix (rejected drafts)."""

@@ -16,7 +16,8 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 import uvicorn
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException
 from coordinator.api.auth import ApiKeys
 from coordinator.api.body_limit import BodyLimit
 from coordinator.api.client import FINISH_REASONS, Completion
+from coordinator.api.logprobs import RequestLogprobs
 from coordinator.api.openai_schema import (
     ApiError,
     ChatCompletionRequest,
@@ -191,92 +193,84 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
 
     async def _complete(body: ChatCompletionRequest | CompletionRequest, http: Request, chat: bool):
         await models.check(body.model)
-        requests = body.choice_requests(servicer.settings.max_n)
+        request = body.generate_request()
+        request.request_id = uuid.uuid4().hex  # the response's id (with n > 1 the choices' ids add ":<i>")
         client = servicer.streams.client(http.headers.get("authorization"), http.client.host if http.client else "")
-        choices = [_Steps(servicer.streams.run(client, servicer.responses(r)), _server_span(http)) for r in requests]
+        responses = servicer.streams.run(client, servicer.responses(request), servicer.num_choices(request))
+        steps = _Steps(responses, _server_span(http))
+        shape = ResponseShape(chat, request.request_id, body.model)
+        logprobs = RequestLogprobs(request, servicer.tokenizer, chat) if request.logprobs else None
         disconnect = _Disconnect(http)
         try:
             # validation and prefill: their errors get their own status
-            firsts = await disconnect.unless(_all(_first(steps) for steps in choices))
-            shape = ResponseShape(chat, firsts[0].request_id, body.model)
-            if body.stream:  # one choice (choice_requests refuses n > 1 with stream)
+            first = await disconnect.unless(steps.next())
+            assert first is not None  # a request's stream has at least its last message
+            if body.stream:
                 disconnect.stop()  # from here on the event stream sees the client leave
                 options = body.stream_options or StreamOptions()
                 prompt_tokens = None
                 if options.include_usage and options.continuous_usage_stats:
-                    prompt_tokens = len(prompt_ids(requests[0], servicer.tokenizer))
+                    prompt_tokens = len(prompt_ids(request, servicer.tokenizer))
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                events = _events(choices[0], firsts[0], shape, options.include_usage, prompt_tokens)
+                events = _events(steps, first, shape, logprobs, options.include_usage, prompt_tokens)
                 return _EventStream(events, headers=headers)
-            completions = await disconnect.unless(
-                _all(_rest(steps, first) for steps, first in zip(choices, firsts, strict=True))
-            )
+            completions = await disconnect.unless(_rest(steps, first))
         except SpecdecError as err:
-            await _close(choices)
+            await steps.close()
             raise ApiError.from_specdec(err, body.params()) from None
         except ClientDisconnected:
-            await _close(choices)  # cancels the requests: their sessions released
+            await steps.close()  # cancels the request: its sessions released
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except BaseException:
-            await _close(choices)
+            await steps.close()
             raise
         finally:
             disconnect.stop()
-        await _close(choices)
-        return shape.completion(completions)
+        await steps.close()
+        choice_logprobs = [
+            logprobs.choice(i).add(c.token_ids, c.logprobs, c.text, final=True) if logprobs else None
+            for i, c in enumerate(completions)
+        ]
+        return shape.completion(completions, choice_logprobs)
 
     _add_error_handlers(app)
     return app
 
 
 def _server_span(http: Request) -> trace.Span:
-    """The span of one request (one choice) of an HTTP call, its parent the caller's trace."""
+    """The span of an HTTP call's request, its parent the caller's trace."""
     return tracer.start_span(
         f"POST {http.url.path}", context=propagate.extract(http.headers), kind=trace.SpanKind.SERVER
     )
 
 
-async def _all(steps: Iterable[Awaitable[T]]) -> list[T]:
-    """The results of ``steps`` run concurrently; when one raises (or this is cancelled) the
-    others are cancelled and awaited first, so their streams can be closed."""
-    tasks = [asyncio.ensure_future(step) for step in steps]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _first(steps: _Steps) -> coordinator_pb2.GenerateResponse:
-    response = await steps.next()
-    assert response is not None  # a request's stream has at least its last message
-    return response
-
-
-async def _rest(steps: _Steps, first: coordinator_pb2.GenerateResponse) -> Completion:
-    """A choice's completion: ``first`` and the messages after it."""
-    completion = Completion()
+async def _rest(steps: _Steps, first: coordinator_pb2.GenerateResponse) -> list[Completion]:
+    """Each choice's completion, by index: ``first`` and the messages after it."""
+    completions: dict[int, Completion] = {}
     response: coordinator_pb2.GenerateResponse | None = first
     while response is not None:
-        completion.add(response)
+        completions.setdefault(response.index, Completion()).add(response)
         response = await steps.next()
-    return completion
-
-
-async def _close(choices: list[_Steps]) -> None:
-    for steps in choices:
-        await steps.close()
+    return [completions[index] for index in sorted(completions)]
 
 
 async def _events(
-    steps: _Steps, response, shape: ResponseShape, include_usage: bool, continuous_prompt_tokens: int | None = None
+    steps: _Steps,
+    response,
+    shape: ResponseShape,
+    logprobs: RequestLogprobs | None,
+    include_usage: bool,
+    continuous_prompt_tokens: int | None = None,
 ) -> AsyncGenerator[str, None]:
-    """The chunks of a streamed request, from its first message ``response`` on;
+    """The chunks of a streamed request, from its first message ``response`` on, its choices'
+    interleaved as their messages come: a chat choice's first chunk carries the assistant role, a
+    message's chunk its text and the ``logprobs`` object of the tokens whose text it completes
+    (:mod:`coordinator.api.logprobs`), the choice's last message one more chunk its finish reason
+    and metrics; with ``include_usage``, a last chunk the usage of every choice.
     ``continuous_prompt_tokens`` (``stream_options.continuous_usage_stats``): the prompt's token
     count, and every chunk carries the usage so far."""
-    num_completion_tokens = 0
+    num_prompt_tokens = num_completion_tokens = 0
+    started: set[int] = set()
 
     def so_far() -> dict[str, int] | None:
         if continuous_prompt_tokens is None:
@@ -284,18 +278,24 @@ async def _events(
         return usage(continuous_prompt_tokens, num_completion_tokens)
 
     try:
-        if shape.chat:
-            yield _sse(shape.chunk("", role=True, usage_so_far=so_far()))
         while response is not None:
+            index, final = response.index, bool(response.finish_reason)
+            if shape.chat and index not in started:
+                started.add(index)
+                yield _sse(shape.chunk(index, "", role=True, usage_so_far=so_far()))
             num_completion_tokens += len(response.token_ids)
-            if response.text:
-                yield _sse(shape.chunk(response.text, usage_so_far=so_far()))
-            if response.finish_reason:
-                finish = shape.chunk(None, FINISH_REASONS[response.finish_reason], usage_so_far=so_far())
+            entries = None
+            if logprobs is not None:
+                entries = logprobs.choice(index).add(response.token_ids, response.logprobs, response.text, final)
+            if response.text or entries:
+                yield _sse(shape.chunk(index, response.text, usage_so_far=so_far(), logprobs=entries))
+            if final:
+                finish = shape.chunk(index, None, FINISH_REASONS[response.finish_reason], usage_so_far=so_far())
                 yield _sse(finish | {"specdec": specdec_metrics(response.metrics)})
-                if include_usage:
-                    yield _sse(shape.usage_chunk(response.metrics.num_prompt_tokens, num_completion_tokens))
+                num_prompt_tokens = response.metrics.num_prompt_tokens
             response = await steps.next()
+        if include_usage:
+            yield _sse(shape.usage_chunk(num_prompt_tokens, num_completion_tokens))
         yield "data: [DONE]\n\n"
     except SpecdecError as err:  # after the 200: the error as an event, as OpenAI sends it
         yield _sse(ApiError.from_specdec(err).to_json())

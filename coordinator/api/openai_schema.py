@@ -2,11 +2,13 @@
 body becomes the GenerateRequest that gRPC clients send, GenerateResponse messages become a
 completion, stream chunks and usage, and a SpecdecError becomes OpenAI's error shape.
 
-Fields that would change the output and that specdec does not implement (``logprobs``, ``tools``,
-``echo``, ...) are refused by name, never ignored; fields that do not change it (``user``,
-``metadata``, ...) are accepted. Structured output comes as OpenAI's ``response_format``
-(``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``json_object``,
-``regex``, ``choice``, ``grammar``), one of them, and becomes ``GenerateRequest.structured_output``.
+Fields that would change the output and that specdec does not implement (``tools``, ``echo``,
+...) are refused by name, never ignored; fields that do not change it (``user``, ``metadata``,
+...) are accepted. Structured output comes as OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``json_object``, ``regex``,
+``choice``, ``grammar``), one of them, and becomes ``GenerateRequest.structured_output``.
+Log-probabilities come as chat's ``logprobs`` and ``top_logprobs`` or the completions'
+``logprobs: int``; their response shapes are :mod:`coordinator.api.logprobs`'.
 """
 
 import json
@@ -57,7 +59,12 @@ _PARAMS = [
     ("repetition_penalty", "repetition_penalty"),
     ("logit_bias", "logit_bias"),
     ("min_tokens", "min_tokens"),
+    ("top_logprobs", "top_logprobs"),
+    ("n is", "n"),
 ]
+# Fields a body may give under another name with the same value (completions' logprobs is
+# top_logprobs): their messages name the body's field too.
+_SAME_VALUE = {"top_logprobs"}
 
 
 class ApiError(Exception):
@@ -70,11 +77,15 @@ class ApiError(Exception):
     @classmethod
     def from_specdec(cls, err: SpecdecError, params: dict[str, str] | None = None) -> "ApiError":
         """The HTTP form of an error of the gRPC path: the same message, its status mapped;
-        ``params`` renames the field it names (see :meth:`_Request.params`)."""
+        ``params`` renames the field it names (see :meth:`_Request.params`), in the message too
+        for a field the body gives under another name (_SAME_VALUE)."""
         message = str(err)
         param = next((p for prefix, p in _PARAMS if message.startswith(prefix)), None)
-        if param is not None:
-            param = (params or {}).get(param, param)
+        if param is not None and param in (params or {}):
+            renamed = (params or {})[param]
+            if param in _SAME_VALUE and message.startswith(f"{param} is "):
+                message = renamed + message[len(param) :]
+            param = renamed
         return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower())
 
     def to_json(self) -> dict:
@@ -105,8 +116,6 @@ def _one(value) -> bool:
 HARMLESS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
 # Fields accepted only at the value that leaves the output unchanged.
 NEUTRAL = {
-    "logprobs": _off,
-    "top_logprobs": _zero,
     "echo": _off,
     "tools": _off,
     "functions": _off,
@@ -282,32 +291,22 @@ class _Request(BaseModel):
             )
         return self.structured_outputs.structured_output()
 
-    def choice_requests(self, max_n: int) -> list[coordinator_pb2.GenerateRequest]:
-        """One GenerateRequest per choice (``n``, at most ``max_n``), each an independent request:
-        choice i's seed is the body's seed + i (so choice 0 is what n = 1 gives), or a random one
-        when the body sets none. Raises ApiError (400)."""
-        n = 1 if self.n is None else self.n
-        if not 1 <= n <= max_n:
-            raise invalid("n", f"n is {n}: it must lie in [1, {max_n}] (the coordinator's --max-n)")
-        if n > 1 and self.stream:
-            raise invalid("n", f"n is {n} with stream: specdec streams one choice: set n to 1 or stream to false")
-        request = self.generate_request()
-        choices = []
-        for i in range(n):
-            choice = coordinator_pb2.GenerateRequest()
-            choice.CopyFrom(request)
-            if request.HasField("seed"):
-                choice.seed = (request.seed + i) % 2**64
-            choices.append(choice)
-        return choices
+    def logprobs_fields(self) -> tuple[bool | None, int | None]:
+        """The body's (logprobs, top_logprobs), as GenerateRequest's fields."""
+        return None, None
 
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
-        """The GenerateRequest of this body (the prompt set by the subclass)."""
+        """The GenerateRequest of this body (the prompt set by the subclass; ``n`` choices of it,
+        see :mod:`coordinator.api.choices`)."""
         self.check_supported()
         request = coordinator_pb2.GenerateRequest()
         top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "off"
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
+        logprobs, top_logprobs = self.logprobs_fields()
         for name, value, param in [
+            ("n", self.n, "n"),
+            ("logprobs", logprobs, "logprobs"),
+            ("top_logprobs", top_logprobs, self.params().get("top_logprobs", "top_logprobs")),
             ("max_new_tokens", self.max_new_tokens(), self.params().get("max_tokens", "max_tokens")),
             ("temperature", temperature, "temperature"),
             ("top_p", self.top_p, "top_p"),
@@ -346,6 +345,11 @@ def _set(request: coordinator_pb2.GenerateRequest, name: str, value, param: str)
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def logprobs_fields(self) -> tuple[bool | None, int | None]:
+        return self.logprobs, self.top_logprobs
 
     def max_new_tokens(self) -> int | None:
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
@@ -387,7 +391,17 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    """``logprobs``: the number of most likely tokens listed at each position (GenerateRequest's
+    top_logprobs, with logprobs on)."""
+
     prompt: str | list[str]
+    logprobs: int | None = None
+
+    def logprobs_fields(self) -> tuple[bool | None, int | None]:
+        return (None, None) if self.logprobs is None else (True, self.logprobs)
+
+    def params(self) -> dict[str, str]:
+        return super().params() | {"top_logprobs": "logprobs"}
 
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
         request = super().generate_request()
@@ -432,10 +446,14 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def completion(self, completions: list[Completion]) -> dict:
-        """The response of a request's choices (``n`` of them); ``specdec`` is the first choice's
-        metrics, and with n > 1 every choice carries its own too."""
-        choices = [self._choice(i, completion, len(completions) > 1) for i, completion in enumerate(completions)]
+    def completion(self, completions: list[Completion], logprobs: list[dict | None]) -> dict:
+        """The response of a request's choices (``n`` of them), with their ``logprobs`` objects
+        (:class:`coordinator.api.logprobs.ChoiceLogprobs`; None without); ``specdec`` is the first
+        choice's metrics, and with n > 1 every choice carries its own too."""
+        choices = [
+            self._choice(i, completion, len(completions) > 1, choice_logprobs)
+            for i, (completion, choice_logprobs) in enumerate(zip(completions, logprobs, strict=True))
+        ]
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         first = completions[0].metrics
         prompt_tokens = first.num_prompt_tokens if first else 0
@@ -444,30 +462,33 @@ class ResponseShape:
             "specdec": specdec_metrics(first),
         }
 
-    def _choice(self, index: int, completion: Completion, with_metrics: bool) -> dict:
+    def _choice(self, index: int, completion: Completion, with_metrics: bool, logprobs: dict | None) -> dict:
         if self.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": completion.text}}
         else:
             choice = {"index": index, "text": completion.text}
-        choice |= {"finish_reason": completion.finish_reason, "logprobs": None}
+        choice |= {"finish_reason": completion.finish_reason, "logprobs": logprobs}
         return choice | ({"specdec": specdec_metrics(completion.metrics)} if with_metrics else {})
 
     def chunk(
         self,
+        index: int,
         text: str | None,
         finish_reason: str | None = None,
         role: bool = False,
         usage_so_far: dict[str, int] | None = None,
+        logprobs: dict | None = None,
     ) -> dict:
-        """A stream chunk carrying ``text`` (None: nothing, as with the finish chunk), the first
-        of a chat also the assistant role; ``usage_so_far``: the ``usage`` of a chunk under
+        """A stream chunk of choice ``index`` carrying ``text`` (None: nothing, as with the finish
+        chunk) and the ``logprobs`` object of its tokens, a chat choice's first chunk also the
+        assistant role; ``usage_so_far``: the ``usage`` of a chunk under
         ``continuous_usage_stats``."""
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        choice |= {"finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "text": text or ""}
+        choice |= {"finish_reason": finish_reason, "logprobs": logprobs}
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         return body if usage_so_far is None else body | {"usage": usage_so_far}
 

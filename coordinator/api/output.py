@@ -1,16 +1,17 @@
-"""The output side of one Generate stream: the generated token ids, their text, the stop
-conditions, and the part of it the client has not received yet."""
+"""The output side of one Generate stream: the generated token ids, their log-probabilities when
+asked for, their text, the stop conditions, and the part of it the client has not received yet."""
 
 from collections.abc import Iterable, Sequence
 
 from coordinator.api.text import IncrementalDetokenizer
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
 
 
 class StreamOutput:
-    """Generated ids and their text, cut by the stop conditions (EOS, stop strings,
+    """Generated ids (with their log-probabilities, when the request asks for them: one per id in
+    ``logprobs``) and their text, cut by the stop conditions (EOS, stop strings,
     ``max_new_tokens``). ``emit_from``: tokens the client already has (a resumed request); the
     messages carry only the tokens after them, and the text after theirs, which is exactly what
     the first stream had sent with them (the text sent with a prefix of ids depends on those ids
@@ -29,6 +30,7 @@ class StreamOutput:
         self.eos_ids = set(eos_ids)
         self.max_new_tokens, self.emit_from = max_new_tokens, emit_from
         self.generated: list[int] = []
+        self.logprobs: list[common_pb2.TokenLogprobs] = []
         self.finish = coordinator_pb2.FINISH_REASON_UNSPECIFIED
 
     @property
@@ -36,13 +38,16 @@ class StreamOutput:
         """Tokens that may still be generated."""
         return self.max_new_tokens - len(self.generated)
 
-    def add(self, new: Sequence[int]) -> list[int]:
-        """Appends ``new`` token by token until a stop condition (which sets ``finish``); returns
-        the tokens appended. EOS tokens are appended, not decoded."""
+    def add(self, new: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs] = ()) -> list[int]:
+        """Appends ``new`` token by token (and ``logprobs``, theirs, one per token or none) until a
+        stop condition (which sets ``finish``); returns the tokens appended. EOS tokens are
+        appended, not decoded."""
         kept = []
-        for token in new[: self.remaining]:
+        for i, token in enumerate(new[: self.remaining]):
             kept.append(token)
             self.generated.append(token)
+            if logprobs:
+                self.logprobs.append(logprobs[i])
             if token in self.eos_ids or self.text.add(token):
                 self.finish = STOP
             elif not self.remaining:
@@ -54,12 +59,16 @@ class StreamOutput:
         return kept
 
     def response(self, kept: Sequence[int]) -> coordinator_pb2.GenerateResponse | None:
-        """The message for the tokens just added: those after ``emit_from``, the text not sent yet
-        and, at the end, the finish reason; None when it would carry nothing."""
+        """The message for the tokens just added: those after ``emit_from`` with their
+        log-probabilities, the text not sent yet and, at the end, the finish reason; None when it
+        would carry nothing."""
         unsent = len(self.generated) - self.emit_from
         visible = list(kept[max(0, len(kept) - unsent) :]) if unsent > 0 else []
         if not visible and not self.finish:
             return None
         return coordinator_pb2.GenerateResponse(
-            token_ids=visible, text=self.text.take_delta(final=bool(self.finish)), finish_reason=self.finish
+            token_ids=visible,
+            text=self.text.take_delta(final=bool(self.finish)),
+            finish_reason=self.finish,
+            logprobs=self.logprobs[len(self.logprobs) - len(visible) :] if self.logprobs else [],
         )

@@ -93,7 +93,7 @@ def resolve(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
-    sampling = _sampling(request, ids, max_new, verify_info)
+    sampling = _sampling(request, ids, max_new, verify_info, settings.max_logprobs)
     if sampling.structured_output is not None:
         _check_structured_output(sampling, tokenizer, verify_info)
     max_k = verify_info.max_num_speculative_tokens
@@ -117,12 +117,18 @@ def _sampling(
     prompt: list[int],
     max_new_tokens: int,
     verify_info: verify_pb2.VerifyServiceGetInfoResponse,
+    max_logprobs: int,
 ) -> SamplingParams:
-    """The request's sampling transform and logits processors, every default filled in. Raises
-    InvalidArgument for a value out of range."""
+    """The request's sampling transform, logits processors and log-probabilities, every default
+    filled in. Raises InvalidArgument for a value out of range."""
     min_tokens = _field(request, "min_tokens", 0)
     if min_tokens > max_new_tokens:
         raise InvalidArgument(f"min_tokens is {min_tokens}: it must not exceed max_new_tokens ({max_new_tokens})")
+    if not 0 <= request.top_logprobs <= max_logprobs:
+        raise InvalidArgument(
+            f"top_logprobs is {request.top_logprobs}: it must lie in [0, {max_logprobs}] (the coordinator's "
+            "--max-logprobs)"
+        )
     bad_ids = sorted(i for i in request.logit_bias if not 0 <= i < verify_info.vocab_size)
     if bad_ids:
         raise InvalidArgument(
@@ -141,6 +147,8 @@ def _sampling(
         eos_token_ids=tuple(verify_info.eos_token_ids),
         num_prompt_tokens=len(prompt),
         structured_output=StructuredOutput.from_proto(request.structured_output),
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )
 
 

@@ -1,7 +1,8 @@
-"""The per-client limit on running Generate calls: gRPC Generate streams and HTTP completions
-(streamed or not) of one client together. A client is its API key when the coordinator has keys,
-else its IP address. One call over the limit fails with RESOURCE_EXHAUSTED (HTTP 429) before any
-work starts; the calls in flight go on."""
+"""The per-client limit on running requests: those of gRPC Generate streams and HTTP completions
+(streamed or not) of one client together, each choice of a call with n > 1 counted as a request.
+A client is its API key when the coordinator has keys, else its IP address. One call over the
+limit fails with RESOURCE_EXHAUSTED (HTTP 429) before any work starts; the calls in flight go
+on."""
 
 from collections import Counter
 from collections.abc import AsyncGenerator
@@ -22,7 +23,7 @@ def peer_host(peer: str) -> str:
 
 
 class StreamLimit:
-    """At most ``max_per_client`` running calls per client (0: no limit); ``keyed``: the
+    """At most ``max_per_client`` running requests per client (0: no limit); ``keyed``: the
     coordinator has API keys, so clients are told apart by key. One event loop uses it: no lock."""
 
     def __init__(self, max_per_client: int, keyed: bool):
@@ -36,22 +37,25 @@ class StreamLimit:
             return f"key {authorization.strip().partition(' ')[2].strip()}"
         return f"host {host}"
 
-    async def run(self, client: str, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-        """``responses`` counted as one of ``client``'s running calls until it ends or is closed
-        (closing this closes ``responses``). Raises ResourceExhausted at the first step when the
-        client already runs ``max_per_client`` calls."""
+    async def run(
+        self, client: str, responses: AsyncGenerator[T, None], num_requests: int = 1
+    ) -> AsyncGenerator[T, None]:
+        """``responses`` counted as ``num_requests`` of ``client``'s running requests (its choices)
+        until it ends or is closed (closing this closes ``responses``). Raises ResourceExhausted
+        at the first step when they would take the client past ``max_per_client``."""
         try:
-            if self.max_per_client and self._running[client] >= self.max_per_client:
+            if self.max_per_client and self._running[client] + num_requests > self.max_per_client:
                 raise ResourceExhausted(
-                    f"this client already runs {self._running[client]} requests, the coordinator's limit per client "
-                    "(max_streams_per_client): wait for one to finish, or raise --max-streams-per-client"
+                    f"this client already runs {self._running[client]} requests and asks for {num_requests} more; "
+                    f"the coordinator's limit per client (max_streams_per_client) is {self.max_per_client}: wait "
+                    "for one to finish, ask for fewer choices (n), or raise --max-streams-per-client"
                 )
-            self._running[client] += 1
+            self._running[client] += num_requests
             try:
                 async for response in responses:
                     yield response
             finally:
-                self._running[client] -= 1
+                self._running[client] -= num_requests
                 if not self._running[client]:
                     del self._running[client]
         finally:

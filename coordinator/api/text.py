@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
@@ -41,6 +42,13 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             return True
         return False
+
+    @property
+    def num_decoded(self) -> int:
+        """The added tokens whose text is in ``text``: all but those after the last token that
+        completed some text (the start of a multi-byte character, a token that decodes to
+        nothing), which count once a later token completes it."""
+        return self.read_offset - self.num_context
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""

@@ -6,7 +6,8 @@ from coordinator.request_store.store import FINISHED, StoredRequest
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import coordinator_pb2, verify_pb2
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 # Fields the coordinator fills in before storing a request, so that a resume on a coordinator with
 # other defaults continues the same completion.
 FILLED_IN = ("seed", "max_new_tokens")
@@ -25,7 +26,9 @@ def check_request_id(request: coordinator_pb2.GenerateRequest) -> None:
 
 def check_resume(request: coordinator_pb2.GenerateRequest, stored: StoredRequest) -> None:
     """Raises InvalidArgument when a resume's other fields differ from the stored request's, or
-    when it claims more tokens than a finished request generated."""
+    when it claims more tokens than a finished request generated; FailedPrecondition when the
+    request asks for log-probabilities and the store does not hold one per generated token (part
+    of the record was lost: the resumed stream would carry some without)."""
     given = coordinator_pb2.GenerateRequest()
     given.CopyFrom(request)
     given.ClearField("request_id")
@@ -39,6 +42,11 @@ def check_resume(request: coordinator_pb2.GenerateRequest, stored: StoredRequest
         raise InvalidArgument(
             f"request {stored.request_id!r} was started with other fields: resend them unchanged, "
             "or only request_id and resume_from"
+        )
+    if stored.request.logprobs and len(stored.logprobs) != len(stored.generated):
+        raise FailedPrecondition(
+            f"request {stored.request_id!r} has {len(stored.generated)} generated tokens stored but the "
+            f"log-probabilities of {len(stored.logprobs)}: send it again without resume_from"
         )
     if stored.status == FINISHED and request.resume_from > len(stored.generated):
         raise InvalidArgument(

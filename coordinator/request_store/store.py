@@ -5,13 +5,18 @@ estimates per (drafter, target) that warm-start adaptive K on every replica.
 :class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set, :class:`MemoryStore` in
 the process otherwise (single-machine use: a resume must then reach the same coordinator). Both
 keep a request ``ttl_s`` seconds after its last write. Layout in Redis (the hash tag keeps a
-request's two keys in one cluster slot):
+request's keys in one cluster slot):
 
-    specdec:request:{<id>}         hash: request (GenerateRequest bytes, seed filled in), target,
-                                   vocab_fingerprint, status, finish_reason, metrics
-                                   (RequestMetrics bytes), created_at, updated_at (unix seconds),
-                                   sessions (JSON: service -> session id held while running)
-    specdec:request:{<id>}:tokens  string: the generated token ids, int32 little-endian
+    specdec:request:{<id>}           hash: request (GenerateRequest bytes, seed filled in), target,
+                                     vocab_fingerprint, status, finish_reason, metrics
+                                     (RequestMetrics bytes), created_at, updated_at (unix seconds),
+                                     sessions (JSON: service -> session id held while running),
+                                     choice (its index among the choices of a request with n > 1)
+    specdec:request:{<id>}:tokens    string: the generated token ids, int32 little-endian
+    specdec:request:{<id>}:logprobs  string: with GenerateRequest.logprobs, the generated tokens'
+                                     log-probabilities, one TokenLogprobs each, as the bytes of a
+                                     GenerateResponse carrying only them (appending such bytes
+                                     appends to the list: protobuf merges repeated fields)
     specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
 
 A RedisStore that fails (unreachable, or slower than ``timeout_s``) raises
@@ -37,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.typing import EncodableT, FieldT
 
 from specdec.errors import Unavailable
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +57,12 @@ class StoreUnavailable(Unavailable):
 @dataclass
 class StoredRequest:
     """One request as the store keeps it. ``request`` is the GenerateRequest as the client sent
-    it, with the seed filled in; ``generated`` the committed token ids after the prompt;
-    ``finish_reason`` and ``metrics`` are set once ``status`` is FINISHED; ``sessions`` the ids of
-    the sessions a running request holds, by service (``draft``, ``verify``), so that a resume on
-    another coordinator can release those its dead coordinator left behind."""
+    it, with the seed filled in; ``generated`` the committed token ids after the prompt, and
+    ``logprobs`` theirs (one each when the request asks for them, else none); ``finish_reason``
+    and ``metrics`` are set once ``status`` is FINISHED; ``sessions`` the ids of the sessions a
+    running request holds, by service (``draft``, ``verify``), so that a resume on another
+    coordinator can release those its dead coordinator left behind; ``choice``: the request's
+    index among the choices of a request with n > 1 (:mod:`coordinator.api.choices`)."""
 
     request_id: str
     request: coordinator_pb2.GenerateRequest
@@ -68,6 +75,8 @@ class StoredRequest:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     sessions: dict[str, str] = field(default_factory=dict)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    choice: int = 0
 
     def header(self) -> dict[FieldT, EncodableT]:
         """Every field but the tokens, as Redis hash fields."""
@@ -81,10 +90,13 @@ class StoredRequest:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "sessions": json.dumps(self.sessions),
+            "choice": self.choice,
         }
 
     @classmethod
-    def from_redis(cls, request_id: str, header: dict[bytes, bytes], tokens: bytes | None) -> "StoredRequest":
+    def from_redis(
+        cls, request_id: str, header: dict[bytes, bytes], tokens: bytes | None, logprobs: bytes | None
+    ) -> "StoredRequest":
         fields = {key.decode(): value for key, value in header.items()}
         return cls(
             request_id,
@@ -98,7 +110,14 @@ class StoredRequest:
             float(fields["created_at"]),
             float(fields["updated_at"]),
             json.loads(fields.get("sessions", b"{}")),
+            list(coordinator_pb2.GenerateResponse.FromString(logprobs or b"").logprobs),
+            int(fields.get("choice", b"0")),
         )
+
+
+def logprobs_bytes(logprobs: list[common_pb2.TokenLogprobs]) -> bytes:
+    """The stored form of ``logprobs`` (see the module docstring): bytes that append to a list."""
+    return coordinator_pb2.GenerateResponse(logprobs=logprobs).SerializeToString()
 
 
 class RequestStore(abc.ABC):
@@ -117,10 +136,16 @@ class RequestStore(abc.ABC):
         """Writes the whole record (creating or replacing it)."""
 
     @abc.abstractmethod
-    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
-        """Appends generated tokens to a stored record (and replaces its ``sessions``, unless
-        None); returns how many tokens it holds now, or 0 when the record was missing (the store
-        lost it): then :meth:`put` it again."""
+    async def append(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sessions: dict[str, str] | None = None,
+        logprobs: list[common_pb2.TokenLogprobs] | None = None,
+    ) -> int:
+        """Appends generated tokens (and their ``logprobs``, when given) to a stored record (and
+        replaces its ``sessions``, unless None); returns how many tokens it holds now, or 0 when
+        the record was missing (the store lost it): then :meth:`put` it again."""
 
     @abc.abstractmethod
     async def load(self, request_id: str) -> StoredRequest | None:
@@ -163,11 +188,18 @@ class MemoryStore(RequestStore):
             del self._requests[expired]
         self._requests[record.request_id] = (copy.deepcopy(record), now + self.ttl_s)
 
-    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
+    async def append(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sessions: dict[str, str] | None = None,
+        logprobs: list[common_pb2.TokenLogprobs] | None = None,
+    ) -> int:
         record = self._live(request_id)
         if record is None:
             return 0
         record.generated.extend(tokens)
+        record.logprobs.extend(copy.deepcopy(logprobs or []))
         if sessions is not None:
             record.sessions = dict(sessions)
         record.updated_at = time.time()
@@ -243,12 +275,12 @@ class RedisStore(RequestStore):
             raise StoreUnavailable(f"the request store at {self.url} failed: {err!r}") from None
 
     @staticmethod
-    def _keys(request_id: str) -> tuple[str, str]:
+    def _keys(request_id: str) -> tuple[str, str, str]:
         header = f"specdec:request:{{{request_id}}}"
-        return header, f"{header}:tokens"
+        return header, f"{header}:tokens", f"{header}:logprobs"
 
     async def create(self, record: StoredRequest) -> bool:
-        header, _ = self._keys(record.request_id)
+        header, _, _ = self._keys(record.request_id)
 
         async def claim():
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -262,21 +294,31 @@ class RedisStore(RequestStore):
         return bool(claimed)
 
     async def put(self, record: StoredRequest) -> None:
-        header, tokens = self._keys(record.request_id)
+        header, tokens, logprobs = self._keys(record.request_id)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(header)
                 pipe.hset(header, mapping=record.header())
                 pipe.set(tokens, np.asarray(record.generated, dtype=TOKEN_DTYPE).tobytes())
-                pipe.expire(header, int(self.ttl_s))
-                pipe.expire(tokens, int(self.ttl_s))
+                if record.logprobs:
+                    pipe.set(logprobs, logprobs_bytes(record.logprobs))
+                else:
+                    pipe.delete(logprobs)
+                for key in (header, tokens, logprobs):
+                    pipe.expire(key, int(self.ttl_s))
                 await pipe.execute()
 
         await self._run("put", call)
 
-    async def append(self, request_id: str, tokens: list[int], sessions: dict[str, str] | None = None) -> int:
-        header, token_key = self._keys(request_id)
+    async def append(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sessions: dict[str, str] | None = None,
+        logprobs: list[common_pb2.TokenLogprobs] | None = None,
+    ) -> int:
+        header, token_key, logprobs_key = self._keys(request_id)
         fields: dict[FieldT, EncodableT] = {"updated_at": time.time()}
         if sessions is not None:
             fields["sessions"] = json.dumps(sessions)
@@ -286,24 +328,29 @@ class RedisStore(RequestStore):
                 pipe.append(token_key, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
                 pipe.hset(header, mapping=fields)
                 pipe.hlen(header)
-                pipe.expire(header, int(self.ttl_s))
-                pipe.expire(token_key, int(self.ttl_s))
+                if logprobs:
+                    pipe.append(logprobs_key, logprobs_bytes(logprobs))
+                for key in (header, token_key, logprobs_key):
+                    pipe.expire(key, int(self.ttl_s))
                 return await pipe.execute()
 
         length, _, num_fields, *_ = await self._run("append", call)
         return length // TOKEN_DTYPE.itemsize if num_fields > len(fields) else 0  # only these fields: the rest lost
 
     async def load(self, request_id: str) -> StoredRequest | None:
-        header, tokens = self._keys(request_id)
+        header, tokens, logprobs = self._keys(request_id)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(header)
                 pipe.get(tokens)
+                pipe.get(logprobs)
                 return await pipe.execute()
 
-        fields, token_bytes = await self._run("load", call)
-        return StoredRequest.from_redis(request_id, fields, token_bytes) if fields.get(b"request") else None
+        fields, token_bytes, stored_logprobs = await self._run("load", call)
+        if not fields.get(b"request"):
+            return None
+        return StoredRequest.from_redis(request_id, fields, token_bytes, stored_logprobs)
 
     async def load_priors(self, target: str) -> dict[str, list[float]]:
         fields = await self._run("load_priors", lambda: self.redis.hgetall(f"specdec:acceptance:{target}"))
@@ -340,10 +387,17 @@ class RequestJournal:
             self._stored = None
         return True
 
-    async def commit(self, tokens: list[int], sessions: dict[str, str] | None = None) -> None:
-        """Stores the newly committed ``tokens`` and, when they changed, the ids of the sessions
-        the request holds (``sessions``, by service)."""
+    async def commit(
+        self,
+        tokens: list[int],
+        sessions: dict[str, str] | None = None,
+        logprobs: list[common_pb2.TokenLogprobs] | None = None,
+    ) -> None:
+        """Stores the newly committed ``tokens`` (with their ``logprobs``, when the request asks for
+        them) and, when they changed, the ids of the sessions the request holds (``sessions``, by
+        service)."""
         self.record.generated.extend(tokens)
+        self.record.logprobs.extend(logprobs or [])
         if sessions is None or sessions == self.record.sessions:
             sessions = None  # unchanged: not written again
         else:
@@ -367,7 +421,10 @@ class RequestJournal:
         record.updated_at = time.time()
         try:
             if self._stored is not None:
-                held = await self.store.append(record.request_id, record.generated[self._stored :], sessions)
+                new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
+                held = await self.store.append(
+                    record.request_id, record.generated[self._stored :], sessions, new_logprobs
+                )
                 if held == len(record.generated):
                     self._stored = held
                     return

@@ -46,12 +46,12 @@ from coordinator.speculation.adaptive import AdaptiveK
 from coordinator.speculation.draft_side import DraftService, DraftSession
 from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
 from specdec.token_ids import point_masses
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
@@ -111,14 +111,14 @@ class RequestRounds:
         self._generation += 1
         return f"{self.session_prefix}.{service}{self._generation}"
 
-    async def prefill(self, policy: AdaptiveK | None = None) -> list[int]:
+    async def prefill(self, policy: AdaptiveK | None = None) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         """Opens the session on a verify replica, which also decodes the request's first token in
         the forward of the prompt's last chunk, as plain decoding does; returns that token,
-        appended to the committed log (none when the log holds generated tokens already: a
-        resumed request goes on with rounds where its first run's rounds went on, so that a seed
-        gives the same tokens). Raises UNAVAILABLE or RESOURCE_EXHAUSTED when no replica
-        takes it; waits for a replica to answer up to ``failover_timeout_s`` (the only one may be
-        restarting).
+        appended to the committed log, and its log-probabilities as :meth:`step` does (none when
+        the log holds generated tokens already: a resumed request goes on with rounds where its
+        first run's rounds went on, so that a seed gives the same tokens). Raises UNAVAILABLE or
+        RESOURCE_EXHAUSTED when no replica takes it; waits for a replica to answer up to
+        ``failover_timeout_s`` (the only one may be restarting).
 
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
@@ -140,7 +140,7 @@ class RequestRounds:
         self.committed.extend(first)
         if opens_draft:
             self.draft.open()  # greedy; under sampling it is open or opening already
-        return first
+        return first, self._logprobs(response, first)
 
     # --- rounds --------------------------------------------------------------------------
 
@@ -151,18 +151,21 @@ class RequestRounds:
         matches = {name: index.lookup(self.committed, k) for name, index in self.lookups.items()}
         return {name: match for name, match in matches.items() if match}
 
-    async def step(self, policy: AdaptiveK | None, max_k: int) -> tuple[list[int], RoundRecord]:
+    async def step(
+        self, policy: AdaptiveK | None, max_k: int
+    ) -> tuple[list[int], list[common_pb2.TokenLogprobs], RoundRecord]:
         """Runs one round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens:
-        never draft past the request's budget). Returns the newly committed tokens and the
-        round's record. Read top to bottom, like gpt-fast's ``speculative_decode``:
+        never draft past the request's budget). Returns the newly committed tokens, their
+        log-probabilities (one per token with ``sampling.logprobs``, else none) and the round's
+        record. Read top to bottom, like gpt-fast's ``speculative_decode``:
 
         1. choose the proposer and K: fixed by the request, or by the adaptive ``policy`` among the
            draft model and the coordinator's lookups, from their acceptance estimates;
         2. propose: a lookup's match, or the draft service's proposal (drafted ahead during the
            previous round when verification went down its branch, else asked for now); none while
            the draft is unavailable, which makes the round a plain decode step;
-        3. verify the proposal on the target (accepted tokens plus the bonus or recovered token),
-           or decode one token when there is none;
+        3. verify the proposal on the target (accepted tokens plus the bonus or recovered token,
+           with their log-probabilities when asked for), or decode one token when there is none;
         4. commit the new tokens to the log;
         5. let the policy learn from the outcome.
         """
@@ -197,7 +200,7 @@ class RequestRounds:
         if k == 0:
             proposer = PLAIN
         # 3. verify, or decode one token
-        n, new, verify_ms, step, verify_bytes = await self._verify_or_decode(proposal, distributions)
+        n, new, logprobs, verify_ms, step, verify_bytes = await self._verify_or_decode(proposal, distributions)
         # 4. commit
         self.committed.extend(new)
         record = RoundRecord(
@@ -220,19 +223,35 @@ class RequestRounds:
         # 5. learn
         if policy is not None:
             policy.observe(record, matches, new)
-        return new, record
+        return new, logprobs, record
 
     async def _verify_or_decode(
         self, proposal: list[int], distributions
-    ) -> tuple[int, list[int], float, common_pb2.StepStats, int]:
-        """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, the
-        target's compute ms, the engine step's statistics, the protobuf bytes both ways)."""
+    ) -> tuple[int, list[int], list[common_pb2.TokenLogprobs], float, common_pb2.StepStats, int]:
+        """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, their
+        log-probabilities, the target's compute ms, the engine step's statistics, the protobuf
+        bytes both ways). Raises FailedPrecondition when the request asks for log-probabilities and
+        the verify service returned others than one per new token (a service that predates them)."""
         if proposal:
             verified, size = await self.verify.verify(proposal, distributions)
-            n = verified.num_accepted
-            return n, [*proposal[:n], verified.next_token_id], verified.compute_ms, verified.step, size
-        decoded, size = await self.verify.decode()
-        return 0, [decoded.token_id], decoded.compute_ms, decoded.step, size
+            n, new = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id]
+            reply: verify_pb2.VerifyResponse | verify_pb2.DecodeResponse = verified
+        else:
+            reply, size = await self.verify.decode()
+            n, new = 0, [reply.token_id]
+        return n, new, self._logprobs(reply, new), reply.compute_ms, reply.step, size
+
+    def _logprobs(self, reply, new: list[int]) -> list[common_pb2.TokenLogprobs]:
+        """The log-probabilities of the ``new`` tokens a verify service's ``reply`` committed.
+        Raises FailedPrecondition when the request asks for log-probabilities and the service
+        returned others than one per new token (a service that predates them)."""
+        logprobs = list(reply.logprobs)
+        if self.request.sampling.logprobs and len(logprobs) != len(new):
+            raise FailedPrecondition(
+                f"the verify service returned {len(logprobs)} log-probabilities for {len(new)} tokens: it "
+                "does not support logprobs; upgrade it, or send the request without logprobs"
+            )
+        return logprobs
 
     def open_sessions(self) -> dict[str, str]:
         """The ids of the sessions this request holds now, by service (``verify``, ``draft``)."""
