@@ -86,7 +86,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_k = max_k
         self.metrics = metrics
         handlers = {"propose": self._propose}
-        self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers)
+        self.step_calls = StepCalls(
+            SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers, blocking=frozenset(handlers)
+        )
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(

@@ -15,6 +15,13 @@ time, so one long prompt does not stall every other session's decode. A call tha
 than its deadline gives up (its work is dropped unless a step already runs it); bounded sessions
 (the registry's ``max_sessions``) bound the queue.
 
+A call is queued by :meth:`Engine.submit`, which returns at once and hands the outcome to the
+caller's callback from the engine's thread when the work is done; :meth:`Engine.run` waits for it
+instead. So a service can take many sessions' calls without a thread waiting for each (the Step
+streams, :mod:`specdec.step_stream`): the profile of the verify service under 64 streams put half
+its GIL time in handing calls to pool threads and waking them (docs/architecture.md). The engine
+itself drops a queued call whose deadline passed or whose caller went away.
+
 Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
 they open (acceptance, rollback) sit under that call's span, and each step adds a ``forward`` span
 there (attributes: the call's ``specdec.num_tokens``, the step's ``specdec.batch_size`` and
@@ -27,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -84,14 +90,19 @@ class Work(abc.ABC):
         (``result`` set), False when it needs another step."""
 
 
-@dataclass
+# Called once with a call's outcome: (work.result, its StepStats, None), or (None, StepStats, the error).
+Done = Callable[[object, "StepStats", BaseException | None], None]
+
+
+@dataclass(eq=False)  # compared by identity: entries are looked up in the queue
 class _Entry:
     work: Work
+    done: Done
+    deadline: float | None = None  # time.perf_counter() after which a queued call gives up
+    abandoned: Callable[[], bool] | None = None  # True once the caller went away
     arrival: float = field(default_factory=time.perf_counter)
-    future: Future = field(default_factory=Future)
     stats: StepStats = field(default_factory=StepStats)
     started: bool = False
-    abandoned: bool = False
     context: otel_context.Context = field(default_factory=otel_context.get_current)
 
     def call(self, method, *args):
@@ -101,6 +112,10 @@ class _Entry:
             return method(*args)
         finally:
             otel_context.detach(token)
+
+    def given_up(self, now: float) -> bool:
+        """Whether a call not yet started should be dropped: past its deadline, or its caller gone."""
+        return (self.deadline is not None and now >= self.deadline) or (self.abandoned is not None and self.abandoned())
 
 
 class Engine:
@@ -130,36 +145,45 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def run(self, work: Work, timeout_s: float | None = None, on_wait: Callable[[], bool] | None = None):
-        """Queues ``work``, waits for it and returns ``(work.result, StepStats)``.
-
-        Args:
-            timeout_s: seconds to wait at most (the call's deadline); None waits indefinitely.
-            on_wait: asked every second while waiting; True (the caller went away) abandons the work.
-        Raises:
-            Unavailable: the deadline passed first, or the engine stopped.
-            what the work's steps raise (the whole step fails: every call in it gets the error).
-        """
-        entry = _Entry(work)
+    def submit(
+        self,
+        work: Work,
+        done: Done,
+        timeout_s: float | None = None,
+        abandoned: Callable[[], bool] | None = None,
+    ) -> None:
+        """Queues ``work`` and returns at once; ``done(result, stats, error)`` is called once, from
+        the engine's thread (or this one, when the engine is stopping) in the OpenTelemetry
+        context current here, with ``work.result`` and
+        its :class:`StepStats`, or with the error: Unavailable when the call was not started before
+        ``timeout_s`` seconds passed (None: no deadline) or ``abandoned()`` turned True (checked
+        before each step), or the engine stopped; what the work's steps raise (the whole step
+        fails: every call in it gets the error). ``done`` must not block: it runs on the engine's
+        thread."""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        entry = _Entry(work, done, deadline, abandoned)
         with self._cond:
-            if self._stopped:
-                raise Unavailable(f"the {self.name} engine is stopping: retry on another replica")
-            self._ensure_thread()
-            self._queue.append(entry)
-            self._cond.notify_all()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            try:
-                return entry.future.result(wait), entry.stats
-            except FutureTimeout:
-                expired = deadline is not None and time.monotonic() >= deadline
-                if expired or (on_wait is not None and on_wait()):
-                    self._abandon(entry)
-                    raise Unavailable(
-                        f"the {self.name} engine did not run the call before its deadline: the service is "
-                        "overloaded; retry later, or lower max_num_seqs load by adding replicas"
-                    ) from None
+            stopped = self._stopped
+            if not stopped:
+                self._ensure_thread()
+                self._queue.append(entry)
+                self._cond.notify_all()
+        if stopped:
+            done(None, entry.stats, Unavailable(f"the {self.name} engine is stopping: retry on another replica"))
+
+    def run(self, work: Work, timeout_s: float | None = None, on_wait: Callable[[], bool] | None = None):
+        """:meth:`submit`, waiting for the outcome: returns ``(work.result, StepStats)`` or raises
+        the error (``on_wait``: :meth:`submit`'s ``abandoned``)."""
+        outcome: Future = Future()
+
+        def done(result, stats: StepStats, error: BaseException | None) -> None:
+            if error is None:
+                outcome.set_result((result, stats))
+            else:
+                outcome.set_exception(error)
+
+        self.submit(work, done, timeout_s, on_wait)
+        return outcome.result()
 
     def forget(self, seq_id: int) -> None:
         """The sequence is gone (its session closed): no step waits for its next call."""
@@ -172,10 +196,10 @@ class Engine:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
         with self._cond:
             self._stopped = True
-            for entry in self._queue:
-                entry.future.set_exception(Unavailable(f"the {self.name} engine stopped"))
-            self._queue.clear()
+            queued, self._queue = self._queue, []
             self._cond.notify_all()
+        for entry in queued:
+            entry.done(None, entry.stats, Unavailable(f"the {self.name} engine stopped"))
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -183,12 +207,6 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
             self._thread.start()
-
-    def _abandon(self, entry: _Entry) -> None:
-        with self._cond:
-            entry.abandoned = True
-            if entry in self._queue and not entry.started:
-                self._queue.remove(entry)
 
     def _loop(self) -> None:
         while True:
@@ -198,10 +216,29 @@ class Engine:
                 if self._stopped:
                     return
                 self._wait_for_previous()
+                given_up = self._drop_given_up()
                 batch = self._schedule()
                 running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
+            for entry in given_up:
+                entry.done(None, entry.stats, self._late_error())
             if batch:
                 self._step(batch, running)
+
+    def _drop_given_up(self) -> list[_Entry]:
+        """Takes the calls not yet started whose deadline passed or whose caller went away out of
+        the queue (holding the condition); returns them."""
+        now = time.perf_counter()
+        given_up = [entry for entry in self._queue if not entry.started and entry.given_up(now)]
+        if given_up:
+            dropped = set(map(id, given_up))
+            self._queue = [entry for entry in self._queue if id(entry) not in dropped]
+        return given_up
+
+    def _late_error(self) -> Unavailable:
+        return Unavailable(
+            f"the {self.name} engine did not run the call before its deadline: the service is "
+            "overloaded; retry later, or lower max_num_seqs load by adding replicas"
+        )
 
     def _wait_for_previous(self) -> None:
         """Waits (holding the condition) up to ``batch_wait_ms`` after the last step for the
@@ -221,7 +258,6 @@ class Engine:
     def _schedule(self) -> list[tuple[_Entry, SequenceStep]]:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
         arrival order, within the limits."""
-        self._queue = [e for e in self._queue if not e.abandoned]
         batch: list[tuple[_Entry, SequenceStep]] = []
         budget, seqs = self.max_num_batched_tokens, set()
         for prefill in (False, True):
@@ -294,14 +330,12 @@ class Engine:
         return failed
 
     def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
+        """Takes the step's finished calls out of the queue, then hands each its outcome."""
         with self._cond:
             self._recent = [set(), self._recent[0]]
-            for entry, err in outcomes:
-                if entry in self._queue:
-                    self._queue.remove(entry)
-                self._recent[0].add(entry.work.seq_id)
-                if err is None:
-                    entry.future.set_result(entry.work.result)
-                else:
-                    entry.future.set_exception(err)
+            finished = set(map(id, (entry for entry, _ in outcomes)))
+            self._queue = [entry for entry in self._queue if id(entry) not in finished]
+            self._recent[0].update(entry.work.seq_id for entry, _ in outcomes)
             self._step_end = time.perf_counter()
+        for entry, err in outcomes:  # in the call's OpenTelemetry context, as its steps
+            entry.call(entry.done, entry.work.result if err is None else None, entry.stats, err)

@@ -88,6 +88,16 @@ class SessionRegistry(Generic[S]):
     @contextlib.contextmanager
     def use(self, session_id: str) -> Iterator[S]:
         """Yields the session, holding its lock. Raises NotFound for an unknown id."""
+        session, release = self.acquire(session_id)
+        try:
+            yield session
+        finally:
+            release()
+
+    def acquire(self, session_id: str) -> tuple[S, Callable[[], None]]:
+        """The session and the function that gives its lock back, held until then: a call served
+        on another thread (an engine's, :meth:`specdec.engine.Engine.submit`) gives it back there.
+        Waits while another call holds it. Raises NotFound for an unknown id."""
         with self._lock:
             entry = self._entries.get(session_id)
         if entry is None:
@@ -95,10 +105,14 @@ class SessionRegistry(Generic[S]):
                 f"session {session_id!r} not found (released, or idle longer than "
                 f"{self.idle_timeout_s:g} s): prefill it again"
             )
-        with entry.lock:
+        entry.lock.acquire()
+        entry.last_used = time.monotonic()
+
+        def release() -> None:
             entry.last_used = time.monotonic()
-            yield entry.session
-            entry.last_used = time.monotonic()
+            entry.lock.release()
+
+        return entry.session, release
 
     def release(self, session_id: str) -> bool:
         """Closes and removes a session; False if it did not exist (its id is then remembered, in

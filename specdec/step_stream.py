@@ -2,14 +2,17 @@
 per-round calls (Verify, Decode, Propose) over one long-lived stream per caller, instead of one
 unary RPC per call (docs/architecture.md#the-serving-path-step-streams says why: the profile).
 
-Each incoming message carries calls; each call runs in a thread of the service's call pool,
-exactly as its unary RPC would (the same handler, its deadline from ``CallHeader.timeout_ms``, 0 for
-none, its
-span a child of the caller's from ``CallHeader.trace_context``), and its result or error
-(``CallError``, the status code and message the unary RPC would fail with) goes back in the next
-outgoing message. Outgoing messages take every result ready when one is sent: the calls of one
-engine step finish together, so they usually travel together. The stream ends when the caller
-closes its side and every call it sent has been answered, or at once when the caller goes away.
+Each incoming message carries calls; each call is served exactly as its unary RPC would be (the
+same handler, its deadline from ``CallHeader.timeout_ms``, 0 for none, its span a child of the
+caller's from ``CallHeader.trace_context``), and its result or error (``CallError``, the status
+code and message the unary RPC would fail with) goes back in the next outgoing message. A kind of
+call served by a *starter* (the verify service's Verify and Decode) starts on the thread that
+reads the stream, which queues its work on the engine and goes on reading; the engine's thread
+replies when the step is done, so no thread waits per call. Another kind runs in a thread of the
+service's call pool, which waits for its work. Outgoing messages take every result ready when one
+is sent: the calls of one engine step finish together, so they usually travel together. The
+stream ends when the caller closes its side and every call it sent has been answered, or at once
+when the caller goes away.
 """
 
 import logging
@@ -18,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -34,6 +37,10 @@ tracer = trace.get_tracer(__name__)
 
 # A handler: (request, timeout in seconds or None, abandoned() -> the caller went away) -> response.
 Handler = Callable[[Any, float | None, Callable[[], bool]], Message]
+# What a call's starter is given to reply with, once: the response, or the error the call fails with.
+Reply = Callable[[Message | BaseException], None]
+# A starter: as a handler, but it returns at once and replies later, from any thread (or raises).
+Starter = Callable[[Any, float | None, Callable[[], bool], Reply], None]
 _END = object()  # the caller closed its side of the stream
 POLL_S = 1.0  # how often a stream waiting for results checks that its caller is still there, seconds
 
@@ -44,26 +51,32 @@ class StepCalls:
     Args:
         service: the full gRPC service name (``specdec.v1.VerifyService``), for span names.
         handlers: by the name of a call's ``oneof call`` field (``verify``, ``decode``,
-            ``propose``): the function that serves it, the same one its unary RPC calls.
+            ``propose``): the function that serves it, the same one its unary RPC calls: a
+            :data:`Starter` (started on the stream's reading thread, see the module docstring) or,
+            in ``blocking``, a :data:`Handler` run in the call pool.
         result_cls: the result message (``VerifyCallResult``, ``DraftCallResult``), whose ``oneof
             result`` has one field per handler, named alike, and ``error``.
         metrics: failed calls are counted in ``rpc_errors`` under the unary RPC's name.
-        max_workers: calls served at once, over every stream of the service (a call holds a
-            thread while it waits for its engine step).
+        max_workers: calls served at once in the call pool, over every stream of the service (such
+            a call holds a thread while it waits for its engine step).
+        blocking: the kinds whose handler is a :data:`Handler`.
 
     ``delays_s``: the fault tests' hook (:mod:`specdec.delay_hook`), set by the service: seconds
-    each call of an RPC (by its name, ``Propose``) waits before it is handled; empty in production.
+    each call of an RPC (by its name, ``Propose``) waits before it is handled (in the call pool);
+    empty in production.
     """
 
     def __init__(
         self,
         service: str,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, Handler | Starter],
         result_cls: type[Message],
         metrics: ServiceMetrics,
         max_workers: int,
+        blocking: frozenset[str] = frozenset(),
     ):
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
+        self.blocking = blocking
         self.delays_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="step-call")
 
@@ -75,15 +88,12 @@ class StepCalls:
         in_flight = _Counter()
         abandoned = lambda: not context.is_active()  # noqa: E731
 
-        def answer(call: Any, received: float) -> None:
-            done.put(self._run(call, received, abandoned))
-
         def read() -> None:
             try:
                 for message in requests:
+                    in_flight.add(len(message.calls))
                     for call in message.calls:
-                        in_flight.add(1)
-                        self._pool.submit(answer, call, time.monotonic())
+                        self._start(call, time.monotonic(), abandoned, done.put)
             except Exception:  # the caller went away (cancelled, connection lost)
                 log.debug("a Step stream ended on the caller's side", exc_info=True)
             done.put(_END)
@@ -91,30 +101,73 @@ class StepCalls:
         threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
         return _answers(done, in_flight, context)
 
-    def _run(self, call: Any, received: float, abandoned: Callable[[], bool]) -> Message:
-        """Serves one call read at ``received`` (time.monotonic()); never raises (a failure is the
-        result's ``error``)."""
+    def _start(self, call: Any, received: float, abandoned: Callable[[], bool], put: Callable[[Message], None]) -> None:
+        """Starts serving one call read at ``received`` (time.monotonic()); its result (or
+        ``error``) is ``put`` once, now or from the thread that finishes it; never raises."""
         header, kind = call.header, call.WhichOneof("call")
         name = (kind or "unknown").capitalize()
         parent = propagate.extract(dict(header.trace_context)) if header.trace_context else None
-        with tracer.start_as_current_span(f"/{self.service}/{name}", context=parent, kind=trace.SpanKind.SERVER):
+        span = tracer.start_span(f"/{self.service}/{name}", context=parent, kind=trace.SpanKind.SERVER)
+
+        def reply(outcome: Message | BaseException) -> None:
+            put(self._result(header.call_id, kind, name, outcome))
+            span.end()
+
+        try:
+            handler = self.handlers.get(kind or "")
+            if handler is None:
+                kinds = ", ".join(self.handlers)
+                raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
+            request = getattr(call, kind)
+            if kind in self.blocking or name in self.delays_s:
+                self._pool.submit(self._run, kind, name, request, header.timeout_ms, received, abandoned, span, reply)
+                return
+            with trace.use_span(span):
+                handler(request, _timeout_s(header.timeout_ms, received), abandoned, reply)  # type: ignore[call-arg]
+        except Exception as err:  # any failure is the call's result
+            reply(err)
+
+    def _run(self, kind: str, name: str, request, timeout_ms: float, received: float, abandoned, span, reply) -> None:
+        """Serves a call in a thread of the call pool: the test hook's delay, then its handler (a
+        :data:`Handler`, whose response it replies with, or a :data:`Starter`, which replies)."""
+        handler = self.handlers[kind]
+        with trace.use_span(span):
             try:
-                handler = self.handlers.get(kind or "")
-                if handler is None:
-                    kinds = ", ".join(self.handlers)
-                    raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
-                timeout_s = _timeout_s(header.timeout_ms, received)
                 if delay_s := self.delays_s.get(name):
                     time.sleep(delay_s)
-                response = handler(getattr(call, kind), timeout_s, abandoned)
-                return self.result_cls(call_id=header.call_id, **{kind: response})
-            except SpecdecError as err:
-                error = common_pb2.CallError(code=err.code.value[0], message=str(err))
-            except Exception as err:  # a bug: the caller gets INTERNAL, the log the traceback
-                log.exception("a %s call of a Step stream failed", name)
-                error = common_pb2.CallError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{name} failed: {err}")
+                timeout_s = _timeout_s(timeout_ms, received)
+                if kind in self.blocking:
+                    reply(handler(request, timeout_s, abandoned))  # type: ignore[call-arg]
+                else:
+                    handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
+            except Exception as err:  # any failure is the call's result
+                reply(err)
+
+    def _result(self, call_id: int, kind: str | None, name: str, outcome: Message | BaseException) -> Message:
+        """The result message of a call: its response, or the CallError its error maps to."""
+        if isinstance(outcome, Message):
+            return self.result_cls(call_id=call_id, **{kind or "": outcome})
+        if isinstance(outcome, SpecdecError):
+            error = common_pb2.CallError(code=outcome.code.value[0], message=str(outcome))
+        else:  # a bug: the caller gets INTERNAL, the log the traceback
+            log.error("a %s call of a Step stream failed", name, exc_info=outcome)
+            error = common_pb2.CallError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{name} failed: {outcome}")
         self.metrics.rpc_errors.labels(name, status_code(error.code).name).inc()
-        return self.result_cls(call_id=header.call_id, error=error)
+        return self.result_cls(call_id=call_id, error=error)
+
+
+def wait_for_reply(start: Callable[[Reply], None]) -> Message:
+    """Runs a starter (``start(reply)``) and waits for its reply: the response, or raises the error."""
+    outcome: Future = Future()
+
+    def reply(answer: Message | BaseException) -> None:
+        if isinstance(answer, BaseException):
+            outcome.set_exception(answer)
+        else:
+            outcome.set_result(answer)
+
+    start(reply)
+    return outcome.result()
 
 
 def _timeout_s(timeout_ms: float, received: float) -> float | None:

@@ -1,6 +1,7 @@
 """The coordinator's end of a Step stream (coordinator/speculation/step_client.py) against a real verify
 service (the tiny target, on a free port): concurrent calls share messages, results and errors
-reach their callers, deadlines hold, and a stream the service dropped is opened again."""
+reach their callers, deadlines hold, and a stream the service dropped is opened again; and against
+a real draft service, a late answer's round trip."""
 
 import asyncio
 import socket
@@ -9,10 +10,13 @@ import grpc
 import pytest
 
 from coordinator.speculation.step_client import StepStream
-from coordinator.speculation.upstream import VERIFY_SERVICE
+from coordinator.speculation.upstream import DRAFT_SERVICE, VERIFY_SERVICE
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.service import build as build_draft
+from draft_service.settings import DraftSettings
 from specdec.errors import NotFound, Unavailable
 from specdec.server import GRPC_OPTIONS
-from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from verify_service.service import build
 from verify_service.settings import VerifySettings
 
@@ -131,16 +135,28 @@ def test_calls_in_flight_fail_when_the_service_goes_away_and_the_next_call_opens
     asyncio.run(run())
 
 
-def test_a_call_answered_after_its_deadline_reports_its_round_trip(tiny_target):
-    service = build(VerifySettings(port=0, max_sessions=4, debug_rpc_delay_ms=["Decode=400"]), target=tiny_target)
-    prefill(service.port, ["slow"])
+def test_a_call_answered_after_its_deadline_reports_its_round_trip():
+    """A draft's Propose held past its deadline (the test hook; a Propose runs to its end) is
+    answered late: the caller, which gave up, learns the real round trip (as the Propose deadline
+    does)."""
+    draft = build_draft(
+        DraftSettings(port=0, default_drafter="ngram", debug_rpc_delay_ms=["Propose=400"]),
+        drafters={"ngram": NgramDrafter()},
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
+        draft_pb2_grpc.DraftServiceStub(channel).Prefill(
+            draft_pb2.DraftServicePrefillRequest(session_id="slow", drafter="ngram", token_ids=[5, 6, 7, 5, 6])
+        )
     late: list[float] = []
 
     async def run():
-        channel, stream = verify_stream(service.port)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{draft.port}", options=GRPC_OPTIONS)
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        stream = StepStream(stub.Step, draft_pb2.DraftStepRequest, draft_pb2.DraftCall, DRAFT_SERVICE, "draft")
+        request = draft_pb2.ProposeRequest(session_id="slow", num_speculative_tokens=2)
         try:
             with pytest.raises(Unavailable, match="did not answer within its deadline"):
-                await stream.call("decode", verify_pb2.DecodeRequest(session_id="slow"), 0.1, on_late=late.append)
+                await stream.call("propose", request, 0.1, on_late=late.append)
             for _ in range(50):
                 if late:
                     break
@@ -152,5 +168,5 @@ def test_a_call_answered_after_its_deadline_reports_its_round_trip(tiny_target):
     try:
         asyncio.run(run())
     finally:
-        service.stop(0)
+        draft.stop(0)
     assert len(late) == 1 and late[0] >= 0.4

@@ -1,5 +1,6 @@
 """The service end of a Step stream (specdec/step_stream.py), driven directly: calls run as their
-handlers, results that are ready travel in one message, errors come back as CallErrors."""
+handlers (blocking ones in the call pool, starters on the reading thread, replying later from
+another), results that are ready travel in one message, errors come back as CallErrors."""
 
 import queue
 import threading
@@ -36,8 +37,10 @@ def metrics():
     metrics.close()
 
 
-def step_calls(metrics, decode) -> StepCalls:
-    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16)
+def step_calls(metrics, decode, blocking: bool = True) -> StepCalls:
+    """A Step stream's service end whose Decode calls ``decode``: a blocking handler, or a starter."""
+    kinds = frozenset({"decode"}) if blocking else frozenset()
+    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16, kinds)
 
 
 def test_results_ready_together_travel_in_one_message(metrics):
@@ -119,3 +122,44 @@ def test_the_stream_ends_when_the_caller_goes_away(metrics):
     start = time.monotonic()
     assert list(stream) == []
     assert time.monotonic() - start < 3
+
+
+def test_starters_take_no_thread_and_their_replies_from_another_thread_travel_together(metrics):
+    """A starter runs on the reading thread and replies later (as the verify service's engine
+    does, from its own thread): calls are all started before any is answered, no pool thread runs
+    them, and replies given together leave in one message."""
+    started: list = []
+    threads = set()
+
+    def decode(request, timeout_s, abandoned, reply):
+        threads.add(threading.current_thread().name)
+        if request.session_id == "gone":
+            raise NotFound("session 'gone' not found: prefill it again")
+        started.append((int(request.session_id), reply))
+
+    calls = [decode_call(i, str(100 + i)) for i in range(1, 9)] + [decode_call(9, "gone")]
+    stream = step_calls(metrics, decode, blocking=False).serve(
+        iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context()
+    )
+    first = next(stream)  # the error, answered at once
+    assert [(r.call_id, r.error.code) for r in first] == [(9, grpc.StatusCode.NOT_FOUND.value[0])]
+    assert len(started) == 8 and threads == {"step-stream-reader"}
+
+    def engine_step():
+        for token, reply in started:
+            reply(verify_pb2.DecodeResponse(token_id=token))
+
+    threading.Thread(target=engine_step).start()
+    (results,) = list(stream)
+    assert sorted((r.call_id, r.decode.token_id) for r in results) == [(i, 100 + i) for i in range(1, 9)]
+
+
+def test_the_delay_hook_holds_a_starters_call_in_the_pool(metrics):
+    def decode(request, timeout_s, abandoned, reply):
+        reply(verify_pb2.DecodeResponse(token_id=3))
+
+    calls = step_calls(metrics, decode, blocking=False)
+    calls.delays_s = {"Decode": 0.2}
+    start = time.monotonic()
+    (results,) = list(calls.serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()))
+    assert results[0].decode.token_id == 3 and time.monotonic() - start >= 0.2

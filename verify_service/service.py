@@ -13,7 +13,7 @@ from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.sessions import SessionRegistry
-from specdec.step_stream import StepCalls
+from specdec.step_stream import Reply, StepCalls, wait_for_reply
 from specdec.timing import ms_since
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specdec.wire import decode_distributions
@@ -47,7 +47,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         self.target = target
         self.sessions = sessions
         self.metrics = metrics
-        handlers = {"verify": self._verify, "decode": self._decode}
+        handlers = {"verify": self._verify, "decode": self._decode}  # starters: no thread waits per call
         self.step_calls = StepCalls(SERVICE, handlers, verify_pb2.VerifyCallResult, metrics, max_workers)
 
     def GetInfo(self, request, context):
@@ -90,41 +90,61 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     @grpc_errors
     def Verify(self, request, context):
-        return self._verify(request, context.time_remaining(), lambda: not context.is_active())
+        abandoned = lambda: not context.is_active()  # noqa: E731
+        return wait_for_reply(lambda reply: self._verify(request, context.time_remaining(), abandoned, reply))
 
     @grpc_errors
     def Decode(self, request, context):
-        return self._decode(request, context.time_remaining(), lambda: not context.is_active())
+        abandoned = lambda: not context.is_active()  # noqa: E731
+        return wait_for_reply(lambda reply: self._decode(request, context.time_remaining(), abandoned, reply))
 
     def Step(self, request_iterator, context):
         for results in self.step_calls.serve(request_iterator, context):
             yield verify_pb2.VerifyStepResponse(results=results)
 
-    def _verify(self, request, timeout_s: float | None, abandoned) -> verify_pb2.VerifyResponse:
-        start = time.perf_counter()
-        with self.sessions.use(request.session_id) as session:
-            draft_probs = None
-            if request.draft_distributions:
-                draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
-            n, token = session.verify(list(request.draft_token_ids), draft_probs, timeout_s, abandoned)
-        return verify_pb2.VerifyResponse(
-            num_accepted=n,
-            next_token_id=token,
-            compute_ms=ms_since(start),
-            step=step_stats(session.last_step),
-            logprobs=session.last_logprobs,
+    def _verify(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
+        """Starts a Verify (a :data:`specdec.step_stream.Starter`): replies from the engine's thread."""
+        draft_probs = None
+        if request.draft_distributions:
+            draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
+
+        def respond(n: int, token: int, **fields) -> verify_pb2.VerifyResponse:
+            return verify_pb2.VerifyResponse(num_accepted=n, next_token_id=token, **fields)
+
+        drafts = list(request.draft_token_ids)
+        self._submit(
+            request.session_id, lambda s: s.verification(drafts, draft_probs), respond, timeout_s, abandoned, reply
         )
 
-    def _decode(self, request, timeout_s: float | None, abandoned) -> verify_pb2.DecodeResponse:
+    def _decode(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
+        """Starts a Decode (a :data:`specdec.step_stream.Starter`): replies from the engine's thread."""
+
+        def respond(n: int, token: int, **fields) -> verify_pb2.DecodeResponse:
+            return verify_pb2.DecodeResponse(token_id=token, **fields)
+
+        self._submit(request.session_id, lambda s: s.verification([], None), respond, timeout_s, abandoned, reply)
+
+    def _submit(self, session_id: str, work_of, respond, timeout_s: float | None, abandoned, reply: Reply) -> None:
+        """Queues the session's verification (``work_of(session)``, holding the session until it
+        is done) on the engine; its outcome is replied as ``respond(n, token, compute_ms=, step=,
+        logprobs=)``. Raises NotFound, or what making the work raises (InvalidArgument)."""
         start = time.perf_counter()
-        with self.sessions.use(request.session_id) as session:
-            _, token = session.verify([], None, timeout_s, abandoned)
-        return verify_pb2.DecodeResponse(
-            token_id=token,
-            compute_ms=ms_since(start),
-            step=step_stats(session.last_step),
-            logprobs=session.last_logprobs,
-        )
+        session, release = self.sessions.acquire(session_id)
+        try:
+            work = work_of(session)
+        except BaseException:
+            release()
+            raise
+
+        def done(outcome, stats: StepStats, error: BaseException | None) -> None:
+            release()
+            if error is not None:
+                reply(error)
+                return
+            n, token = outcome
+            reply(respond(n, token, compute_ms=ms_since(start), step=step_stats(stats), logprobs=work.logprobs))
+
+        self.target.engine.submit(work, done, timeout_s, abandoned)
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)

@@ -351,27 +351,36 @@ class TargetSession:
             draft_tokens: K proposed ids (K may be 0: a plain decode step).
             draft_probs: q, ``[K, V]`` float32, required when sampling; ignored under greedy.
             timeout_s, abandoned: as in :meth:`specdec.engine.Engine.run`.
+        Returns:
+            ``(n, next_token)``: accepted drafts and the correction or bonus token (their
+            log-probabilities, when the session asks for them, in ``last_logprobs``).
+        Raises:
+            what :meth:`verification` raises; Unavailable: the deadline passed before a step ran it.
+        """
+        work = self.verification(draft_tokens, draft_probs)
+        outcome = self._run(work, timeout_s, abandoned)
+        self.last_logprobs = work.logprobs
+        return outcome
+
+    def verification(self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None) -> _Verify:
+        """The engine work of :meth:`verify` (same arguments), for a caller that submits it itself
+        (:meth:`specdec.engine.Engine.submit`): once done, its ``result`` is ``(n, next_token)``
+        and its ``logprobs`` those of the committed tokens (with ``sampling.logprobs``).
+
         With structured output, the proposal is cut at its first token the grammar rejects before
         it is scored: that token could not be accepted (its target probability is 0), and cutting
         it is lossless because its draft probability is a point mass (a lookup) or it was never
         drawn (a model drafter drafts under the same mask).
 
-        Returns:
-            ``(n, next_token)``: accepted drafts and the correction or bonus token (their
-            log-probabilities, when the session asks for them, in ``last_logprobs``).
         Raises:
             InvalidArgument: K above the limit, the window would overflow, ids out of range, or
                 missing draft distributions under sampling.
-            Unavailable: the deadline passed before a step ran it.
         """
         self._check(draft_tokens, draft_probs)
         if self.grammar is not None:
             k = self.grammar.valid_prefix(draft_tokens)
             draft_tokens, draft_probs = draft_tokens[:k], None if draft_probs is None else draft_probs[:k]
-        work = _Verify(self, draft_tokens, draft_probs)
-        outcome = self._run(work, timeout_s, abandoned)
-        self.last_logprobs = work.logprobs
-        return outcome
+        return _Verify(self, draft_tokens, draft_probs)
 
     def rollback(self) -> None:
         """Drops cached positions past the committed prefix (rejected drafts)."""
