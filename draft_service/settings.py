@@ -49,10 +49,10 @@ class DraftSettings(SessionServiceSettings):
     prefix_cache_max_tokens: int = Field(
         DEFAULT_MAX_TOKENS,
         ge=0,
-        description="Tokens the transformers drafter's prefix cache keeps for sessions that are gone, least "
-        "recently released evicted first; it lives in KV blocks no session uses and never makes the KV pool grow "
-        "(0: only sessions open at once share). The llama-cpp drafter keeps freed sessions' sequences instead, "
-        "up to llama_cpp_max_num_seqs.",
+        description="Tokens the transformers drafter's prefix cache keeps for sessions that are gone (whole "
+        "blocks of 16: rounded down), least recently released evicted first; it lives in KV blocks no session "
+        "uses and never makes the KV pool grow (0: only sessions open at once share). The llama-cpp drafter "
+        "keeps freed sessions' sequences instead, up to llama_cpp_max_num_seqs.",
     )
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."

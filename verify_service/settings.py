@@ -37,7 +37,7 @@ class VerifySettings(SessionServiceSettings):
     prefix_cache_max_tokens: int = Field(
         DEFAULT_MAX_TOKENS,
         ge=0,
-        description="Tokens the prefix cache keeps for sessions that are gone, least recently released evicted "
-        "first; it lives in KV blocks no session uses and never makes the KV pool grow (0: only sessions open at "
-        "once share).",
+        description="Tokens the prefix cache keeps for sessions that are gone (whole blocks of 16: rounded down), "
+        "least recently released evicted first; it lives in KV blocks no session uses and never makes the KV "
+        "pool grow (0: only sessions open at once share).",
     )

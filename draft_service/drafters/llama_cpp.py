@@ -19,7 +19,7 @@ llama.cpp's multi-sequence batch API, as used here (:class:`LlamaCppLM`):
   sequence (``pos``), and a ``logits`` flag on the positions whose logits are read back
   (``llama_get_logits_ith``). ``llama_decode`` splits it into micro-batches itself (with
   per-sequence streams, ones of an equal number of tokens from consecutive sequence ids, which is
-  why steps are ordered by sequence id and new sequences take the lowest free id).
+  why steps are ordered by sequence id and a new sequence takes a free id next to the live ones).
 - rollback of rejected draft positions is ``llama_memory_seq_rm(mem, seq, length, -1)``; freeing a
   session's sequence (prefix caching off) is ``llama_memory_seq_rm(mem, seq, -1, -1)``.
 
@@ -27,10 +27,10 @@ Prefix caching (``prefix_caching``; token level, no blocks): a freed session's l
 keeps its cells and tokens, as a *donor* for later sessions, until a new session takes that
 sequence id. A new session takes its sequence id when its prefill starts
 (:meth:`LlamaCppLM.attach_prefix`), choosing among the free ones, in this order: one next to the
-live sequences' ids (``llama_decode`` puts only consecutive sequence ids in one micro-batch: a gap
-splits every step in two, measured 2x the step time at two sequences), the donor with the longest
-common prefix with its context (reused in place: its cells past that prefix are removed), an empty
-one, the least recently freed donor (evicted). When another sequence, live or freed, holds a longer
+live sequences' ids (llama.cpp's ``split_equal`` takes only consecutive sequence ids into one
+micro-batch, so a gap costs every step one more pass over the weights), the donor with the
+longest common prefix with its context (reused in place: its cells past that prefix are
+removed), an empty one, the least recently freed donor (evicted). When another sequence, live or freed, holds a longer
 prefix of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies
 it over first: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x
 the bytes per token, 94 MB for SmolLM2 at 4096 tokens; exact, done at the next ``llama_decode``),
