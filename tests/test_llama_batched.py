@@ -170,6 +170,27 @@ def test_a_freed_sequence_serves_a_later_context_in_place(caching, alone):
 
 
 @pytest.mark.real_model
+def test_a_donor_that_shares_only_a_beginning_lends_it_by_a_copy_and_stays_whole(caching, alone):
+    """A second request with the same system prompt must not cut the first's sequence, which its
+    own next turn then finds whole, in place."""
+    system = [*PROMPTS[0], *PROMPTS[2]]
+    first_turn = [*system, 42, 7, 13]
+    first, _ = prefill(caching, [*first_turn, 99])
+    slot = caching.llama_seq(first)
+    caching.free(first)
+    other, found = prefill(caching, [*system, 2000, 3])
+    assert found == len(system) and caching.llama_seq(other) != slot
+    next_turn, found = prefill(caching, [*first_turn, 2683, 359])
+    try:
+        assert found == len(first_turn) and caching.llama_seq(next_turn) == slot
+        (logits,) = caching.forward([SequenceStep(next_turn, [359])])
+        assert_close(logits[-1], fresh_logits(alone, [[*first_turn, 2683, 359]])[0])
+    finally:
+        caching.free(other)
+        caching.free(next_turn)
+
+
+@pytest.mark.real_model
 def test_a_live_sequence_lends_its_prefix_by_a_copy_and_keeps_its_own(caching, alone):
     shared = [*PROMPTS[0], *PROMPTS[2]]  # 18 tokens: worth a copy (MIN_COPIED_TOKENS)
     owner, _ = prefill(caching, [*shared, 5, 6])

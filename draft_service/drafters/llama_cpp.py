@@ -28,16 +28,17 @@ keeps its cells and tokens, as a *donor* for later sessions, until a new session
 sequence id. A new session takes its sequence id when its prefill starts
 (:meth:`LlamaCppLM.attach_prefix`), choosing among the free ones, in this order: one next to the
 live sequences' ids (llama.cpp's ``split_equal`` takes only consecutive sequence ids into one
-micro-batch, so a gap costs every step one more pass over the weights), the donor with the
-longest common prefix with its context (reused in place: its cells past that prefix are
-removed), an empty one, the least recently freed donor (evicted). When another sequence, live or freed, holds a longer
-prefix of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies
-it over first: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x
-the bytes per token, 94 MB for SmolLM2 at 4096 tokens; exact, done at the next ``llama_decode``),
-then the cells past the prefix are removed. So at batch 1 every earlier session waits as a donor
-in its own sequence (up to ``max_num_seqs`` - 1 of them) and a chat's next turn or a shared
-system prompt is found in place; the cache costs no memory beyond the context llama.cpp allocates
-up front.
+micro-batch, so a gap costs every step one more pass over the weights), the longest donor that
+the context begins with whole (reused in place, nothing of it lost), an empty one, the least
+recently freed donor (evicted). Then, when another sequence, live or freed, holds a longer prefix
+of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies it
+over: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x the
+bytes per token, 94 MB for SmolLM2 at 4096 tokens; exact, done at the next ``llama_decode``);
+last, the cells past the prefix found are removed. So a donor that only shares a beginning with
+the new context (a system prompt) lends it by a copy and stays whole for its own next turn, which
+later finds it in place; at batch 1 every earlier session waits as a donor in its own sequence
+(up to ``max_num_seqs`` - 1 of them); the cache costs no memory beyond the context llama.cpp
+allocates up front.
 """
 
 import ctypes
@@ -283,9 +284,10 @@ class LlamaCppLM(BatchedLM):
 
         def preference(seq: int) -> tuple:
             isolated = 1 - ((seq - 1) in live) - ((seq + 1) in live)
-            reused = common_prefix_length(self._tokens[seq], token_ids)
-            evicts = self._freed_at[seq] if self._tokens[seq] else -1  # empty first, then the least recently freed
-            return isolated, -reused, evicts, seq
+            held = len(self._tokens[seq])
+            whole = held > 0 and common_prefix_length(self._tokens[seq], token_ids) == held  # nothing of it dropped
+            evicts = self._freed_at[seq] if held else -1  # empty first, then the least recently freed
+            return isolated, not whole, -held if whole else 0, evicts, seq
 
         seq = min(self._free_seqs, key=preference)
         self._free_seqs.remove(seq)
