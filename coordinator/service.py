@@ -373,6 +373,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             num_resumed_tokens=num_resumed,
             num_draft_failures=rounds.draft.failures,
             num_verify_rebuilds=rounds.verify.rebuilds,
+            num_cached_prompt_tokens=rounds.verify.num_cached_tokens,
+            num_draft_cached_prompt_tokens=rounds.draft.num_cached_tokens or 0,
         )
         self.metrics.observe_request(final)
         request_span = trace.get_current_span()

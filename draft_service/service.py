@@ -49,6 +49,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 max_num_seqs=min(settings.llama_cpp_max_num_seqs, settings.max_sessions),
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 requantize=settings.llama_cpp_requantize,
+                prefix_caching=settings.enable_prefix_caching,
             )
         elif name == "transformers":
             from draft_service.drafters.transformers_lm import TransformersDrafter
@@ -58,6 +59,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.transformers_dtype,
                 settings.max_num_seqs,
                 settings.max_num_batched_tokens,
+                settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
             )
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
@@ -125,8 +127,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise
             return session
 
-        self.sessions.open(request.session_id, open_session, abandoned=lambda: not context.is_active())
-        return draft_pb2.DraftServicePrefillResponse(compute_ms=ms_since(start))
+        session = self.sessions.open(request.session_id, open_session, abandoned=lambda: not context.is_active())
+        return draft_pb2.DraftServicePrefillResponse(
+            compute_ms=ms_since(start), num_cached_tokens=session.num_cached_tokens()
+        )
 
     @grpc_errors
     def Propose(self, request, context):
@@ -174,7 +178,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     metrics = ServiceMetrics()
     for name, drafter in drafters.items():
         if drafter.engine is not None:
-            drafter.engine.metrics = metrics.engine_metrics(name)
+            drafter.engine.metrics = metrics.engine_metrics(name, drafter.engine.lm.prefix_cache_tokens)
     sessions: SessionRegistry[DraftSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = DraftServicer(
         drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics, settings.max_workers

@@ -1,6 +1,7 @@
 from pydantic import Field
 
 from specdec.model_files import DEFAULT_MODEL
+from specdec.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.settings import CommaSeparated, SessionServiceSettings
 
 
@@ -37,6 +38,21 @@ class DraftSettings(SessionServiceSettings):
         description="Sessions the llama-cpp drafter holds at once, one llama.cpp sequence each "
         "(n_seq_max; their KV, n_ctx tokens each, is allocated up front; more get RESOURCE_EXHAUSTED); also the "
         "most proposals one batched step takes.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Prefix caching for the model drafters: a prefill reuses the KV of the longest prefix of its "
+        "context that an earlier or a concurrent session computed. llama-cpp: token by token, from the sequences "
+        "of freed sessions (kept until a new session takes their sequence) or of live ones; transformers: whole "
+        "blocks of 16 committed tokens, bounded by prefix_cache_max_tokens.",
+    )
+    prefix_cache_max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS,
+        ge=0,
+        description="Tokens the transformers drafter's prefix cache keeps for sessions that are gone (whole "
+        "blocks of 16: rounded down), least recently released evicted first; it lives in KV blocks no session "
+        "uses and never makes the KV pool grow (0: only sessions open at once share). The llama-cpp drafter "
+        "keeps freed sessions' sequences instead, up to llama_cpp_max_num_seqs.",
     )
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."

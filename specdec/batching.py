@@ -6,8 +6,10 @@ batch (ragged: each sequence brings its own number of tokens: K + 1 for a verify
 a chunk of a prefill); its *batched tokens* are their sum. A holder of a BatchedLM calls it ``lm``,
 and of one session's sequence in it (:class:`specdec.kv.SequenceKV`) ``kv_cache``.
 
-A sequence's cached length only changes by appending in :meth:`BatchedLM.forward` and by
-:meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy).
+A sequence's cached length only changes by appending in :meth:`BatchedLM.forward`, by
+:meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy) and, for
+a new sequence, by :meth:`BatchedLM.attach_prefix` (prefix caching: the KV of a context's beginning
+that the store already holds, see docs/architecture.md#prefix-caching).
 """
 
 import abc
@@ -30,11 +32,16 @@ class SequenceStep:
 class BatchedLM(abc.ABC):
     """A model plus one KV store shared by many sequences. ``vocab_size``: the logits' width.
 
-    Not thread-safe by itself: one engine thread runs its steps (:mod:`specdec.engine`); other
-    threads may only :meth:`free`, which implementations make safe against a running step.
+    Not thread-safe by itself: one engine thread runs its steps (:mod:`specdec.engine`) and
+    commits; other threads may only :meth:`free` a sequence and :meth:`attach_prefix` to a new one,
+    which implementations make safe against a running step.
+
+    ``prefix_caching``: whether :meth:`attach_prefix` may find anything (False here: a store
+    without a prefix cache, whose three prefix-cache methods do nothing).
     """
 
     vocab_size: int
+    prefix_caching: bool = False
 
     @abc.abstractmethod
     def allocate(self) -> int:
@@ -62,4 +69,19 @@ class BatchedLM(abc.ABC):
 
     @abc.abstractmethod
     def cache_bytes(self, seq_id: int) -> int:
-        """Bytes the KV of one sequence's cached positions takes (0 for an unknown id)."""
+        """Bytes the KV of one sequence's cached positions takes (0 for an unknown id); positions
+        shared through the prefix cache count in every sequence that holds them."""
+
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Prefix caching: gives the new, empty sequence ``seq_id`` the KV of the longest prefix of
+        ``token_ids`` the store holds (computed for an earlier or another sequence; nothing is
+        recomputed) and returns its length in tokens; the caller then appends only the rest."""
+        return 0
+
+    def commit(self, seq_id: int, length: int) -> None:  # noqa: B027 (a no-op for a store that shares nothing)
+        """The sequence's first ``length`` cached positions hold committed tokens that stay: no
+        :meth:`truncate` goes below them, so the store may share them with later sequences."""
+
+    def prefix_cache_tokens(self) -> int:
+        """Tokens the prefix cache keeps for sequences that are gone (what its bound limits)."""
+        return 0

@@ -14,8 +14,15 @@ its sequence in an ``lm``'s KV store (``TargetSession.kv_cache``, ``ModelDraftSe
 whose size a session reports as ``kv_cache_bytes()``. ``model`` stays what transformers or
 llama.cpp load, or a model's name.
 
-Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`) and every
-``rollback`` that drops cached positions; the engine adds the ``forward`` spans.
+Prefix caching (docs/architecture.md#prefix-caching): a new sequence first takes from the
+model's KV store the longest prefix of its context that the store holds already
+(:meth:`SequenceKV.attach_prefix`, at most all committed tokens but the last, by the rule above), and
+prefills only the rest; every reconcile tells the store which cached positions are committed for
+good (all but the last committed token: never rolled back), which it may then share.
+
+Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`, with the
+tokens found in the prefix cache) and every ``rollback`` that drops cached positions; the engine
+adds the ``forward`` spans.
 """
 
 from collections.abc import Callable, Sequence
@@ -43,6 +50,16 @@ class SequenceKV:
         self.seq_id = lm.allocate()
         self.cached_tokens: list[int] = []
         self._agreed = 0  # leading cached tokens known to equal the committed log
+        self.num_cached_tokens = 0  # committed tokens found in the prefix cache (attach_prefix)
+
+    def attach_prefix(self, committed: Sequence[int]) -> int:
+        """For a new sequence: takes the KV of the longest prefix of ``committed`` but its last
+        token that the model's store holds (:meth:`specdec.batching.BatchedLM.attach_prefix`);
+        returns its length in tokens, also kept as ``num_cached_tokens``."""
+        found = self.lm.attach_prefix(self.seq_id, committed[:-1])
+        self.cached_tokens = list(committed[:found])
+        self._agreed = self.num_cached_tokens = found
+        return found
 
     def rollback(self, length: int) -> None:
         """Drops the KV of every position at or after ``length`` (a length change in the store)."""
@@ -78,7 +95,9 @@ class SequenceKV:
         are committed.
 
         Within a session the committed log only grows by appending, so the comparison starts
-        where the previous reconcile's committed part ended: O(K) per round, not O(context).
+        where the previous reconcile's committed part ended: O(K) per round, not O(context). For
+        the same reason the cached committed tokens but the last committed one are never rolled
+        back again, and the model's store is told so (:meth:`specdec.batching.BatchedLM.commit`).
         """
         agreed = common_prefix_length(self.cached_tokens, committed, min(self._agreed, len(self.cached_tokens)))
         keep = min(agreed, len(committed) - 1)
@@ -89,7 +108,9 @@ class SequenceKV:
             }
             with tracer.start_as_current_span("rollback", attributes=attributes):
                 self.rollback(keep)
-        self._agreed = min(keep, len(committed) if num_committed is None else num_committed)
+        num_committed = len(committed) if num_committed is None else num_committed
+        self._agreed = min(keep, num_committed)
+        self.lm.commit(self.seq_id, min(keep, num_committed - 1))
         return list(committed[keep:])
 
     def cache_bytes(self) -> int:
@@ -116,7 +137,10 @@ class PrefillWork(Work):
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.kv_cache.appended(step)
-        return len(self.kv_cache.cached_tokens) >= len(self.committed) - 1
+        if len(self.kv_cache.cached_tokens) < len(self.committed) - 1:
+            return False
+        self.kv_cache.reconcile(self.committed)  # commits the prefill: its blocks serve the next prefill at once
+        return True
 
 
 def prefill(
@@ -125,9 +149,23 @@ def prefill(
     committed: Sequence[int],
     timeout_s: float | None = None,
     abandoned: Callable[[], bool] | None = None,
-) -> None:
-    """Caches ``committed`` but its last token through ``engine`` (``timeout_s`` and ``abandoned``
-    as in :meth:`specdec.engine.Engine.run`), in a ``prefill`` span."""
-    if len(committed) > 1:
-        with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}):
-            engine.run(PrefillWork(kv_cache, committed), timeout_s, abandoned)
+    last_chunk: int = 1,
+) -> int:
+    """Caches ``committed`` but its last ``last_chunk`` tokens (at least 1: the last token, by the
+    rule of the module docstring) in the new sequence ``kv_cache``, for the caller's next step to
+    feed: what the model's prefix cache holds of ``committed`` is attached (when it reaches into
+    the last chunk, the chunk is that much shorter), the rest runs through ``engine``
+    (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.Engine.run`), in a ``prefill``
+    span. Counts the tokens asked of the prefix cache and found there in the engine's metrics;
+    returns those found (``kv_cache.num_cached_tokens``)."""
+    if len(committed) <= 1:
+        return 0
+    with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}) as span:
+        found = kv_cache.attach_prefix(committed)
+        span.set_attribute("specdec.num_cached_tokens", found)
+        if kv_cache.lm.prefix_caching:
+            engine.metrics.observe_prefix_cache(len(committed), found)
+        end = len(committed) - max(last_chunk, 1)  # the positions to cache: [0, end)
+        if found < end:
+            engine.run(PrefillWork(kv_cache, committed[: end + 1]), timeout_s, abandoned)
+    return found

@@ -8,6 +8,7 @@ prometheus-client appends ``_total`` to counters and ``_bucket`` / ``_sum`` / ``
 histograms. Each service owns its registry: several services may share one process (the tests).
 """
 
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -23,17 +24,21 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 class EngineMetrics:
-    """What an engine (:mod:`specdec.engine`) reports per step and per call; these report nothing
-    (see :meth:`ServiceMetrics.engine_metrics` for the ones that do)."""
+    """What an engine (:mod:`specdec.engine`) reports per step and per call, and its prefills per
+    prefix-cache lookup; these report nothing (see :meth:`ServiceMetrics.engine_metrics` for the
+    ones that do)."""
 
     def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None: ...
 
     def observe_queue(self, queue_ms: float) -> None: ...
 
+    def observe_prefix_cache(self, num_queried: int, num_hit: int) -> None: ...
 
-class _EngineHistograms:
-    """The step and queue histograms of a service's engine loops (label ``engine``), registered
-    by the first engine that asks (so the coordinator, which has none, exports none)."""
+
+class _EngineFamilies:
+    """The metrics of a service's engine loops (label ``engine``): step and queue histograms,
+    prefix-cache counters and size, registered by the first engine that asks (so the coordinator,
+    which has none, exports none)."""
 
     def __init__(self, registry: CollectorRegistry):
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -55,17 +60,37 @@ class _EngineHistograms:
             "Per call: time in the engine's queue before its first step began.",
             QUEUE_BUCKETS,
         )
+        self.prefix_cache_queries = Counter(
+            "specdec_prefix_cache_queries",
+            "Tokens of prefilled contexts looked up in the prefix cache.",
+            ["engine"],
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "specdec_prefix_cache_hits",
+            "Tokens of prefilled contexts found in the prefix cache (not computed again).",
+            ["engine"],
+            registry=registry,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "specdec_prefix_cache_tokens",
+            "Tokens the prefix cache keeps for sessions that are gone (bounded by --prefix-cache-max-tokens).",
+            ["engine"],
+            registry=registry,
+        )
 
 
 class _EngineView(EngineMetrics):
-    """One engine's labelled children of :class:`_EngineHistograms` (the engine calls its two
-    methods)."""
+    """One engine's labelled children of :class:`_EngineFamilies` (the engine and the prefill
+    path call its methods)."""
 
-    def __init__(self, histograms: _EngineHistograms, engine: str):
-        self._batch = histograms.batch_size.labels(engine)
-        self._tokens = histograms.batched_tokens.labels(engine)
-        self._step = histograms.step_time.labels(engine)
-        self._queue = histograms.queue_time.labels(engine)
+    def __init__(self, families: _EngineFamilies, engine: str):
+        self._batch = families.batch_size.labels(engine)
+        self._tokens = families.batched_tokens.labels(engine)
+        self._step = families.step_time.labels(engine)
+        self._queue = families.queue_time.labels(engine)
+        self._queries = families.prefix_cache_queries.labels(engine)
+        self._hits = families.prefix_cache_hits.labels(engine)
 
     def observe_step(self, num_seqs: int, num_tokens: int, step_ms: float) -> None:
         self._batch.observe(num_seqs)
@@ -74,6 +99,10 @@ class _EngineView(EngineMetrics):
 
     def observe_queue(self, queue_ms: float) -> None:
         self._queue.observe(queue_ms / 1000)
+
+    def observe_prefix_cache(self, num_queried: int, num_hit: int) -> None:
+        self._queries.inc(num_queried)
+        self._hits.inc(num_hit)
 
 
 class _Evictions(Collector):
@@ -103,13 +132,15 @@ class ServiceMetrics:
             ["method", "code"],
             registry=self.registry,
         )
-        self._engines: _EngineHistograms | None = None
+        self._engines: _EngineFamilies | None = None
         self._http: WSGIServer | None = None
 
-    def engine_metrics(self, engine: str) -> EngineMetrics:
-        """The step and queue histograms of the engine named ``engine`` (its label value)."""
+    def engine_metrics(self, engine: str, prefix_cache_tokens: Callable[[], int]) -> EngineMetrics:
+        """The metrics of the engine named ``engine`` (its label value); ``prefix_cache_tokens``
+        (its model's :meth:`specdec.batching.BatchedLM.prefix_cache_tokens`) is read at every scrape."""
         if self._engines is None:
-            self._engines = _EngineHistograms(self.registry)
+            self._engines = _EngineFamilies(self.registry)
+        self._engines.prefix_cache_tokens.labels(engine).set_function(prefix_cache_tokens)
         return _EngineView(self._engines, engine)
 
     def track_sessions(self, sessions: SessionRegistry) -> None:

@@ -18,6 +18,15 @@ taking free blocks, so nothing copies when a sequence grows, and rollback
 doubles when every block is taken (one copy at each new high-water mark of all sequences' tokens; it never shrinks);
 a GPU port sizes it from its memory budget once, as vLLM does.
 
+Prefix caching (:mod:`specdec.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
+blocks full of committed tokens are registered as they fill (:meth:`RaggedLM.commit`), and a new
+sequence whose context begins with the same tokens takes those blocks into its block table
+(:meth:`RaggedLM.attach_prefix`), shared, never written again. A freed sequence's registered
+blocks stay in the pool, evictable, up to ``prefix_cache_max_tokens`` tokens. A sequence that
+needs a block takes a free one, else evicts the least recently released cached block, and only
+when none is left does the pool double: the cache lives in blocks no sequence uses and never makes
+the pool grow.
+
 Attention, the choice (measured on CPU, torch 2.13, 2 threads): a sequence's queries are padded to
 the group's longest, its keys gathered from its blocks and padded to the group's longest context,
 and a boolean mask (causal within the step, padding, sliding window) built once per step; one
@@ -56,6 +65,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specdec.batching import BatchedLM, SequenceStep
+from specdec.prefix_cache import ROOT, PrefixCache
 
 ATTENTION = "specdec_ragged"
 BLOCK_SIZE = 16  # KV rows (token positions) per block
@@ -65,10 +75,14 @@ MAX_PADDED_QUERIES = 16  # a sequence with more new tokens than this attends in 
 
 @dataclass
 class _Sequence:
-    """One sequence in the pool: its block table (block ids, in position order) and cached length."""
+    """One sequence in the pool: its block table (block ids, in position order), cached length,
+    the tokens at its cached positions, and the prefix cache's nodes of its first blocks (those
+    registered or found there: committed, shared, never written)."""
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    tokens: list[int] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
 
 
 class _Group:
@@ -229,10 +243,12 @@ AttentionInterface.register(ATTENTION, _ragged_attention)
 class RaggedLM(BatchedLM):
     """``model``: a loaded transformers causal LM, switched to the ragged attention here (its
     plain forward no longer works). ``num_blocks``: the pool's first size in blocks of
-    :data:`BLOCK_SIZE` positions. The number of sequences is bounded by the service's session
-    limit, their lengths by the context window."""
+    :data:`BLOCK_SIZE` positions. ``prefix_cache_max_tokens``: None leaves prefix caching off;
+    else the most tokens the prefix cache keeps for freed sequences (rounded down to whole
+    blocks; 0 still shares blocks between live sequences). The number of sequences is bounded by
+    the service's session limit, their lengths by the context window."""
 
-    def __init__(self, model, num_blocks: int = NUM_BLOCKS):
+    def __init__(self, model, num_blocks: int = NUM_BLOCKS, prefix_cache_max_tokens: int | None = None):
         model.set_attn_implementation(ATTENTION)
         self.model = model
         config = model.config.get_text_config()
@@ -252,7 +268,12 @@ class RaggedLM(BatchedLM):
         self._free = list(range(num_blocks))  # a heap: the lowest free block first, so the pool stays compact
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._lock = threading.Lock()  # guards _sequences and _free against free() from other threads
+        self._cache = None
+        if prefix_cache_max_tokens is not None:
+            self._cache = PrefixCache(BLOCK_SIZE, prefix_cache_max_tokens // BLOCK_SIZE)
+        self.prefix_caching = self._cache is not None
+        # guards _sequences, _free and _cache against free() and attach_prefix() from other threads
+        self._lock = threading.Lock()
 
     def allocate(self) -> int:
         with self._lock:
@@ -267,12 +288,50 @@ class RaggedLM(BatchedLM):
                 self._release(sequence)
 
     def truncate(self, seq_id: int, length: int) -> None:
-        sequence = self._sequences[seq_id]
-        sequence.length = min(sequence.length, length)
+        """Raises ValueError below the sequence's shared blocks (its committed positions)."""
+        with self._lock:
+            sequence = self._sequences[seq_id]
+            if length < len(sequence.nodes) * BLOCK_SIZE:
+                raise ValueError(
+                    f"rollback to {length} tokens goes below the {len(sequence.nodes) * BLOCK_SIZE} committed "
+                    "tokens the sequence shares through the prefix cache"
+                )
+            sequence.length = min(sequence.length, length)
+            del sequence.tokens[length:]
 
     def cache_bytes(self, seq_id: int) -> int:
         sequence = self._sequences.get(seq_id)
         return sequence.length * self.bytes_per_token if sequence else 0
+
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Whole blocks only: the longest chain of registered blocks ``token_ids`` begins with."""
+        if self._cache is None:
+            return 0
+        with self._lock:
+            sequence = self._sequences[seq_id]
+            if sequence.length:
+                raise ValueError(f"sequence {seq_id} holds {sequence.length} tokens: a prefix attaches to a new one")
+            sequence.blocks, sequence.nodes = self._cache.match(token_ids)
+            sequence.length = len(sequence.blocks) * BLOCK_SIZE
+            sequence.tokens = list(token_ids[: sequence.length])
+        return sequence.length
+
+    def commit(self, seq_id: int, length: int) -> None:
+        """Registers the sequence's blocks that ``length`` committed tokens fill (see the module
+        docstring); called by the engine thread, between steps."""
+        sequence = self._sequences.get(seq_id)
+        if self._cache is None or sequence is None or min(length, sequence.length) // BLOCK_SIZE <= len(sequence.nodes):
+            return
+        with self._lock:
+            if self._sequences.get(seq_id) is not sequence:  # freed meanwhile
+                return
+            for index in range(len(sequence.nodes), min(length, sequence.length) // BLOCK_SIZE):
+                parent = sequence.nodes[-1] if sequence.nodes else ROOT
+                tokens = sequence.tokens[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
+                sequence.nodes.append(self._cache.register(parent, tokens, sequence.blocks[index]))
+
+    def prefix_cache_tokens(self) -> int:
+        return self._cache.num_evictable * BLOCK_SIZE if self._cache is not None else 0
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
         counts = [len(step.token_ids) for step in steps]
@@ -297,22 +356,32 @@ class RaggedLM(BatchedLM):
         with self._lock:
             for step, sequence, count in zip(steps, sequences, counts, strict=True):
                 sequence.length += count
+                sequence.tokens += step.token_ids
                 if self._sequences.get(step.seq_id) is not sequence:  # scratch, or freed during the step
                     self._release(sequence)
         logits = out.logits[0].float().cpu()
         return list(logits.split([step.num_logits for step in steps]))
 
     def _reserve(self, sequence: _Sequence, length: int) -> None:
-        """Gives ``sequence`` blocks for ``length`` positions, growing the pool when none is free."""
-        missing = -(-length // BLOCK_SIZE) - len(sequence.blocks)
-        while len(self._free) < missing:
-            self._grow()
-        sequence.blocks += [heapq.heappop(self._free) for _ in range(max(missing, 0))]
+        """Gives ``sequence`` blocks for ``length`` positions: free ones, else the prefix cache's
+        least recently released, else the pool grows."""
+        for _ in range(-(-length // BLOCK_SIZE) - len(sequence.blocks)):
+            if not self._free and self._cache is not None and self._cache.num_evictable:
+                heapq.heappush(self._free, self._cache.evict())
+            if not self._free:
+                self._grow()
+            sequence.blocks.append(heapq.heappop(self._free))
 
     def _release(self, sequence: _Sequence) -> None:
-        for block in sequence.blocks:
-            heapq.heappush(self._free, block)
-        sequence.blocks = []
+        """Gives a sequence's blocks back: its own to the free blocks, its registered ones to the
+        prefix cache (the last block first), which keeps them up to its bound."""
+        for block in reversed(sequence.blocks):
+            if self._cache is None or self._cache.release(block):
+                heapq.heappush(self._free, block)
+        if self._cache is not None:
+            for block in self._cache.trim():
+                heapq.heappush(self._free, block)
+        sequence.blocks, sequence.nodes = [], []
 
     def _grow(self) -> None:
         """Doubles the pool (the one copy of cached KV, at a new high-water mark of all sequences)."""

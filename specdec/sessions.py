@@ -62,8 +62,8 @@ class SessionRegistry(Generic[S]):
             sessions = [entry.session for entry in self._entries.values()]
         return sum(session.kv_cache_bytes() for session in sessions)
 
-    def open(self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False) -> None:
-        """Creates a session. No session outlives a Prefill its caller gave up on: ``abandoned``
+    def open(self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False) -> S:
+        """Creates a session and returns it. No session outlives a Prefill its caller gave up on: ``abandoned``
         is asked once it exists (after the prefill in ``factory``), and True (the caller cancelled
         meanwhile) releases it at once; so does a Release of ``session_id`` that came before the
         session existed (the caller's cancel was not seen, or came too late to fail the call).
@@ -79,11 +79,12 @@ class SessionRegistry(Generic[S]):
                     f"{len(self._entries)} sessions are open, the limit is {self.max_sessions}: "
                     "retry later or raise max_sessions"
                 )
-            self._entries[session_id] = _Entry(factory())
+            entry = self._entries[session_id] = _Entry(factory())
         with self._lock:
             released_early = self._released_unknown.pop(session_id, False)
         if released_early or abandoned():
             self.release(session_id)
+        return entry.session
 
     @contextlib.contextmanager
     def use(self, session_id: str) -> Iterator[S]:

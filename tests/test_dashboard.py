@@ -25,7 +25,7 @@ def service_metrics() -> list[ServiceMetrics]:
     """The coordinator's metrics and a session service's (draft, verify)."""
     session_service = ServiceMetrics()
     session_service.track_sessions(SessionRegistry(1, 60.0))
-    session_service.engine_metrics("verify")
+    session_service.engine_metrics("verify", lambda: 0)
     return [CoordinatorMetrics(), session_service]
 
 

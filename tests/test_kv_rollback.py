@@ -1,6 +1,6 @@
 """Invariant 3: after proposals are partly rejected and the KV cache rolled back, the next logits
-equal those of a fresh prefill of the committed prefix, on the verify and on the draft side; and
-the KV bytes a llama.cpp session reports."""
+equal those of a fresh prefill of the committed prefix, on the verify and on the draft side, also
+for a session that started from the prefix cache; and the KV bytes a llama.cpp session reports."""
 
 import llama_cpp
 import pytest
@@ -8,6 +8,7 @@ import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter
 from specdec.models import load_causal_lm
+from specdec.ragged_lm import BLOCK_SIZE
 from specdec.sampling_params import SamplingParams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
@@ -19,7 +20,22 @@ def fresh_next_logits(model, committed: list[int]) -> torch.Tensor:
 
 
 def test_verify_side_rollback_matches_fresh_prefill(tiny_target, plain_target_model):
-    session = tiny_target.new_session(PROMPT, SamplingParams())
+    check_rollbacks(tiny_target.new_session(PROMPT, SamplingParams()), plain_target_model)
+
+
+def test_a_session_from_the_prefix_cache_rolls_back_like_a_fresh_one(tiny_target, plain_target_model):
+    """Its first blocks are another session's (shared, committed): rounds roll back past them and
+    append, and its next logits stay those of a fresh prefill."""
+    context = [3 + (i * 7919) % 40000 for i in range(2 * BLOCK_SIZE + 6)]  # ids no other test's context starts with
+    tiny_target.new_session(context, SamplingParams()).close()
+    session = tiny_target.new_session([*context, 5], SamplingParams())
+    assert session.kv_cache.num_cached_tokens == 2 * BLOCK_SIZE
+    check_rollbacks(session, plain_target_model)
+
+
+def check_rollbacks(session, plain_target_model) -> None:
+    """Four verify rounds, each the target's own next token then tokens it rejects; after each the
+    cache holds the committed tokens but the last, and the next logits equal a fresh prefill's."""
     rounds = 0
     for wrong_tail in ([], [7, 7, 7], [11], [5, 6, 7, 8, 9, 10]):
         # Proposal = the target's own next token followed by tokens it will reject.
@@ -33,6 +49,7 @@ def test_verify_side_rollback_matches_fresh_prefill(tiny_target, plain_target_mo
             session.next_logits()[0], fresh_next_logits(plain_target_model, session.committed), atol=1e-4
         )
     assert rounds == 4
+    session.close()
 
 
 def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters, tiny_models):
@@ -51,7 +68,8 @@ def test_transformers_draft_rollback_matches_fresh_prefill(tiny_drafters, tiny_m
 
 @pytest.fixture(scope="module")
 def llama_cpp_drafter():
-    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=4)
+    """Prefix caching off, so that a fresh session computes its prefill (no copy of another's)."""
+    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=4, prefix_caching=False)
 
 
 def test_llama_cpp_draft_rollback_matches_fresh_prefill(llama_cpp_drafter):

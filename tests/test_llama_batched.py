@@ -1,12 +1,14 @@
 """The llama.cpp drafter's batching: every session is one sequence of one llama.cpp context, and a
 step decodes many sequences in one ``llama_decode``. Each sequence must behave as if it ran alone
-(in a fresh context), through ragged steps, rollback and reuse of freed sequences. Uses the
-bundled SmolLM2 GGUF."""
+(in a fresh context), through ragged steps, rollback and reuse of freed sequences; with prefix
+caching, also a sequence that starts from a freed sequence's cells (in place) or from a copy of a
+live one's, and the donors' eviction. Uses the bundled SmolLM2 GGUF."""
 
 import os
 import threading
 
 import gguf
+import llama_cpp
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ MAX_SEQS = 4
 
 @pytest.fixture(scope="module")
 def drafter():
-    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=MAX_SEQS)
+    """Prefix caching off: each sequence is computed from its own tokens (the cache's tests below)."""
+    return LlamaCppDrafter("smollm2", n_ctx=512, n_threads=1, max_num_seqs=MAX_SEQS, prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +112,16 @@ def test_rollback_of_one_sequence_leaves_the_others_unchanged(drafter, alone):
 def test_a_freed_sequence_is_reused_empty(drafter, alone):
     lm = drafter.lm
     old = lm.allocate()
-    slot = lm.llama_seq(old)
     lm.forward([SequenceStep(old, PROMPTS[2], 0)])
+    slot = lm.llama_seq(old)
     lm.free(old)
     assert lm.cache_bytes(old) == 0
     new = lm.allocate()
     try:
-        assert lm.llama_seq(new) == slot  # the lowest free llama.cpp sequence, again
-        assert new != old  # but a new handle: work still queued for the old session cannot reach it
+        assert new != old  # a new handle: work still queued for the old session cannot reach it
         assert lm.length(new) == 0 and lm.cache_bytes(new) == 0
         (logits,) = lm.forward([SequenceStep(new, PROMPTS[3])])
+        assert lm.llama_seq(new) == slot  # the lowest free llama.cpp sequence, again
         assert_close(logits[-1], fresh_logits(alone, [PROMPTS[3]])[0])
         # A late step of the freed session decodes nothing and gets NaN logits.
         late, again = lm.forward([SequenceStep(old, [5]), SequenceStep(new, [6])])
@@ -126,6 +129,116 @@ def test_a_freed_sequence_is_reused_empty(drafter, alone):
         assert_close(again[-1], fresh_logits(alone, [PROMPTS[3], [6]])[1])
     finally:
         lm.free(new)
+
+
+@pytest.fixture
+def caching(drafter):
+    """A new LM with prefix caching, three sequences of 128 tokens (a short stream: cheap copies)."""
+    lm = LlamaCppLM(drafter.path, n_ctx=128, max_num_seqs=3, n_threads=1, prefix_caching=True)
+    yield lm
+    lm.close()
+
+
+def prefill(lm: LlamaCppLM, context: list[int]) -> tuple[int, int]:
+    """A new sequence: its prefix from the cache, then the rest of ``context`` but its last token
+    (as a session's prefill); its handle and the tokens found."""
+    seq = lm.allocate()
+    found = lm.attach_prefix(seq, context[:-1])
+    if found < len(context) - 1:
+        lm.forward([SequenceStep(seq, context[found:-1], 0)])
+    return seq, found
+
+
+@pytest.mark.real_model
+def test_a_freed_sequence_serves_a_later_context_in_place(caching, alone):
+    """A chat's next turn: the first turn's sequence, freed, is the new one's llama.cpp sequence;
+    its cells past the shared prefix are dropped and the next logits are a fresh prefill's."""
+    first_turn = [*PROMPTS[0], 42, 7, 13]
+    first, _ = prefill(caching, [*first_turn, 99])
+    slot = caching.llama_seq(first)
+    caching.free(first)
+    assert caching.prefix_cache_tokens() == len(first_turn)
+    next_turn = [*first_turn, 2683, 359]
+    second, found = prefill(caching, next_turn)
+    try:
+        assert found == len(first_turn) and caching.llama_seq(second) == slot
+        assert llama_cpp.llama_memory_seq_pos_max(caching.memory, slot) == len(next_turn) - 2
+        (logits,) = caching.forward([SequenceStep(second, next_turn[-1:])])
+        assert_close(logits[-1], fresh_logits(alone, [next_turn])[0])
+    finally:
+        caching.free(second)
+
+
+@pytest.mark.real_model
+def test_a_donor_that_shares_only_a_beginning_lends_it_by_a_copy_and_stays_whole(caching, alone):
+    """A second request with the same system prompt must not cut the first's sequence, which its
+    own next turn then finds whole, in place."""
+    system = [*PROMPTS[0], *PROMPTS[2]]
+    first_turn = [*system, 42, 7, 13]
+    first, _ = prefill(caching, [*first_turn, 99])
+    slot = caching.llama_seq(first)
+    caching.free(first)
+    other, found = prefill(caching, [*system, 2000, 3])
+    assert found == len(system) and caching.llama_seq(other) != slot
+    next_turn, found = prefill(caching, [*first_turn, 2683, 359])
+    try:
+        assert found == len(first_turn) and caching.llama_seq(next_turn) == slot
+        (logits,) = caching.forward([SequenceStep(next_turn, [359])])
+        assert_close(logits[-1], fresh_logits(alone, [[*first_turn, 2683, 359]])[0])
+    finally:
+        caching.free(other)
+        caching.free(next_turn)
+
+
+@pytest.mark.real_model
+def test_a_live_sequence_lends_its_prefix_by_a_copy_and_keeps_its_own(caching, alone):
+    shared = [*PROMPTS[0], *PROMPTS[2]]  # 18 tokens: worth a copy (MIN_COPIED_TOKENS)
+    owner, _ = prefill(caching, [*shared, 5, 6])
+    borrower, found = prefill(caching, [*shared, 2000, 3])
+    try:
+        assert found == len(shared) and caching.llama_seq(borrower) != caching.llama_seq(owner)
+        borrowed, owned = caching.forward([SequenceStep(borrower, [3]), SequenceStep(owner, [6])])
+        assert_close(borrowed[-1], fresh_logits(alone, [[*shared, 2000, 3]])[0])
+        assert_close(owned[-1], fresh_logits(alone, [[*shared, 5, 6]])[0])
+    finally:
+        caching.free(owner)
+        caching.free(borrower)
+
+
+@pytest.mark.real_model
+def test_a_donor_away_from_the_live_ids_is_copied_next_to_them(caching, alone):
+    """llama.cpp batches only consecutive sequence ids together: a new sequence takes the free id
+    next to the live one, and the longer prefix held further away comes by a copy."""
+    shared = [*PROMPTS[0], *PROMPTS[2]]
+    live, near, far = (prefill(caching, context)[0] for context in (PROMPTS[1], PROMPTS[3][1:], [*shared, 1]))
+    assert [caching.llama_seq(h) for h in (live, near, far)] == [0, 1, 2]
+    caching.free(near)
+    caching.free(far)
+    new, found = prefill(caching, [*shared, 5, 6])
+    try:
+        assert caching.llama_seq(new) == 1 and found == len(shared)
+        (logits,) = caching.forward([SequenceStep(new, [6])])
+        assert_close(logits[-1], fresh_logits(alone, [[*shared, 5, 6]])[0])
+    finally:
+        caching.free(new)
+        caching.free(live)
+
+
+@pytest.mark.real_model
+def test_donors_go_least_recently_freed_first(caching):
+    contexts = [[314 + i, 504, 2365, 282, 4649, 30] for i in range(3)]
+    handles = [prefill(caching, context)[0] for context in contexts]
+    slots = [caching.llama_seq(h) for h in handles]
+    for i in (1, 0, 2):
+        caching.free(handles[i])
+    unrelated, found = prefill(caching, [9690, 198, 378, 1056])
+    assert found == 0 and caching.llama_seq(unrelated) == slots[1]  # the least recently freed donor
+    again, found = prefill(caching, [*contexts[2][:-1], 11])
+    assert found == len(contexts[2]) - 1 and caching.llama_seq(again) == slots[2]  # found in place
+    other, found = prefill(caching, [*contexts[1][:-1], 11])
+    assert found == 0 and caching.llama_seq(other) == slots[0]  # contexts[1]'s donor was evicted
+    for handle in (unrelated, again, other):
+        caching.free(handle)
 
 
 class _Steps(EngineMetrics):

@@ -2,7 +2,9 @@
 step gets the logits transformers' own forward gives it alone (within float tolerance), through
 steps of mixed sizes (decodes, verifies and prefill chunks, which attend in a group of their own),
 rollback then append, a freed sequence's blocks reused, a pool that grows from two blocks, grouped
-query attention (the tiny Llama has 4 query and 2 KV heads) and a sliding window."""
+query attention (the tiny Llama has 4 query and 2 KV heads) and a sliding window. With prefix
+caching: a sequence that starts from cached blocks, blocks shared by live sequences and never
+written, reference counts after free, eviction under the bound and before the pool grows."""
 
 import pytest
 import torch
@@ -28,9 +30,9 @@ def random_tokens(count: int, generator: torch.Generator) -> list[int]:
 class Checked:
     """A RaggedLM next to its reference model, with every sequence's tokens kept to compare."""
 
-    def __init__(self, build, num_blocks: int = 2):
+    def __init__(self, build, num_blocks: int = 2, prefix_cache_max_tokens: int | None = None):
         self.reference = build()
-        self.lm = RaggedLM(build(), num_blocks=num_blocks)
+        self.lm = RaggedLM(build(), num_blocks=num_blocks, prefix_cache_max_tokens=prefix_cache_max_tokens)
         self.tokens: dict[int, list[int]] = {}
 
     def allocate(self) -> int:
@@ -51,6 +53,18 @@ class Checked:
     def truncate(self, seq_id: int, length: int) -> None:
         self.lm.truncate(seq_id, length)
         del self.tokens[seq_id][length:]
+
+    def attach(self, tokens: list[int]) -> tuple[int, int]:
+        """A new sequence started from the prefix cache's blocks of ``tokens``: its id and the
+        tokens found."""
+        seq_id = self.allocate()
+        found = self.lm.attach_prefix(seq_id, tokens)
+        self.tokens[seq_id] = tokens[:found]
+        return seq_id, found
+
+    def commit_all(self, seq_id: int) -> None:
+        """Every cached position of the sequence is committed (registers its full blocks)."""
+        self.lm.commit(seq_id, len(self.tokens[seq_id]))
 
 
 @pytest.fixture
@@ -143,3 +157,79 @@ def test_rows_no_step_wrote_are_zeros(checked):
     used = sum(len(s.blocks) for s in checked.lm._sequences.values()) * BLOCK_SIZE
     assert checked.lm._pool.shape[2] > used
     assert not checked.lm._pool[:, :, used:].any()
+
+
+def cached(num_blocks: int = 2, max_tokens: int = 1024) -> Checked:
+    return Checked(lambda: tiny_llama(seed=0, vocab_size=VOCAB), num_blocks, prefix_cache_max_tokens=max_tokens)
+
+
+def test_logits_after_a_cached_prefix_equal_a_fresh_prefill():
+    checked, generator = cached(), torch.Generator().manual_seed(7)
+    context = random_tokens(2 * BLOCK_SIZE + 9, generator)
+    first = checked.allocate()
+    checked.step({first: context})
+    checked.commit_all(first)
+    checked.lm.free(first)
+    second, found = checked.attach([*context, *random_tokens(4, generator)])
+    assert found == 2 * BLOCK_SIZE  # whole blocks only
+    checked.step({second: context[found:]})  # asserts the logits against transformers' forward over all tokens
+    checked.step({second: random_tokens(3, generator)})
+
+
+def test_shared_blocks_are_never_written():
+    """Two live sequences share a prefix: one rolls back to its committed length and extends
+    differently, then is freed and a third sequence takes every free block; the other's logits
+    and the shared blocks' keys and values do not change."""
+    checked, generator = cached(), torch.Generator().manual_seed(8)
+    context = random_tokens(2 * BLOCK_SIZE + 3, generator)
+    owner = checked.allocate()
+    checked.step({owner: context})
+    checked.lm.commit(owner, 2 * BLOCK_SIZE)
+    sharer, found = checked.attach(context)
+    shared_rows = checked.lm._sequences[owner].blocks[:2]
+    assert checked.lm._sequences[sharer].blocks == shared_rows and found == 2 * BLOCK_SIZE
+    before = checked.lm._pool.clone()
+    checked.truncate(owner, 2 * BLOCK_SIZE)  # rollback to the committed length
+    checked.step({owner: random_tokens(BLOCK_SIZE + 2, generator), sharer: random_tokens(5, generator)})
+    checked.step({sharer: random_tokens(1, generator), owner: random_tokens(2, generator)})
+    checked.lm.free(owner)  # the shared blocks stay held by the sharer
+    third = checked.allocate()
+    checked.step({third: random_tokens(6 * BLOCK_SIZE, generator), sharer: random_tokens(2, generator)})
+    rows = torch.tensor([b * BLOCK_SIZE + i for b in shared_rows for i in range(BLOCK_SIZE)])
+    assert torch.equal(checked.lm._pool[:, :, rows], before[:, :, rows])
+    with pytest.raises(ValueError, match="committed"):
+        checked.lm.truncate(sharer, 2 * BLOCK_SIZE - 1)  # below the shared, committed blocks
+
+
+def test_shared_blocks_are_counted_and_kept_within_the_bound_after_free():
+    checked, generator = cached(max_tokens=2 * BLOCK_SIZE), torch.Generator().manual_seed(9)
+    context = random_tokens(3 * BLOCK_SIZE + 1, generator)
+    first = checked.allocate()
+    checked.step({first: context})
+    checked.commit_all(first)
+    second, _ = checked.attach(context)
+    checked.lm.free(first)
+    assert checked.lm.prefix_cache_tokens() == 0  # every block still held by the second
+    checked.lm.free(second)
+    assert checked.lm.prefix_cache_tokens() == 2 * BLOCK_SIZE  # the bound: the last block went first
+    third, found = checked.attach(context)
+    assert found == 2 * BLOCK_SIZE
+    checked.step({third: context[found:]})
+
+
+def test_cached_blocks_are_evicted_before_the_pool_grows():
+    checked, generator = cached(num_blocks=4), torch.Generator().manual_seed(10)
+    context = random_tokens(4 * BLOCK_SIZE, generator)
+    first = checked.allocate()
+    checked.step({first: context})
+    checked.commit_all(first)
+    checked.lm.free(first)
+    assert checked.lm.prefix_cache_tokens() == 4 * BLOCK_SIZE
+    other = checked.allocate()
+    checked.step({other: random_tokens(3 * BLOCK_SIZE, generator)})  # three blocks: all free ones are cached
+    assert checked.lm._pool.shape[2] == 4 * BLOCK_SIZE  # no growth: three cached blocks evicted instead
+    assert checked.lm.prefix_cache_tokens() == BLOCK_SIZE  # the first block, evicted last
+    again, found = checked.attach(context)
+    assert found == BLOCK_SIZE
+    checked.step({again: context[found:]})  # the pool grows now: every block is held
+    assert checked.lm._pool.shape[2] > 4 * BLOCK_SIZE

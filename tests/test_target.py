@@ -1,6 +1,6 @@
 """verify_service.target: a Prefill that also decodes the first token gives exactly the token a
 Decode right after a plain Prefill gives (greedy and seeded sampling), in one forward with the
-prompt's last chunk, however the prompt is chunked."""
+prompt's last chunk, however the prompt is chunked, and after a prefix found in the prefix cache."""
 
 import pytest
 
@@ -11,8 +11,9 @@ from verify_service.target import EngineLimits, Target
 
 @pytest.fixture(scope="module")
 def small_budget_target(tiny_target) -> Target:
-    """The tiny target with a 16-token step budget, so that a 40-token prompt prefills in chunks."""
-    target = Target(tiny_target.lm.model, tiny_target.tokenizer, "small-budget", 4, EngineLimits(4, 16, 0.0))
+    """The tiny target with a 16-token step budget, so that a 40-token prompt prefills in chunks;
+    prefix caching off, so that each session computes its whole prompt."""
+    target = Target(tiny_target.lm.model, tiny_target.tokenizer, "small-budget", 4, EngineLimits(4, 16, 0.0), None)
     yield target
     target.engine.stop()
 
@@ -47,3 +48,21 @@ def plain_next(target: Target, committed: list[int], sampling: SamplingParams) -
         return session.verify([], None)
     finally:
         session.close()
+
+
+def test_prefill_with_decode_after_a_cached_prefix(tiny_target):
+    """The prefix cache holds the prompt but its last 5 tokens: the decode step feeds just those
+    (one step, nothing recomputed) and gives the token a plain prefill and Decode give."""
+    prompt = [(11 * i + 5) % 1000 + 2000 for i in range(3 * 16 + 5)]  # ids no other test's context starts with
+    plain = tiny_target.new_session(prompt, SamplingParams())
+    _, expected = plain.verify([], None)
+    plain.close()
+    recorder, metrics = StepRecorder(), tiny_target.engine.metrics
+    tiny_target.engine.metrics = recorder
+    try:
+        fused = tiny_target.new_session(prompt, SamplingParams(), decode=True)
+    finally:
+        tiny_target.engine.metrics = metrics
+    assert fused.kv_cache.num_cached_tokens == 3 * 16 and fused.committed == [*prompt, expected]
+    assert len(recorder.batch_sizes) == 1
+    fused.close()

@@ -70,19 +70,17 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         start = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
         abandoned = lambda: not context.is_active()  # noqa: E731
-        opened: list[TargetSession] = []
-
-        def new_session() -> TargetSession:
-            session = self.target.new_session(
+        session = self.sessions.open(
+            request.session_id,
+            lambda: self.target.new_session(
                 request.token_ids, sampling, context.time_remaining(), abandoned, request.decode
-            )
-            opened.append(session)
-            return session
-
-        self.sessions.open(request.session_id, new_session, abandoned=abandoned)
-        response = verify_pb2.VerifyServicePrefillResponse(compute_ms=ms_since(start))
+            ),
+            abandoned=abandoned,
+        )
+        response = verify_pb2.VerifyServicePrefillResponse(
+            compute_ms=ms_since(start), num_cached_tokens=session.kv_cache.num_cached_tokens
+        )
         if request.decode:
-            (session,) = opened
             response.next_token_id = session.committed[-1]
             response.step.CopyFrom(step_stats(session.last_step))
             response.logprobs.extend(session.last_logprobs)
@@ -158,9 +156,14 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     metrics = ServiceMetrics()
     limits = EngineLimits(settings.max_num_seqs, settings.max_num_batched_tokens, settings.batch_wait_ms)
     target = target or Target.load(
-        settings.model, settings.dtype, settings.device_map, settings.max_num_speculative_tokens, limits
+        settings.model,
+        settings.dtype,
+        settings.device_map,
+        settings.max_num_speculative_tokens,
+        limits,
+        settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
     )
-    target.engine.metrics = metrics.engine_metrics("verify")
+    target.engine.metrics = metrics.engine_metrics("verify", target.lm.prefix_cache_tokens)
     sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = VerifyServicer(target, sessions, metrics, settings.max_workers)
     servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)

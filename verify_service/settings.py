@@ -1,6 +1,7 @@
 from pydantic import Field
 
 from specdec.model_files import DEFAULT_MODEL
+from specdec.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.settings import SessionServiceSettings
 
 
@@ -26,4 +27,17 @@ class VerifySettings(SessionServiceSettings):
         ge=0,
         description="After a step, wait up to this long for the sessions served in the last two steps to send "
         "their next call, so lock-step clients share steps (with one session about, nothing waits), ms.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Prefix caching: a prefill reuses the KV of the longest prefix of its context (whole blocks "
+        "of 16 committed tokens) that an earlier or a concurrent session computed (a shared system prompt, a "
+        "chat's earlier turns) instead of computing it again.",
+    )
+    prefix_cache_max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS,
+        ge=0,
+        description="Tokens the prefix cache keeps for sessions that are gone (whole blocks of 16: rounded down), "
+        "least recently released evicted first; it lives in KV blocks no session uses and never makes the KV "
+        "pool grow (0: only sessions open at once share).",
     )

@@ -30,6 +30,7 @@ from specdec.kv import SequenceKV, prefill
 from specdec.logits_processors import process
 from specdec.logprobs import committed_logprobs
 from specdec.models import context_window, load_causal_lm
+from specdec.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
@@ -53,10 +54,17 @@ class EngineLimits:
 
 class Target:
     """A loaded target model, its KV store and engine loop (whose ``metrics`` the service sets),
-    shared by all sessions of the verify service."""
+    shared by all sessions of the verify service. ``prefix_cache_max_tokens``: the KV store's
+    prefix cache (:class:`specdec.ragged_lm.RaggedLM`; None: off)."""
 
     def __init__(
-        self, model, tokenizer, name: str, max_num_speculative_tokens: int, limits: EngineLimits | None = None
+        self,
+        model,
+        tokenizer,
+        name: str,
+        max_num_speculative_tokens: int,
+        limits: EngineLimits | None = None,
+        prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ):
         limits = limits or EngineLimits()
         if limits.max_num_batched_tokens < max_num_speculative_tokens + 1:
@@ -75,7 +83,7 @@ class Target:
         self.max_num_speculative_tokens = max_num_speculative_tokens
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.lm = RaggedLM(model)
+        self.lm = RaggedLM(model, prefix_cache_max_tokens=prefix_cache_max_tokens)
         self.engine = Engine(
             self.lm, limits.max_num_seqs, limits.max_num_batched_tokens, limits.batch_wait_ms, name="verify"
         )
@@ -84,10 +92,16 @@ class Target:
 
     @classmethod
     def load(
-        cls, spec: str, dtype: str, device_map: str | None, max_k: int, limits: EngineLimits | None = None
+        cls,
+        spec: str,
+        dtype: str,
+        device_map: str | None,
+        max_k: int,
+        limits: EngineLimits | None = None,
+        prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> "Target":
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
-        target = cls(model, tokenizer, spec, max_k, limits)
+        target = cls(model, tokenizer, spec, max_k, limits, prefix_cache_max_tokens)
         target.measure_costs()
         target.grammar_tokenizer  # noqa: B018 (built now: building it holds the GIL for about 0.4 s)
         return target
@@ -152,7 +166,8 @@ class Target:
     ) -> "TargetSession":
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
         :meth:`specdec.engine.Engine.run`; ``decode``: and the first decode step, see
-        :meth:`TargetSession.prefill`). Raises InvalidArgument for an empty or too long context
+        :meth:`TargetSession.prefill`; the tokens found in the prefix cache are the session's
+        ``kv_cache.num_cached_tokens``). Raises InvalidArgument for an empty or too long context
         or ids out of range or top_logprobs above the vocabulary size, Unavailable when the deadline
         passes first."""
         if not committed:
@@ -315,17 +330,16 @@ class TargetSession:
         abandoned: Callable[[], bool] | None = None,
         decode: bool = False,
     ) -> int | None:
-        """Caches ``committed`` but its last token (chunked prefill). With ``decode`` it also
-        decodes the token after ``committed`` and commits it (returned; None without): the
-        prefill's last chunk, at most half a step's token budget, runs as that decode step's
-        work, so the first token costs no forward of its own (as in plain decoding, where the
-        prompt's forward gives it) and is the token a Decode right after the prefill would give
-        (the same seeded draw; its log-probabilities in ``last_logprobs``)."""
+        """Caches ``committed`` but its last token (chunked prefill, after what the prefix cache
+        holds of it). With ``decode`` it also decodes the token after ``committed`` and commits it
+        (returned; None without): the prefill's last chunk, at most half a step's token budget,
+        runs as that decode step's work, so the first token costs no forward of its own (as in
+        plain decoding, where the prompt's forward gives it) and is the token a Decode right after
+        the prefill would give (the same seeded draw; its log-probabilities in ``last_logprobs``)."""
         self.committed = list(committed)
         self.grammar = self.target.grammar_matcher(self.sampling, self.committed)
-        last_chunk = min(len(self.committed), self.target.limits.max_num_batched_tokens // 2) if decode else 1
-        cached = self.committed[: len(self.committed) - last_chunk + 1]  # prefill() caches all but its last token
-        prefill(self.target.engine, self.kv_cache, cached, timeout_s, abandoned)
+        last_chunk = self.target.limits.max_num_batched_tokens // 2 if decode else 1
+        prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned, last_chunk)
         if not decode:
             return None
         work = _Verify(self, [], None)

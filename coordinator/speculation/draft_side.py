@@ -71,8 +71,8 @@ class DraftService:
         drafter has none to hide), by the last GetInfo."""
         return self._info is not None and any(d.name == name and d.model for d in self._info.drafters)
 
-    async def prefill(self, request: draft_pb2.DraftServicePrefillRequest) -> None:
-        await self._marking_down(self.clients.prefill_draft(request))
+    async def prefill(self, request: draft_pb2.DraftServicePrefillRequest) -> draft_pb2.DraftServicePrefillResponse:
+        return await self._marking_down(self.clients.prefill_draft(request))
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """A Propose; a late answer to one that missed its deadline clears the down mark (the draft
@@ -152,6 +152,7 @@ class DraftSession:
         self.retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.failures = 0
         self._prefill: asyncio.Future | None = None  # the background prefill
+        self.num_cached_tokens: int | None = None  # found in the draft's prefix cache at the first Prefill
         self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
 
     # --- opening -------------------------------------------------------------------------
@@ -206,11 +207,13 @@ class DraftSession:
         )
         seen = len(self.committed)  # rounds may commit more while the prefill runs
         try:
-            await self.service.prefill(request)
+            response = await self.service.prefill(request)
         except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
             self._release(session_id)
             raise
         self.session_id, self.seen = session_id, seen
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = response.num_cached_tokens
 
     async def _open_or_fail(self) -> None:
         try:

@@ -87,6 +87,7 @@ class VerifySession:
         self.replica = 0  # the verify replica holding session_id
         self.session_id = ""  # empty: not opened yet
         self.rebuilds = 0
+        self.num_cached_tokens = 0  # found in the replica's prefix cache at the first Prefill
 
     async def open(
         self, deadline: float, wait_while_full: bool = False, decode: bool = False
@@ -120,6 +121,8 @@ class VerifySession:
                 except asyncio.CancelledError:
                     self._release(replica, session_id)
                     raise
+                if not self.session_id:  # the first Prefill, not a rebuild
+                    self.num_cached_tokens = response.num_cached_tokens
                 self.replica, self.session_id = replica, session_id
                 return response
             if time.monotonic() >= deadline or not (unreachable or wait_while_full):

@@ -159,10 +159,12 @@ class ServiceClients:
         self._follow_certificate()
         return await self._call(self._draft.GetInfo, draft_pb2.DraftServiceGetInfoRequest(), self._draft_where, timeout)
 
-    async def prefill_draft(self, request: draft_pb2.DraftServicePrefillRequest) -> None:
+    async def prefill_draft(
+        self, request: draft_pb2.DraftServicePrefillRequest
+    ) -> draft_pb2.DraftServicePrefillResponse:
         """DraftService.Prefill under the ``prefill_timeout_s`` deadline."""
         self._follow_certificate()
-        await self._call(self._draft.Prefill, request, self._draft_where, self.prefill_timeout_s)
+        return await self._call(self._draft.Prefill, request, self._draft_where, self.prefill_timeout_s)
 
     async def propose(
         self, request: draft_pb2.ProposeRequest, on_late: Callable[[], None] | None = None

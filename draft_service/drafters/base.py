@@ -85,6 +85,11 @@ class DraftSession(abc.ABC):
         """Bytes the session's KV cache holds (0 for a drafter without one)."""
         return 0
 
+    def num_cached_tokens(self) -> int:
+        """Tokens of the prefilled context found in the drafter's prefix cache, not computed
+        again (0 for a drafter without a model)."""
+        return 0
+
 
 class Drafter(abc.ABC):
     """A kind of draft, shared by its sessions.
@@ -261,6 +266,9 @@ class ModelDraftSession(DraftSession):
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.cache_bytes()
+
+    def num_cached_tokens(self) -> int:
+        return self.kv_cache.num_cached_tokens
 
     def close(self) -> None:
         self.engine.forget(self.kv_cache.seq_id)

@@ -19,9 +19,26 @@ llama.cpp's multi-sequence batch API, as used here (:class:`LlamaCppLM`):
   sequence (``pos``), and a ``logits`` flag on the positions whose logits are read back
   (``llama_get_logits_ith``). ``llama_decode`` splits it into micro-batches itself (with
   per-sequence streams, ones of an equal number of tokens from consecutive sequence ids, which is
-  why steps are ordered by sequence id and new sequences take the lowest free id).
+  why steps are ordered by sequence id and a new sequence takes a free id next to the live ones).
 - rollback of rejected draft positions is ``llama_memory_seq_rm(mem, seq, length, -1)``; freeing a
-  session's sequence is ``llama_memory_seq_rm(mem, seq, -1, -1)``.
+  session's sequence (prefix caching off) is ``llama_memory_seq_rm(mem, seq, -1, -1)``.
+
+Prefix caching (``prefix_caching``; token level, no blocks): a freed session's llama.cpp sequence
+keeps its cells and tokens, as a *donor* for later sessions, until a new session takes that
+sequence id. A new session takes its sequence id when its prefill starts
+(:meth:`LlamaCppLM.attach_prefix`), choosing among the free ones, in this order: one next to the
+live sequences' ids (llama.cpp's ``split_equal`` takes only consecutive sequence ids into one
+micro-batch, so a gap costs every step one more pass over the weights), the longest donor that
+the context begins with whole (reused in place, nothing of it lost), an empty one, the least
+recently freed donor (evicted). Then, when another sequence, live or freed, holds a longer prefix
+of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies it
+over: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x the
+bytes per token, 94 MB for SmolLM2 at 4096 tokens; exact, done at the next ``llama_decode``);
+last, the cells past the prefix found are removed. So a donor that only shares a beginning with
+the new context (a system prompt) lends it by a copy and stays whole for its own next turn, which
+later finds it in place; at batch 1 every earlier session waits as a donor in its own sequence
+(up to ``max_num_seqs`` - 1 of them); the cache costs no memory beyond the context llama.cpp
+allocates up front.
 """
 
 import ctypes
@@ -43,10 +60,16 @@ from specdec.errors import ResourceExhausted
 from specdec.kv import SequenceKV
 from specdec.model_files import derived_path, load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
+from specdec.token_ids import common_prefix_length
 from specdec.vocab import vocab_fingerprint
 
 _backend_lock = threading.Lock()
 _backend_ready = False
+
+# The shortest gain in prefix for which a new sequence copies another's stream rather than
+# prefilling those tokens: on the 2-core CPU a copy of a 4096-token SmolLM2 stream took 50-70 ms
+# (with a one-token decode, against 30-70 ms for the decode alone), a 16-token prefill chunk 290-410 ms.
+MIN_COPIED_TOKENS = 16
 
 
 def _init_backend() -> None:
@@ -129,11 +152,13 @@ class LlamaCppLM(BatchedLM):
         n_threads: CPU threads (0: half the cores for one-token steps, all for larger ones, as
             ``llama_cpp.Llama`` does).
         n_gpu_layers: layers offloaded to the GPU (-1 = all) in a CUDA build.
+        prefix_caching: freed sequences stay as donors of their prefixes (module docstring).
 
     Sequence ids are handles: each :meth:`allocate` returns a new one, mapped to a free llama.cpp
-    sequence (the lowest), so a step still queued for a freed session cannot write into the
-    session that reuses its llama.cpp sequence; such a late step gets NaN logits and decodes
-    nothing. All llama.cpp calls hold one lock, so :meth:`free` is safe while a step runs.
+    sequence when its prefill (:meth:`attach_prefix`) or first step starts, so a step still
+    queued for a freed session cannot write into the session that reuses its llama.cpp sequence;
+    such a late step gets NaN logits and decodes nothing. All llama.cpp calls hold one lock, so
+    :meth:`free` and :meth:`attach_prefix` are safe while a step runs.
     """
 
     def __init__(
@@ -144,6 +169,7 @@ class LlamaCppLM(BatchedLM):
         max_num_batched_tokens: int = 512,
         n_threads: int = 0,
         n_gpu_layers: int = 0,
+        prefix_caching: bool = False,
     ):
         if not 1 <= max_num_seqs <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(
@@ -183,9 +209,13 @@ class LlamaCppLM(BatchedLM):
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.bytes_per_token = kv_bytes_per_token(self._model)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.prefix_caching = prefix_caching
         self._lock = threading.Lock()
         self._seqs: dict[int, int] = {}  # handle -> llama.cpp sequence id
-        self._lengths: dict[int, int] = {}  # handle -> cached positions
+        self._unplaced: set[int] = set()  # handles without a llama.cpp sequence yet
+        self._tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # the tokens each sequence's cells hold
+        self._freed_at = [0] * max_num_seqs  # when each free sequence was freed (a count of frees): LRU
+        self._num_frees = 0
         self._free_seqs = set(range(max_num_seqs))
         self._next_handle = 0
 
@@ -195,50 +225,92 @@ class LlamaCppLM(BatchedLM):
 
     def allocate(self) -> int:
         with self._lock:
-            if not self._free_seqs:
+            if len(self._seqs) + len(self._unplaced) >= self.max_num_seqs:
                 raise ResourceExhausted(
                     f"the llama-cpp drafter holds {self.max_num_seqs} sessions at once, all in use: close "
                     "sessions, or raise SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS (llama.cpp's n_seq_max)"
                 )
-            seq = min(self._free_seqs)
-            self._free_seqs.remove(seq)
             handle, self._next_handle = self._next_handle, self._next_handle + 1
-            self._seqs[handle], self._lengths[handle] = seq, 0
+            self._unplaced.add(handle)
         return handle
 
     def free(self, seq_id: int) -> None:
         with self._lock:
+            self._unplaced.discard(seq_id)
             seq = self._seqs.pop(seq_id, None)
             if seq is None:
                 return
-            del self._lengths[seq_id]
-            llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
             self._free_seqs.add(seq)
+            self._num_frees += 1
+            self._freed_at[seq] = self._num_frees
+            if not self.prefix_caching:
+                llama_cpp.llama_memory_seq_rm(self.memory, seq, -1, -1)
+                self._tokens[seq] = []
 
     def truncate(self, seq_id: int, length: int) -> None:
         with self._lock:
-            if length >= self._lengths[seq_id]:
+            if seq_id in self._unplaced or length >= self.length(seq_id):
                 return
-            if not llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[seq_id], length, -1):
+            seq = self._seqs[seq_id]
+            if not llama_cpp.llama_memory_seq_rm(self.memory, seq, length, -1):
                 raise RuntimeError(f"llama.cpp cannot roll sequence {seq_id} back to {length} tokens")
-            self._lengths[seq_id] = length
+            del self._tokens[seq][length:]
 
     def length(self, seq_id: int) -> int:
         """The sequence's cached positions."""
-        return self._lengths[seq_id]
+        return 0 if seq_id in self._unplaced else len(self._tokens[self._seqs[seq_id]])
 
     def llama_seq(self, seq_id: int) -> int:
-        """The llama.cpp sequence id behind a handle."""
+        """The llama.cpp sequence id behind a handle (once its prefill or first step started)."""
         return self._seqs[seq_id]
 
     def cache_bytes(self, seq_id: int) -> int:
-        return self._lengths.get(seq_id, 0) * self.bytes_per_token
+        return self.length(seq_id) * self.bytes_per_token if seq_id in self._seqs else 0
+
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Places the new sequence (see the module docstring); returns the tokens it starts with."""
+        with self._lock:
+            if seq_id not in self._unplaced:
+                raise ValueError(f"sequence {seq_id} is not new: a prefix attaches to a new one")
+            return self._place(seq_id, token_ids if self.prefix_caching else ())
+
+    def prefix_cache_tokens(self) -> int:
+        return sum(len(self._tokens[seq]) for seq in list(self._free_seqs))
+
+    def _place(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Gives a new handle its llama.cpp sequence, holding the longest prefix of ``token_ids``
+        that a donor offers (module docstring); returns that prefix's length (lock held)."""
+        live = set(self._seqs.values())
+
+        def preference(seq: int) -> tuple:
+            isolated = 1 - ((seq - 1) in live) - ((seq + 1) in live)
+            held = len(self._tokens[seq])
+            whole = held > 0 and common_prefix_length(self._tokens[seq], token_ids) == held  # nothing of it dropped
+            evicts = self._freed_at[seq] if held else -1  # empty first, then the least recently freed
+            return isolated, not whole, -held if whole else 0, evicts, seq
+
+        seq = min(self._free_seqs, key=preference)
+        self._free_seqs.remove(seq)
+        self._unplaced.remove(seq_id)
+        self._seqs[seq_id] = seq
+        found = common_prefix_length(self._tokens[seq], token_ids)
+        donors = [(common_prefix_length(self._tokens[other], token_ids), other) for other in range(self.max_num_seqs)]
+        longest, donor = max((d for d in donors if d[1] != seq), default=(0, seq))
+        if longest >= found + MIN_COPIED_TOKENS:
+            llama_cpp.llama_memory_seq_cp(self.memory, donor, seq, -1, -1)  # the whole stream, at the next decode
+            self._tokens[seq], found = list(self._tokens[donor]), longest
+        if len(self._tokens[seq]) > found:
+            llama_cpp.llama_memory_seq_rm(self.memory, seq, found, -1)
+            del self._tokens[seq][found:]
+        return found
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
         out: dict[int, torch.Tensor] = {}  # by step
         with self._lock:
             live = []
             for i, step in enumerate(steps):
+                if step.seq_id in self._unplaced:  # a first step without a prefill before it
+                    self._place(step.seq_id, ())
                 if step.seq_id in self._seqs:
                     live.append(i)
                 elif 0 <= step.seq_id < self._next_handle:  # freed while its work was queued
@@ -250,7 +322,7 @@ class LlamaCppLM(BatchedLM):
             if total > self.n_batch:
                 raise ValueError(f"a step of {total} tokens exceeds llama.cpp's n_batch ({self.n_batch})")
             for i in live:
-                length, count = self._lengths[steps[i].seq_id], len(steps[i].token_ids)
+                length, count = self.length(steps[i].seq_id), len(steps[i].token_ids)
                 if length + count > self.n_ctx_seq:
                     raise ValueError(
                         f"sequence {steps[i].seq_id} would hold {length + count} tokens, more than its {self.n_ctx_seq}"
@@ -271,7 +343,7 @@ class LlamaCppLM(BatchedLM):
         n = 0
         flagged: list[list[int]] = []
         for step in steps:
-            seq, start, count = self._seqs[step.seq_id], self._lengths[step.seq_id], len(step.token_ids)
+            seq, start, count = self._seqs[step.seq_id], self.length(step.seq_id), len(step.token_ids)
             first_logit = count - step.num_logits
             indices = []
             for j, token in enumerate(step.token_ids):
@@ -288,12 +360,12 @@ class LlamaCppLM(BatchedLM):
         code = llama_cpp.llama_decode(self.ctx, batch)
         if code != 0:
             for step in steps:  # a failed decode may leave some micro-batches cached: drop them
-                llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[step.seq_id], self._lengths[step.seq_id], -1)
+                llama_cpp.llama_memory_seq_rm(self.memory, self._seqs[step.seq_id], self.length(step.seq_id), -1)
             raise RuntimeError(
                 f"llama_decode failed with code {code} (a step of {total} tokens over {len(steps)} sequences)"
             )
         for step in steps:
-            self._lengths[step.seq_id] += len(step.token_ids)
+            self._tokens[self._seqs[step.seq_id]] += step.token_ids
         rows = []
         for indices in flagged:
             logits = np.empty((len(indices), self.vocab_size), dtype=np.float32)
@@ -324,7 +396,8 @@ class LlamaCppDrafter(Drafter):
     offloaded to the GPU (-1 = all) when llama-cpp-python was built with CUDA; ``max_num_seqs``
     the sessions it holds at once (one llama.cpp sequence each, their KV allocated up front; more
     raise ResourceExhausted), which is also the most a step batches; ``max_num_batched_tokens`` the
-    new tokens a step takes at most (prefill is chunked to it)."""
+    new tokens a step takes at most (prefill is chunked to it); ``prefix_caching`` whether freed
+    sessions' sequences serve later ones' prefixes (see :class:`LlamaCppLM`)."""
 
     name = "llama-cpp"
     engine: Engine  # a model drafter always has one
@@ -338,11 +411,14 @@ class LlamaCppDrafter(Drafter):
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         requantize: str = "",
+        prefix_caching: bool = True,
     ):
         self.model = spec
         self.path = requantized(resolve_model(spec).gguf_path, requantize)
         self.n_ctx = n_ctx
-        self.lm = LlamaCppLM(self.path, n_ctx, max_num_seqs, max_num_batched_tokens, n_threads, n_gpu_layers)
+        self.lm = LlamaCppLM(
+            self.path, n_ctx, max_num_seqs, max_num_batched_tokens, n_threads, n_gpu_layers, prefix_caching
+        )
         self.vocab_fingerprint = vocab_fingerprint(self.lm.token_texts())
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, name=self.name)
         # the grammar's view of the vocabulary: transformers' tokenizer of the same GGUF (the

@@ -6,6 +6,7 @@ from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSe
 from specdec.engine import Engine
 from specdec.kv import SequenceKV
 from specdec.models import context_window, load_causal_lm
+from specdec.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling_params import SamplingParams
 from specdec.vocab import tokenizer_fingerprint
@@ -13,26 +14,40 @@ from specdec.vocab import tokenizer_fingerprint
 
 class TransformersDrafter(Drafter):
     """``max_num_seqs`` proposals share a step at most, of ``max_num_batched_tokens`` new tokens
-    (prefill chunks fill what proposals leave)."""
+    (prefill chunks fill what proposals leave); ``prefix_cache_max_tokens`` as
+    :class:`specdec.ragged_lm.RaggedLM`'s (None: prefix caching off)."""
 
     name = "transformers"
     engine: Engine  # a model drafter always has one
 
-    def __init__(self, model, tokenizer, model_name: str, max_num_seqs: int = 16, max_num_batched_tokens: int = 512):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    ):
         self.model = model_name
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.window = context_window(model)
-        self.lm = RaggedLM(model)
+        self.lm = RaggedLM(model, prefix_cache_max_tokens=prefix_cache_max_tokens)
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
         eos = model.generation_config.eos_token_id
         self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [eos] if isinstance(eos, int) else eos or [])
 
     @classmethod
     def load(
-        cls, spec: str, dtype: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 512
+        cls,
+        spec: str,
+        dtype: str = "auto",
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens)
+        return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens, prefix_cache_max_tokens)
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
         return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine, self.vocabulary)
