@@ -33,7 +33,7 @@ from specdec.models import context_window, load_causal_lm
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, grammar_tokenizer
+from specdec.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
@@ -68,7 +68,6 @@ class Target:
         self.name = name
         self.limits = limits
         self.tokenizer = tokenizer
-        self.grammar_limits = GrammarLimits()
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = model.config.vocab_size
         self.max_context_length = context_window(model)
@@ -126,13 +125,13 @@ class Target:
 
     def grammar_matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
         """The request's grammar state after ``committed`` (its generated part); None without
-        structured output. Raises InvalidArgument for a spec that does not compile or a log off it."""
+        structured output. Raises InvalidArgument for a spec that does not compile or a log off it.
+        No limits of its own: the coordinator checked the spec against its ``--grammar-*`` limits
+        (docs/architecture.md#structured-output)."""
         if sampling.structured_output is None:
             return None
         generated = committed[sampling.num_prompt_tokens :]
-        return GrammarMatcher.from_log(
-            sampling.structured_output, self.grammar_tokenizer, self.grammar_limits, generated
-        )
+        return GrammarMatcher.from_log(sampling.structured_output, self.grammar_tokenizer, UNLIMITED, generated)
 
     def _decode_all(self, sessions: list["TargetSession"]) -> None:
         """One step with one new token for every session (rolled back after)."""
@@ -263,7 +262,8 @@ class _Verify(_Score):
         logits = process(logits, session.sampling, session.committed, self.draft_tokens)
         if session.grammar is None:
             return logits
-        return logits.masked_fill(~session.grammar.masks_along(self.draft_tokens), float("-inf"))
+        masks = torch.from_numpy(session.grammar.masks_along(self.draft_tokens)).to(logits.device)
+        return logits.masked_fill(~masks, float("-inf"))
 
     def q(self, vocab_size: int) -> torch.Tensor:
         """The draft distributions, ``[K, V]`` float32 (K = 0: none sent)."""
@@ -351,10 +351,12 @@ class TargetSession:
             draft_tokens: K proposed ids (K may be 0: a plain decode step).
             draft_probs: q, ``[K, V]`` float32, required when sampling; ignored under greedy.
             timeout_s, abandoned: as in :meth:`specdec.engine.Engine.run`.
-        With structured output, the proposal is cut at its first token the grammar rejects before
-        it is scored: that token could not be accepted (its target probability is 0), and cutting
-        it is lossless because its draft probability is a point mass (a lookup) or it was never
-        drawn (a model drafter drafts under the same mask).
+        With structured output, the proposal is cut after its first token the grammar rejects
+        before it is scored (vLLM's ``validate_tokens``): the tokens after it can never be reached.
+        That token itself is kept: its target probability is 0 under the mask, so the acceptance
+        test rejects it and draws the recovered token from max(0, p - q), which keeps sampling
+        lossless whatever the draft's q (a draft without grammar-aware drafting drew it from
+        an unmasked q); under greedy decoding it is the masked argmax, as a cut before it gives.
 
         Returns:
             ``(n, next_token)``: accepted drafts and the correction or bonus token (their
@@ -366,7 +368,7 @@ class TargetSession:
         """
         self._check(draft_tokens, draft_probs)
         if self.grammar is not None:
-            k = self.grammar.valid_prefix(draft_tokens)
+            k = min(self.grammar.valid_prefix(draft_tokens) + 1, len(draft_tokens))
             draft_tokens, draft_probs = draft_tokens[:k], None if draft_probs is None else draft_probs[:k]
         work = _Verify(self, draft_tokens, draft_probs)
         outcome = self._run(work, timeout_s, abandoned)
