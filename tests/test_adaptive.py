@@ -220,6 +220,8 @@ def test_the_drafter_learns_from_its_drafted_tokens_alone():
     assert policy.costs.draft_ms_per_token == pytest.approx((5.0 + 60.0 / 3) / 2)
     assert drafted_outcome(dataclasses.replace(round_record, num_accepted=4)) == (2, 1)  # 5th, drafted, rejected
     assert "forced" in policy.acceptance_models()
+    policy.acceptance.observe(drafted=8, accepted=8)  # a draft that reports no forced tokens: 4 positions modelled
+    assert policy.acceptance.rates == [0.875, 0.75, 0.75, 0.75]
 
 
 def test_fallback_then_probe_then_recovery():

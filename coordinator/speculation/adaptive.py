@@ -102,8 +102,9 @@ class AcceptanceModel:
         self.observe(drafted, common_prefix_length(proposal, committed[:drafted]))
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed."""
-        reached = min(accepted + 1, drafted)
+        """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed
+        (those it models: a draft that did not report its forced tokens may propose more)."""
+        reached = min(accepted + 1, drafted, len(self.rates))
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
         self.observed = max(self.observed, reached)
