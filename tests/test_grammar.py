@@ -1,7 +1,7 @@
 """The grammar matcher (specdec/grammar.py) and the compilation of structured-output specs
 (specdec/structured_output.py) on SmolLM2's real tokenizer: rollback against a fresh matcher fed
-the committed log, the masks along a proposal, forced tokens, the end of a grammar, and the errors
-for invalid specs and limits. No model: a few seconds."""
+the committed log, the masks along a proposal, forced tokens and the coordinator's forced-token
+lookup, the end of a grammar, and the errors for invalid specs and limits. No model: a few seconds."""
 
 import json
 import random
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from specdec.errors import InvalidArgument
-from specdec.grammar import GrammarMatcher
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.grammar import ForcedMatch, ForcedTokenLookup, GrammarMatcher
+from specdec.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 
 EOS = 2
 LIMITS = GrammarLimits()
@@ -120,6 +120,25 @@ def test_forced_tokens_are_the_schema_keys_and_punctuation(tokenizer, smollm2_to
     assert GrammarMatcher.from_log(StructuredOutput("choice", '["yes", "no"]'), tokenizer, LIMITS).forced_tokens() == []
 
 
+def test_the_forced_token_lookup_follows_the_committed_log(tokenizer, person_ids):
+    """The coordinator's forced-token lookup: the tokens the grammar forces after the log, up to
+    k; a lookup that starts from a log already grown (a resumed request) proposes what one that
+    followed it round by round does."""
+    prompt = [1, 5, 9]
+    following = ForcedTokenLookup(GrammarMatcher(PERSON_SPEC, tokenizer, LIMITS), len(prompt))
+    first = following.lookup(prompt, 16)
+    assert first is not None and first.tokens == person_ids[: len(first.tokens)]
+    assert following.lookup(prompt, 2) == ForcedMatch(first.tokens[:2])
+    rng = random.Random(1)
+    committed = 0
+    while committed < len(person_ids) - 1:
+        committed = min(committed + rng.randint(1, 5), len(person_ids) - 1)
+        log = [*prompt, *person_ids[:committed]]
+        resumed = ForcedTokenLookup(GrammarMatcher(PERSON_SPEC, tokenizer, LIMITS), len(prompt))
+        assert following.lookup(log, 16) == resumed.lookup(log, 16)
+    assert following.lookup([*prompt, *person_ids], 16) is None  # after the end: nothing forced
+
+
 @pytest.mark.parametrize(
     ("spec", "text"),
     [
@@ -159,16 +178,22 @@ def test_invalid_specs_name_the_field_and_the_reason(spec, message, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("limits", "message"),
+    ("limits", "limit", "message"),
     [
-        (GrammarLimits(max_spec_bytes=64), "the limit is 64 bytes"),
-        (GrammarLimits(max_symbols=10), r"too big \(limit for this grammar: 10\)"),
-        (GrammarLimits(max_lexer_fuel=100), r"too big \(limit for this grammar: 100\)"),
+        (GrammarLimits(max_spec_bytes=64), "max_spec_bytes", "the limit is 64 bytes"),
+        (GrammarLimits(max_symbols=10), "max_symbols", r"too big \(limit for this grammar: 10\)"),
+        (GrammarLimits(max_lexer_fuel=100), "max_lexer_fuel", r"too big \(limit for this grammar: 100\)"),
     ],
 )
-def test_a_spec_over_a_limit_names_the_limit(limits, message, tokenizer):
-    with pytest.raises(InvalidArgument, match=message):
+def test_a_spec_over_a_limit_names_the_limit(limits, limit, message, tokenizer):
+    """In the matcher and in the check alike: GrammarTooLarge, which the coordinator turns into a
+    message naming its setting."""
+    with pytest.raises(GrammarTooLarge, match=message) as err:
         GrammarMatcher.from_log(PERSON_SPEC, tokenizer, limits)
+    assert err.value.limit == limit
+    with pytest.raises(GrammarTooLarge, match=message) as err:
+        PERSON_SPEC.check(tokenizer, limits)
+    assert err.value.limit == limit
 
 
 def test_a_committed_log_off_the_grammar_is_refused(tokenizer, smollm2_tokenizer):
