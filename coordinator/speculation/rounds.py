@@ -88,7 +88,7 @@ class RequestRounds:
         self.request = request
         self.committed = committed
         self.lookups = lookups or {}
-        self.forced = request.forced_token_lookup() if request.adaptive else None
+        self.forced = request.forced_token_lookup()  # adaptive K with structured output only
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._releases = BackgroundTasks()
         self.draft = DraftSession(
