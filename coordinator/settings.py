@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -5,6 +6,7 @@ from pydantic import Field, model_validator
 from specdec.model_files import DEFAULT_MODEL
 from specdec.ngram import NgramIndex
 from specdec.settings import CommaSeparated, ServiceSettings
+from specdec.structured_output import GrammarLimits
 from specdec.tls import check_client_files
 
 
@@ -83,7 +85,11 @@ class CoordinatorSettings(ServiceSettings):
         description="Choose K every round for requests that set no num_speculative_tokens "
         "(0 = plain decode when speculation does not pay); off: they get num_speculative_tokens.",
     )
-    max_num_speculative_tokens: int = Field(8, description="Largest K the adaptive choice makes.")
+    max_num_speculative_tokens: int = Field(
+        8,
+        description="Largest K the adaptive choice makes; with structured output, the tokens the grammar forces "
+        "(free: no draft forward) come on top of it, up to the verify service's largest K.",
+    )
     probe_interval: int = Field(
         16,
         description="While adaptive K falls back to plain decode, every this many rounds (times what a "
@@ -114,6 +120,33 @@ class CoordinatorSettings(ServiceSettings):
         "next round's on the branch where all of it is accepted and the bonus token is the draft's guess, so "
         "that it is ready when verification goes that way (hiding the draft's time); off: every round drafts "
         "after the previous one is verified.",
+    )
+    grammar_aware_drafting: bool = Field(
+        True,
+        description="Structured output under adaptive K: the coordinator proposes the tokens the request's "
+        "grammar forces (a lookup with no draft call) and prices the forced tokens of a model drafter's "
+        "proposal as free (no draft forward); off: neither (set it off on the draft service too to compare "
+        "against drafting without the grammar, as specdec bench --structured does).",
+    )
+    grammar_max_spec_bytes: int = Field(
+        GrammarLimits.max_spec_bytes,
+        ge=1,
+        description="Largest structured-output spec a request may send (JSON schema, regex, choices or grammar "
+        "text), UTF-8 bytes; a larger one gets INVALID_ARGUMENT (HTTP 400). The draft and verify services trust "
+        "this check (they set no limit of their own).",
+    )
+    grammar_max_symbols: int = Field(
+        GrammarLimits.max_symbols,
+        ge=1,
+        description="Largest compiled grammar a structured-output spec may make, in symbols (llguidance's "
+        "max_grammar_size); a larger one gets INVALID_ARGUMENT (HTTP 400).",
+    )
+    grammar_max_lexer_fuel: int = Field(
+        GrammarLimits.max_lexer_fuel,
+        ge=1,
+        description="Most work building a structured-output grammar's lexer may take (llguidance's "
+        "initial_lexer_fuel, about 50,000 per ms: the default bounds a compile near 20 ms); a grammar that needs "
+        "more gets INVALID_ARGUMENT (HTTP 400).",
     )
     ngram_min: int = Field(
         1,
@@ -190,6 +223,10 @@ class CoordinatorSettings(ServiceSettings):
         3600.0,
         description="How long the request store keeps a request after its last write (resumable that long), seconds.",
     )
+
+    def grammar_limits(self) -> GrammarLimits:
+        """The structured-output limits of ``grammar_<field>``, every request checked against them."""
+        return GrammarLimits(**{f.name: getattr(self, f"grammar_{f.name}") for f in dataclasses.fields(GrammarLimits)})
 
     @model_validator(mode="after")
     def _read_api_key_file(self):

@@ -1,5 +1,6 @@
 """The DraftService gRPC servicer and its entry point (``specdec serve draft``)."""
 
+import dataclasses
 import time
 
 import torch
@@ -69,7 +70,11 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Serves DraftService; Propose as a unary RPC and as calls of Step streams
-    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handler."""
+    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handler.
+    ``grammar_aware_drafting`` False: sessions are opened without the request's structured output,
+    so model drafters draft without the grammar's mask and jump-forward, and only the verify
+    service's cut keeps their proposals in the grammar (vLLM's and SGLang's behaviour; for
+    comparison, ``specdec bench --structured``)."""
 
     def __init__(
         self,
@@ -79,6 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         max_k: int,
         metrics: ServiceMetrics,
         max_workers: int,
+        grammar_aware_drafting: bool = True,
     ):
         if default_drafter not in drafters:
             raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
@@ -87,6 +93,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.sessions = sessions
         self.max_k = max_k
         self.metrics = metrics
+        self.grammar_aware_drafting = grammar_aware_drafting
         handlers = {"propose": self._propose}
         self.step_calls = StepCalls(
             SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers, blocking=frozenset(handlers)
@@ -117,6 +124,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not request.token_ids:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
         sampling = SamplingParams.from_proto(request.sampling)
+        if not self.grammar_aware_drafting:  # the model drafters draft as without structured output
+            sampling = dataclasses.replace(sampling, structured_output=None)
 
         def open_session() -> DraftSession:
             session = drafter.new_session(sampling)
@@ -163,6 +172,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             distributions=[] if session.sampling.greedy else proposal.distributions(),
             compute_ms=ms_since(start),
             predicted_bonus_token_id=proposal.bonus_token_id,
+            forced=proposal.forced,
         )
 
     def Release(self, request, context):
@@ -181,7 +191,13 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
             drafter.engine.metrics = metrics.engine_metrics(name, drafter.engine.lm.prefix_cache_tokens)
     sessions: SessionRegistry[DraftSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
     servicer = DraftServicer(
-        drafters, settings.default_drafter, sessions, settings.max_num_speculative_tokens, metrics, settings.max_workers
+        drafters,
+        settings.default_drafter,
+        sessions,
+        settings.max_num_speculative_tokens,
+        metrics,
+        settings.max_workers,
+        settings.grammar_aware_drafting,
     )
     servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
     return start_service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings)

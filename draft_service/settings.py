@@ -77,3 +77,10 @@ class DraftSettings(SessionServiceSettings):
     suffix_max_cached_tokens: int = Field(
         16384, description="Tokens the suffix drafter's shared cache holds, oldest output evicted first."
     )
+    grammar_aware_drafting: bool = Field(
+        True,
+        description="With structured output, the model drafters draft under the request's grammar: their logits "
+        "masked as the target's, and the tokens the grammar forces proposed without a forward (jump-forward). "
+        "Off: they draft as without it, and the verify service cuts each proposal after its first token the "
+        "grammar rejects (vLLM's and SGLang's behaviour); for comparison (specdec bench --structured).",
+    )

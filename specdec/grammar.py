@@ -9,7 +9,11 @@ along a proposal without moving (:meth:`masks_along`: the target's distribution 
 position is masked by the state the tokens before it reach, invariant *lossless under
 constraints*, docs/architecture.md#invariants), the valid prefix of a proposal
 (:meth:`valid_prefix`, vLLM's ``validate_tokens``), and the tokens the grammar forces
-(:meth:`forced_tokens`, jump-forward).
+(:meth:`forced_tokens`, jump-forward). :class:`ForcedTokenLookup` proposes those tokens as a
+model-free lookup, the coordinator's beside n-gram and suffix (no draft call at all).
+
+No torch here (masks are numpy arrays), so that the coordinator can follow a grammar too; the
+services turn a mask into a tensor with ``torch.from_numpy`` (no copy).
 
 Once the grammar's text is complete and nothing may follow (:attr:`ended`), the mask allows the
 model's EOS ids only, so a request whose grammar forces the end finishes with ``stop``.
@@ -17,10 +21,10 @@ model's EOS ids only, so a request whose grammar forces the end finishes with ``
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-import torch
 
 from specdec.errors import InvalidArgument
 from specdec.structured_output import GrammarLimits, StructuredOutput
@@ -56,12 +60,12 @@ class GrammarMatcher:
         matcher.advance(generated)
         return matcher
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> np.ndarray:
         """``[V]`` bool: the tokens the grammar allows next (EOS where the text may end)."""
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self.vocab_size].astype(bool))
+        return bits[: self.vocab_size].astype(bool)
 
-    def masks_along(self, draft_token_ids: Sequence[int]) -> torch.Tensor:
+    def masks_along(self, draft_token_ids: Sequence[int]) -> np.ndarray:
         """``[K + 1, V]`` bool: row i is the mask after ``draft_token_ids[:i]`` (row 0: the mask
         now). Rows after the first draft token the grammar rejects allow everything: the
         acceptance test never reaches them, since that token has probability 0. The matcher is
@@ -75,8 +79,8 @@ class GrammarMatcher:
             consumed += 1
             rows.append(self.allowed())
         self.rollback(consumed)
-        rows += [torch.ones(self.vocab_size, dtype=torch.bool)] * (len(draft_token_ids) + 1 - len(rows))
-        return torch.stack(rows)
+        rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft_token_ids) + 1 - len(rows))
+        return np.stack(rows)
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading ``token_ids`` the grammar accepts from here (the matcher stays). Once
@@ -151,3 +155,37 @@ class GrammarMatcher:
     def ended(self) -> bool:
         """True once nothing but EOS may follow (the grammar's text is complete and closed)."""
         return self._matcher.is_stopped()
+
+
+FORCED = "forced"  # how rounds and metrics name the forced-token lookup
+
+
+@dataclass(frozen=True)
+class ForcedMatch:
+    """A :class:`ForcedTokenLookup`'s proposal: ``tokens``, those the grammar forces after the
+    committed log. ``n`` = 1: one acceptance estimate, as a lookup's match of one length."""
+
+    tokens: list[int]
+    n: int = 1
+
+
+class ForcedTokenLookup:
+    """The tokens a request's grammar forces after its committed log, proposed as a model-free
+    lookup (hybrid drafting's, beside n-gram and suffix): a proposal that costs no draft forward
+    and no draft call. A proposal like any other: the target verifies it (another tokenization of
+    the same text may win), a point mass under sampling.
+
+    ``matcher``: a fresh matcher of the request's grammar (nothing consumed); ``num_prompt_tokens``:
+    where the generated part of the committed log starts. It follows the log itself, so a resumed
+    request's lookup starts from its stored tokens."""
+
+    def __init__(self, matcher: GrammarMatcher, num_prompt_tokens: int):
+        self.matcher, self.num_prompt_tokens = matcher, num_prompt_tokens
+
+    def lookup(self, committed: Sequence[int], k: int) -> ForcedMatch | None:
+        """Up to ``k`` tokens the grammar forces after ``committed`` (which must extend the list of
+        the previous call); None when it forces none. Raises InvalidArgument for a committed log
+        off the grammar (never the case for tokens the target masked)."""
+        self.matcher.advance(committed[self.num_prompt_tokens + self.matcher.num_tokens :])
+        forced = self.matcher.forced_tokens()[:k]
+        return ForcedMatch(forced) if forced else None

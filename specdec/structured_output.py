@@ -18,6 +18,7 @@ are :mod:`specdec.grammar`.
 """
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,19 +36,40 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 @dataclass(frozen=True)
 class GrammarLimits:
     """Bounds on what a request may ask a matcher to build: ``max_spec_bytes``, the UTF-8 size of
-    the schema, regex, choices or grammar text; ``max_grammar_symbols``, the compiled grammar's
-    symbols (llguidance's ``max_grammar_size``); ``max_lexer_fuel``, the work of building its
-    lexer (llguidance's ``initial_lexer_fuel``, about 50,000 a millisecond, so the default bounds a
-    compile near 20 ms)."""
+    the schema, regex, choices or grammar text; ``max_symbols``, the compiled grammar's symbols
+    (llguidance's ``max_grammar_size``); ``max_lexer_fuel``, the work of building its lexer
+    (llguidance's ``initial_lexer_fuel``, about 50,000 a millisecond, so the default bounds a
+    compile near 20 ms). The defaults here are the coordinator's settings' (``--grammar-<field>``,
+    docs/settings.md): the coordinator checks every spec against them, and the draft and verify
+    services compile what it let through without limits of their own (:data:`UNLIMITED`)."""
 
     max_spec_bytes: int = 64 * 1024
-    max_grammar_symbols: int = 500_000
+    max_symbols: int = 500_000
     max_lexer_fuel: int = 1_000_000
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         return llguidance.LLParserLimits(
-            max_grammar_size=self.max_grammar_symbols, initial_lexer_fuel=self.max_lexer_fuel, verbose_errors=False
+            max_grammar_size=self.max_symbols, initial_lexer_fuel=self.max_lexer_fuel, verbose_errors=False
         )
+
+
+# The services' limits: they trust the coordinator, which compiled the same spec against the same
+# vocabulary within its limits before any service saw it (so one setting, the coordinator's, bounds
+# a grammar everywhere; a client that bypasses the coordinator is not bounded).
+UNLIMITED = GrammarLimits(sys.maxsize, sys.maxsize, sys.maxsize)
+# How llguidance 1.9 reports a grammar over a limit of LLParserLimits: the field of GrammarLimits
+_LIMIT_ERRORS = {
+    "grammar size (number of symbols) too big": "max_symbols",
+    "initial lexer configuration (grammar) too big": "max_lexer_fuel",
+}
+
+
+class GrammarTooLarge(InvalidArgument):
+    """A spec over one of its :class:`GrammarLimits`: ``limit`` names the field."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -86,20 +108,19 @@ class StructuredOutput:
         :class:`specdec.grammar.GrammarMatcher`, does that, or :meth:`check`).
 
         Raises:
-            InvalidArgument: unknown kind, a spec over ``limits.max_spec_bytes``, or text that is
-                not valid JSON where JSON is expected.
+            InvalidArgument: unknown kind, or text that is not valid JSON where JSON is expected;
+                GrammarTooLarge (an InvalidArgument) for a spec over ``limits.max_spec_bytes``.
         """
         size = len(self.spec.encode())
         if size > limits.max_spec_bytes:
-            raise InvalidArgument(
-                f"{self.field} is {size} bytes: the limit is {limits.max_spec_bytes} bytes; shorten it"
-            )
+            message = f"{self.field} is {size} bytes: the limit is {limits.max_spec_bytes} bytes; shorten it"
+            raise GrammarTooLarge(message, "max_spec_bytes")
         return self._compile()
 
     def check(self, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits) -> None:
         """Compiles the grammar against ``tokenizer`` within ``limits``. Raises InvalidArgument as
-        :meth:`grammar` does, and for a schema, regex or grammar that llguidance rejects or that
-        exceeds a compile limit (its message names the limit)."""
+        :meth:`grammar` does, and for a schema, regex or grammar that llguidance rejects;
+        GrammarTooLarge for one over a compile limit (its message gives the limit)."""
         is_error, messages = LLMatcher.validate_grammar_with_warnings(
             self.grammar(limits), tokenizer, limits=limits.parser_limits()
         )
@@ -107,8 +128,11 @@ class StructuredOutput:
             raise self.invalid(messages[0])
 
     def invalid(self, reason: str) -> InvalidArgument:
-        """The error for a spec llguidance rejects, naming the field."""
-        return InvalidArgument(f"{self.field} is not valid: {reason.strip()}")
+        """The error for a spec llguidance rejects, naming the field: GrammarTooLarge when
+        ``reason`` is a limit's."""
+        message = f"{self.field} is not valid: {reason.strip()}"
+        limit = next((field for text, field in _LIMIT_ERRORS.items() if text in reason), None)
+        return InvalidArgument(message) if limit is None else GrammarTooLarge(message, limit)
 
     def _compile(self) -> str:
         """The llguidance grammar text (not yet checked). Raises InvalidArgument."""

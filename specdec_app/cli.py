@@ -477,11 +477,18 @@ def demo(
 
 
 SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")
+STRUCTURED_PROMPTS = Path("benchmarks/structured/prompts.jsonl")  # specdec bench --structured's default
 
 
 @app.command()
 def bench(
-    questions: Annotated[Path, typer.Option(help="Question file in the Spec-Bench JSONL schema.")] = SPEC_BENCH,
+    questions: Annotated[
+        Path,
+        typer.Option(
+            help="Question file in the Spec-Bench JSONL schema (with --structured: id, category, prompt and schema "
+            "per line; default benchmarks/structured/prompts.jsonl)."
+        ),
+    ] = SPEC_BENCH,
     categories: Annotated[
         str | None, typer.Option(help="Comma-separated categories (default: all in the file).")
     ] = None,
@@ -545,8 +552,8 @@ def bench(
     drafter: Annotated[
         str | None,
         typer.Option(
-            help="With --concurrency: the drafter pipeline/adaptive names (llama-cpp, transformers or "
-            "ngram; default llama-cpp)."
+            help="With --concurrency or --structured: the drafter pipeline/adaptive names (llama-cpp, transformers "
+            "or ngram; default llama-cpp)."
         ),
     ] = None,
     api: Annotated[
@@ -592,6 +599,17 @@ def bench(
             "Default --concurrency 64.",
         ),
     ] = False,
+    structured: Annotated[
+        bool,
+        typer.Option(
+            "--structured",
+            help="Structured-output mode: the JSON-schema prompts of --questions (default "
+            "benchmarks/structured/prompts.jsonl) through plain constrained decoding in process, the pipeline "
+            "(adaptive K) with grammar-aware drafting, the same without it (--no-grammar-aware-drafting) and the "
+            "same prompts unconstrained; reports schema-valid rate, identity, speedup, acceptance and free "
+            "(forced) proposals in report-structured.json, report-structured.md and structured.png.",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -605,7 +623,8 @@ def bench(
     API. Reports total output tokens/s, rounds/s, TTFT and TPOT p50/p99, batch size, acceptance, K
     chosen, CPU ms per token per process and greedy identity against pipeline/K=0 at N=1 per
     pattern, method and N. With --ceiling: the same on a near-free model the bench writes, with
-    pipeline/K=0, pipeline/K=4 self-drafted and transformers serve."""
+    pipeline/K=0, pipeline/K=4 self-drafted and transformers serve. With --structured: structured
+    output (JSON schemas) at batch 1, see specdec_app.bench.structured."""
     inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
         "questions": questions,
         "out": out,
@@ -618,6 +637,29 @@ def bench(
         "draft_model": draft_model,
         "dtype": dtype,
     }
+    load = {
+        "requests_per_client": requests_per_client,
+        "methods": methods,
+        "api": api,
+        "load_generator": load_generator,
+        "arrivals": arrivals,
+        "request_rate": request_rate,
+    }
+    if structured:
+        if (
+            pipeline
+            or hf_k
+            or placement
+            or concurrency is not None
+            or ceiling
+            or any(v is not None for v in load.values())
+        ):
+            stderr.print("[red]error: --structured takes --drafter and the prompt and model options only[/red]")
+            raise typer.Exit(1)
+        if questions == SPEC_BENCH:
+            inputs["questions"] = STRUCTURED_PROMPTS
+        _bench_structured(inputs, drafter or "llama-cpp")
+        return
     if concurrency is not None or ceiling:
         if pipeline or hf_k or placement:
             stderr.print(
@@ -631,16 +673,7 @@ def bench(
                 "and --drafter[/red]"
             )
             raise typer.Exit(1)
-        load = {
-            "requests_per_client": requests_per_client,
-            "methods": methods,
-            "drafter": drafter,
-            "api": api,
-            "load_generator": load_generator,
-            "arrivals": arrivals,
-            "request_rate": request_rate,
-        }
-        _bench_concurrency(inputs, concurrency, load, ceiling)
+        _bench_concurrency(inputs, concurrency, load | {"drafter": drafter}, ceiling)
         return
     if any(
         option is not None
@@ -670,6 +703,27 @@ def bench(
             f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]"
         )
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
+
+
+def _bench_structured(inputs: dict[str, Any], drafter: str) -> None:
+    """``specdec bench --structured``: see :mod:`specdec_app.bench.structured`."""
+    from specdec_app.bench.structured import REPORT_FILES, StructuredConfig, run_structured, structured_table, targets
+
+    try:
+        report = run_structured(StructuredConfig(**inputs, drafter=drafter), stderr)
+    except grpc.RpcError as err:
+        stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
+        raise typer.Exit(1) from None
+    except (ValueError, RuntimeError) as err:
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
+    print("\n".join([*structured_table(report), "", *targets(report)]))
+    for m in report["mismatches"]:
+        stderr.print(
+            f"[red]{m['method']} differs from plain constrained decoding on prompt {m['question_id']} at token "
+            f"{m['first_mismatch']}[/red]"
+        )
+    stderr.print(f"reports written to {inputs['out']}/: {', '.join(REPORT_FILES)}")
 
 
 def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool) -> None:

@@ -396,7 +396,7 @@ def constrained_greedy(model, prompt_ids: list[int], spec: StructuredOutput, voc
     with torch.inference_mode():
         while len(ids) < max_new and (not ids or ids[-1] != 2):
             logits = model(torch.tensor([prompt_ids + ids])).logits[0, -1]
-            token = int(logits.masked_fill(~matcher.allowed(), float("-inf")).argmax())
+            token = int(logits.masked_fill(~torch.from_numpy(matcher.allowed()), float("-inf")).argmax())
             matcher.advance([token])
             ids.append(token)
     return ids

@@ -1,12 +1,23 @@
 """Adaptive K: the choice from known costs and acceptance estimates, the fallback to plain decode
 and its recovery, over real gRPC with a scripted drafter whose accuracy switches mid-request."""
 
+import dataclasses
+
 import pytest
 
 from coordinator.api.client import generate
 from coordinator.observability.metrics import RoundRecord
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.adaptive import PLAIN, AcceptanceModel, AdaptiveK, AdaptiveState, Load, StepCosts
+from coordinator.speculation.adaptive import (
+    PLAIN,
+    AcceptanceModel,
+    AdaptiveK,
+    AdaptiveState,
+    Load,
+    StepCosts,
+    drafted_outcome,
+)
+from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.ngram import NgramMatch
 from specdec.suffix import DRAFTER_NAME as SUFFIX
@@ -145,6 +156,72 @@ def test_suffix_and_ngram_lookups_compete_with_estimates_of_their_own():
         "suffix/3",
         "suffix/4",
     }
+
+
+LONG = [60.0, *(70.0 + 2.0 * k for k in range(1, 9))]  # verify ms for K = 0..8: a verify service allowing K = 8
+
+
+def forced_policy(drafter_rates, forced_rates, k_max=2, draft_ms=5.0) -> AdaptiveK:
+    """A llama-cpp session allowed ``k_max`` drafted tokens, on a verify service allowing K = 8,
+    with the forced-token lookup's per-position estimates ``forced_rates``."""
+    return AdaptiveK(
+        k_max,
+        "llama-cpp",
+        AcceptanceModel(list(drafter_rates)),
+        {},
+        StepCosts(draft_ms, list(LONG), overhead_ms=[1.0, 3.0]),
+        forced=AcceptanceModel(list(forced_rates)),
+    )
+
+
+def test_forced_tokens_are_free_proposals():
+    """With 4 forced tokens next, the model drafter's options are those 4 (no draft cost) plus 1 to
+    k_max drafted ones, past k_max up to the verify service's K; a round of the forced tokens alone
+    costs no draft call; forced tokens count their own acceptance."""
+    policy = forced_policy([0.9] * 2, [1.0] * 8)
+    forced = {FORCED: ForcedMatch([5, 6, 7, 8])}
+    options = {(drafter, k): goodput for drafter, k, goodput in policy.options(forced)}
+    assert set(options) == {(PLAIN, 0), ("llama-cpp", 5), ("llama-cpp", 6), *((FORCED, k) for k in range(1, 5))}
+    # K = 6: 4 forced and 2 drafted tokens, priced as 2 draft tokens: 1 + 4 + 0.9 + 0.81 in 10 + 82 + 3 ms
+    assert options[("llama-cpp", 6)] == pytest.approx((1 + 4 + 0.9 + 0.81) / (2 * 5.0 + LONG[6] + 3.0))
+    assert options[(FORCED, 4)] == pytest.approx(5 / (LONG[4] + 1.0))  # no draft call: one overhead
+    assert policy.next_round(forced) == ("llama-cpp", 6)
+    # a slow draft loses to the forced tokens alone; forced tokens the target mostly rejects (another
+    # tokenization of the text wins) open the drafter's proposals too: plain decode then pays best
+    assert forced_policy([0.9] * 2, [1.0] * 8, draft_ms=50.0).next_round(forced) == (FORCED, 4)
+    assert forced_policy([0.9] * 2, [0.1] * 8).next_round(forced) == (PLAIN, 0)
+    # never past the verify service's K: 7 forced tokens leave one drafted
+    seven = {FORCED: ForcedMatch([5] * 7)}
+    assert max(k for drafter, k, _ in policy.options(seven) if drafter == "llama-cpp") == 8
+
+
+def test_the_drafter_learns_from_its_drafted_tokens_alone():
+    """A round of 2 forced, 1 drafted, 1 forced and 2 drafted tokens whose 4th token (forced) was
+    rejected: the drafter observes its one drafted token passing and no rejection, its ms per
+    token is the draft's time over its 3 drafted tokens, and the forced-token lookup observes its
+    own match against the committed tokens."""
+    policy = forced_policy([0.5] * 4, [0.5] * 8, k_max=4)
+    policy.acceptance.weight = policy.forced.weight = policy.costs.weight = 0.5
+    round_record = RoundRecord(
+        "llama-cpp",
+        6,
+        6,
+        3,
+        draft_ms=60.0,
+        verify_ms=LONG[6],
+        wall_ms=LONG[6] + 64.0,
+        wire_bytes=0,
+        forced=(True, True, False, True, False, False),
+    )
+    assert round_record.num_forced == 3 and drafted_outcome(round_record) == (1, 1)
+    policy.observe(round_record, {FORCED: ForcedMatch([5, 6])}, [5, 6, 9, 4])
+    assert policy.acceptance.rates == [0.75, 0.5, 0.5, 0.5]
+    assert policy.forced.rates[:3] == [0.75, 0.75, 0.5]
+    assert policy.costs.draft_ms_per_token == pytest.approx((5.0 + 60.0 / 3) / 2)
+    assert drafted_outcome(dataclasses.replace(round_record, num_accepted=4)) == (2, 1)  # 5th, drafted, rejected
+    assert "forced" in policy.acceptance_models()
+    policy.acceptance.observe(drafted=8, accepted=8)  # a draft that reports no forced tokens: 4 positions modelled
+    assert policy.acceptance.rates == [0.875, 0.75, 0.75, 0.75]
 
 
 def test_fallback_then_probe_then_recovery():

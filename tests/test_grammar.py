@@ -1,17 +1,17 @@
 """The grammar matcher (specdec/grammar.py) and the compilation of structured-output specs
 (specdec/structured_output.py) on SmolLM2's real tokenizer: rollback against a fresh matcher fed
-the committed log, the masks along a proposal, forced tokens, the end of a grammar, and the errors
-for invalid specs and limits. No model: a few seconds."""
+the committed log, the masks along a proposal, forced tokens and the coordinator's forced-token
+lookup, the end of a grammar, and the errors for invalid specs and limits. No model: a few seconds."""
 
 import json
 import random
 
+import numpy as np
 import pytest
-import torch
 
 from specdec.errors import InvalidArgument
-from specdec.grammar import GrammarMatcher
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.grammar import ForcedMatch, ForcedTokenLookup, GrammarMatcher
+from specdec.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 
 EOS = 2
 LIMITS = GrammarLimits()
@@ -44,18 +44,18 @@ def test_eos_repeats_after_the_end(tokenizer, person_ids):
     matcher = GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[:-2])
     assert matcher.valid_prefix([*person_ids[-2:], EOS, EOS, 5]) == 4
     matcher.advance([*person_ids[-2:], EOS, EOS])
-    assert matcher.ended and matcher.allowed().nonzero().flatten().tolist() == [EOS]
+    assert matcher.ended and matcher.allowed().nonzero()[0].tolist() == [EOS]
     matcher.rollback(4)
     assert_same_state(matcher, GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[:-2]))
 
 
-def state(matcher: GrammarMatcher) -> tuple[torch.Tensor, list[int], bool]:
+def state(matcher: GrammarMatcher) -> tuple[np.ndarray, list[int], bool]:
     return matcher.allowed(), matcher.forced_tokens(), matcher.ended
 
 
 def assert_same_state(matcher: GrammarMatcher, reference: GrammarMatcher) -> None:
     (mask, forced, ended), (mask_ref, forced_ref, ended_ref) = state(matcher), state(reference)
-    assert torch.equal(mask, mask_ref)
+    assert np.array_equal(mask, mask_ref)
     assert (forced, ended) == (forced_ref, ended_ref)
     assert matcher.num_tokens == reference.num_tokens
 
@@ -66,7 +66,7 @@ def test_a_valid_instance_is_accepted_to_its_end(tokenizer, person_ids):
         assert matcher.allowed()[token]
         matcher.advance([token])
     assert matcher.ended
-    assert matcher.allowed().nonzero().flatten().tolist() == [EOS]  # the grammar forces the end
+    assert matcher.allowed().nonzero()[0].tolist() == [EOS]  # the grammar forces the end
 
 
 def test_rollback_equals_a_fresh_matcher_fed_the_committed_log(tokenizer, person_ids):
@@ -89,12 +89,12 @@ def test_masks_along_a_proposal_are_the_masks_of_each_prefix(tokenizer, person_i
     matcher = GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[:3])
     before = state(matcher)
     masks = matcher.masks_along(person_ids[3:8])
-    assert masks.shape == (6, tokenizer.vocab_size) and masks.dtype == torch.bool
+    assert masks.shape == (6, tokenizer.vocab_size) and masks.dtype == np.bool_
     for i in range(6):
         prefix = GrammarMatcher.from_log(PERSON_SPEC, tokenizer, LIMITS, person_ids[: 3 + i])
-        assert torch.equal(masks[i], prefix.allowed())
+        assert np.array_equal(masks[i], prefix.allowed())
     after = state(matcher)
-    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]  # the matcher did not move
+    assert np.array_equal(before[0], after[0]) and before[1:] == after[1:]  # the matcher did not move
 
 
 def test_masks_after_a_rejected_draft_token_allow_everything(tokenizer, smollm2_tokenizer):
@@ -118,6 +118,25 @@ def test_forced_tokens_are_the_schema_keys_and_punctuation(tokenizer, smollm2_to
     assert forced and smollm2_tokenizer.decode(forced) == '{"name":'[: len(smollm2_tokenizer.decode(forced))]
     assert forced == person_ids[: len(forced)]
     assert GrammarMatcher.from_log(StructuredOutput("choice", '["yes", "no"]'), tokenizer, LIMITS).forced_tokens() == []
+
+
+def test_the_forced_token_lookup_follows_the_committed_log(tokenizer, person_ids):
+    """The coordinator's forced-token lookup: the tokens the grammar forces after the log, up to
+    k; a lookup that starts from a log already grown (a resumed request) proposes what one that
+    followed it round by round does."""
+    prompt = [1, 5, 9]
+    following = ForcedTokenLookup(GrammarMatcher(PERSON_SPEC, tokenizer, LIMITS), len(prompt))
+    first = following.lookup(prompt, 16)
+    assert first is not None and first.tokens == person_ids[: len(first.tokens)]
+    assert following.lookup(prompt, 2) == ForcedMatch(first.tokens[:2])
+    rng = random.Random(1)
+    committed = 0
+    while committed < len(person_ids) - 1:
+        committed = min(committed + rng.randint(1, 5), len(person_ids) - 1)
+        log = [*prompt, *person_ids[:committed]]
+        resumed = ForcedTokenLookup(GrammarMatcher(PERSON_SPEC, tokenizer, LIMITS), len(prompt))
+        assert following.lookup(log, 16) == resumed.lookup(log, 16)
+    assert following.lookup([*prompt, *person_ids], 16) is None  # after the end: nothing forced
 
 
 @pytest.mark.parametrize(
@@ -159,16 +178,22 @@ def test_invalid_specs_name_the_field_and_the_reason(spec, message, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("limits", "message"),
+    ("limits", "limit", "message"),
     [
-        (GrammarLimits(max_spec_bytes=64), "the limit is 64 bytes"),
-        (GrammarLimits(max_grammar_symbols=10), r"too big \(limit for this grammar: 10\)"),
-        (GrammarLimits(max_lexer_fuel=100), r"too big \(limit for this grammar: 100\)"),
+        (GrammarLimits(max_spec_bytes=64), "max_spec_bytes", "the limit is 64 bytes"),
+        (GrammarLimits(max_symbols=10), "max_symbols", r"too big \(limit for this grammar: 10\)"),
+        (GrammarLimits(max_lexer_fuel=100), "max_lexer_fuel", r"too big \(limit for this grammar: 100\)"),
     ],
 )
-def test_a_spec_over_a_limit_names_the_limit(limits, message, tokenizer):
-    with pytest.raises(InvalidArgument, match=message):
+def test_a_spec_over_a_limit_names_the_limit(limits, limit, message, tokenizer):
+    """In the matcher and in the check alike: GrammarTooLarge, which the coordinator turns into a
+    message naming its setting."""
+    with pytest.raises(GrammarTooLarge, match=message) as err:
         GrammarMatcher.from_log(PERSON_SPEC, tokenizer, limits)
+    assert err.value.limit == limit
+    with pytest.raises(GrammarTooLarge, match=message) as err:
+        PERSON_SPEC.check(tokenizer, limits)
+    assert err.value.limit == limit
 
 
 def test_a_committed_log_off_the_grammar_is_refused(tokenizer, smollm2_tokenizer):

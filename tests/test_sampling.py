@@ -21,8 +21,11 @@ model draft's batched steps (invariant *batch independence* under sampling).
 
 With a grammar (a regex over the 8 tokens, which the byte-level tokenizer spells as letters) the
 same harness must give the exact distribution of the masked target (invariant *lossless under
-constraints*): the model draft drafts under the mask, the lookup's proposals are cut at their
-first rejected token, and its negative control fails the same way.
+constraints*): the model draft drafts under the mask, the lookup's proposals are cut after their
+first rejected token, and its negative control fails the same way. A draft drawn from an unmasked
+q (grammar-aware drafting off) is tested on the verify service's session alone: the token the
+grammar rejects is kept and rejected by the rule, and cutting before it (a plain step from p)
+fails the same test.
 """
 
 import asyncio
@@ -67,6 +70,7 @@ PARAMS = SamplingParams(temperature=1.2, top_k=6, top_p=0.95)  # top-k and top-p
 SAMPLES = 1500
 CONCURRENT_SESSIONS = 16
 ALPHA = 1e-3
+LIMITS = GrammarLimits()
 
 
 def test_top_k_and_top_p_filters():
@@ -138,7 +142,7 @@ def _allowed(params: SamplingParams, generated: list[int]) -> torch.Tensor:
         return torch.ones(VOCAB, dtype=torch.bool)
     vocab = grammar_tokenizer(letters_tokenizer(), VOCAB, list(params.eos_token_ids))
     try:
-        return GrammarMatcher.from_log(params.structured_output, vocab, GrammarLimits(), generated).allowed()
+        return torch.from_numpy(GrammarMatcher.from_log(params.structured_output, vocab, LIMITS, generated).allowed())
     except InvalidArgument:
         return torch.ones(VOCAB, dtype=torch.bool)
 
@@ -258,6 +262,53 @@ def test_negative_control_under_a_grammar_is_detected(small_vocab, monkeypatch):
     monkeypatch.setattr(target_module, "rejection_sample", wrong_rejection_sample)
     p_value = pipeline_p_value(small_vocab, GRAMMAR_PARAMS, GRAMMAR_SAMPLES)
     print(f"wrong rule under a grammar: chi-square p-value {p_value:.2e}")
+    assert p_value < ALPHA
+
+
+def verified_first_tokens(target: Target, q: torch.Tensor, samples: int) -> torch.Tensor:
+    """Counts of the first generated token over ``samples`` seeded verifies of one draft token drawn
+    from ``q`` (``[VOCAB]``, not masked by the grammar: a draft without grammar-aware drafting)."""
+    draws = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB)
+    for seed in range(samples):
+        draft = int(torch.multinomial(q, 1, generator=draws))
+        session = target.new_session(PROMPT, dataclasses.replace(GRAMMAR_PARAMS, seed=seed))
+        try:
+            n, token = session.verify([draft], q[None])
+        finally:
+            session.close()
+        counts[draft if n else token] += 1
+    return counts
+
+
+# b (id 1) 3/4, and 1/4 on d, e, f and g (ids 4-7), which the grammar rejects at the first position
+UNMASKED_Q = torch.tensor([0.0, 0.75, 0.0, 0.0, 0.0625, 0.0625, 0.0625, 0.0625])
+UNMASKED_SAMPLES = 300
+
+
+def test_a_draft_token_off_the_grammar_is_rejected_by_the_rule_not_cut(small_vocab):
+    """A draft drawn from an unmasked q (grammar-aware drafting off): the verify service keeps the
+    first token the grammar rejects, so the rule rejects it (p = 0 there) and recovers from
+    max(0, p - q); the first token then follows the masked target's distribution."""
+    counts = verified_first_tokens(small_vocab.target, UNMASKED_Q, UNMASKED_SAMPLES)
+    exact = exact_distributions(small_vocab.reference, GRAMMAR_PARAMS)[0]
+    assert chi_square_p_value(counts, exact) > ALPHA
+
+
+def test_negative_control_a_cut_before_the_rejected_token_is_detected(small_vocab, monkeypatch):
+    """Cutting the proposal before that token (a plain decode step from p when it is the first)
+    biases the output toward p wherever q put mass off the grammar: the same test finds it."""
+    valid_prefix = GrammarMatcher.valid_prefix
+
+    def one_less_when_rejected(self, tokens):  # the verify service keeps valid_prefix + 1 tokens
+        valid = valid_prefix(self, tokens)
+        return valid - (valid < len(tokens))
+
+    monkeypatch.setattr(GrammarMatcher, "valid_prefix", one_less_when_rejected)
+    counts = verified_first_tokens(small_vocab.target, UNMASKED_Q, UNMASKED_SAMPLES)
+    exact = exact_distributions(small_vocab.reference, GRAMMAR_PARAMS)[0]
+    p_value = chi_square_p_value(counts, exact)
+    print(f"cut before the rejected token: chi-square p-value {p_value:.2e}")
     assert p_value < ALPHA
 
 

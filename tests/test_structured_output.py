@@ -1,8 +1,10 @@
 """Structured output through the services (invariant *lossless under constraints*): greedy output
 of the pipeline equals plain constrained decoding in process (the same grammar module over
 transformers' logits, one token at a time) for every drafter and K, a grammar that forces the end
-finishes with stop, and a bad spec is INVALID_ARGUMENT naming its field. The tiny pipeline: real
-gRPC servers on free ports, the tiny random models."""
+finishes with stop, and a bad spec is INVALID_ARGUMENT naming its field (or the limit it exceeds
+and the coordinator's setting of it). Under adaptive K the tokens the grammar forces are free
+proposals (RequestMetrics.num_forced_draft_tokens). The tiny pipeline: real gRPC servers on free
+ports, the tiny random models."""
 
 import json
 
@@ -10,11 +12,15 @@ import grpc
 import pytest
 
 from coordinator.api.client import generate
-from specdec.grammar import GrammarMatcher
+from coordinator.api.request import resolve
+from coordinator.settings import CoordinatorSettings
+from specdec.errors import InvalidArgument
+from specdec.grammar import FORCED, GrammarMatcher
 from specdec.sampling_params import SamplingParams
 from specdec.structured_output import GrammarLimits, StructuredOutput
-from specdec.v1 import common_pb2, coordinator_pb2
-from tests.conftest import chat_ids, constrained_greedy
+from specdec.v1 import common_pb2, coordinator_pb2, verify_pb2
+from specdec.vocab import tokenizer_fingerprint
+from tests.conftest import TINY_VOCAB, chat_ids, constrained_greedy
 
 EOS = 2
 MAX_NEW = 32
@@ -56,12 +62,23 @@ def test_greedy_pipeline_equals_plain_constrained_decoding(tiny_pipeline, refere
 
 @pytest.mark.parametrize("drafter", ["close", "suffix"])
 def test_adaptive_k_equals_plain_constrained_decoding(tiny_pipeline, references, drafter):
+    """Adaptive K proposes the tokens the grammar forces (the keys and punctuation of the schema)
+    free: the model drafter's proposals open with them, and the coordinator's forced-token lookup
+    proposes them alone (with the suffix lookup the only one that can: its rounds, none of the
+    draft service's)."""
     completion = generate(tiny_pipeline.address, request("json_schema", drafter=drafter), 120)
     assert completion.token_ids == references["json_schema"]
+    metrics = completion.metrics
+    assert 0 < metrics.num_forced_draft_tokens <= metrics.num_draft_tokens
+    if drafter == "suffix":
+        assert metrics.drafter_usage[FORCED].num_draft_tokens >= metrics.num_forced_draft_tokens > 0
 
 
-def test_a_grammar_that_forces_the_end_finishes_with_stop(tiny_pipeline, references):
-    completion = generate(tiny_pipeline.address, request("choice", num_speculative_tokens=4, drafter="self"), 120)
+@pytest.mark.parametrize("k", [4, None])
+def test_a_grammar_that_forces_the_end_finishes_with_stop(tiny_pipeline, k):
+    """After the last choice's text only EOS is allowed: the request ends there with ``stop``,
+    at a fixed K and under adaptive K (with its forced-token lookup)."""
+    completion = generate(tiny_pipeline.address, request("choice", num_speculative_tokens=k, drafter="self"), 120)
     assert (completion.finish_reason, completion.token_ids[-1]) == ("stop", EOS)
     assert completion.text in ("red", "green", "blue")
 
@@ -78,6 +95,41 @@ def test_a_bad_spec_is_invalid_argument_naming_its_field(tiny_pipeline, spec, me
     with pytest.raises(grpc.RpcError) as err:
         generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", structured_output=spec), 60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+def test_a_spec_over_the_size_limit_is_invalid_argument_naming_the_limit_and_the_setting(tiny_pipeline):
+    schema = json.dumps({"type": "object", "description": "x" * 70_000})
+    spec = common_pb2.StructuredOutput(json_schema=schema)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(tiny_pipeline.address, coordinator_pb2.GenerateRequest(text="Hi", structured_output=spec), 60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"structured_output.json_schema is {len(schema)} bytes: the limit is 65536 bytes" in err.value.details()
+    assert "--grammar-max-spec-bytes" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("grammar_max_symbols", "grammar size (number of symbols) too big (limit for this grammar: 10)"),
+        ("grammar_max_lexer_fuel", "initial lexer configuration (grammar) too big (limit for this grammar: 10)"),
+    ],
+)
+def test_a_grammar_over_a_compile_limit_names_the_limit_and_the_setting(smollm2_tokenizer, setting, message):
+    """The coordinator compiles every spec within its settings' limits (the services trust it)."""
+    settings = CoordinatorSettings(**{setting: 10})
+    target = verify_pb2.VerifyServiceGetInfoResponse(
+        model="tiny",
+        vocab_fingerprint=tokenizer_fingerprint(smollm2_tokenizer),
+        vocab_size=TINY_VOCAB,
+        eos_token_ids=[EOS],
+        max_context_length=512,
+        max_num_speculative_tokens=16,
+    )
+    with pytest.raises(InvalidArgument) as err:
+        resolve(request("json_schema"), settings, smollm2_tokenizer, target.vocab_fingerprint, target, None)
+    flag = setting.replace("_", "-")
+    assert f"structured_output.json_schema is not valid: {message} (the coordinator's {setting} is 10" in str(err.value)
+    assert f"--{flag} or SPECDEC_COORDINATOR_{setting.upper()}" in str(err.value)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -112,6 +164,7 @@ def test_the_model_drafter_proposes_forced_tokens_without_a_forward(
     finally:
         session.close()
     assert proposal.tokens[: len(forced)] == forced and len(proposal.tokens) == len(forced) + 3
+    assert proposal.forced[: len(forced)] == [True] * len(forced)  # reported to the coordinator's adaptive K
     matcher = GrammarMatcher.from_log(spec, tiny_grammar_vocab, GrammarLimits())
     assert matcher.valid_prefix(proposal.tokens) == len(proposal.tokens)  # drafted under the mask
     if temperature:

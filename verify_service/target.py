@@ -34,7 +34,7 @@ from specdec.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.ragged_lm import RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, grammar_tokenizer
+from specdec.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
@@ -76,7 +76,6 @@ class Target:
         self.name = name
         self.limits = limits
         self.tokenizer = tokenizer
-        self.grammar_limits = GrammarLimits()
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = model.config.vocab_size
         self.max_context_length = context_window(model)
@@ -140,13 +139,13 @@ class Target:
 
     def grammar_matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
         """The request's grammar state after ``committed`` (its generated part); None without
-        structured output. Raises InvalidArgument for a spec that does not compile or a log off it."""
+        structured output. Raises InvalidArgument for a spec that does not compile or a log off it.
+        No limits of its own: the coordinator checked the spec against its ``--grammar-*`` limits
+        (docs/architecture.md#structured-output)."""
         if sampling.structured_output is None:
             return None
         generated = committed[sampling.num_prompt_tokens :]
-        return GrammarMatcher.from_log(
-            sampling.structured_output, self.grammar_tokenizer, self.grammar_limits, generated
-        )
+        return GrammarMatcher.from_log(sampling.structured_output, self.grammar_tokenizer, UNLIMITED, generated)
 
     def _decode_all(self, sessions: list["TargetSession"]) -> None:
         """One step with one new token for every session (rolled back after)."""
@@ -278,7 +277,8 @@ class _Verify(_Score):
         logits = process(logits, session.sampling, session.committed, self.draft_tokens)
         if session.grammar is None:
             return logits
-        return logits.masked_fill(~session.grammar.masks_along(self.draft_tokens), float("-inf"))
+        masks = torch.from_numpy(session.grammar.masks_along(self.draft_tokens)).to(logits.device)
+        return logits.masked_fill(~masks, float("-inf"))
 
     def q(self, vocab_size: int) -> torch.Tensor:
         """The draft distributions, ``[K, V]`` float32 (K = 0: none sent)."""
@@ -381,10 +381,12 @@ class TargetSession:
         (:meth:`specdec.engine.Engine.submit`): once done, its ``result`` is ``(n, next_token)``
         and its ``logprobs`` those of the committed tokens (with ``sampling.logprobs``).
 
-        With structured output, the proposal is cut at its first token the grammar rejects before
-        it is scored: that token could not be accepted (its target probability is 0), and cutting
-        it is lossless because its draft probability is a point mass (a lookup) or it was never
-        drawn (a model drafter drafts under the same mask).
+        With structured output, the proposal is cut after its first token the grammar rejects
+        before it is scored (vLLM's ``validate_tokens``): the tokens after it can never be reached.
+        That token itself is kept: its target probability is 0 under the mask, so the acceptance
+        test rejects it and draws the recovered token from max(0, p - q), which keeps sampling
+        lossless whatever the draft's q (a draft without grammar-aware drafting drew it from
+        an unmasked q); under greedy decoding it is the masked argmax, as a cut before it gives.
 
         Raises:
             InvalidArgument: K above the limit, the window would overflow, ids out of range, or
@@ -392,7 +394,7 @@ class TargetSession:
         """
         self._check(draft_tokens, draft_probs)
         if self.grammar is not None:
-            k = self.grammar.valid_prefix(draft_tokens)
+            k = min(self.grammar.valid_prefix(draft_tokens) + 1, len(draft_tokens))
             draft_tokens, draft_probs = draft_tokens[:k], None if draft_probs is None else draft_probs[:k]
         return _Verify(self, draft_tokens, draft_probs)
 

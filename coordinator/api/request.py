@@ -4,15 +4,19 @@ import functools
 import secrets
 from dataclasses import dataclass
 
+from llguidance import LLTokenizer
+
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.grammar import ForcedTokenLookup, GrammarMatcher
 from specdec.ngram import DRAFTER_NAME as NGRAM
 from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
+DEFAULT_LIMITS = GrammarLimits()
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class ResolvedRequest:
     drafter: str
     adaptive: bool
     ignore_eos: bool = False
+    # adaptive K with structured output and grammar-aware drafting: the target's vocabulary as the
+    # grammar library sees it, for the coordinator's forced-token lookup (None: no such lookup)
+    grammar_tokenizer: LLTokenizer | None = None
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
 
     @property
     def uses_draft_service(self) -> bool:
@@ -34,6 +42,14 @@ class ResolvedRequest:
         return (
             self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
         )
+
+    def forced_token_lookup(self) -> ForcedTokenLookup | None:
+        """A new forced-token lookup over the request's grammar (see ``grammar_tokenizer``)."""
+        spec = self.sampling.structured_output
+        if self.grammar_tokenizer is None or spec is None:
+            return None
+        matcher = GrammarMatcher(spec, self.grammar_tokenizer, self.grammar_limits)
+        return ForcedTokenLookup(matcher, len(self.prompt_ids))
 
 
 def _field(request, name: str, default):
@@ -94,8 +110,9 @@ def resolve(
             f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
         )
     sampling = _sampling(request, ids, max_new, verify_info, settings.max_logprobs)
+    vocab = None
     if sampling.structured_output is not None:
-        _check_structured_output(sampling, tokenizer, verify_info)
+        vocab = _check_structured_output(sampling, tokenizer, verify_info, settings)
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
@@ -107,8 +124,18 @@ def resolve(
     drafter = request.drafter
     if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
+    adaptive = adaptive and k > 0
     return ResolvedRequest(
-        ids, max_new, sampling, list(request.stop), k, drafter, adaptive and k > 0, request.ignore_eos
+        ids,
+        max_new,
+        sampling,
+        list(request.stop),
+        k,
+        drafter,
+        adaptive,
+        request.ignore_eos,
+        vocab if adaptive and settings.grammar_aware_drafting else None,
+        settings.grammar_limits(),
     )
 
 
@@ -153,17 +180,30 @@ def _sampling(
 
 
 def _check_structured_output(
-    sampling: SamplingParams, tokenizer, verify_info: verify_pb2.VerifyServiceGetInfoResponse
-) -> None:
-    """Compiles the request's structured output against the target's vocabulary, so that a bad
-    spec fails here and not in a service. Raises InvalidArgument naming the part that fails."""
+    sampling: SamplingParams,
+    tokenizer,
+    verify_info: verify_pb2.VerifyServiceGetInfoResponse,
+    settings: CoordinatorSettings,
+) -> LLTokenizer:
+    """Compiles the request's structured output against the target's vocabulary within the
+    settings' limits (the only check: the services trust it), so that a bad spec fails here and
+    not in a service; returns the vocabulary it compiled against. Raises InvalidArgument naming
+    the part that fails, and for a spec over a limit, the limit and the setting that raises it."""
     assert sampling.structured_output is not None
     if sampling.min_tokens:
         raise InvalidArgument(
             "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
         )
     vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
-    sampling.structured_output.check(vocab, GrammarLimits())
+    try:
+        sampling.structured_output.check(vocab, settings.grammar_limits())
+    except GrammarTooLarge as err:
+        setting = f"grammar_{err.limit}"
+        raise InvalidArgument(
+            f"{err} (the coordinator's {setting} is {getattr(settings, setting)}: an operator raises it with "
+            f"--{setting.replace('_', '-')} or SPECDEC_COORDINATOR_{setting.upper()})"
+        ) from None
+    return vocab
 
 
 @functools.cache

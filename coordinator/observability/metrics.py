@@ -32,7 +32,9 @@ class RoundRecord:
     time), ``queue_ms`` the round's wait before it, ``running_seqs`` the sequences running on the
     verify service then (see ``StepStats``); ``draft_ahead``: ``"hit"`` when the proposal was
     drafted ahead during the previous round, ``"miss"`` when one was but verification went
-    another way, else ``""`` (the draft time of a hit is the round's wait for it, often 0)."""
+    another way, else ``""`` (the draft time of a hit is the round's wait for it, often 0);
+    ``forced``: per proposed token, whether the request's grammar forced it (the forced-token
+    lookup's, or the model drafter's jump-forward: no draft forward), empty when none was."""
 
     drafter: str
     k: int
@@ -48,6 +50,12 @@ class RoundRecord:
     running_seqs: int = 0
     step_ms: float = 0.0
     draft_ahead: str = ""
+    forced: tuple[bool, ...] = ()
+
+    @property
+    def num_forced(self) -> int:
+        """Proposed tokens the grammar forced."""
+        return sum(self.forced[: self.num_drafted])
 
 
 @dataclass
@@ -101,6 +109,7 @@ class MetricsRecorder:
             num_draft_ahead_hits=hits,
             draft_ahead_hit_rate=hits / len(ahead) if ahead else 0.0,
             verify_costs=verify_costs(self.rounds),
+            num_forced_draft_tokens=sum(r.num_forced for r in spec),
             **identity,
         )
 

@@ -64,6 +64,12 @@ class CoordinatorMetrics(ServiceMetrics):
         self.num_accepted_tokens = counter(
             "specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("drafter",)
         )
+        self.num_forced_draft_tokens = counter(
+            "specdec_spec_decode_num_forced_draft_tokens",
+            "Draft tokens the request's grammar forced (proposed without a draft forward), by the drafter that "
+            "proposed them (forced: the coordinator's forced-token lookup).",
+            ("drafter",),
+        )
         self.num_draft_tokens_per_pos = counter(
             "specdec_spec_decode_num_draft_tokens_per_pos",
             "Draft tokens proposed at each position (0 = first) of a proposal.",
@@ -142,6 +148,8 @@ class CoordinatorMetrics(ServiceMetrics):
             self.num_drafts.labels(record.drafter).inc()
             self.num_draft_tokens.labels(record.drafter).inc(record.num_drafted)
             self.num_accepted_tokens.labels(record.drafter).inc(record.num_accepted)
+            if record.num_forced:
+                self.num_forced_draft_tokens.labels(record.drafter).inc(record.num_forced)
             # a position drafted but never accepted still exports its accepted series (at 0): the
             # per-position curve then shows 0 there instead of leaving the point out
             for position in range(record.num_drafted):

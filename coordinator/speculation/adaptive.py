@@ -36,6 +36,27 @@ under greedy decoding that is exactly the acceptance test's outcome; under sampl
 tokens follow the target distribution p, so a match at a position has probability p(token), the
 acceptance probability of a point-mass draft (Leviathan et al. 2023). So lookup estimates need no
 probing and cost nothing to keep.
+
+Structured output: where the request's grammar allows one continuation of the text only (the keys
+and punctuation of a JSON schema), its tokens are free proposals, costing no draft forward. The
+draft's model drafters open their proposals with them and jump over them again after each drafted
+token (jump-forward), and say which tokens were forced (``ProposeResponse.forced``); the
+coordinator follows the grammar too (:class:`specdec.grammar.ForcedTokenLookup`, llguidance
+without torch, a few µs a round), so it knows the f tokens forced next before a round. They count
+twice: as a lookup of their own (a round of the forced tokens alone: no draft call at all; its
+per-position estimates observed every round, like n-gram's), and as the free head of the model
+drafter's options: option K = f + d costs d draft tokens, its expected tokens are the forced
+tokens' rates then, once those passed, the drafter's; d ranges over 1..``k_max``, so forced tokens
+take a round past ``k_max`` up to the verify service's largest K (more tokens per verify, at no
+draft cost). The drafter's acceptance estimates and its ms per token learn from its drafted
+tokens alone (:func:`drafted_outcome`), so they mean the same with a grammar and without (both
+are shared with the requests without one). Forced tokens that follow a drafted token are known
+only once drafted: they are priced as drafted tokens (their cost overestimated, their acceptance
+the drafter's). Why both halves: the draft's report alone cannot price a round before it runs
+and leaves a round of forced tokens paying the draft's hop; the coordinator's lookup alone could
+not propose the text after them, which only a model drafts. Lossless either way: forced tokens
+are verified like any draft token (point masses under sampling), and the choice only decides who
+proposes and how many (``--grammar-aware-drafting`` off: neither half).
 """
 
 import statistics
@@ -43,6 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
+from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import NgramMatch
 from specdec.suffix import SuffixMatch
 from specdec.token_ids import common_prefix_length
@@ -50,7 +72,8 @@ from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 
 SUFFIX_LENGTHS = 4  # suffix matches of 4 tokens and more share one acceptance estimate
-Matches = Mapping[str, NgramMatch | SuffixMatch]  # this round's proposal of each lookup that matched
+Match = NgramMatch | SuffixMatch | ForcedMatch
+Matches = Mapping[str, Match]  # this round's proposal of each lookup that matched
 
 
 def ema(old: float, new: float, weight: float) -> float:
@@ -79,20 +102,29 @@ class AcceptanceModel:
         self.observe(drafted, common_prefix_length(proposal, committed[:drafted]))
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed."""
-        reached = min(accepted + 1, drafted)
+        """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed
+        (those it models: a draft that did not report its forced tokens may propose more)."""
+        reached = min(accepted + 1, drafted, len(self.rates))
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
         self.observed = max(self.observed, reached)
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a round of ``k`` drafts (the target's own token included)."""
+        return 1.0 + sum(self._passing(k))
+
+    def pass_probability(self, k: int) -> float:
+        """The probability that all of a round's first ``k`` drafts pass."""
+        return ([1.0, *self._passing(k)])[-1]
+
+    def _passing(self, k: int) -> list[float]:
+        """For i in 1..k (at most the positions modelled): the probability that drafts 1..i pass."""
         floor = self.rates[self.observed - 1] if self.observed else 0.0
-        total, passing = 1.0, 1.0
+        passing, probabilities = 1.0, []
         for i, rate in enumerate(self.rates[:k]):
             passing *= rate if i < self.observed else max(rate, floor)
-            total += passing
-        return total
+            probabilities.append(passing)
+        return probabilities
 
 
 @dataclass
@@ -111,9 +143,10 @@ class StepCosts:
     batched_ms: dict[int, float] = field(default_factory=dict)
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0) -> float:
+    def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0, free: int = 0) -> float:
         """A round of k drafts while other sequences bring ``others_tokens`` to the step;
-        ``draft_call`` False: drafts that cost nothing (n-gram lookup).
+        ``draft_call`` False: drafts that cost nothing (n-gram lookup); ``free`` of the k cost the
+        draft no forward (tokens the grammar forces).
 
         A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
         forward over fewer tokens): a start-up measurement inflated by contention would otherwise
@@ -124,7 +157,7 @@ class StepCosts:
             verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
         else:
             verify_ms = self._verify_ms(k, others_tokens)
-        return calls * k * self.draft_ms_per_token + verify_ms + self.overhead_ms[calls]
+        return calls * (k - free) * self.draft_ms_per_token + verify_ms + self.overhead_ms[calls]
 
     def _verify_ms(self, k: int, others_tokens: float) -> float:
         """A verify call of k drafts: alone, the plain step (k = 0) as measured and a verify round
@@ -159,10 +192,12 @@ class StepCosts:
         """Learns from a finished round. The verify costs take the forward time of the step that
         served it (``record.step_ms``; a service reporting no step: its handling time); what the
         round waited for a step, behind other work or because it came back from drafting after
-        the step had begun, goes to the overhead of rounds of its kind."""
+        the step had begun, goes to the overhead of rounds of its kind. The draft's ms per token
+        counts the tokens it drafted, not those the grammar forced (they cost it no forward)."""
         k = record.num_drafted
-        if draft_call and k:
-            self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / k, self.weight)
+        if draft_call and k > record.num_forced:
+            forwarded = k - record.num_forced
+            self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
             n = record.batched_tokens
@@ -221,34 +256,70 @@ class AdaptiveK:
     probe_interval: int = 16
     probe_k: int = 2
     load: Load = field(default_factory=Load)
+    forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
     _fallback_rounds: int = 0
 
-    def _lookup_model(self, name: str, match: NgramMatch | SuffixMatch) -> AcceptanceModel:
-        models = self.lookups[name]
-        return models[min(match.n, len(models)) - 1]
+    @property
+    def k_limit(self) -> int:
+        """The largest K of any round: the verify service's; forced tokens may take a round past
+        ``k_max`` drafted tokens up to it."""
+        return len(self.costs.verify_ms) - 1
+
+    def _lookup_models(self, matches: Matches | None) -> list[tuple[str, Match, AcceptanceModel]]:
+        """This round's lookup matches with the acceptance model of each (the forced-token
+        lookup's, or the n-gram and suffix lookups' by match length)."""
+        found = []
+        for name, match in (matches or {}).items():
+            if not match.tokens:
+                continue
+            if name == FORCED and self.forced is not None:
+                found.append((name, match, self.forced))
+            elif name in self.lookups:
+                models = self.lookups[name]
+                found.append((name, match, models[min(match.n, len(models)) - 1]))
+        return found
+
+    def _num_forced(self, matches: Matches | None) -> int:
+        """The tokens the grammar forces next (0 without a forced-token lookup): the model
+        drafter's proposal opens with them at no draft cost (jump-forward)."""
+        match = (matches or {}).get(FORCED)
+        return len(match.tokens) if match is not None and self.forced is not None else 0
+
+    def _drafter_expected_tokens(self, num_forced: int, k: int) -> float:
+        """Expected tokens of a model drafter's round of ``num_forced`` forced then ``k`` drafted
+        tokens: the forced ones pass at the forced-token lookup's rates, the drafted ones, once
+        those passed, at the drafter's."""
+        assert self.acceptance is not None
+        if not num_forced:
+            return self.acceptance.expected_tokens(k)
+        assert self.forced is not None
+        after_forced = self.forced.pass_probability(num_forced)
+        return self.forced.expected_tokens(num_forced) + after_forced * (self.acceptance.expected_tokens(k) - 1.0)
 
     def options(self, matches: Matches | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
         """(drafter, K, expected tokens per ms of the whole batch, see the module docstring) of
-        every choice this round; the model drafter's only while ``draft_available``."""
-        k_max = min(self.k_max, len(self.costs.verify_ms) - 1)
+        every choice this round; the model drafter's only while ``draft_available``. With a
+        forced-token match of f tokens, the model drafter's options are f forced tokens (free of
+        draft cost) plus 1..``k_max`` drafted ones, up to ``k_limit``."""
+        k_max = min(self.k_max, self.k_limit)
         others, others_tokens = self.load.others_expected_tokens(), self.load.others_tokens
 
-        def goodput(tokens: float, k: int, draft_call: bool = True) -> float:
-            return (tokens + others) / self.costs.round_ms(k, draft_call, others_tokens)
+        def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0) -> float:
+            return (tokens + others) / self.costs.round_ms(k, draft_call, others_tokens, free)
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and self.acceptance is not None and draft_available:
+            f = self._num_forced(matches)
             options += [
-                (self.drafter, k, goodput(self.acceptance.expected_tokens(k), k))
-                for k in range(1, min(k_max, len(self.acceptance.rates)) + 1)
+                (self.drafter, f + k, goodput(self._drafter_expected_tokens(f, k), f + k, free=f))
+                for k in range(1, min(k_max, self.k_limit - f, len(self.acceptance.rates)) + 1)
             ]
-        for name, match in (matches or {}).items():
-            if match.tokens and name in self.lookups:
-                model = self._lookup_model(name, match)
-                options += [
-                    (name, k, goodput(model.expected_tokens(k), k, draft_call=False))
-                    for k in range(1, min(k_max, len(match.tokens), len(model.rates)) + 1)
-                ]
+        for name, match, model in self._lookup_models(matches):
+            limit = self.k_limit if name == FORCED else k_max
+            options += [
+                (name, k, goodput(model.expected_tokens(k), k, draft_call=False))
+                for k in range(1, min(limit, len(match.tokens), len(model.rates)) + 1)
+            ]
         return options
 
     def next_round(self, matches: Matches | None, draft_available: bool = True) -> tuple[str, int]:
@@ -259,7 +330,7 @@ class AdaptiveK:
         self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
         if self.drafter and draft_available and self._fallback_rounds >= self._rounds_between_probes():
             self._fallback_rounds = 0
-            return self.drafter, min(self.probe_k, self.k_max)
+            return self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
         return drafter, k
 
     def wants_drafter(self, matches: Matches | None) -> bool:
@@ -291,10 +362,9 @@ class AdaptiveK:
         (used or not) and the tokens it committed."""
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if draft_call and self.acceptance is not None:
-            self.acceptance.observe(record.num_drafted, record.num_accepted)
-        for name, match in (matches or {}).items():
-            if match.tokens and name in self.lookups:
-                self._lookup_model(name, match).observe_tokens(match.tokens, committed)
+            self.acceptance.observe(*drafted_outcome(record))
+        for _, match, model in self._lookup_models(matches):
+            model.observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call)
         self.load.observe(record, len(committed))
 
@@ -303,7 +373,21 @@ class AdaptiveK:
         models = {f"{name}/{n}": model for name, lookup in self.lookups.items() for n, model in enumerate(lookup, 1)}
         if self.drafter and self.acceptance is not None:
             models[self.drafter] = self.acceptance
+        if self.forced is not None and self.forced.observed:  # a request with structured output
+            models[FORCED] = self.forced
         return models
+
+
+def drafted_outcome(record: RoundRecord) -> tuple[int, int]:
+    """A model drafter's round as its acceptance model sees it, (drafted, accepted) as
+    :meth:`AcceptanceModel.observe` takes them: its drafted tokens alone, the forced ones left out
+    (those are the forced-token lookup's to learn), so the drafter's estimates mean the same with
+    a grammar and without. A rejection at a forced token observes no drafted rejection."""
+    forced = [*record.forced, *[False] * record.num_drafted]
+    reached = min(record.num_accepted + 1, record.num_drafted)
+    drafted = sum(not forced[i] for i in range(reached))
+    accepted = sum(not forced[i] for i in range(record.num_accepted))
+    return drafted, accepted
 
 
 @dataclass
@@ -315,11 +399,15 @@ class AdaptiveState:
     it (its acceptance is observed only in the rounds that use it). ``lookup_prior_rate`` seeds the
     lookups': a coin toss, as their acceptance is observed every round whether used or not,
     and an optimistic start made the first requests on a loaded service verify long lookups that
-    mostly failed (4 requests at once, each its first: 66 drafts, 11 accepted, in 25 rounds)."""
+    mostly failed (4 requests at once, each its first: 66 drafts, 11 accepted, in 25 rounds).
+    ``forced_prior_rate`` seeds the forced-token lookup's: high, as the target is masked by the same
+    grammar, so a forced token fails only where the grammar also allows another tokenization of
+    the same text; it is observed every round too."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
     lookup_prior_rate: float = 0.5
+    forced_prior_rate: float = 0.9
     request_weight: float = 0.5
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -359,6 +447,7 @@ class AdaptiveState:
             target.model,
             self.probe_interval,
             load=Load(others_seqs=others, others_tokens=others),
+            forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
         )
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:
@@ -367,7 +456,7 @@ class AdaptiveState:
         return AcceptanceModel(prior[:k_max])
 
     def priors_of(self, target: str) -> dict[str, list[float]]:
-        """The warm starts for ``target`` by source (drafter, or ``ngram/<n>``), for the request store."""
+        """The warm starts for ``target`` by source (drafter, ``ngram/<n>``, ``forced``), for the request store."""
         return {source: list(rates) for (source, model), rates in self.priors.items() if model == target}
 
     def set_priors(self, target: str, priors: dict[str, list[float]]) -> None:

@@ -5,8 +5,9 @@ Each round: the draft proposes K tokens (carrying the committed tokens it has no
 verify service accepts n of them and returns the next token, and the committed log grows by
 draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
 Under adaptive K a round's proposal may instead come from one of the coordinator's own lookups,
-n-gram or suffix (:meth:`RequestRounds.lookup_matches`); the draft session then catches up at
-its next Propose.
+n-gram or suffix (:meth:`RequestRounds.lookup_matches`), or, with structured output, the tokens
+the request's grammar forces (:class:`specdec.grammar.ForcedTokenLookup`); the draft session then
+catches up at its next Propose.
 
 The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSession`'s;
 the verify side is :class:`coordinator.speculation.failover.VerifySession`'s.
@@ -47,6 +48,7 @@ from coordinator.speculation.draft_side import DraftService, DraftSession
 from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
+from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import NgramIndex, NgramMatch
 from specdec.suffix import SuffixIndex, SuffixMatch
 from specdec.timing import ms_since
@@ -86,6 +88,7 @@ class RequestRounds:
         self.request = request
         self.committed = committed
         self.lookups = lookups or {}
+        self.forced = request.forced_token_lookup()  # adaptive K with structured output only
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._releases = BackgroundTasks()
         self.draft = DraftSession(
@@ -144,11 +147,16 @@ class RequestRounds:
 
     # --- rounds --------------------------------------------------------------------------
 
-    def lookup_matches(self, k: int) -> dict[str, NgramMatch | SuffixMatch]:
+    def lookup_matches(self, k: int, forced_k: int = 0) -> dict[str, NgramMatch | SuffixMatch | ForcedMatch]:
         """Each lookup's proposal of up to ``k`` tokens after the committed log, by lookup name
-        (those without a match left out). Call it every round: the lookups index the tokens
-        committed since the last call."""
-        matches = {name: index.lookup(self.committed, k) for name, index in self.lookups.items()}
+        (those without a match left out), and the forced-token lookup's of up to ``forced_k`` (a
+        request with one: structured output under adaptive K). Call it every round: the lookups
+        index the tokens committed since the last call."""
+        matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch | None] = {
+            name: index.lookup(self.committed, k) for name, index in self.lookups.items()
+        }
+        if self.forced is not None:
+            matches[FORCED] = self.forced.lookup(self.committed, forced_k)
         return {name: match for name, match in matches.items() if match}
 
     async def step(
@@ -175,20 +183,22 @@ class RequestRounds:
             await self.draft.wait_for_prefill()  # see prefill()
         self.draft.check_prefill()
         # 1. choose the proposer and K
-        matches: dict[str, NgramMatch | SuffixMatch] = {}
+        matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch] = {}
         if policy is None:
             proposer, k = self.request.drafter, min(self.request.num_speculative_tokens, max_k)
         else:
-            matches = self.lookup_matches(min(policy.k_max, max_k))
+            matches = self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k))
             if not self.draft.available() and policy.wants_drafter(matches):
                 self.draft.open()
             proposer, k = policy.next_round(matches, self.draft.available())
             k = min(k, max_k)
         # 2. propose
         proposal, distributions, draft_ms, ahead = [], [], 0.0, ""
+        forced: tuple[bool, ...] = ()
         if proposer in matches:
             proposal = matches[proposer].tokens[:k]
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
+            forced = (True,) * len(proposal) if proposer == FORCED else ()
         elif k > 0:
             drafted = await self.draft.proposal(k, self.num_rounds, start)
             draft_ms, ahead, wire_bytes = drafted.wait_ms, drafted.ahead, drafted.wire_bytes
@@ -197,6 +207,7 @@ class RequestRounds:
             else:
                 proposal = list(drafted.response.token_ids[:k])
                 distributions = drafted.response.distributions[:k]
+                forced = tuple(drafted.response.forced[: len(proposal)])
         if k == 0:
             proposer = PLAIN
         # 3. verify, or decode one token
@@ -218,6 +229,7 @@ class RequestRounds:
             step.num_running_seqs,
             step.step_ms,
             ahead,
+            forced if any(forced) else (),
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn

@@ -3,7 +3,7 @@
 import abc
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from llguidance import LLTokenizer
@@ -17,7 +17,7 @@ from specdec.kv import SequenceKV, prefill
 from specdec.logits_processors import process
 from specdec.sampling import logits_to_probs, round_generator, sample
 from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, grammar_tokenizer
+from specdec.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2
@@ -32,12 +32,14 @@ class Proposal:
     """Draft tokens and the draft distributions q they were drawn from.
 
     ``probs`` is ``[len(tokens), V]`` float32 for a model drafter under sampling; None means a
-    point mass on each token (greedy decoding, or a model-free drafter).
+    point mass on each token (greedy decoding, or a model-free drafter). ``forced``: per token,
+    whether the grammar forced it (jump-forward: no draft forward); empty when none was.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     bonus_token_id: int | None = None  # draft-ahead: the guessed bonus token the tokens continue
+    forced: list[bool] = field(default_factory=list)
 
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
@@ -147,6 +149,7 @@ class _Propose(Work):
         self.guess_bonus = bool(predicted)
         self.chosen: list[int] = []  # the bonus guess, then the draft tokens: what the next step feeds
         self.tokens: list[int] = []
+        self.forced: list[bool] = []  # per token: the grammar forced it
         self.probs: list[torch.Tensor] = []
         sampling = session.sampling
         first = len(self.context) + self.guess_bonus  # the position of the first draft token
@@ -172,7 +175,7 @@ class _Propose(Work):
             allowed = self._in_grammar(lambda grammar: grammar.allowed())
             if allowed is None:  # predicted tokens off the grammar: nothing valid to draft after them
                 return self._done()
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = scores.masked_fill(~torch.from_numpy(allowed).to(scores.device), float("-inf"))
         if self.guess_bonus and self.bonus is None:
             self.bonus = int(scores.argmax())
             self.chosen.append(self.bonus)
@@ -184,8 +187,9 @@ class _Propose(Work):
         self._jump_forward()
         return len(self.tokens) >= self.k and self._done()
 
-    def _choose(self, token: int, q: torch.Tensor | None = None) -> None:
+    def _choose(self, token: int, q: torch.Tensor | None = None, forced: bool = False) -> None:
         self.tokens.append(token)
+        self.forced.append(forced)
         self.chosen.append(token)
         if q is not None:
             self.probs.append(q)
@@ -198,7 +202,7 @@ class _Propose(Work):
             point_mass = None if self.generator is None else torch.zeros(self.session.vocab_size or 0)
             if point_mass is not None:
                 point_mass[token] = 1.0
-            self._choose(token, point_mass)
+            self._choose(token, point_mass, forced=True)
 
     def _in_grammar(self, read: Callable[[GrammarMatcher], object]):
         """``read`` of the grammar state after the predicted and chosen tokens; None when the
@@ -208,7 +212,8 @@ class _Propose(Work):
             return read(self.grammar) if valid else None
 
     def _done(self) -> bool:
-        self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus)
+        forced = self.forced if any(self.forced) else []
+        self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus, forced)
         return True
 
 
@@ -298,7 +303,8 @@ class GrammarVocabulary:
         except ValueError as err:
             raise FailedPrecondition(f"the drafter's tokenizer cannot be read by the grammar library: {err}") from None
         generated = committed[sampling.num_prompt_tokens :]
-        return GrammarMatcher.from_log(sampling.structured_output, vocabulary, GrammarLimits(), generated)
+        # no limits of its own: the coordinator checked the spec against its --grammar-* limits
+        return GrammarMatcher.from_log(sampling.structured_output, vocabulary, UNLIMITED, generated)
 
     def _vocabulary(self, eos: tuple[int, ...]) -> LLTokenizer:
         """Raises ValueError for a tokenizer llguidance cannot read."""

@@ -16,7 +16,8 @@ class Measurement:
     ahead that a round checked, and the hits among them) are the pipeline's only (None elsewhere).
     ``verify_costs``: ``[num_tokens, rounds, call_ms, forward_ms]`` summed per number of new tokens
     of a decode-phase target forward (the pipeline's verify service call and its step's forward;
-    in process, the forward both).
+    in process, the forward both). ``num_forced_draft_tokens``: the pipeline's draft tokens the
+    grammar forced (structured output), None elsewhere.
     """
 
     method: str
@@ -38,6 +39,7 @@ class Measurement:
     rounds_per_drafter: dict[str, int] | None = None
     draft_ahead: tuple[int, int] | None = None  # (proposals checked, hits)
     verify_costs: list[list] = field(default_factory=list)
+    num_forced_draft_tokens: int | None = None
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical
 
     @property

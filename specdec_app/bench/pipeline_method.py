@@ -22,14 +22,15 @@ def start_cluster(
     log_dir: Path,
     http_port: int = 0,
     placement: Placement = SHARED,
+    extra_args: dict[str, list[str]] | None = None,
 ) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
     run where ``placement`` puts them. The suffix lookups (the coordinator's and the draft
     service's) keep no cache of earlier outputs: the benchmark sends each prompt once per method,
     and the cache would hold this prompt's answer from the methods before. Services also read
-    their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``). Raises
-    RuntimeError when one fails to start."""
+    their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``) and take
+    ``extra_args`` (flags by service). Raises RuntimeError when one fails to start."""
     cluster = LocalCluster(
         free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus
     )
@@ -53,6 +54,8 @@ def start_cluster(
         ],
         "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0"],
     }
+    for service, args in (extra_args or {}).items():
+        cluster.extra_args[service] += args
     cluster.start_all()
     return cluster
 
@@ -71,10 +74,11 @@ class PipelineMethod:
     """``<drafter>/K=<k><suffix>`` through the coordinator at ``address``; ``k`` None is
     ``<drafter>/adaptive``, the coordinator choosing K every round (``self.k`` is then 0: the
     report's formula needs a fixed K); ``suffix`` tells the placement apart (``@split``) where a
-    run has several."""
+    run has several. A question's schema constrains the output (``structured_output.json_schema``)
+    unless ``constrained`` is False."""
 
-    def __init__(self, address: str, drafter: str, k: int | None, suffix: str = ""):
-        self.address, self.drafter, self.fixed_k = address, drafter, k
+    def __init__(self, address: str, drafter: str, k: int | None, suffix: str = "", constrained: bool = True):
+        self.address, self.drafter, self.fixed_k, self.constrained = address, drafter, k, constrained
         self.k = k or 0
         self.name = (f"{drafter}/adaptive" if k is None else f"{drafter}/K={k}") + suffix
 
@@ -86,6 +90,8 @@ class PipelineMethod:
         )
         if self.fixed_k is not None:
             request.num_speculative_tokens = self.fixed_k
+        if question.schema and self.constrained:
+            request.structured_output.json_schema = question.schema
         completion, ttft_ms = Completion(), 0.0
         start = time.perf_counter()
         for response in stream(self.address, request, timeout_s=600):
@@ -116,4 +122,5 @@ class PipelineMethod:
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
             draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),
             verify_costs=[[c.num_tokens, c.num_rounds, c.call_ms, c.forward_ms] for c in metrics.verify_costs],
+            num_forced_draft_tokens=metrics.num_forced_draft_tokens,
         )

@@ -8,9 +8,13 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Question:
+    """A prompt; ``schema``: the JSON schema its answer must follow (``specdec bench --structured``,
+    :mod:`specdec_app.bench.structured`), as JSON text; empty: none."""
+
     question_id: int
     category: str
     prompt: str
+    schema: str = ""
 
 
 def load_questions(path: Path, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:

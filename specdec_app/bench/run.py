@@ -111,7 +111,7 @@ def _transformers_methods(
     return methods
 
 
-def _run_all(methods, questions: list[Question], config: BenchConfig, console: Console) -> list[Measurement]:
+def run_all(methods, questions: list[Question], config: BenchInputs, console: Console) -> list[Measurement]:
     """Warm-up, then each prompt through every method (the order rotating per prompt) so that
     machine noise hits all methods alike."""
     for method in methods:
@@ -189,7 +189,7 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
             )
             address = clusters[suffix].address("coordinator")
             methods += [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
-        measurements = _run_all(methods, questions, config, console)
+        measurements = run_all(methods, questions, config, console)
         memory = {
             f"{name}{suffix}": peak_rss_bytes(p.pid)
             for suffix, cluster in clusters.items()

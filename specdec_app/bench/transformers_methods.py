@@ -3,10 +3,11 @@
 (``assistant_model``, Leviathan et al. 2023), each measured with forward hooks on the models."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from coordinator.api.request import prompt_ids
@@ -104,7 +105,9 @@ class TransformersMethod:
     """One way of running the target's ``generate``: ``plain``, ``hf-prompt-lookup/K=k`` or
     ``hf-assisted/K=k`` (``assistant`` = the draft model; constant K, no confidence cut-off, so
     that it matches a fixed-K pipeline). ``cpus``: run pinned to them with one torch thread
-    (:func:`specdec_app.bench.placement.pinned`; ``name`` then says where)."""
+    (:func:`specdec_app.bench.placement.pinned`; ``name`` then says where). ``constraint``: a
+    question's schema (``Question.schema``) to logits processors for ``generate`` (plain
+    constrained decoding, :func:`specdec_app.bench.structured.grammar_constraint`)."""
 
     def __init__(
         self,
@@ -115,8 +118,10 @@ class TransformersMethod:
         assistant=None,
         cpus: frozenset[int] | None = None,
         name: str | None = None,
+        constraint: Callable[[str, int], LogitsProcessorList] | None = None,
     ):
         self.target, self.tokenizer, self.k, self.kind, self.cpus = target, tokenizer, k, kind, cpus
+        self.constraint = constraint
         self.name = name or ("plain" if kind == "plain" else f"{kind}/K={k}")
         self.probe = ForwardProbe(target)
         self.draft_probe = ForwardProbe(assistant) if assistant is not None else None
@@ -138,6 +143,9 @@ class TransformersMethod:
         if self.draft_probe:
             self.draft_probe.take()
         timer = _FirstTokenTimer()
+        extra = dict(self.extra)
+        if question.schema and self.constraint is not None:
+            extra["logits_processor"] = self.constraint(question.schema, ids.shape[1])
         with pinned(self.cpus), torch.inference_mode():
             output = self.target.generate(
                 ids,
@@ -146,7 +154,7 @@ class TransformersMethod:
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
                 streamer=timer,
-                **self.extra,
+                **extra,
             )
         wall_ms = ms_since(timer.start)
         generated = output[0, ids.shape[1] :].tolist()
