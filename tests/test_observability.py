@@ -208,7 +208,10 @@ def test_one_trace_spans_all_services_with_parent_links(traced_run):
     inside = Counter((s.service, s.span.name, parent(s).span.name.rsplit("/", 1)[-1]) for s in spans if s is not root)
     for service in ("specdec-draft", "specdec-verify"):
         assert inside[(service, "prefill", "Prefill")] == 1
-        assert inside[(service, "forward", "prefill")] == 1
+    assert inside[("specdec-draft", "forward", "prefill")] == 1
+    # the verify service's Prefill decodes the first token in the forward of the prompt (a short
+    # one: its only chunk), with its acceptance test
+    assert inside[("specdec-verify", "forward", "Prefill")] == inside[("specdec-verify", "acceptance", "Prefill")] == 1
     proposals = sum(s.service == "specdec-draft" and s.span.name.endswith("/Propose") for s in spans)
     assert inside[("specdec-draft", "forward", "Propose")] >= proposals > 0
     assert inside[("specdec-verify", "acceptance", "Verify")] + inside[
@@ -240,7 +243,7 @@ def test_round_attributes_add_up_to_the_request_metrics(traced_run, tiny_pipelin
     assert sum(r["specdec.round.num_drafted"] for r in rounds) == metrics["num_draft_tokens"]
     assert sum(r["specdec.round.num_accepted"] for r in rounds) == metrics["num_accepted_draft_tokens"]
     assert (
-        sum(r["specdec.round.num_committed"] for r in rounds)
+        sum(r["specdec.round.num_committed"] for r in rounds) + 1  # the first token: the target's prefill
         == metrics["num_generated_tokens"]
         == len(traced_run.result["token_ids"])
     )
