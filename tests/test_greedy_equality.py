@@ -105,7 +105,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
     class RandomPolicy:
         """Chooses K and the proposer at random each round (the adaptive policy's interface)."""
 
-        k_max = 8
+        k_max = k_limit = 8
 
         def wants_drafter(self, matches) -> bool:
             return True
