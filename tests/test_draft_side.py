@@ -176,3 +176,79 @@ def test_a_late_answer_clears_the_down_mark(tiny_pipeline):
         asyncio.run(run())
     finally:
         draft.stop(0)
+
+
+def late_draft(delay_ms: int):
+    """A draft service whose Propose calls are held ``delay_ms`` (the test hook): a draft slowed by load."""
+    settings = DraftSettings(
+        port=0, max_sessions=4, default_drafter="ngram", debug_rpc_delay_ms=[f"Propose={delay_ms}"]
+    )
+    return build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
+
+
+async def opened(session: DraftSession) -> None:
+    session.open()
+    while session.session_id is None:  # greedy rounds do not wait for the prefill: the test does
+        await asyncio.sleep(0.02)
+    session.check_prefill()
+
+
+def test_a_propose_answered_late_keeps_its_session(tiny_pipeline):
+    """A Propose held past its deadline (600 ms against 250) does not lose the session: when its
+    late answer arrives the session drafts again at once, the tokens that call carried counted as
+    seen, without being released or prefilled again."""
+    draft = late_draft(600)
+
+    async def run():
+        clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
+        clients.propose_deadline.observe(0.05, 3)  # learnt while the draft was fast
+        released: list = []
+        session = session_of(DraftService(clients, down_s=0.1), request(drafter="ngram"), released, "late")
+        try:
+            await opened(session)
+            session.committed.extend([7, 5])  # tokens the draft has not seen: the Propose carries them
+            assert (await session.proposal(3, round_number=1, start=0.0)).response is None  # the deadline passed
+            assert not session.available()
+            await asyncio.sleep(0.6)  # its late answer arrives
+            assert session.available() and session.session_id == "late.d1" and session.seen == len(PROMPT) + 2
+            draft.servicer.step_calls.delays_s = {}
+            proposal = await session.proposal(3, round_number=2, start=0.0)
+            in_process = NgramDrafter(1, 3).new_session(SamplingParams())
+            in_process.prefill(session.committed)
+            assert list(proposal.response.token_ids) == in_process.propose(3).tokens
+            assert not released and session.failures == 1
+        finally:
+            await session.release()
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        draft.stop(0)
+
+
+def test_a_propose_never_answered_in_time_is_prefilled_again(tiny_pipeline):
+    """No late answer within retry_s (the Propose held 3 s, retry_s 0.5): the session is released
+    and the draft prefilled again under a new id, as after any other failure."""
+    draft = late_draft(3000)
+
+    async def run():
+        clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
+        clients.propose_deadline.observe(0.05, 3)
+        released: list = []
+        session = session_of(DraftService(clients, down_s=0.1), request(drafter="ngram"), released, "gone")
+        try:
+            await opened(session)
+            assert (await session.proposal(3, round_number=1, start=0.0)).response is None
+            await asyncio.sleep(0.6)  # retry_s passed, no answer
+            assert not session.available()
+            await opened(session)
+            assert session.session_id == "gone.d2" and len(released) == 1
+        finally:
+            await session.release()
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        draft.stop(0)

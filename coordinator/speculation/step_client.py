@@ -34,6 +34,10 @@ tracer = trace.get_tracer(__name__)
 MAX_LATE = 4096  # calls past their deadline whose late answer a stream still waits for
 
 
+class MissedDeadline(Unavailable):
+    """A call gave up at its deadline; the service may still run it and answer late (``on_late``)."""
+
+
 class StepStream:
     """Calls over a Step stream that ``open_stream()`` opens (the stub's ``Step``, unary-free).
 
@@ -113,7 +117,7 @@ class _OpenStream:
                 self._late[call_id] = (start, on_late)
                 while len(self._late) > MAX_LATE:
                     self._late.popitem(last=False)
-            raise Unavailable(f"{self.where} did not answer within its deadline") from None
+            raise MissedDeadline(f"{self.where} did not answer within its deadline") from None
         finally:
             self._pending.pop(call_id, None)
 
