@@ -107,6 +107,8 @@ class _Entry:
 
     def call(self, method, *args):
         """``method(*args)`` in the OpenTelemetry context of the call that queued this entry."""
+        if not self.context:  # nothing to attach (tracing off): the engine thread's is empty too
+            return method(*args)
         token = otel_context.attach(self.context)
         try:
             return method(*args)
@@ -141,6 +143,7 @@ class Engine:
         self._queue: list[_Entry] = []
         self._cond = threading.Condition()
         self._recent: list[set[int]] = [set(), set()]  # sequences whose work finished in the last two steps
+        self._awaited: set[int] = set()  # recent sequences whose next call the loop waits for
         self._step_end = 0.0
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -167,7 +170,7 @@ class Engine:
             if not stopped:
                 self._ensure_thread()
                 self._queue.append(entry)
-                self._cond.notify_all()
+                self._wake_for(work.seq_id)
         if stopped:
             done(None, entry.stats, Unavailable(f"the {self.name} engine is stopping: retry on another replica"))
 
@@ -190,7 +193,18 @@ class Engine:
         with self._cond:
             for recent in self._recent:
                 recent.discard(seq_id)
-            self._cond.notify_all()
+            self._wake_for(seq_id)
+
+    def _wake_for(self, seq_id: int) -> None:
+        """Wakes the loop (holding the condition) when it waits for this sequence's call, the last
+        one it waits for (:meth:`_wait_for_previous`), or for any call (an empty queue); not for
+        every call, which would wake it once per call of a step."""
+        if self._awaited:
+            self._awaited.discard(seq_id)
+            if not self._awaited:
+                self._cond.notify()
+        elif len(self._queue) <= 1:
+            self._cond.notify()
 
     def stop(self) -> None:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
@@ -249,11 +263,13 @@ class Engine:
         if len(recent) < 2:
             return
         deadline = self._step_end + self.batch_wait_s
-        while recent - {e.work.seq_id for e in self._queue} and not self._stopped:
+        self._awaited = recent - {e.work.seq_id for e in self._queue}  # emptied by the calls as they come
+        while self._awaited and not self._stopped:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
             self._cond.wait(remaining)
+        self._awaited = set()
 
     def _schedule(self) -> list[tuple[_Entry, SequenceStep]]:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
@@ -295,14 +311,15 @@ class Engine:
         for i, ((entry, step), rows) in enumerate(zip(batch, logits, strict=True)):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
-            attributes = {
-                "specdec.num_tokens": len(step.token_ids),
-                "specdec.batch_size": len(batch),
-                "specdec.num_batched_tokens": num_tokens,
-            }
-            tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(
-                end_time=end_ns
-            )
+            if trace.get_current_span(entry.context).is_recording():
+                attributes = {
+                    "specdec.num_tokens": len(step.token_ids),
+                    "specdec.batch_size": len(batch),
+                    "specdec.num_batched_tokens": num_tokens,
+                }
+                tracer.start_span("forward", context=entry.context, attributes=attributes, start_time=start_ns).end(
+                    end_time=end_ns
+                )
             if i in failed:
                 outcomes.append((entry, failed[i]))
                 continue

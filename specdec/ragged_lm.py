@@ -7,8 +7,8 @@ once over all T (where batching pays). Attention is the one ragged part: a custo
 function registered with transformers' ``AttentionInterface`` writes the step's new keys and
 values into the KV store with one indexed write per layer, and attends every sequence's queries to
 its own cached positions (causal within the step) in one padded ``scaled_dot_product_attention``
-per layer. The indices and masks that do this are built once per step (:class:`_StepLayout`), so
-no Python runs per sequence per layer.
+per layer and group of sequences of similar context. The indices and masks that do this are built
+once per step (:class:`_StepLayout`), so no Python runs per sequence per layer.
 
 The KV store (paged, as vLLM's PagedAttention, Kwon et al. 2023): one pool per model, a tensor
 ``[layers, 2 (key, value), rows, kv_heads, head_dim]`` of the model's dtype, cut into blocks of
@@ -32,7 +32,12 @@ the group's longest, its keys gathered from its blocks and padded to the group's
 and a boolean mask (causal within the step, padding, sliding window) built once per step; one
 ``scaled_dot_product_attention`` per layer then runs the whole group on the fused CPU kernel.
 Sequences that bring more than :data:`MAX_PADDED_QUERIES` new tokens (prefill chunks) each attend
-in a group of their own, so a long chunk does not pad every decode to its length. Alternatives:
+in a group of their own, so a long chunk does not pad every decode to its length; the others are
+grouped by context, no group's longest more than :data:`MAX_CONTEXT_RATIO` times its shortest
+(:func:`_by_context`), so a step mixing short chats with long documents does not pad every chat to
+the longest document. Measured with SmolLM2 (2 threads), 16 sequences of Spec-Bench-like contexts
+(41 to 781 tokens): a decode step 0.54x the time of one group, a verify of K = 4 0.78x; 4 sequences
+0.86x; the near-free model at 64 sequences 0.85x to 1.0x. Alternatives:
 ``torch.nn.attention.varlen.varlen_attn`` (no padding, block tables) runs on CUDA only; FlexAttention
 runs the same masks but needs ``torch.compile`` on CPU (about 20 s to compile, a recompile per new
 shape) and is 10x slower than SDPA in eager mode. A GPU port would take varlen or FlashAttention
@@ -71,6 +76,7 @@ ATTENTION = "specdec_ragged"
 BLOCK_SIZE = 16  # KV rows (token positions) per block
 NUM_BLOCKS = 64  # blocks in a new pool (1024 positions), doubled when all are taken
 MAX_PADDED_QUERIES = 16  # a sequence with more new tokens than this attends in a group of its own
+MAX_CONTEXT_RATIO = 2.0  # longest / shortest context of the sequences one padded SDPA attends together
 
 
 @dataclass
@@ -189,12 +195,30 @@ def _group(sequences: list[_Sequence], counts: list[int], offsets: list[int], de
     )
 
 
+def _by_context(sequences: list[_Sequence], counts: list[int]) -> list[list[int]]:
+    """The sequences that bring at most MAX_PADDED_QUERIES new tokens, in groups of similar
+    context (cached + new): by increasing context, a group closes where the next context is more
+    than MAX_CONTEXT_RATIO times the group's shortest, so a group pads no sequence to more than that
+    ratio of its own context (one group when the contexts are alike)."""
+    narrow = sorted(
+        (i for i, n in enumerate(counts) if 0 < n <= MAX_PADDED_QUERIES), key=lambda i: sequences[i].length + counts[i]
+    )
+    groups: list[list[int]] = []
+    shortest = 0
+    for i in narrow:
+        context = sequences[i].length + counts[i]
+        if not groups or context > MAX_CONTEXT_RATIO * shortest:
+            groups.append([])
+            shortest = context
+        groups[-1].append(i)
+    return groups
+
+
 def _layout(pool: torch.Tensor, sequences: list[_Sequence], counts: list[int]) -> _StepLayout:
     """The step's layout for ``sequences`` (cached lengths before the step) bringing ``counts``
     new tokens each, in that order in the flattened step."""
     offsets = [sum(counts[:i]) for i in range(len(counts))]
-    narrow = [i for i, n in enumerate(counts) if 0 < n <= MAX_PADDED_QUERIES]
-    members = [narrow] if narrow else []
+    members = _by_context(sequences, counts)
     members += [[i] for i, n in enumerate(counts) if n > MAX_PADDED_QUERIES]
     groups, out_rows, base = [], [0] * sum(counts), 0
     for group in members:

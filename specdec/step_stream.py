@@ -122,8 +122,12 @@ class StepCalls:
             if kind in self.blocking or name in self.delays_s:
                 self._pool.submit(self._run, kind, name, request, header.timeout_ms, received, abandoned, span, reply)
                 return
+            timeout_s = _timeout_s(header.timeout_ms, received)
+            if not span.is_recording():  # tracing off: no context to make current
+                handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
+                return
             with trace.use_span(span):
-                handler(request, _timeout_s(header.timeout_ms, received), abandoned, reply)  # type: ignore[call-arg]
+                handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
         except Exception as err:  # any failure is the call's result
             reply(err)
 

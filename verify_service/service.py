@@ -1,6 +1,5 @@
 """The VerifyService gRPC servicer and its entry point (``specdec serve verify``)."""
 
-import dataclasses
 import time
 
 import torch
@@ -25,16 +24,24 @@ SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 def step_stats(stats: StepStats) -> common_pb2.StepStats:
     """The proto of a call's :class:`specdec.engine.StepStats`; also set on the call's span."""
-    trace.get_current_span().set_attributes(
-        {
-            "specdec.step.num_seqs": stats.num_seqs,
-            "specdec.step.num_tokens": stats.num_tokens,
-            "specdec.step.step_ms": stats.step_ms,
-            "specdec.step.queue_ms": stats.queue_ms,
-            "specdec.step.num_running_seqs": stats.num_running_seqs,
-        }
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "specdec.step.num_seqs": stats.num_seqs,
+                "specdec.step.num_tokens": stats.num_tokens,
+                "specdec.step.step_ms": stats.step_ms,
+                "specdec.step.queue_ms": stats.queue_ms,
+                "specdec.step.num_running_seqs": stats.num_running_seqs,
+            }
+        )
+    return common_pb2.StepStats(
+        num_seqs=stats.num_seqs,
+        num_tokens=stats.num_tokens,
+        step_ms=stats.step_ms,
+        queue_ms=stats.queue_ms,
+        num_running_seqs=stats.num_running_seqs,
     )
-    return common_pb2.StepStats(**dataclasses.asdict(stats))
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
