@@ -23,12 +23,15 @@ def start_cluster(
     http_port: int = 0,
     placement: Placement = SHARED,
     extra_args: dict[str, list[str]] | None = None,
+    prefix_caching: bool = False,
 ) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
     run where ``placement`` puts them. The suffix lookups (the coordinator's and the draft
-    service's) keep no cache of earlier outputs: the benchmark sends each prompt once per method,
-    and the cache would hold this prompt's answer from the methods before. Services also read
+    service's) keep no cache of earlier outputs, and the services no prefix cache unless
+    ``prefix_caching`` (the conversation mode, which measures it): the benchmark sends each prompt
+    once per method, and the caches would hold this prompt, and its answer, from the methods before
+    on the same services. Services also read
     their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``) and take
     ``extra_args`` (flags by service). Raises RuntimeError when one fails to start."""
     cluster = LocalCluster(
@@ -54,6 +57,9 @@ def start_cluster(
         ],
         "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0"],
     }
+    if not prefix_caching:
+        for service in ("verify", "draft"):
+            cluster.extra_args[service].append("--no-enable-prefix-caching")
     for service, args in (extra_args or {}).items():
         cluster.extra_args[service] += args
     cluster.start_all()
