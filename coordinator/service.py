@@ -287,6 +287,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.settings.draft_retry_s,
             self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self.draft_service.is_model_drafter(resolved.drafter),
+            draft_prefill_with_target=self.settings.draft_prefill == "with-target",
         )
         return RunningRequest(
             resolved,

@@ -1,5 +1,6 @@
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -113,6 +114,15 @@ class CoordinatorSettings(ServiceSettings):
     )
     suffix_max_cached_tokens: int = Field(
         16384, description="...and at most this many tokens, the oldest output evicted first."
+    )
+    draft_prefill: Literal["with-target", "after-first-token"] = Field(
+        "with-target",
+        description="When a greedy request's draft session is prefilled: with-target, beside the target's "
+        "prefill, so the draft is ready for the first round (a draft on its own device, as deployed); "
+        "after-first-token, once the target's prefill has given the first token, so no draft work slows the "
+        "target's prefill where both share the same cores (the first token as fast as plain decoding; the rounds "
+        "run without the draft until it is ready). Sampled requests always prefill the draft with the target "
+        "(their first round waits for it).",
     )
     draft_ahead: bool = Field(
         True,

@@ -224,6 +224,32 @@ def _optional(strategy):
     return st.one_of(st.none(), strategy)
 
 
+# structured output: valid and broken schemas, regexes, choices and grammars, and none
+structured_outputs = st.one_of(
+    st.builds(
+        common_pb2.StructuredOutput,
+        json_schema=st.one_of(
+            st.sampled_from(['{"type": "object", "properties": {"a": {"type": "integer"}}}', '{"type": "nope"}', "{"]),
+            st.text(max_size=20),
+        ),
+    ),
+    st.builds(common_pb2.StructuredOutput, json_object=st.just(True)),
+    st.builds(
+        common_pb2.StructuredOutput, regex=st.one_of(st.sampled_from(["[a-z]{1,4}", "(", "a*b+"]), st.text(max_size=8))
+    ),
+    st.builds(
+        common_pb2.StructuredOutput,
+        choice=st.builds(common_pb2.Choices, choices=st.lists(st.text(max_size=6), max_size=3)),
+    ),
+    st.builds(
+        common_pb2.StructuredOutput,
+        grammar=st.one_of(
+            st.sampled_from(['start: "yes" | "no"', 'root ::= "a" | "b"', "start:"]), st.text(max_size=12)
+        ),
+    ),
+)
+
+
 generate_requests = st.builds(
     lambda prompt, fields: coordinator_pb2.GenerateRequest(
         **prompt, **{name: value for name, value in fields.items() if value is not None}
@@ -263,6 +289,13 @@ generate_requests = st.builds(
             "logprobs": st.booleans(),
             "top_logprobs": st.one_of(st.integers(0, 3), int32s),
             "n": _optional(st.one_of(st.integers(0, 2), int32s)),
+            "frequency_penalty": _optional(floats),
+            "presence_penalty": _optional(floats),
+            "repetition_penalty": _optional(floats),
+            "logit_bias": st.dictionaries(token_ids, floats, max_size=2),
+            "min_tokens": _optional(int32s),
+            "ignore_eos": st.booleans(),
+            "structured_output": _optional(structured_outputs),
         }
     ),
 )

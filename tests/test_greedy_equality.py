@@ -96,10 +96,13 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
         assert completion.metrics.num_target_forwards == len(expected) - 1  # the first token: the prefill's
 
 
-@pytest.mark.parametrize("drafter", ["transformers", "ngram"])
-def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter):
+@pytest.mark.parametrize(
+    ("drafter", "draft_prefill_with_target"), [("transformers", True), ("ngram", True), ("transformers", False)]
+)
+def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter, draft_prefill_with_target):
     """The round loop with a different K each round, plain-decode rounds (K = 0) included, and half
-    the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting)."""
+    the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting); the draft
+    prefilled beside the target, or after the first token (``--draft-prefill after-first-token``)."""
     schedule = random.Random(7)
 
     class RandomPolicy:
@@ -128,6 +131,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             request,
             list(prompt_ids),
             lookups,
+            draft_prefill_with_target=draft_prefill_with_target,
         )
         generated, _ = await rounds.prefill()  # the first token: the target's prefill
         try:

@@ -69,7 +69,9 @@ class RequestRounds:
     request's committed log (prompt plus generated tokens, when a resumed request starts from
     stored ones); ``lookups``: the coordinator's own model-free lookups by name (hybrid drafting
     under adaptive K); ``draft_ahead``: draft the next round while this one verifies (a model
-    drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds.
+    drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds; ``draft_prefill_with_target``:
+    the draft session prefills beside the target's prefill, else (greedy only) after the first
+    token (see :meth:`prefill`).
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
@@ -83,6 +85,7 @@ class RequestRounds:
         draft_retry_s: float = 2.0,
         failover_timeout_s: float = 60.0,
         draft_ahead: bool = False,
+        draft_prefill_with_target: bool = True,
     ):
         self.session_prefix = session_prefix
         self.request = request
@@ -108,6 +111,7 @@ class RequestRounds:
             self._in_background,
             failover_timeout_s,
         )
+        self.draft_prefill_with_target = draft_prefill_with_target or not request.sampling.greedy
         self.num_rounds = 0
 
     def _new_session_id(self, service: str) -> str:
@@ -126,23 +130,24 @@ class RequestRounds:
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
         fixed K), else when a round first wants it; a draft that fails here is only retried later.
-        Under greedy decoding it starts after the first token, so that no draft work competes
-        with the target's prefill where they share hardware, and rounds do not wait for it (a
-        small draft prefills a long prompt slower than the target): they run without the draft
-        until it is ready, which cannot change greedy output. Under sampling it starts at once,
-        beside the target's, and the first round waits for it (bounded,
+        It starts beside the target's prefill (a draft on its own device is then ready for the
+        first round), or, with ``draft_prefill_with_target`` off and greedy decoding, after the
+        first token, so that no draft work slows the target's prefill where both share the same
+        cores. Under greedy decoding rounds do not wait for it (a small draft prefills a long prompt
+        slower than the target): they run without the draft until it is ready, which cannot change
+        greedy output. Under sampling the first round waits for it (bounded,
         :meth:`DraftSession.wait_for_prefill`), because the sampled tokens depend on the
         proposals: a seed reproduces a completion only if the same rounds use the draft whatever
         the timing."""
         opens_draft = self.draft.opens_at_once(policy)
-        if opens_draft and not self.request.sampling.greedy:
+        if opens_draft and self.draft_prefill_with_target:
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
         response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
         first = [response.next_token_id] if decode else []
         self.committed.extend(first)
         if opens_draft:
-            self.draft.open()  # greedy; under sampling it is open or opening already
+            self.draft.open()  # after the first token; a no-op when it is opening already
         return first, self._logprobs(response, first)
 
     # --- rounds --------------------------------------------------------------------------

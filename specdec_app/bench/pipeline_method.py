@@ -55,7 +55,7 @@ def start_cluster(
             "0",
             *pinning.get("draft", []),
         ],
-        "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0"],
+        "coordinator": ["--tokenizer", target, "--suffix-max-cached-requests", "0", *pinning.get("coordinator", [])],
     }
     if not prefix_caching:
         for service in ("verify", "draft"):
