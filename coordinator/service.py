@@ -287,7 +287,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.settings.draft_retry_s,
             self.settings.failover_timeout_s,
             draft_ahead=self.settings.draft_ahead and self.draft_service.is_model_drafter(resolved.drafter),
-            draft_prefill_with_target=self.settings.draft_prefill == "with-target",
+            draft_prefill_with_target=not self.settings.draft_shares_target_cores,
+            draft_ahead_branches=1 if self.settings.draft_shares_target_cores else self.settings.draft_ahead_branches,
         )
         return RunningRequest(
             resolved,

@@ -1,6 +1,5 @@
 import dataclasses
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -115,14 +114,24 @@ class CoordinatorSettings(ServiceSettings):
     suffix_max_cached_tokens: int = Field(
         16384, description="...and at most this many tokens, the oldest output evicted first."
     )
-    draft_prefill: Literal["with-target", "after-first-token"] = Field(
-        "with-target",
-        description="When a greedy request's draft session is prefilled: with-target, beside the target's "
-        "prefill, so the draft is ready for the first round (a draft on its own device, as deployed); "
-        "after-first-token, once the target's prefill has given the first token, so no draft work slows the "
-        "target's prefill where both share the same cores (the first token as fast as plain decoding; the rounds "
-        "run without the draft until it is ready). Sampled requests always prefill the draft with the target "
-        "(their first round waits for it).",
+    draft_shares_target_cores: bool = Field(
+        False,
+        description="The draft service runs on the target's cores (one machine, no device of its own). Then a "
+        "greedy request's draft prefills once the target's prefill has given the first token, so that it does not "
+        "slow the target's prefill (the first token as fast as plain decoding; the rounds run without the draft "
+        "until it is ready), and draft-ahead drafts one branch only, as any other would take its forwards from the "
+        "target's. Off (a draft on its own device, as deployed): the draft prefills beside the target's prefill, "
+        "ready for the first round, and draft-ahead drafts up to draft_ahead_branches branches while the target "
+        "verifies. Sampled requests always prefill the draft with the target (their first round waits for it).",
+    )
+    draft_ahead_branches: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="Draft-ahead: proposals drafted for the next round per round, one per likely outcome of the "
+        "verification under way (every token accepted with the draft's first and second guess of the bonus token, "
+        "a rejection followed by the draft's second choice there), most likely first, as many as the draft "
+        "drafts while the target verifies; 1: the first outcome only. With draft_shares_target_cores: 1.",
     )
     draft_ahead: bool = Field(
         True,

@@ -1,6 +1,7 @@
 """The DraftService gRPC servicer and its entry point (``specdec serve draft``)."""
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -66,6 +67,9 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
         drafters[name].measure_step_ms()
     return drafters
+
+
+MAX_BRANCHES = 16  # ProposeRequest.num_branches at most
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -157,22 +161,42 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not 1 <= k <= self.max_k:
             raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}]")
         predicted = request.predicted_token_ids
+        num_branches, budget_ms = request.num_branches, request.branch_budget_ms
+        if not 0 <= num_branches <= MAX_BRANCHES:
+            raise InvalidArgument(f"num_branches is {num_branches}: it must lie in [0, {MAX_BRANCHES}]")
+        if not math.isfinite(budget_ms) or budget_ms < 0:
+            raise InvalidArgument(f"branch_budget_ms is {budget_ms}: it must be >= 0 (0: no limit)")
+        budget_s = budget_ms / 1000 - (time.perf_counter() - start) if budget_ms else None
         with self.sessions.use(request.session_id) as session:
             session.sync(request.appended_token_ids)
-            proposal = session.propose_ahead(predicted, k) if predicted else session.propose(k)
+            if num_branches > 1:
+                session.keep_alternatives()
+            proposal = session.propose_ahead(predicted, k, num_branches, budget_s) if predicted else session.propose(k)
         trace.get_current_span().set_attributes(
             {
                 "specdec.num_speculative_tokens": k,
                 "specdec.num_drafted": len(proposal.tokens),
                 "specdec.draft_ahead": bool(predicted),
+                "specdec.num_branches": len(proposal.branches),
             }
         )
+        greedy = session.sampling.greedy
         return draft_pb2.ProposeResponse(
             token_ids=proposal.tokens,
-            distributions=[] if session.sampling.greedy else proposal.distributions(),
+            distributions=[] if greedy else proposal.distributions(),
             compute_ms=ms_since(start),
             predicted_bonus_token_id=proposal.bonus_token_id,
             forced=proposal.forced,
+            branches=[
+                draft_pb2.DraftBranch(
+                    num_accepted=branch.num_accepted,
+                    next_token_id=branch.next_token,
+                    token_ids=branch.proposal.tokens,
+                    distributions=[] if greedy else branch.proposal.distributions(),
+                    forced=branch.proposal.forced,
+                )
+                for branch in proposal.branches
+            ],
         )
 
     def Release(self, request, context):

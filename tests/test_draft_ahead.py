@@ -1,8 +1,9 @@
-"""Draft-ahead: the draft service drafts the next round while the verify service checks this one.
+"""Draft-ahead: the draft service drafts the next round while the verify service checks this one,
+for the most likely outcomes of that verification (branches).
 
-A proposal drafted ahead must be the one a plain Propose after the same committed tokens gives
-(greedy and seeded sampling alike), so the pipeline's output does not depend on whether a
-round's proposal was drafted ahead, hit or missed."""
+A proposal drafted ahead, on any branch, must be the one a plain Propose after the same committed
+tokens gives (greedy and seeded sampling alike), so the pipeline's output does not depend on
+whether a round's proposal was drafted ahead, on which branch, hit or missed."""
 
 import asyncio
 
@@ -12,10 +13,11 @@ import torch
 from coordinator.api.client import generate
 from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import HIT, MISS
-from coordinator.speculation.draft_side import DraftService
+from coordinator.speculation.draft_side import BONUS, MAIN, RECOVERED, DraftService
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from draft_service.drafters.base import Alternative, _likely_outcomes
 from specdec.errors import FailedPrecondition
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
@@ -58,6 +60,45 @@ def test_proposal_drafted_ahead_is_the_plain_proposal(tiny_drafters, sampling):
         plain.close()
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
+def test_each_branch_drafted_ahead_is_the_plain_proposal_of_its_outcome(tiny_drafters, sampling):
+    """With branches, propose_ahead also drafts the next most likely outcomes (a rejection, then
+    the draft's second choice; all accepted, then its second bonus guess): each branch's tokens
+    (and q) are those propose(K) gives after that outcome is committed."""
+    drafter = tiny_drafters["transformers"]
+    ahead = drafter.new_session(sampling)
+    try:
+        ahead.prefill(PROMPT)
+        ahead.keep_alternatives()
+        predicted = ahead.propose(4).tokens
+        proposal = ahead.propose_ahead(predicted, 5, num_branches=4)
+        assert len(proposal.branches) == 3
+        outcomes = {(b.num_accepted, b.next_token) for b in proposal.branches}
+        assert len(outcomes) == 3 and (len(predicted), proposal.bonus_token_id) not in outcomes
+        for branch in proposal.branches:
+            assert branch.num_accepted == len(predicted) or branch.next_token != predicted[branch.num_accepted]
+            plain = drafter.new_session(sampling)
+            plain.prefill([*PROMPT, *predicted[: branch.num_accepted], branch.next_token])
+            expected = plain.propose(5)
+            plain.close()
+            assert branch.proposal.tokens == expected.tokens and len(expected.tokens) == 5
+            if not sampling.greedy:
+                torch.testing.assert_close(branch.proposal.probs, expected.probs, rtol=1e-4, atol=1e-6)
+    finally:
+        ahead.close()
+
+
+def test_branches_are_ranked_by_the_drafts_probabilities():
+    """P(rejection at n, then the second choice) = the product of the first n tokens' probabilities
+    times the second choice's; all accepted, then the second bonus guess: all of them times its;
+    a forced token (None) always passes and has no branch of its own."""
+    alternatives = [Alternative(0.9, 11, 0.08), None, Alternative(0.5, 13, 0.45)]
+    bonus = Alternative(0.6, 14, 0.3)
+    # rejection at 0: 0.08; at 2: 0.9 x 0.45 = 0.405; the second bonus: 0.9 x 0.5 x 0.3 = 0.135
+    assert _likely_outcomes([1, 2, 3], alternatives, bonus) == [(2, 13), (3, 14), (0, 11)]
+    assert _likely_outcomes([1, 2, 3], [], bonus) == [(3, 14)]  # drafted before branching: the bonus only
+
+
 def test_model_free_drafter_refuses_draft_ahead(tiny_drafters):
     session = tiny_drafters["ngram"].new_session(SamplingParams())
     session.prefill(PROMPT)
@@ -65,26 +106,28 @@ def test_model_free_drafter_refuses_draft_ahead(tiny_drafters):
         session.propose_ahead([1, 2], 3)
 
 
-async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, draft_ahead: bool):
+async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, draft_ahead: bool, branches: int = 1):
     """Runs one request's rounds with a fixed K through the real services; returns the generated
-    tokens and the rounds' draft-ahead outcomes."""
+    tokens and the rounds' draft-ahead outcomes (a hit's branch after a colon)."""
     clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
     rounds = RequestRounds(
         DraftService(clients),
         VerifyReplicas(clients),
-        f"ahead-{drafter}-{draft_ahead}-{sampling.seed}",
+        f"ahead-{drafter}-{draft_ahead}-{branches}-{sampling.seed}",
         request,
         list(PROMPT),
         draft_ahead=draft_ahead,
+        draft_ahead_branches=branches,
     )
+    rounds.draft.observe_verify(60_000)  # time enough for every branch: the tiny models' verify takes ms
     generated, outcomes = [], []
     try:
         generated, _ = await rounds.prefill()  # the first token: the target's prefill
         while len(generated) < MAX_NEW:
             new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
             generated += new
-            outcomes.append(record.draft_ahead)
+            outcomes.append(":".join(filter(None, [record.draft_ahead, record.draft_ahead_branch])))
     finally:
         await rounds.release()
         await clients.close()
@@ -101,12 +144,19 @@ def test_draft_ahead_changes_no_token(tiny_pipeline, drafter, k, sampling):
     identical tokens, with rounds that hit and rounds that missed the pre-drafted branch (the
     draft and the settings are chosen so that both happen: a near copy of the target under
     greedy decoding; the target itself under sampling, where the sampled bonus token is not
-    always the draft's argmax guess)."""
+    always the draft's argmax guess); and with three more branches, identical tokens again and,
+    greedy, hits on the other branches too."""
     serial, serial_outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=False))
     ahead, outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=True))
     assert ahead == serial
     assert set(serial_outcomes) == {""}
-    assert HIT in outcomes and MISS in outcomes, outcomes
+    assert f"{HIT}:{MAIN}" in outcomes and MISS in outcomes, outcomes
+    branched, branch_outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, True, branches=4))
+    assert branched == serial
+    if sampling.greedy:  # the near copy's rejections: its second choice is often the target's token
+        # a round that misses the main branch may hit another: they turn misses into hits
+        assert {f"{HIT}:{BONUS}", f"{HIT}:{RECOVERED}"} <= set(branch_outcomes), branch_outcomes
+        assert branch_outcomes.count(MISS) < outcomes.count(MISS), (branch_outcomes, outcomes)
 
 
 def test_request_reports_draft_ahead(tiny_pipeline):
@@ -122,3 +172,4 @@ def test_request_reports_draft_ahead(tiny_pipeline):
     m = completion.metrics
     assert m.num_draft_ahead_proposals > 0 and m.num_draft_ahead_hits >= m.num_draft_ahead_proposals - 1
     assert m.draft_ahead_hit_rate == pytest.approx(m.num_draft_ahead_hits / m.num_draft_ahead_proposals)
+    assert sum(m.draft_ahead_hits_per_branch.values()) == m.num_draft_ahead_hits

@@ -102,7 +102,7 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
 def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter, draft_prefill_with_target):
     """The round loop with a different K each round, plain-decode rounds (K = 0) included, and half
     the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting); the draft
-    prefilled beside the target, or after the first token (``--draft-prefill after-first-token``)."""
+    prefilled beside the target, or after the first token (``--draft-shares-target-cores``)."""
     schedule = random.Random(7)
 
     class RandomPolicy:

@@ -1,5 +1,6 @@
 """Per-request speculative-decoding metrics, named as vLLM reports them (design brief)."""
 
+import collections
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,10 @@ class RoundRecord:
     drafted ahead during the previous round, ``"miss"`` when one was but verification went
     another way, else ``""`` (the draft time of a hit is the round's wait for it, often 0);
     ``forced``: per proposed token, whether the request's grammar forced it (the forced-token
-    lookup's, or the model drafter's jump-forward: no draft forward), empty when none was."""
+    lookup's, or the model drafter's jump-forward: no draft forward), empty when none was;
+    ``draft_ahead_branch``: of a hit, the branch verification went down (``"main"``, ``"bonus"``
+    or ``"recovered"``, see :mod:`coordinator.speculation.draft_side`); ``draft_ahead_branches``:
+    the branches besides the main one drafted ahead for this round."""
 
     drafter: str
     k: int
@@ -51,6 +55,8 @@ class RoundRecord:
     step_ms: float = 0.0
     draft_ahead: str = ""
     forced: tuple[bool, ...] = ()
+    draft_ahead_branch: str = ""
+    draft_ahead_branches: int = 0
 
     @property
     def num_forced(self) -> int:
@@ -80,6 +86,7 @@ class MetricsRecorder:
         verify_ms = sum(r.verify_ms for r in self.rounds)
         ahead = [r.draft_ahead for r in self.rounds if r.draft_ahead]
         hits = ahead.count(HIT)
+        ahead_hits = [r for r in self.rounds if r.draft_ahead == HIT]
         return coordinator_pb2.RequestMetrics(
             num_spec_steps=len(spec),
             num_draft_tokens=drafted,
@@ -108,6 +115,8 @@ class MetricsRecorder:
             num_draft_ahead_proposals=len(ahead),
             num_draft_ahead_hits=hits,
             draft_ahead_hit_rate=hits / len(ahead) if ahead else 0.0,
+            draft_ahead_hits_per_branch=collections.Counter(r.draft_ahead_branch for r in ahead_hits),
+            num_draft_ahead_branches=sum(r.draft_ahead_branches for r in self.rounds),
             verify_costs=verify_costs(self.rounds),
             num_forced_draft_tokens=sum(r.num_forced for r in spec),
             **identity,

@@ -113,6 +113,18 @@ class CoordinatorMetrics(ServiceMetrics):
             "a round checked, by outcome (hit: verification went down their branch and the round used them; miss).",
             ("outcome",),
         )
+        self.draft_ahead_branch_hits = counter(
+            "specdec_draft_ahead_branch_hits",
+            "Hits of proposals drafted ahead, by the branch verification went down (main: every token accepted and "
+            "the draft's first bonus guess; bonus: another bonus token; recovered: a rejection, then the draft's "
+            "second choice).",
+            ("branch",),
+        )
+        self.draft_ahead_branches = counter(
+            "specdec_draft_ahead_branches",
+            "Proposals drafted ahead for other outcomes than the main branch (their draft forwards buy the bonus and "
+            "recovered hits).",
+        )
         self.draft_failures = counter(
             "specdec_draft_failures",
             "Times a request's draft service failed (the request went on without it for a while).",
@@ -158,6 +170,9 @@ class CoordinatorMetrics(ServiceMetrics):
                 self.num_accepted_tokens_per_pos.labels(*labels).inc(position < record.num_accepted)
         if record.draft_ahead:
             self.draft_ahead.labels(record.draft_ahead).inc()
+        if record.draft_ahead_branch:
+            self.draft_ahead_branch_hits.labels(record.draft_ahead_branch).inc()
+        self.draft_ahead_branches.inc(record.draft_ahead_branches)
         self.round_draft_time.observe(record.draft_ms / 1000)
         self.round_verify_time.observe(record.verify_ms / 1000)
         self.round_coordination_time.observe((record.wall_ms - record.draft_ms - record.verify_ms) / 1000)

@@ -100,11 +100,18 @@ class DraftService:
         await self.clients.release_draft(session_id)
 
 
+# The branches of a proposal drafted ahead (RoundRecord.draft_ahead_branch): every predicted token
+# accepted and the draft's first guess of the bonus token; every one accepted and another bonus
+# token; a rejection, then the draft's second choice as the recovered token.
+MAIN, BONUS, RECOVERED = "main", "bonus", "recovered"
+
+
 @dataclass
 class DraftAhead:
     """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
-    ``start`` tokens: its branch is every ``predicted`` token accepted, then the bonus token the
-    draft guessed. ``task`` gives the ProposeResponse or raises SpecdecError."""
+    ``start`` tokens: its main branch is every ``predicted`` token accepted, then the bonus token
+    the draft guessed; its other branches (``ProposeResponse.branches``) other outcomes. ``task``
+    gives the ProposeResponse or raises SpecdecError."""
 
     task: asyncio.Future
     round: int
@@ -112,26 +119,44 @@ class DraftAhead:
     predicted: list[int]
     request_bytes: int
 
-    def hit(self, committed: list[int], response: draft_pb2.ProposeResponse) -> bool:
-        """Whether verification went down the branch (and the branch has a proposal)."""
-        branch = [*self.predicted, response.predicted_bonus_token_id]
-        return (
-            bool(response.token_ids)
+    def hit(
+        self, committed: list[int], response: draft_pb2.ProposeResponse
+    ) -> tuple[draft_pb2.ProposeResponse, str] | None:
+        """The proposal of the branch verification went down, as a ProposeResponse, and that
+        branch's kind (MAIN, BONUS or RECOVERED); None when it went down none drafted."""
+        outcome = committed[self.start :]
+        if (
+            response.token_ids
             and response.HasField("predicted_bonus_token_id")
-            and committed[self.start :] == branch
-        )
+            and outcome == [*self.predicted, response.predicted_bonus_token_id]
+        ):
+            return response, MAIN
+        for branch in response.branches:
+            if branch.token_ids and outcome == [*self.predicted[: branch.num_accepted], branch.next_token_id]:
+                proposal = draft_pb2.ProposeResponse(
+                    token_ids=branch.token_ids,
+                    distributions=branch.distributions,
+                    forced=branch.forced,
+                    compute_ms=response.compute_ms,
+                )
+                return proposal, BONUS if branch.num_accepted == len(self.predicted) else RECOVERED
+        return None
 
 
 @dataclass
 class DraftProposal:
     """A round's proposal from the draft: the response (None when the draft is unavailable or
-    failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``) and the
-    protobuf bytes of the round's Propose calls both ways."""
+    failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
+    branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
+    draft drafted ahead for this round, and the protobuf bytes of the round's Propose calls both
+    ways."""
 
     response: draft_pb2.ProposeResponse | None
     wait_ms: float
     ahead: str
     wire_bytes: int
+    branch: str = ""
+    num_branches: int = 0
 
 
 class DraftSession:
@@ -142,7 +167,8 @@ class DraftSession:
     ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
     ``retry_s`` seconds without the draft after a failure; ``draft_ahead`` drafts the next round
-    while this one verifies (a model drafter).
+    while this one verifies (a model drafter), for up to ``branches`` outcomes of its verification,
+    as many as the draft can draft while the target verifies (:meth:`observe_verify`).
     """
 
     def __init__(
@@ -154,12 +180,17 @@ class DraftSession:
         in_background: Callable[[Callable[[], Awaitable]], None],
         retry_s: float = 2.0,
         draft_ahead: bool = False,
+        branches: int = 1,
     ):
         self.service, self.request, self.committed = service, request, committed
         self.new_session_id, self.in_background = new_session_id, in_background
         self.retry_s = retry_s
         self.uses_draft = request.uses_draft_service
         self.draft_ahead = draft_ahead and self.uses_draft
+        self.branches = (
+            branches if self.draft_ahead else 1
+        )  # proposals drafted ahead per round (ProposeRequest.num_branches)
+        self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
         self.seen = 0  # length of the committed prefix the session has seen
         self.retry_at = 0.0  # time.monotonic() before which the draft is not asked again
@@ -274,17 +305,19 @@ class DraftSession:
         went down its branch, else one asked for now; none while the draft is unavailable (its
         opening is then started in the background). With draft-ahead on, the next round's
         Propose is sent before returning."""
-        response, ahead, wire_bytes = await self._take_ahead(round_number)
+        taken = await self._take_ahead(round_number)
+        response = taken.response
         wait_ms = ms_since(start)  # the wait for the Propose drafting ahead
         if response is None and self.available():
             response, request_bytes = await self._proposal(k)
-            wire_bytes += request_bytes
+            taken.wire_bytes += request_bytes
             wait_ms += response.compute_ms if response else 0.0
         elif response is None:
             self.open()  # this round is a plain one while the draft opens
         if response is not None and response.token_ids and self.draft_ahead and self.available():
             self._send_ahead(list(response.token_ids[:k]), k, round_number)
-        return DraftProposal(response, wait_ms, ahead, wire_bytes)
+        taken.response, taken.wait_ms = response, wait_ms
+        return taken
 
     async def _proposal(self, k: int) -> tuple[draft_pb2.ProposeResponse | None, int]:
         """The draft's proposal and its bytes both ways; None when the draft service failed."""
@@ -301,7 +334,10 @@ class DraftSession:
 
     async def _propose(self, k: int) -> tuple[draft_pb2.ProposeResponse, int]:
         request = draft_pb2.ProposeRequest(
-            session_id=self.session_id, appended_token_ids=self.committed[self.seen :], num_speculative_tokens=k
+            session_id=self.session_id,
+            appended_token_ids=self.committed[self.seen :],
+            num_speculative_tokens=k,
+            num_branches=self.branches,  # the draft keeps what branching the next draft-ahead needs
         )
         session_id, carried = self.session_id, len(self.committed)
         response = await self.service.propose(request, on_late=lambda: self._answered_late(session_id, carried))
@@ -316,6 +352,8 @@ class DraftSession:
             appended_token_ids=self.committed[self.seen :],
             num_speculative_tokens=k,
             predicted_token_ids=predicted,
+            num_branches=self.branches,
+            branch_budget_ms=self.verify_ms,
         )
         session_id, carried = self.session_id, len(self.committed)
         self.seen = carried
@@ -324,27 +362,34 @@ class DraftSession:
         )
         self._ahead = DraftAhead(task, round_number, len(self.committed), predicted, request.ByteSize())
 
-    async def _take_ahead(self, round_number: int) -> tuple[draft_pb2.ProposeResponse | None, str, int]:
+    async def _take_ahead(self, round_number: int) -> DraftProposal:
         """Waits for the draft-ahead Propose in flight, if any (no other draft call may overtake
-        it: it carries committed tokens). Returns its proposal if verification went down its
-        branch (else None), the outcome, HIT or MISS, or ``""`` when there was none or it is
-        stale (a round in between did not use the draft), and its bytes both ways."""
+        it: it carries committed tokens). Its proposal (``response``) when verification went down
+        one of its branches (``branch``), else None; the outcome, HIT or MISS, or ``""`` when there
+        was none or it is stale (a round in between did not use the draft); its other branches; its
+        bytes both ways."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return None, "", 0
+            return DraftProposal(None, 0.0, "", 0)
         try:
             response = await ahead.task
         except NotFound:
-            return None, "", 0  # the next Propose finds the session gone too, and prefills it again
+            return DraftProposal(None, 0.0, "", 0)  # the next Propose finds the session gone and prefills it
         except SpecdecError as err:
             self._failed(err)
-            return None, "", 0
+            return DraftProposal(None, 0.0, "", 0)
         wire_bytes = ahead.request_bytes + response.ByteSize()
         if ahead.round != round_number - 1:
-            return None, "", wire_bytes
-        if ahead.hit(self.committed, response):
-            return response, HIT, wire_bytes
-        return None, MISS, wire_bytes
+            return DraftProposal(None, 0.0, "", wire_bytes)
+        hit = ahead.hit(self.committed, response)
+        if hit is None:
+            return DraftProposal(None, 0.0, MISS, wire_bytes, num_branches=len(response.branches))
+        return DraftProposal(hit[0], 0.0, HIT, wire_bytes, hit[1], len(response.branches))
+
+    def observe_verify(self, ms: float) -> None:
+        """Learns how long a round's verify call took (an EMA), the time the next draft-ahead's
+        branches may take (``ProposeRequest.branch_budget_ms``)."""
+        self.verify_ms = ms if not self.verify_ms else 0.7 * self.verify_ms + 0.3 * ms
 
     # --- releasing -----------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.adaptive import AdaptiveK
-from coordinator.speculation.draft_side import DraftService, DraftSession
+from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSession
 from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
@@ -86,6 +86,7 @@ class RequestRounds:
         failover_timeout_s: float = 60.0,
         draft_ahead: bool = False,
         draft_prefill_with_target: bool = True,
+        draft_ahead_branches: int = 1,
     ):
         self.session_prefix = session_prefix
         self.request = request
@@ -102,6 +103,7 @@ class RequestRounds:
             self._in_background,
             draft_retry_s,
             draft_ahead,
+            draft_ahead_branches,
         )
         self.verify = VerifySession(
             replicas,
@@ -198,7 +200,8 @@ class RequestRounds:
             proposer, k = policy.next_round(matches, self.draft.available())
             k = min(k, max_k)
         # 2. propose
-        proposal, distributions, draft_ms, ahead = [], [], 0.0, ""
+        proposal, distributions, draft_ms = [], [], 0.0
+        drafted = DraftProposal(None, 0.0, "", 0)
         forced: tuple[bool, ...] = ()
         if proposer in matches:
             proposal = matches[proposer].tokens[:k]
@@ -206,7 +209,7 @@ class RequestRounds:
             forced = (True,) * len(proposal) if proposer == FORCED else ()
         elif k > 0:
             drafted = await self.draft.proposal(k, self.num_rounds, start)
-            draft_ms, ahead, wire_bytes = drafted.wait_ms, drafted.ahead, drafted.wire_bytes
+            draft_ms, wire_bytes = drafted.wait_ms, drafted.wire_bytes
             if drafted.response is None:  # the draft is unavailable: a plain decode round
                 k = 0
             else:
@@ -217,6 +220,8 @@ class RequestRounds:
             proposer = PLAIN
         # 3. verify, or decode one token
         n, new, logprobs, verify_ms, step, verify_bytes = await self._verify_or_decode(proposal, distributions)
+        if proposal:
+            self.draft.observe_verify(verify_ms)
         # 4. commit
         self.committed.extend(new)
         record = RoundRecord(
@@ -233,8 +238,10 @@ class RequestRounds:
             step.queue_ms,
             step.num_running_seqs,
             step.step_ms,
-            ahead,
+            drafted.ahead,
             forced if any(forced) else (),
+            drafted.branch,
+            drafted.num_branches,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn

@@ -2,6 +2,7 @@
 
 import abc
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,11 +41,42 @@ class Proposal:
     probs: torch.Tensor | None = None
     bonus_token_id: int | None = None  # draft-ahead: the guessed bonus token the tokens continue
     forced: list[bool] = field(default_factory=list)
+    # draft-ahead: the proposals of the other outcomes drafted (ProposeRequest.num_branches)
+    branches: list["Branch"] = field(default_factory=list)
 
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
             return encode_distributions(self.probs)
         return point_masses(self.tokens)
+
+
+@dataclass
+class Branch:
+    """A proposal drafted ahead for the outcome "the first ``num_accepted`` predicted tokens
+    accepted, then ``next_token``" (see :meth:`ModelDraftSession.propose_ahead`)."""
+
+    num_accepted: int
+    next_token: int
+    proposal: Proposal
+
+
+@dataclass
+class Alternative:
+    """At one draft position, under the draft's distribution there (after the request's
+    processors, grammar mask and sampling transform; softmax of the scores under greedy): the
+    probability of the token drawn, and the most likely other token with its probability."""
+
+    chosen_prob: float
+    token: int
+    prob: float
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, chosen: int) -> "Alternative":
+        """From ``probs`` ``[V]`` float32 and the token drawn."""
+        top = probs.topk(2)
+        values, tokens = top.values.tolist(), top.indices.tolist()
+        i = 1 if tokens[0] == chosen else 0
+        return cls(float(probs[chosen]), tokens[i], values[i])
 
 
 class DraftSession(abc.ABC):
@@ -71,10 +103,18 @@ class DraftSession(abc.ABC):
     def propose(self, k: int) -> Proposal:
         """Proposes up to ``k`` tokens continuing ``committed``."""
 
-    def propose_ahead(self, predicted: Sequence[int], k: int) -> Proposal:
+    def keep_alternatives(self) -> None:  # noqa: B027 (a no-op unless drafting ahead: model-free drafters do not)
+        """From now on, each proposal keeps its :class:`Alternative` per token, for the branches of
+        the draft-ahead that follows it (``ProposeRequest.num_branches`` > 1)."""
+
+    def propose_ahead(
+        self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
+    ) -> Proposal:
         """Drafts ahead: up to ``k`` tokens continuing ``committed`` + ``predicted`` + the draft's
-        guess of the bonus token (``Proposal.bonus_token_id``), none of them committed. Raises
-        FailedPrecondition here: only a model drafter has a draft's time to hide."""
+        guess of the bonus token (``Proposal.bonus_token_id``), none of them committed; with
+        ``num_branches`` > 1, the proposals of other outcomes too, within ``budget_s`` seconds
+        (:meth:`ModelDraftSession.propose_ahead`). Raises FailedPrecondition here: only a model
+        drafter has a draft's time to hide."""
         raise FailedPrecondition(
             f"drafter {type(self).__name__} proposes without a model: send Propose without "
             "predicted_token_ids (draft-ahead is for model drafters)"
@@ -138,7 +178,9 @@ class _Propose(Work):
     without a forward of their own (jump-forward; q a point mass on each) and are fed to the model
     with the next step."""
 
-    def __init__(self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = ()):
+    def __init__(
+        self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = (), guess_bonus: bool | None = None
+    ):
         self.session, self.seq_id, self.k = session, session.kv_cache.seq_id, k
         self.context = [*session.committed, *predicted]
         self.predicted = list(predicted)
@@ -146,7 +188,10 @@ class _Propose(Work):
         self.started = False  # whether the first step (the uncached context) was fed
         self.num_fed = 0  # chosen tokens fed to the model
         self.bonus: int | None = None  # the guessed bonus token, drafting ahead
-        self.guess_bonus = bool(predicted)
+        self.bonus_alternative: Alternative | None = None
+        self.guess_bonus = bool(predicted) if guess_bonus is None else guess_bonus
+        # per draft token, with the session's branching on: its Alternative (None: forced)
+        self.alternatives: list[Alternative | None] = []
         self.chosen: list[int] = []  # the bonus guess, then the draft tokens: what the next step feeds
         self.tokens: list[int] = []
         self.forced: list[bool] = []  # per token: the grammar forced it
@@ -176,21 +221,29 @@ class _Propose(Work):
             if allowed is None:  # predicted tokens off the grammar: nothing valid to draft after them
                 return self._done()
             scores = scores.masked_fill(~torch.from_numpy(allowed).to(scores.device), float("-inf"))
+        branching = self.session.branching
         if self.guess_bonus and self.bonus is None:
             self.bonus = int(scores.argmax())
             self.chosen.append(self.bonus)
+            if branching:
+                self.bonus_alternative = Alternative.of(torch.softmax(scores, -1), self.bonus)
         elif self.generator is None:  # greedy
-            self._choose(int(scores.argmax()))
+            token = int(scores.argmax())
+            self._choose(token, alternative=Alternative.of(torch.softmax(scores, -1), token) if branching else None)
         else:
             q = logits_to_probs(scores, sampling)
-            self._choose(sample(q, self.generator), q)
+            token = sample(q, self.generator)
+            self._choose(token, q, alternative=Alternative.of(q, token) if branching else None)
         self._jump_forward()
         return len(self.tokens) >= self.k and self._done()
 
-    def _choose(self, token: int, q: torch.Tensor | None = None, forced: bool = False) -> None:
+    def _choose(
+        self, token: int, q: torch.Tensor | None = None, forced: bool = False, alternative: Alternative | None = None
+    ) -> None:
         self.tokens.append(token)
         self.forced.append(forced)
         self.chosen.append(token)
+        self.alternatives.append(alternative)
         if q is not None:
             self.probs.append(q)
 
@@ -214,7 +267,28 @@ class _Propose(Work):
     def _done(self) -> bool:
         forced = self.forced if any(self.forced) else []
         self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus, forced)
+        if self.session.branching:
+            self.session.alternatives[tuple(self.tokens)] = self.alternatives
         return True
+
+
+def _likely_outcomes(
+    predicted: Sequence[int], alternatives: list[Alternative | None], bonus: Alternative | None
+) -> list[tuple[int, int]]:
+    """The outcomes of verifying ``predicted`` other than "all accepted, the first bonus guess",
+    as ``(num_accepted, next_token)``, most likely first: the probability that the first n tokens
+    pass (the product of their ``chosen_prob``) times that of the alternative token at position n
+    (a rejection there, then the second choice; at n = len(predicted), the second bonus guess).
+    Forced tokens (None) always pass and have no alternative."""
+    outcomes, passing = [], 1.0
+    for n, alternative in enumerate(alternatives[: len(predicted)]):
+        if alternative is None:
+            continue
+        outcomes.append((passing * alternative.prob, n, alternative.token))
+        passing *= alternative.chosen_prob
+    if bonus is not None:
+        outcomes.append((passing * bonus.prob, len(predicted), bonus.token))
+    return [(n, token) for _, n, token in sorted(outcomes, key=lambda o: -o[0])]
 
 
 class ModelDraftSession(DraftSession):
@@ -243,6 +317,8 @@ class ModelDraftSession(DraftSession):
         self.vocab_size = kv_cache.lm.vocab_size
         self.vocabulary = vocabulary
         self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
+        self.branching = False  # set by a draft-ahead for several branches: proposals keep their alternatives
+        self.alternatives: dict[tuple[int, ...], list[Alternative | None]] = {}  # by proposal, the latest ones
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
@@ -262,12 +338,41 @@ class ModelDraftSession(DraftSession):
         proposal, _ = self.engine.run(_Propose(self, k))
         return proposal
 
-    def propose_ahead(self, predicted: Sequence[int], k: int) -> Proposal:
+    def propose_ahead(
+        self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
+    ) -> Proposal:
+        """The branch "every predicted token accepted, then the draft's guess of the bonus token"
+        first; with ``num_branches`` > 1 also, in order of probability, the next most likely
+        outcomes (the other branches of SSD / Saguaro's speculation cache, with the draft's own
+        probabilities standing in for the target's): every predicted token accepted and the
+        draft's second choice as the bonus token, or the first n accepted and its second choice at
+        position n as the recovered token, for ``num_branches`` in all. The others are drafted on
+        the session's own sequence after the first (each rolls back the one before, as a rejection
+        does), none begun after ``budget_s`` seconds (None: no limit), and come back in
+        ``Proposal.branches``. A session that asks for branches keeps each proposal's alternatives
+        (:class:`Alternative`) from then on; a proposal drafted before has only its bonus branch."""
+        start = time.monotonic()
         check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
+        if num_branches > 1:
+            self.keep_alternatives()
         if len(self.committed) + len(predicted) + 1 + k > self.window:
             return Proposal([])
-        proposal, _ = self.engine.run(_Propose(self, k, predicted))
+        work = _Propose(self, k, predicted)
+        proposal, _ = self.engine.run(work)
+        alternatives = self.alternatives.get(tuple(predicted), [])
+        self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(proposal.tokens), [])}
+        outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)
+        for num_accepted, token in outcomes[: num_branches - 1]:
+            if budget_s is not None and time.monotonic() - start >= budget_s:
+                break
+            prefix = [*predicted[:num_accepted], token]
+            branch, _ = self.engine.run(_Propose(self, k, prefix, guess_bonus=False))
+            if branch.tokens:
+                proposal.branches.append(Branch(num_accepted, token, branch))
         return proposal
+
+    def keep_alternatives(self) -> None:
+        self.branching = True
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.cache_bytes()

@@ -38,6 +38,9 @@ class Measurement:
     wire_bytes: int | None = None
     rounds_per_drafter: dict[str, int] | None = None
     draft_ahead: tuple[int, int] | None = None  # (proposals checked, hits)
+    # the hits by branch (main, bonus, recovered) and the proposals drafted for branches but the main
+    draft_ahead_hits_per_branch: dict[str, int] | None = None
+    num_draft_ahead_branches: int | None = None
     verify_costs: list[list] = field(default_factory=list)
     num_forced_draft_tokens: int | None = None
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical

@@ -127,6 +127,8 @@ class PipelineMethod:
             rounds_per_drafter={PLAIN: metrics.rounds_per_k[0] if metrics.rounds_per_k else 0}
             | {name: usage.num_rounds for name, usage in metrics.drafter_usage.items()},
             draft_ahead=(metrics.num_draft_ahead_proposals, metrics.num_draft_ahead_hits),
+            draft_ahead_hits_per_branch=dict(metrics.draft_ahead_hits_per_branch),
+            num_draft_ahead_branches=metrics.num_draft_ahead_branches,
             verify_costs=[[c.num_tokens, c.num_rounds, c.call_ms, c.forward_ms] for c in metrics.verify_costs],
             num_forced_draft_tokens=metrics.num_forced_draft_tokens,
         )

@@ -48,6 +48,10 @@ def _stats(runs: list[Measurement]) -> dict:
         for name, count in (m.rounds_per_drafter or {}).items():
             rounds_per_drafter[name] = rounds_per_drafter.get(name, 0) + count
     ahead = [m.draft_ahead for m in runs if m.draft_ahead]
+    branch_hits: dict[str, int] = {}
+    for m in runs:
+        for branch, count in (m.draft_ahead_hits_per_branch or {}).items():
+            branch_hits[branch] = branch_hits.get(branch, 0) + count
     return {
         "num_prompts": len(runs),
         "num_generated_tokens": tokens,
@@ -67,6 +71,15 @@ def _stats(runs: list[Measurement]) -> dict:
         "wire_bytes_per_round": _ratio(sum(wire_bytes), rounds) if pipeline else None,
         "rounds_per_drafter": rounds_per_drafter if pipeline else None,
         "draft_ahead_hit_rate": _ratio(sum(hits for _, hits in ahead), sum(checked for checked, _ in ahead)),
+        # the hit rate of each branch, over the proposals checked
+        "draft_ahead_hit_rate_per_branch": {
+            branch: _ratio(count, sum(checked for checked, _ in ahead)) for branch, count in sorted(branch_hits.items())
+        },
+        # what the branches besides the main one bought: their hits per proposal drafted for them
+        "hits_per_extra_branch": _ratio(
+            sum(count for branch, count in branch_hits.items() if branch != "main"),
+            sum(m.num_draft_ahead_branches or 0 for m in runs),
+        ),
         "verify_costs": _verify_costs(runs),
     }
 
@@ -192,6 +205,7 @@ def round_cost_table(report: dict) -> list[str]:
                 " ".join(map(str, s["acceptance_histogram"])) or "-",
                 _drafter_shares(s["rounds_per_drafter"]),
                 _cell(s["draft_ahead_hit_rate"], ".0%"),
+                _branch_hits(s),
             ]
         )
     return _table(
@@ -204,9 +218,20 @@ def round_cost_table(report: dict) -> list[str]:
             "acceptance histogram",
             "rounds by drafter",
             "draft-ahead hits",
+            "by branch (hits per extra branch drafted)",
         ],
         rows,
     )
+
+
+def _branch_hits(summary: dict) -> str:
+    """``main 60%, bonus 5%, recovered 7% (0.31)``: each branch's hit rate, and the hits the extra
+    branches bought per branch drafted; ``-`` without draft-ahead."""
+    rates = summary.get("draft_ahead_hit_rate_per_branch") or {}
+    if not rates:
+        return "-"
+    shares = ", ".join(f"{branch} {_cell(rate, '.0%')}" for branch, rate in rates.items())
+    return f"{shares} ({_cell(summary.get('hits_per_extra_branch'), '.2f')})"
 
 
 def verify_cost_table(report: dict, min_share: float = 0.2) -> list[str]:
