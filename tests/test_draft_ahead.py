@@ -12,8 +12,8 @@ import torch
 
 from coordinator.api.client import generate
 from coordinator.api.request import ResolvedRequest
-from coordinator.observability.metrics import HIT, MISS
-from coordinator.speculation.draft_side import BONUS, MAIN, RECOVERED, DraftService
+from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
+from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients

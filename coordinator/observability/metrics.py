@@ -12,6 +12,10 @@ from specdec.v1 import coordinator_pb2
 # (rounds_per_drafter), and never a drafter's.
 PLAIN = "plain"
 HIT, MISS = "hit", "miss"  # the outcomes of a proposal drafted ahead (RoundRecord.draft_ahead)
+# The branches of a proposal drafted ahead (RoundRecord.draft_ahead_branch): every predicted token
+# accepted and the draft's first guess of the bonus token; every one accepted and another bonus
+# token; a rejection, then the draft's second choice as the recovered token.
+MAIN, BONUS, RECOVERED = "main", "bonus", "recovered"
 
 
 def histogram(values: Iterable[int], size: int) -> list[int]:

@@ -3,7 +3,7 @@ request's own metrics are built from (names as vLLM's, see :mod:`specdec.prom`).
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from coordinator.observability.metrics import RoundRecord
+from coordinator.observability.metrics import BONUS, MAIN, RECOVERED, RoundRecord
 from specdec.prom import ServiceMetrics
 from specdec.v1 import coordinator_pb2
 
@@ -120,6 +120,8 @@ class CoordinatorMetrics(ServiceMetrics):
             "second choice).",
             ("branch",),
         )
+        for branch in (MAIN, BONUS, RECOVERED):  # exported from the start, at 0
+            self.draft_ahead_branch_hits.labels(branch)
         self.draft_ahead_branches = counter(
             "specdec_draft_ahead_branches",
             "Proposals drafted ahead for other outcomes than the main branch (their draft forwards buy the bonus and "

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coordinator.api.request import ResolvedRequest
-from coordinator.observability.metrics import HIT, MISS
+from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
 from coordinator.speculation.adaptive import AdaptiveK
 from coordinator.speculation.step_client import MissedDeadline
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
@@ -98,12 +98,6 @@ class DraftService:
     async def release(self, session_id: str) -> None:
         """A Release: background clean-up, so a failure does not mark the service down."""
         await self.clients.release_draft(session_id)
-
-
-# The branches of a proposal drafted ahead (RoundRecord.draft_ahead_branch): every predicted token
-# accepted and the draft's first guess of the bonus token; every one accepted and another bonus
-# token; a rejection, then the draft's second choice as the recovered token.
-MAIN, BONUS, RECOVERED = "main", "bonus", "recovered"
 
 
 @dataclass
