@@ -16,7 +16,8 @@ Requests that share a prefix with an earlier one, as chat clients send them:
 
 Methods, all in one run, each question through every method in turn (the order rotating per
 question, :func:`specdec_app.bench.run.interleaved`) after an unmeasured warm-up that shares no
-prefix with the questions beyond the chat template's first tokens:
+prefix with the questions beyond what the chat template puts first (SmolLM2's adds a default
+system prompt to a conversation without one, which the first turns of ``multi-turn`` share):
 
 - ``plain`` (and ``plain/verify-cpu`` with the split placement): the target's ``generate`` in
   process, the reference for speedup and identity;
@@ -83,7 +84,7 @@ FOLLOW_UPS = Path("benchmarks/conversation/follow_ups.json")
 SYSTEM_PROMPT = Path("benchmarks/conversation/system_prompt.txt")
 PREFIX_CACHE, NO_PREFIX_CACHE = "", "@no-prefix-cache"  # method suffixes, by the services' prefix caching
 PREFIX_CACHING = {PREFIX_CACHE: True, NO_PREFIX_CACHE: False}
-# the warm-up: no prefix in common with the questions or the system prompt but the template's start
+# the warm-up: no prefix in common with the questions or the system prompt but what the template puts first
 WARM_UP = Question(0, "warm-up", "Name three colours of the rainbow.")
 PHASES = {  # the requests of each phase, by mode: (the first ones, the measured ones)
     MULTI_TURN: ("first turn", "second turn"),
