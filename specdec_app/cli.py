@@ -513,7 +513,7 @@ def bench(
             "and the verify service to another (one thread each), emulating a draft on its own device; "
             "plain then also runs pinned to the verify service's CPU (plain/verify-cpu). Repeatable: "
             "each placement gets its own services and every pipeline runs on each in the same run "
-            "(methods named <method>@<placement>). Batch-1 benchmark only."
+            "(methods named <method>@<placement>). Batch-1 benchmark and --conversation only."
         ),
     ] = None,
     target: Annotated[
@@ -552,8 +552,8 @@ def bench(
     drafter: Annotated[
         str | None,
         typer.Option(
-            help="With --concurrency or --structured: the drafter pipeline/adaptive names (llama-cpp, transformers "
-            "or ngram; default llama-cpp)."
+            help="With --concurrency, --structured or --conversation: the drafter pipeline/adaptive names "
+            "(llama-cpp, transformers or ngram; default llama-cpp)."
         ),
     ] = None,
     api: Annotated[
@@ -599,6 +599,17 @@ def bench(
             "Default --concurrency 64.",
         ),
     ] = False,
+    conversation: Annotated[
+        str | None,
+        typer.Option(
+            help="Prefix-reuse mode: multi-turn (each question's second turn, after the method's own answer to "
+            "the first and a follow-up from benchmarks/conversation/follow_ups.json) or shared-system-prompt "
+            "(every question after benchmarks/conversation/system_prompt.txt). Methods plain, the pipeline "
+            "(adaptive K, --drafter) with prefix caching and @no-prefix-cache without it, on each --placement; "
+            "reports TTFT, cached prompt tokens and the TTFT targets in report-<mode>.json, report-<mode>.md and "
+            "<mode>.png.",
+        ),
+    ] = None,
     structured: Annotated[
         bool,
         typer.Option(
@@ -624,7 +635,8 @@ def bench(
     chosen, CPU ms per token per process and greedy identity against pipeline/K=0 at N=1 per
     pattern, method and N. With --ceiling: the same on a near-free model the bench writes, with
     pipeline/K=0, pipeline/K=4 self-drafted and transformers serve. With --structured: structured
-    output (JSON schemas) at batch 1, see specdec_app.bench.structured."""
+    output (JSON schemas) at batch 1, see specdec_app.bench.structured. With --conversation:
+    prefix caching in the time to first token, see specdec_app.bench.conversation."""
     inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
         "questions": questions,
         "out": out,
@@ -645,6 +657,21 @@ def bench(
         "arrivals": arrivals,
         "request_rate": request_rate,
     }
+    if conversation is not None:
+        if (
+            pipeline
+            or hf_k
+            or structured
+            or concurrency is not None
+            or ceiling
+            or any(v is not None for v in load.values())
+        ):
+            stderr.print(
+                "[red]error: --conversation takes --drafter, --placement and the prompt and model options only[/red]"
+            )
+            raise typer.Exit(1)
+        _bench_conversation(inputs, conversation, drafter or "llama-cpp", placement or ["shared"])
+        return
     if structured:
         if (
             pipeline
@@ -724,6 +751,37 @@ def _bench_structured(inputs: dict[str, Any], drafter: str) -> None:
             f"{m['first_mismatch']}[/red]"
         )
     stderr.print(f"reports written to {inputs['out']}/: {', '.join(REPORT_FILES)}")
+
+
+def _bench_conversation(inputs: dict[str, Any], conversation: str, drafter: str, placements: list[str]) -> None:
+    """``specdec bench --conversation``: see :mod:`specdec_app.bench.conversation`."""
+    from specdec_app.bench.conversation import (
+        ConversationConfig,
+        report_files,
+        requests_table,
+        run_conversation,
+        targets_table,
+    )
+    from specdec_app.bench.run import DRAFTERS
+
+    config = ConversationConfig(**inputs, conversation=conversation, drafter=drafter, placements=placements)
+    try:
+        if drafter not in DRAFTERS:
+            raise ValueError(f"--drafter {drafter!r}: use one of {', '.join(DRAFTERS)}")
+        report = run_conversation(config, stderr)
+    except grpc.RpcError as err:
+        stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
+        raise typer.Exit(1) from None
+    except (ValueError, RuntimeError) as err:
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
+    print("\n".join([*requests_table(report, "summary"), "", *targets_table(report)]))
+    for m in report["mismatches"]:
+        stderr.print(
+            f"[red]{m['method']} differs from plain on question {m['question_id']} ({m['phase']} requests) at token "
+            f"{m['first_mismatch']}[/red]"
+        )
+    stderr.print(f"reports written to {inputs['out']}/: {', '.join(report_files(conversation))}")
 
 
 def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool) -> None:

@@ -17,7 +17,10 @@ class Measurement:
     ``verify_costs``: ``[num_tokens, rounds, call_ms, forward_ms]`` summed per number of new tokens
     of a decode-phase target forward (the pipeline's verify service call and its step's forward;
     in process, the forward both). ``num_forced_draft_tokens``: the pipeline's draft tokens the
-    grammar forced (structured output), None elsewhere.
+    grammar forced (structured output), None elsewhere. ``num_prompt_tokens``: the prompt's tokens
+    after the chat template (None where not reported). ``num_cached_prompt_tokens`` and
+    ``num_draft_cached_prompt_tokens``: the pipeline's prompt tokens the verify service and the draft
+    service found in their prefix caches (``RequestMetrics``; 0 with the caches off), None elsewhere.
     """
 
     method: str
@@ -43,6 +46,9 @@ class Measurement:
     num_draft_ahead_branches: int | None = None
     verify_costs: list[list] = field(default_factory=list)
     num_forced_draft_tokens: int | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None
+    num_draft_cached_prompt_tokens: int | None = None
     first_mismatch: int | None = None  # index of the first token that differs from plain's; None = identical
 
     @property

@@ -7,10 +7,9 @@ from pathlib import Path
 from coordinator.api.client import Completion, stream
 from coordinator.observability.metrics import PLAIN
 from specdec.timing import ms_since
-from specdec.v1 import coordinator_pb2
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.placement import SHARED, Placement
-from specdec_app.bench.questions import Question
+from specdec_app.bench.questions import Question, generate_request
 from specdec_app.launcher import LocalCluster, free_port
 
 
@@ -91,9 +90,8 @@ class PipelineMethod:
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
         """Raises grpc.RpcError with the coordinator's status when the request fails, RuntimeError
         when the stream ends without a finish reason."""
-        request = coordinator_pb2.GenerateRequest(
-            text=question.prompt, max_new_tokens=max_new_tokens, drafter=self.drafter, seed=seed
-        )
+        request = generate_request(question)
+        request.max_new_tokens, request.drafter, request.seed = max_new_tokens, self.drafter, seed
         if self.fixed_k is not None:
             request.num_speculative_tokens = self.fixed_k
         if question.schema and self.constrained:
@@ -112,6 +110,7 @@ class PipelineMethod:
             question_id=question.question_id,
             category=question.category,
             token_ids=completion.token_ids,
+            num_prompt_tokens=metrics.num_prompt_tokens,
             wall_ms=ms_since(start),
             ttft_ms=ttft_ms,
             num_target_forwards=metrics.num_target_forwards + 1,
@@ -131,4 +130,6 @@ class PipelineMethod:
             num_draft_ahead_branches=metrics.num_draft_ahead_branches,
             verify_costs=[[c.num_tokens, c.num_rounds, c.call_ms, c.forward_ms] for c in metrics.verify_costs],
             num_forced_draft_tokens=metrics.num_forced_draft_tokens,
+            num_cached_prompt_tokens=metrics.num_cached_prompt_tokens,
+            num_draft_cached_prompt_tokens=metrics.num_draft_cached_prompt_tokens,
         )

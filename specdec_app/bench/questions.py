@@ -5,16 +5,35 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.v1 import coordinator_pb2
+
 
 @dataclass(frozen=True)
 class Question:
-    """A prompt; ``schema``: the JSON schema its answer must follow (``specdec bench --structured``,
-    :mod:`specdec_app.bench.structured`), as JSON text; empty: none."""
+    """A prompt: the user message ``prompt``, after the conversation ``messages`` (``(role,
+    content)`` pairs, role ``system``, ``user`` or ``assistant``: a system prompt and earlier turns,
+    :mod:`specdec_app.bench.conversation`; empty: the prompt alone). ``schema``: the JSON schema its
+    answer must follow (``specdec bench --structured``, :mod:`specdec_app.bench.structured`), as
+    JSON text; empty: none."""
 
     question_id: int
     category: str
     prompt: str
     schema: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+
+
+def generate_request(question: Question) -> coordinator_pb2.GenerateRequest:
+    """The question as the coordinator takes it, the same for every method (the in-process ones
+    tokenize it with the coordinator's ``prompt_ids``): ``text`` for a prompt alone, else ``chat``
+    with the conversation and the prompt as its last user message."""
+    if not question.messages:
+        return coordinator_pb2.GenerateRequest(text=question.prompt)
+    messages = [*question.messages, ("user", question.prompt)]
+    chat = coordinator_pb2.ChatMessages(
+        messages=[coordinator_pb2.ChatMessage(role=role, content=content) for role, content in messages]
+    )
+    return coordinator_pb2.GenerateRequest(chat=chat)
 
 
 def load_questions(path: Path, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:

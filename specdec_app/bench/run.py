@@ -6,8 +6,10 @@ import datetime
 import os
 import platform
 import resource
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -111,12 +113,17 @@ def _transformers_methods(
     return methods
 
 
-def run_all(methods, questions: list[Question], config: BenchInputs, console: Console) -> list[Measurement]:
-    """Warm-up, then each prompt through every method (the order rotating per prompt) so that
-    machine noise hits all methods alike."""
+def warm_up(methods, question: Question, config: BenchInputs) -> None:
+    """One short unmeasured request per method (``WARM_UP_TOKENS``), so that no method's first
+    measured request pays for loading kernels and connecting."""
     for method in methods:
-        method.run(questions[0], min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
-    measurements = []
+        method.run(question, min(WARM_UP_TOKENS, config.max_new_tokens), config.seed)
+
+
+def interleaved(methods, questions: list[Question], console: Console) -> Iterator[tuple[int, Question, Any]]:
+    """``(index, question, method)`` for each question through every method, the order rotating per
+    question so that machine noise hits all methods alike, under a progress bar that advances when
+    the caller asks for the next one."""
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -127,21 +134,44 @@ def run_all(methods, questions: list[Question], config: BenchInputs, console: Co
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("bench", total=len(questions) * len(methods))
         for i, question in enumerate(questions):
-            runs = {}
             for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
                 progress.update(task, description=f"{question.category} #{question.question_id} {method.name:<22}")
-                runs[method.name] = method.run(question, config.max_new_tokens, config.seed)
+                yield i, question, method
                 progress.advance(task)
-            for m in runs.values():
-                m.compare_to(runs[BASELINE].token_ids)
-            measurements += [runs[method.name] for method in methods]
-    return measurements
+
+
+def run_all(
+    methods, questions: list[Question], config: BenchInputs, console: Console, warm_up_with: Question | None = None
+) -> list[Measurement]:
+    """Warm-up on ``warm_up_with`` (None: the first question), then each question through every
+    method (:func:`interleaved`), each compared with ``plain``'s token ids; in question order,
+    then method order."""
+    warm_up(methods, warm_up_with or questions[0], config)
+    runs: list[dict[str, Measurement]] = [{} for _ in questions]
+    for i, question, method in interleaved(methods, questions, console):
+        runs[i][method.name] = method.run(question, config.max_new_tokens, config.seed)
+    return compared_to_plain(runs, [method.name for method in methods])
+
+
+def compared_to_plain(runs: list[dict[str, Measurement]], names: list[str]) -> list[Measurement]:
+    """Each question's runs (by method name) compared with ``plain``'s token ids, in question order,
+    then in the order of ``names``."""
+    for by_method in runs:
+        for m in by_method.values():
+            m.compare_to(by_method[BASELINE].token_ids)
+    return [by_method[name] for by_method in runs for name in names]
+
+
+def parse_placements(names: list[str]) -> list[Placement]:
+    """The placements of ``--placement`` (:mod:`specdec_app.bench.placement`). Raises ValueError
+    for an unknown or repeated name, or none."""
+    if not names or len(set(names)) < len(names):
+        raise ValueError("--placement: name each placement once (shared, split or both)")
+    return [placement(name) for name in names]
 
 
 def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int | None]], list[Placement]]:
-    if not config.placements or len(set(config.placements)) < len(config.placements):
-        raise ValueError("--placement: name each placement once (shared, split or both)")
-    placements = [placement(name) for name in config.placements]
+    placements = parse_placements(config.placements)
     return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placements
 
 

@@ -13,10 +13,9 @@ from transformers.generation.streamers import BaseStreamer
 from coordinator.api.request import prompt_ids
 from coordinator.observability.metrics import histogram
 from specdec.timing import ms_since
-from specdec.v1 import coordinator_pb2
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.placement import pinned
-from specdec_app.bench.questions import Question
+from specdec_app.bench.questions import Question, generate_request
 
 
 @dataclass
@@ -136,8 +135,7 @@ class TransformersMethod:
 
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
         # the coordinator's own tokenization, so every method starts from the same ids
-        request = coordinator_pb2.GenerateRequest(text=question.prompt)
-        ids = torch.tensor([prompt_ids(request, self.tokenizer)], device=self.target.device)
+        ids = torch.tensor([prompt_ids(generate_request(question), self.tokenizer)], device=self.target.device)
         torch.manual_seed(seed)
         self.probe.take()
         if self.draft_probe:
@@ -165,6 +163,7 @@ class TransformersMethod:
             question_id=question.question_id,
             category=question.category,
             token_ids=generated,
+            num_prompt_tokens=ids.shape[1],
             wall_ms=wall_ms,
             ttft_ms=timer.first_token_ms,
             num_target_forwards=len(forwards),
