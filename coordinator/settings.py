@@ -131,7 +131,8 @@ class CoordinatorSettings(ServiceSettings):
         description="Draft-ahead: proposals drafted for the next round per round, one per likely outcome of the "
         "verification under way (every token accepted with the draft's first and second guess of the bonus token, "
         "a rejection followed by the draft's second choice there), most likely first, as many as the draft "
-        "drafts while the target verifies; 1: the first outcome only. With draft_shares_target_cores: 1.",
+        "drafts while the target verifies; 1: the first outcome only. With draft_shares_target_cores, and for "
+        "sampled requests (whose sampled tokens a branch rarely matches): 1.",
     )
     draft_ahead: bool = Field(
         True,

@@ -162,7 +162,10 @@ class DraftSession:
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
     ``retry_s`` seconds without the draft after a failure; ``draft_ahead`` drafts the next round
     while this one verifies (a model drafter), for up to ``branches`` outcomes of its verification,
-    as many as the draft can draft while the target verifies (:meth:`observe_verify`).
+    as many as the draft can draft while the target verifies (:meth:`observe_verify`); greedy
+    requests only: under sampling a branch is hit only when the sampled token is the draft's second
+    choice, and its draft work delays the other sessions' draft calls, which can change which of
+    their rounds use the draft and so their sampled tokens.
     """
 
     def __init__(
@@ -181,9 +184,8 @@ class DraftSession:
         self.retry_s = retry_s
         self.uses_draft = request.uses_draft_service
         self.draft_ahead = draft_ahead and self.uses_draft
-        self.branches = (
-            branches if self.draft_ahead else 1
-        )  # proposals drafted ahead per round (ProposeRequest.num_branches)
+        # proposals drafted ahead per round (ProposeRequest.num_branches); one under sampling (see above)
+        self.branches = branches if self.draft_ahead and request.sampling.greedy else 1
         self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
         self.seen = 0  # length of the committed prefix the session has seen
