@@ -716,40 +716,42 @@ def bench(
 
     given: dict[str, Any] = {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}  # the rest: defaults
     config = BenchConfig(**inputs, **{name: value for name, value in given.items() if value})
+    report = _run_mode(lambda: run_bench(config, stderr))
+    print("\n".join([*speedup_table(report), "", *overall_table(report)]))
+    _print_mismatches(report, "plain")
+    stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
+
+
+def _run_mode(run: Callable[[], dict]) -> dict:
+    """The report ``run()`` returns; a failed pipeline request, a bad option or a service that
+    did not start is printed as an error and exits 1."""
     try:
-        report = run_bench(config, stderr)
+        return run()
     except grpc.RpcError as err:
         stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
         raise typer.Exit(1) from None
     except (ValueError, RuntimeError) as err:
         stderr.print(f"[red]error: {err}[/red]")
         raise typer.Exit(1) from None
-    print("\n".join([*speedup_table(report), "", *overall_table(report)]))
+
+
+def _print_mismatches(report: dict, reference: str) -> None:
+    """Every output of the report that differs from ``reference``'s (the mode's plain decoding)."""
     for m in report["mismatches"]:
+        phase = f" ({m['phase']} requests)" if "phase" in m else ""
         stderr.print(
-            f"[red]{m['method']} differs from plain on question {m['question_id']} at token {m['first_mismatch']}[/red]"
+            f"[red]{m['method']} differs from {reference} on question {m['question_id']}{phase} at token "
+            f"{m['first_mismatch']}[/red]"
         )
-    stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
 
 
 def _bench_structured(inputs: dict[str, Any], drafter: str) -> None:
     """``specdec bench --structured``: see :mod:`specdec_app.bench.structured`."""
     from specdec_app.bench.structured import REPORT_FILES, StructuredConfig, run_structured, structured_table, targets
 
-    try:
-        report = run_structured(StructuredConfig(**inputs, drafter=drafter), stderr)
-    except grpc.RpcError as err:
-        stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
-        raise typer.Exit(1) from None
-    except (ValueError, RuntimeError) as err:
-        stderr.print(f"[red]error: {err}[/red]")
-        raise typer.Exit(1) from None
+    report = _run_mode(lambda: run_structured(StructuredConfig(**inputs, drafter=drafter), stderr))
     print("\n".join([*structured_table(report), "", *targets(report)]))
-    for m in report["mismatches"]:
-        stderr.print(
-            f"[red]{m['method']} differs from plain constrained decoding on prompt {m['question_id']} at token "
-            f"{m['first_mismatch']}[/red]"
-        )
+    _print_mismatches(report, "plain constrained decoding")
     stderr.print(f"reports written to {inputs['out']}/: {', '.join(REPORT_FILES)}")
 
 
@@ -765,22 +767,15 @@ def _bench_conversation(inputs: dict[str, Any], conversation: str, drafter: str,
     from specdec_app.bench.run import DRAFTERS
 
     config = ConversationConfig(**inputs, conversation=conversation, drafter=drafter, placements=placements)
-    try:
+
+    def run() -> dict:
         if drafter not in DRAFTERS:
             raise ValueError(f"--drafter {drafter!r}: use one of {', '.join(DRAFTERS)}")
-        report = run_conversation(config, stderr)
-    except grpc.RpcError as err:
-        stderr.print(f"[red]error: a pipeline request failed: {err.code().name}: {err.details()}[/red]")
-        raise typer.Exit(1) from None
-    except (ValueError, RuntimeError) as err:
-        stderr.print(f"[red]error: {err}[/red]")
-        raise typer.Exit(1) from None
+        return run_conversation(config, stderr)
+
+    report = _run_mode(run)
     print("\n".join([*requests_table(report, "summary"), "", *targets_table(report)]))
-    for m in report["mismatches"]:
-        stderr.print(
-            f"[red]{m['method']} differs from plain on question {m['question_id']} ({m['phase']} requests) at token "
-            f"{m['first_mismatch']}[/red]"
-        )
+    _print_mismatches(report, "plain")
     stderr.print(f"reports written to {inputs['out']}/: {', '.join(report_files(conversation))}")
 
 

@@ -216,7 +216,7 @@ def test_the_services_of_the_comparison_take_their_flags():
     [
         (["--pipeline", "ngram:4"], "--structured takes --drafter and the prompt and model options only"),
         (["--concurrency", "1"], "--structured takes --drafter"),
-        (["--questions", "missing.jsonl"], "prompt file missing.jsonl not found"),
+        (["--questions", "missing.jsonl"], "question file missing.jsonl not found"),
     ],
 )
 def test_bad_options_are_a_clear_error(args, message):

@@ -2,6 +2,7 @@
 per line with ``question_id``, ``category`` and ``turns``; the benchmark uses the first turn."""
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,27 +38,47 @@ def generate_request(question: Question) -> coordinator_pb2.GenerateRequest:
 
 
 def load_questions(path: Path, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:
-    """The first ``limit`` questions (all when None) of each category, grouped by category in the
-    order of ``categories`` (file order when None).
+    """The first ``limit`` Spec-Bench questions (all when None) of each category, grouped by
+    category in the order of ``categories`` (file order when None).
 
     Raises:
         ValueError: the file is missing or malformed, or a category is not in it.
     """
+
+    def question(record: dict) -> Question:
+        return Question(int(record["question_id"]), str(record["category"]), str(record["turns"][0]))
+
+    return load_jsonl(
+        path, question, "a Spec-Bench question (each line needs question_id, category and turns)", categories, limit
+    )
+
+
+def load_jsonl(
+    path: Path,
+    parse: Callable[[dict], Question],
+    what: str,
+    categories: list[str] | None = None,
+    limit: int | None = None,
+) -> list[Question]:
+    """The first ``limit`` questions (all when None) of each category, grouped by category in the
+    order of ``categories`` (file order when None), from ``path``'s JSON lines, each read by
+    ``parse`` (which raises ValueError, KeyError, IndexError or TypeError for a malformed record).
+
+    Raises:
+        ValueError: the file is missing, a line is not ``what`` (named in the message), or a
+            category is not in it.
+    """
     if not path.is_file():
-        raise ValueError(f"question file {path} not found: pass --questions FILE (Spec-Bench JSONL)")
+        raise ValueError(f"question file {path} not found: pass --questions FILE ({what})")
     by_category: dict[str, list[Question]] = {}
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                question = Question(int(record["question_id"]), str(record["category"]), str(record["turns"][0]))
+                question = parse(json.loads(line))
             except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise ValueError(
-                    f"{path}:{number}: not a Spec-Bench question ({err!r}); each line needs "
-                    "question_id, category and turns"
-                ) from None
+                raise ValueError(f"{path}:{number}: not {what}: {err!r}") from None
             by_category.setdefault(question.category, []).append(question)
     unknown = [name for name in categories or [] if name not in by_category]
     if unknown:

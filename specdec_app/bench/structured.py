@@ -40,7 +40,7 @@ from specdec.structured_output import UNLIMITED, StructuredOutput, grammar_token
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.pipeline_method import PipelineMethod, start_cluster
-from specdec_app.bench.questions import Question
+from specdec_app.bench.questions import Question, load_jsonl
 from specdec_app.bench.report import (
     OVERALL,
     _cell,
@@ -73,29 +73,16 @@ def load_structured_questions(
         ValueError: the file is missing or malformed, a schema is not a valid JSON schema, or a
             category is not in it.
     """
-    if not path.is_file():
-        raise ValueError(f"prompt file {path} not found: pass --questions FILE (JSONL of id, category, prompt, schema)")
-    by_category: dict[str, list[Question]] = {}
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                jsonschema.validators.validator_for(record["schema"]).check_schema(record["schema"])
-                question = Question(
-                    int(record["id"]), str(record["category"]), str(record["prompt"]), json.dumps(record["schema"])
-                )
-            except (ValueError, KeyError, TypeError, jsonschema.SchemaError) as err:
-                raise ValueError(
-                    f"{path}:{number}: not a structured prompt ({err!r}); each line needs id, category, prompt and "
-                    "schema (a JSON schema)"
-                ) from None
-            by_category.setdefault(question.category, []).append(question)
-    unknown = [name for name in categories or [] if name not in by_category]
-    if unknown:
-        raise ValueError(f"categories {unknown} are not in {path}; it has {sorted(by_category)}")
-    return [q for name in categories or list(by_category) for q in by_category[name][:limit]]
+
+    def question(record: dict) -> Question:
+        try:
+            jsonschema.validators.validator_for(record["schema"]).check_schema(record["schema"])
+        except jsonschema.SchemaError as err:
+            raise ValueError(f"its schema is not a JSON schema: {err.message}") from None
+        return Question(int(record["id"]), str(record["category"]), str(record["prompt"]), json.dumps(record["schema"]))
+
+    what = "a structured prompt (each line needs id, category, prompt and schema, a JSON schema)"
+    return load_jsonl(path, question, what, categories, limit)
 
 
 @dataclass
