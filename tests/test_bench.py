@@ -177,10 +177,11 @@ def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
-def test_split_placement_pins_one_cpu_each():
+def test_split_pins_one_cpu_each_and_shared_tells_the_coordinator():
     split = placement("split")
     assert split.cpus["draft"].isdisjoint(split.cpus["verify"]) and len(split.cpus["verify"]) == 1
     assert split.service_args["verify"] == ["--num-threads", "1"] and placement("shared").cpus == {}
+    assert placement("shared").service_args == {"coordinator": ["--draft-shares-target-cores"]}
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     with pinned(split.cpus["verify"]):
         assert os.sched_getaffinity(0) == split.cpus["verify"] and torch.get_num_threads() == 1

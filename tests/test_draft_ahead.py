@@ -6,6 +6,7 @@ tokens gives (greedy and seeded sampling alike), so the pipeline's output does n
 whether a round's proposal was drafted ahead, on which branch, hit or missed."""
 
 import asyncio
+import types
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from draft_service.drafters import base
 from draft_service.drafters.base import Alternative, _likely_outcomes
 from specdec.errors import FailedPrecondition
 from specdec.sampling_params import SamplingParams
@@ -86,6 +88,31 @@ def test_each_branch_drafted_ahead_is_the_plain_proposal_of_its_outcome(tiny_dra
                 torch.testing.assert_close(branch.proposal.probs, expected.probs, rtol=1e-4, atol=1e-6)
     finally:
         ahead.close()
+
+
+@pytest.mark.parametrize(("budget_s", "num_branches"), [(1.5, 0), (2.0, 1), (3.0, 2), (None, 3)])
+def test_a_branch_is_begun_only_if_it_ends_within_the_budget(tiny_drafters, monkeypatch, budget_s, num_branches):
+    """On a clock where every draft run takes 1 s, the main branch ends at 1 s and each further
+    branch is expected to take 1 s more: within a 1.5 s budget none is begun (the round would wait
+    for it), within 2 s one, within 3 s two; no budget, all three."""
+    session = tiny_drafters["transformers"].new_session(SamplingParams())
+    clock = [0.0]
+    run = session.engine.run
+
+    def run_one_second(work, *args):
+        clock[0] += 1.0
+        return run(work, *args)
+
+    monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(session.engine, "run", run_one_second)
+    try:
+        session.prefill(PROMPT)
+        session.keep_alternatives()
+        predicted = session.propose(4).tokens
+        proposal = session.propose_ahead(predicted, 5, num_branches=4, budget_s=budget_s)
+        assert len(proposal.branches) == num_branches
+    finally:
+        session.close()
 
 
 def test_branches_are_ranked_by_the_drafts_probabilities():

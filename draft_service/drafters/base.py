@@ -348,7 +348,9 @@ class ModelDraftSession(DraftSession):
         draft's second choice as the bonus token, or the first n accepted and its second choice at
         position n as the recovered token, for ``num_branches`` in all. The others are drafted on
         the session's own sequence after the first (each rolls back the one before, as a rejection
-        does), none begun after ``budget_s`` seconds (None: no limit), and come back in
+        does), none begun that would end after ``budget_s`` seconds (None: no limit; a branch is
+        expected to take as long as the one before it, since the Propose answers only once its
+        branches are drafted), and come back in
         ``Proposal.branches``. A session that asks for branches keeps each proposal's alternatives
         (:class:`Alternative`) from then on; a proposal drafted before has only its bonus branch."""
         start = time.monotonic()
@@ -362,11 +364,14 @@ class ModelDraftSession(DraftSession):
         alternatives = self.alternatives.get(tuple(predicted), [])
         self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(proposal.tokens), [])}
         outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)
+        last_s = time.monotonic() - start  # how long the last branch took to draft
         for num_accepted, token in outcomes[: num_branches - 1]:
-            if budget_s is not None and time.monotonic() - start >= budget_s:
-                break
+            began = time.monotonic()
+            if budget_s is not None and began - start + last_s > budget_s:
+                break  # it would still be drafting when verification ends: the round would wait for it
             prefix = [*predicted[:num_accepted], token]
             branch, _ = self.engine.run(_Propose(self, k, prefix, guess_bonus=False))
+            last_s = time.monotonic() - began
             if branch.tokens:
                 proposal.branches.append(Branch(num_accepted, token, branch))
         return proposal

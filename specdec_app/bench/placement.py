@@ -32,9 +32,11 @@ class Placement:
 
     @property
     def service_args(self) -> dict[str, list[str]]:
-        """Flags that match each pinned service's thread counts to its one CPU."""
+        """Flags that match each pinned service's thread counts to its one CPU; on shared cores,
+        the coordinator's ``--draft-shares-target-cores`` (the draft prefills after the first
+        token and drafts ahead the main branch alone, docs/architecture.md#one-round)."""
         if not self.cpus:
-            return {}
+            return {"coordinator": ["--draft-shares-target-cores"]}
         return {"verify": ["--num-threads", "1"], "draft": ["--num-threads", "1", "--llama-cpp-n-threads", "1"]}
 
 
