@@ -62,6 +62,35 @@ def test_a_session_proposes_once_open_and_its_release_frees_it(tiny_pipeline):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(("max_k", "drafts_ahead"), [(None, True), (4, True), (3, False)])
+def test_no_draft_ahead_after_a_proposal_that_would_end_the_request(tiny_pipeline, max_k, drafts_ahead):
+    """A proposal of 3 tokens when the request's budget leaves room for 3 draft tokens: accepted
+    whole it ends the request, so the next round's Propose is not sent ahead."""
+
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        released: list = []
+        service = DraftService(clients)
+        ids = iter(f"ahead{max_k}.d{i}" for i in range(1, 100))
+        session = DraftSession(
+            service, request(), list(PROMPT), lambda: next(ids), lambda r: released.append(asyncio.ensure_future(r())), draft_ahead=True
+        )
+        try:
+            session.open()
+            await session.wait_for_prefill()
+            await asyncio.sleep(0.5)
+            session.check_prefill()
+            proposal = await session.proposal(3, round_number=1, start=0.0, max_k=max_k)
+            assert len(proposal.response.token_ids) == 3
+            assert (session._ahead is not None) == drafts_ahead
+            await session.release()
+            await asyncio.gather(*released)
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
+
+
 def test_a_lost_session_is_prefilled_again_under_a_new_id(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline)

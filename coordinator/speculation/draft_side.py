@@ -295,12 +295,15 @@ class DraftSession:
 
     # --- proposing -----------------------------------------------------------------------
 
-    async def proposal(self, k: int, round_number: int, start: float) -> DraftProposal:
+    async def proposal(self, k: int, round_number: int, start: float, max_k: int | None = None) -> DraftProposal:
         """Round ``round_number``'s proposal of up to ``k`` tokens (``start``: the round's
         time.perf_counter()): the one drafted ahead during the previous round when verification
         went down its branch, else one asked for now; none while the draft is unavailable (its
         opening is then started in the background). With draft-ahead on, the next round's
-        Propose is sent before returning."""
+        Propose is sent before returning, unless the proposal fills ``max_k`` (the most draft
+        tokens the request's token budget leaves this round, None: no limit): accepted whole, it
+        ends the request, and the draft's work ahead would only compete with the next request's
+        prefill where both share cores."""
         taken = await self._take_ahead(round_number)
         response = taken.response
         wait_ms = ms_since(start)  # the wait for the Propose drafting ahead
@@ -311,7 +314,9 @@ class DraftSession:
         elif response is None:
             self.open()  # this round is a plain one while the draft opens
         if response is not None and response.token_ids and self.draft_ahead and self.available():
-            self._send_ahead(list(response.token_ids[:k]), k, round_number)
+            proposed = list(response.token_ids[:k])
+            if max_k is None or len(proposed) < max_k:
+                self._send_ahead(proposed, k, round_number)
         taken.response, taken.wait_ms = response, wait_ms
         return taken
 

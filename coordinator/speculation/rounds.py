@@ -208,7 +208,7 @@ class RequestRounds:
             distributions = [] if self.request.sampling.greedy else point_masses(proposal)
             forced = (True,) * len(proposal) if proposer == FORCED else ()
         elif k > 0:
-            drafted = await self.draft.proposal(k, self.num_rounds, start)
+            drafted = await self.draft.proposal(k, self.num_rounds, start, max_k)
             draft_ms, wire_bytes = drafted.wait_ms, drafted.wire_bytes
             if drafted.response is None:  # the draft is unavailable: a plain decode round
                 k = 0
