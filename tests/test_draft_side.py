@@ -30,13 +30,17 @@ def clients_of(pipeline, draft_address: str | None = None) -> ServiceClients:
     return ServiceClients(address, [pipeline.verify_address], 30, 30, propose_deadline=deadline)
 
 
-def session_of(service: DraftService, resolved: ResolvedRequest, released: list, name: str = "ds") -> DraftSession:
+def session_of(
+    service: DraftService, resolved: ResolvedRequest, released: list, name: str = "ds", draft_ahead: bool = False
+) -> DraftSession:
     ids = iter(f"{name}.d{i}" for i in range(1, 100))
 
     def in_background(release):
         released.append(asyncio.ensure_future(release()))
 
-    return DraftSession(service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, retry_s=0.5)
+    return DraftSession(
+        service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, 0.5, draft_ahead
+    )
 
 
 def test_a_session_proposes_once_open_and_its_release_frees_it(tiny_pipeline):
@@ -71,10 +75,7 @@ def test_no_draft_ahead_after_a_proposal_that_would_end_the_request(tiny_pipelin
         clients = clients_of(tiny_pipeline)
         released: list = []
         service = DraftService(clients)
-        ids = iter(f"ahead{max_k}.d{i}" for i in range(1, 100))
-        session = DraftSession(
-            service, request(), list(PROMPT), lambda: next(ids), lambda r: released.append(asyncio.ensure_future(r())), draft_ahead=True
-        )
+        session = session_of(service, request(), released, f"ahead{max_k}", draft_ahead=True)
         try:
             session.open()
             await session.wait_for_prefill()
