@@ -1,9 +1,13 @@
 """verify_service.target: a Prefill that also decodes the first token gives exactly the token a
 Decode right after a plain Prefill gives (greedy and seeded sampling), in one forward with the
-prompt's last chunk, however the prompt is chunked, and after a prefix found in the prefix cache."""
+prompt's last chunk, however the prompt is chunked, and after a prefix found in the prefix cache;
+loaded from a folder, its linear layers run on oneDNN (:mod:`specdec.cpu_linear`) unless told
+not to, with the same tokens."""
 
 import pytest
+import torch
 
+from specdec.cpu_linear import PackedLinear
 from specdec.sampling_params import SamplingParams
 from tests.conftest import StepRecorder
 from verify_service.target import EngineLimits, Target
@@ -66,3 +70,15 @@ def test_prefill_with_decode_after_a_cached_prefix(tiny_target):
     assert fused.kv_cache.num_cached_tokens == 3 * 16 and fused.committed == [*prompt, expected]
     assert len(recorder.batch_sizes) == 1
     fused.close()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_load_packs_the_linear_layers_on_a_cpu_unless_told_not_to(tiny_models, tiny_target, pack):
+    target = Target.load(str(tiny_models.target_dir), "float32", None, 4, pack_linear_weights=pack)
+    try:
+        packed = [m for m in target.lm.model.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == (pack and torch.backends.mkldnn.is_available())
+        prompt = [(7 * i + 3) % 1000 for i in range(12)]
+        assert plain_next(target, prompt, SamplingParams()) == plain_next(tiny_target, prompt, SamplingParams())
+    finally:
+        target.engine.stop()

@@ -169,6 +169,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.max_num_speculative_tokens,
         limits,
         settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
+        settings.pack_linear_weights,
     )
     target.engine.metrics = metrics.engine_metrics("verify", target.lm.prefix_cache_tokens)
     sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)

@@ -23,6 +23,7 @@ from opentelemetry import trace
 
 from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.batching import SequenceStep
+from specdec.cpu_linear import pack_linears
 from specdec.engine import Engine, StepStats, Work
 from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarMatcher
@@ -98,8 +99,14 @@ class Target:
         max_k: int,
         limits: EngineLimits | None = None,
         prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        pack_linear_weights: bool = True,
     ) -> "Target":
+        """Loads ``spec`` (see :func:`specdec.models.load_causal_lm`), with its linear layers on
+        oneDNN on a CPU unless ``pack_linear_weights`` is False (:mod:`specdec.cpu_linear`), and
+        measures its step costs."""
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
+        if pack_linear_weights:
+            pack_linears(model)
         target = cls(model, tokenizer, spec, max_k, limits, prefix_cache_max_tokens)
         target.measure_costs()
         target.grammar_tokenizer  # noqa: B018 (built now: building it holds the GIL for about 0.4 s)

@@ -1,0 +1,55 @@
+"""The target's linear layers on oneDNN (:mod:`specdec.cpu_linear`): the same outputs as
+``torch.nn.Linear`` up to rounding, for any number of rows, and a model whose every linear layer
+is packed computes the same logits."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec.cpu_linear import PackedLinear, available, pack_linears
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (9, 48), (64, 48), (1, 5, 48), (2, 3, 48)])
+def test_packed_linear_equals_linear(shape, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        expected, out = linear(x), PackedLinear(linear)(x)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_in_bfloat16():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected, out = linear(x).float(), PackedLinear(linear)(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_pack_linears_keeps_the_logits():
+    model = tiny_llama(seed=0)
+    packed = copy.deepcopy(model)
+    num_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert pack_linears(packed) == num_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.inference_mode():
+        expected, logits = model(ids).logits, packed(ids).logits
+    assert torch.allclose(logits, expected, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_pack_linears_leaves_what_it_cannot_run():
+    half = tiny_llama(seed=0).to(torch.float16)
+    assert not available(half)
+    assert pack_linears(half) == 0
+    assert any(isinstance(m, torch.nn.Linear) for m in half.modules())
