@@ -118,11 +118,12 @@ class CoordinatorSettings(ServiceSettings):
         False,
         description="The draft service runs on the target's cores (one machine, no device of its own). Then a "
         "greedy request's draft prefills once the target's prefill has given the first token, so that it does not "
-        "slow the target's prefill (the first token as fast as plain decoding; the rounds run without the draft "
-        "until it is ready), and draft-ahead drafts one branch only, as any other would take its forwards from the "
-        "target's. Off (a draft on its own device, as deployed): the draft prefills beside the target's prefill, "
-        "ready for the first round, and draft-ahead drafts up to draft_ahead_branches branches while the target "
-        "verifies. Sampled requests always prefill the draft with the target (their first round waits for it).",
+        "slow the target's prefill (the first token as fast as plain decoding; the first round waits for it, as "
+        "plain rounds beside it would share the cores with it), and draft-ahead drafts one branch only, as any "
+        "other would take its forwards from the target's. Off (a draft on its own device, as deployed): the draft "
+        "prefills beside the target's prefill, ready for the first round, and draft-ahead drafts up to "
+        "draft_ahead_branches branches while the target verifies. Sampled requests always prefill the draft with "
+        "the target (their first round waits for it).",
     )
     draft_ahead_branches: int = Field(
         3,

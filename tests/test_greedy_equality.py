@@ -96,6 +96,41 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
         assert completion.metrics.num_target_forwards == len(expected) - 1  # the first token: the prefill's
 
 
+def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, references):
+    """With the draft prefilled after the first token (``--draft-shares-target-cores``), the first
+    round waits for that prefill and drafts, instead of a plain decode step beside it."""
+
+    async def run() -> tuple[list[int], list]:
+        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
+        ids, _ = next(iter(references.values()))
+        request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 4, "transformers", adaptive=False)
+        rounds = RequestRounds(
+            DraftService(clients),
+            VerifyReplicas(clients),
+            "shared-first",
+            request,
+            list(ids),
+            draft_prefill_with_target=False,
+        )
+        try:
+            generated, _ = await rounds.prefill()
+            records = []
+            while len(generated) < MAX_NEW:
+                new, _, record = await rounds.step(None, MAX_NEW - len(generated))
+                generated.extend(new)
+                records.append(record)
+            await rounds.release()
+            return generated, records
+        finally:
+            await clients.close()
+
+    generated, records = asyncio.run(run())
+    assert records[0].drafter == "transformers" and records[0].num_drafted == 4
+    expected = next(iter(references.values()))[1]
+    cut = expected.index(2) + 1 if 2 in expected else MAX_NEW
+    assert generated[:cut] == expected
+
+
 @pytest.mark.parametrize(
     ("drafter", "draft_prefill_with_target"), [("transformers", True), ("ngram", True), ("transformers", False)]
 )
