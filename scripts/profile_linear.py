@@ -1,0 +1,63 @@
+"""The verify service's forward by new tokens, with transformers' linear layers (aten) and with
+them on oneDNN with packed weights (:mod:`specdec.cpu_linear`); findings in
+docs/architecture.md#the-targets-linear-layers-on-a-cpu.
+
+Loads the target twice (one copy packed), gives each a sequence of ``--context`` cached tokens in
+the verify service's KV store (:class:`specdec.ragged_lm.RaggedLM`), and times one forward of n
+new tokens after it (rolled back after each), the two interleaved, for each n; prints the median
+of ``--repeats`` in ms and the largest logit difference between the two after the context.
+
+    .venv/bin/python scripts/profile_linear.py [--model smollm2] [--threads 2] [--tokens 1,2,3,5,9,17,99]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec.batching import SequenceStep
+from specdec.cpu_linear import pack_linears
+from specdec.models import load_causal_lm
+from specdec.ragged_lm import RaggedLM
+
+
+def forward_ms(lm: RaggedLM, seq_id: int, context: int, token_ids: list[int]) -> float:
+    start = time.perf_counter()
+    lm.forward([SequenceStep(seq_id, token_ids, len(token_ids))])
+    ms = (time.perf_counter() - start) * 1000
+    lm.truncate(seq_id, context)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--tokens", default="1,2,3,5,9,17,99")
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    counts = [int(n) for n in args.tokens.split(",")]
+    models = {"aten": load_causal_lm(args.model, "float32")[0], "oneDNN": load_causal_lm(args.model, "float32")[0]}
+    pack_linears(models["oneDNN"])
+    vocab = models["aten"].config.vocab_size
+    token_ids = [(7919 * i + 13) % vocab for i in range(args.context + max(counts))]
+    lms = {name: RaggedLM(model) for name, model in models.items()}
+    seqs = {name: lm.allocate() for name, lm in lms.items()}
+    logits = {name: lm.forward([SequenceStep(seqs[name], token_ids[: args.context], 1)])[0] for name, lm in lms.items()}
+    difference = (logits["aten"] - logits["oneDNN"]).abs().max()
+    print(f"largest logit difference after {args.context} tokens: {difference:.2e}")
+    print("new tokens | " + " | ".join(lms))
+    for n in counts:
+        new = token_ids[args.context : args.context + n]
+        times: dict[str, list[float]] = {name: [] for name in lms}
+        for _ in range(args.repeats + 1):  # the first of each is a warm-up
+            for name, lm in lms.items():
+                times[name].append(forward_ms(lm, seqs[name], args.context, new))
+        print(f"{n} | " + " | ".join(f"{statistics.median(ms[1:]):.0f}" for ms in times.values()))
+
+
+if __name__ == "__main__":
+    main()
