@@ -20,12 +20,13 @@ from specdec.batching import SequenceStep
 from specdec.cpu_linear import pack_linears
 from specdec.models import load_causal_lm
 from specdec.ragged_lm import RaggedLM
+from specdec.timing import ms_since
 
 
 def forward_ms(lm: RaggedLM, seq_id: int, context: int, token_ids: list[int]) -> float:
     start = time.perf_counter()
     lm.forward([SequenceStep(seq_id, token_ids, len(token_ids))])
-    ms = (time.perf_counter() - start) * 1000
+    ms = ms_since(start)
     lm.truncate(seq_id, context)
     return ms
 

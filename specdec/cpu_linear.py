@@ -1,20 +1,11 @@
 """A model's linear layers on oneDNN with their weights packed once at load (CPU only).
 
-Why (profiled, docs/architecture.md#the-targets-linear-layers-on-a-cpu): on a CPU, transformers'
-linear layers run aten's ``linear`` (MKL's sgemm on x86), which is slow at the few rows a verify
-step brings. SmolLM2-135M, float32, 2 threads, torch 2.13, one forward of the verify service's
-ragged model after 100 tokens of context (ms, median of 4):
-
-==========================  ===  ===  ===  ===  ===  ===
-new tokens                    1    2    3    5    9   99
-==========================  ===  ===  ===  ===  ===  ===
-aten (MKL sgemm)             78  105  127   90  102  309
-oneDNN, packed weights       61   55   48   46   49  223
-==========================  ===  ===  ===  ===  ===  ===
-
-The LM head alone (49,152 x 576) at 9 rows: 21 ms on aten, 6.5 ms on oneDNN. So a verify of
-K = 8 cost aten 1.3x a plain decode step, and oneDNN 0.6x of aten's decode step: speculation's
-premise (K + 1 tokens for about the price of one) holds on a CPU only with a GEMM that is
+Why (profiled: docs/architecture.md#the-targets-linear-layers-on-a-cpu, measured again by
+``scripts/profile_linear.py``): on a CPU, transformers' linear layers run aten's ``linear`` (MKL's
+sgemm on x86), which is slow at the few rows a verify step brings; on SmolLM2 (float32, 2
+threads) a 9-token forward took 1.3x a one-token step with it, and 0.6x aten's one-token step
+with oneDNN's packed kernel (the LM head alone at 9 rows: 21 ms against 6.5). Speculation's
+premise, K + 1 tokens for about the price of one, holds on a CPU only with a GEMM that is
 efficient at a few rows. vLLM's CPU backend does the same on x86 (its
 ``dispatch_cpu_unquantized_gemm`` packs each unquantized linear weight for oneDNN at load).
 

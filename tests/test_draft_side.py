@@ -39,7 +39,13 @@ def session_of(
         released.append(asyncio.ensure_future(release()))
 
     return DraftSession(
-        service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, 0.5, draft_ahead
+        service,
+        resolved,
+        list(resolved.prompt_ids),
+        lambda: next(ids),
+        in_background,
+        retry_s=0.5,
+        draft_ahead=draft_ahead,
     )
 
 
@@ -77,10 +83,7 @@ def test_no_draft_ahead_after_a_proposal_that_would_end_the_request(tiny_pipelin
         service = DraftService(clients)
         session = session_of(service, request(), released, f"ahead{max_k}", draft_ahead=True)
         try:
-            session.open()
-            await session.wait_for_prefill()
-            await asyncio.sleep(0.5)
-            session.check_prefill()
+            await opened(session)
             proposal = await session.proposal(3, round_number=1, start=0.0, max_k=max_k)
             assert len(proposal.response.token_ids) == 3
             assert (session._ahead is not None) == drafts_ahead

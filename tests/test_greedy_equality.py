@@ -96,39 +96,51 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
         assert completion.metrics.num_target_forwards == len(expected) - 1  # the first token: the prefill's
 
 
+def until_eos(expected: list[int]) -> int:
+    """How many tokens of a generation to compare with the plain reference, which stops at EOS."""
+    return expected.index(2) + 1 if 2 in expected else MAX_NEW
+
+
+async def run_rounds(rounds: RequestRounds, policy=None) -> tuple[list[int], list]:
+    """Runs a request's rounds (``policy`` None: its fixed K) to MAX_NEW tokens and releases its
+    sessions; returns the generated tokens (at most MAX_NEW) and the rounds' records."""
+    generated, _ = await rounds.prefill()  # the first token: the target's prefill
+    records = []
+    try:
+        while len(generated) < MAX_NEW:
+            new, _, record = await rounds.step(policy, MAX_NEW - len(generated))
+            generated.extend(new)
+            records.append(record)
+    finally:
+        await rounds.release()
+    return generated[:MAX_NEW], records
+
+
 def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, references):
     """With the draft prefilled after the first token (``--draft-shares-target-cores``), the first
     round waits for that prefill and drafts, instead of a plain decode step beside it."""
+    ids, expected = next(iter(references.values()))
 
     async def run() -> tuple[list[int], list]:
         clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
-        ids, _ = next(iter(references.values()))
         request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 4, "transformers", adaptive=False)
-        rounds = RequestRounds(
-            DraftService(clients),
-            VerifyReplicas(clients),
-            "shared-first",
-            request,
-            list(ids),
-            draft_prefill_with_target=False,
-        )
         try:
-            generated, _ = await rounds.prefill()
-            records = []
-            while len(generated) < MAX_NEW:
-                new, _, record = await rounds.step(None, MAX_NEW - len(generated))
-                generated.extend(new)
-                records.append(record)
-            await rounds.release()
-            return generated, records
+            return await run_rounds(
+                RequestRounds(
+                    DraftService(clients),
+                    VerifyReplicas(clients),
+                    "shared-first",
+                    request,
+                    list(ids),
+                    draft_prefill_with_target=False,
+                )
+            )
         finally:
             await clients.close()
 
     generated, records = asyncio.run(run())
     assert records[0].drafter == "transformers" and records[0].num_drafted == 4
-    expected = next(iter(references.values()))[1]
-    cut = expected.index(2) + 1 if 2 in expected else MAX_NEW
-    assert generated[:cut] == expected
+    assert generated[: until_eos(expected)] == expected
 
 
 @pytest.mark.parametrize(
@@ -168,14 +180,8 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             lookups,
             draft_prefill_with_target=draft_prefill_with_target,
         )
-        generated, _ = await rounds.prefill()  # the first token: the target's prefill
-        try:
-            while len(generated) < MAX_NEW:
-                new, _, _ = await rounds.step(RandomPolicy(), MAX_NEW)
-                generated.extend(new)
-        finally:
-            await rounds.release()
-        return generated[:MAX_NEW]
+        generated, _ = await run_rounds(rounds, RandomPolicy())
+        return generated
 
     async def run_all():
         clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
@@ -186,5 +192,4 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
 
     results = asyncio.run(run_all())
     for got, (_, expected) in zip(results, references.values(), strict=True):
-        cut = expected.index(2) + 1 if 2 in expected else MAX_NEW  # the reference stops at EOS
-        assert got[:cut] == expected
+        assert got[: until_eos(expected)] == expected

@@ -114,8 +114,6 @@ class RequestRounds:
             failover_timeout_s,
         )
         self.draft_prefill_with_target = draft_prefill_with_target or not request.sampling.greedy
-        # the first round waits for the draft's prefill (see prefill())
-        self.first_round_waits = not (draft_prefill_with_target and request.sampling.greedy)
         self.num_rounds = 0
 
     def _new_session_id(self, service: str) -> str:
@@ -190,8 +188,8 @@ class RequestRounds:
         """
         start, wire_bytes = time.perf_counter(), 0
         self.num_rounds += 1
-        if self.num_rounds == 1 and self.first_round_waits:
-            await self.draft.wait_for_prefill()  # see prefill()
+        if self.num_rounds == 1 and not (self.draft_prefill_with_target and self.request.sampling.greedy):
+            await self.draft.wait_for_prefill()  # sampled, or prefilled after the first token: see prefill()
         self.draft.check_prefill()
         # 1. choose the proposer and K
         matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch] = {}
