@@ -50,6 +50,7 @@ class SessionRegistry(Generic[S]):
         self.idle_timeout_s = idle_timeout_s
         self._entries: dict[str, _Entry[S]] = {}
         self._released_unknown: OrderedDict[str, bool] = OrderedDict()  # released before they were open
+        self._opening: set[str] = set()  # sessions whose Prefill (the factory) is running
         self._lock = threading.Lock()
         self.num_evicted = 0  # sessions released for being idle, not by a Release
 
@@ -67,20 +68,31 @@ class SessionRegistry(Generic[S]):
         is asked once it exists (after the prefill in ``factory``), and True (the caller cancelled
         meanwhile) releases it at once; so does a Release of ``session_id`` that came before the
         session existed (the caller's cancel was not seen, or came too late to fail the call).
+        A session being opened counts against ``max_sessions``; ``factory`` runs outside the
+        registry's lock, so that the other sessions' calls, and other Prefills (batched together by
+        the engine), go on meanwhile: held through it, every Verify, Decode and Propose waited for
+        each Prefill to finish, and Prefills ran one at a time (16 requests arriving together after
+        prompts of up to 926 tokens, 2 CPU cores: rounds waited up to 12 s).
         Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""
         if not session_id:
             raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")
         self.evict_idle()
         with self._lock:
-            if session_id in self._entries:
+            if session_id in self._entries or session_id in self._opening:
                 raise AlreadyExists(f"session {session_id!r} already exists: release it first")
-            if len(self._entries) >= self.max_sessions:
+            if len(self._entries) + len(self._opening) >= self.max_sessions:
                 raise ResourceExhausted(
-                    f"{len(self._entries)} sessions are open, the limit is {self.max_sessions}: "
-                    "retry later or raise max_sessions"
+                    f"{len(self._entries) + len(self._opening)} sessions are open, the limit is "
+                    f"{self.max_sessions}: retry later or raise max_sessions"
                 )
-            entry = self._entries[session_id] = _Entry(factory())
+            self._opening.add(session_id)
+        try:
+            entry = _Entry(factory())
+        finally:
+            with self._lock:
+                self._opening.discard(session_id)
         with self._lock:
+            self._entries[session_id] = entry
             released_early = self._released_unknown.pop(session_id, False)
         if released_early or abandoned():
             self.release(session_id)

@@ -1,5 +1,10 @@
 """The services' session registry (:mod:`specdec.sessions`)."""
 
+import threading
+
+import pytest
+
+from specdec.errors import AlreadyExists, ResourceExhausted
 from specdec.sessions import SessionRegistry
 
 
@@ -33,3 +38,29 @@ def test_a_session_released_before_its_prefill_finished_is_released_once_open():
     assert len(sessions) == 0 and late.closed
     sessions.open("late-2", _Closable)  # other ids are not affected
     assert len(sessions) == 1
+
+
+def test_other_sessions_are_used_while_one_prefills():
+    """A Prefill (the factory) runs outside the registry's lock: other sessions' calls and other
+    Prefills go on meanwhile; the session being opened counts against max_sessions."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    sessions.open("open", _Closable)
+    prefilling, finish = threading.Event(), threading.Event()
+
+    def slow_prefill() -> _Closable:
+        prefilling.set()
+        assert finish.wait(10)
+        return _Closable()
+
+    opener = threading.Thread(target=sessions.open, args=("slow", slow_prefill))
+    opener.start()
+    assert prefilling.wait(10)
+    with sessions.use("open") as session:  # not blocked by the Prefill under way
+        assert not session.closed
+    with pytest.raises(ResourceExhausted, match="2 sessions are open"):
+        sessions.open("third", _Closable)
+    with pytest.raises(AlreadyExists):
+        sessions.open("slow", _Closable)
+    finish.set()
+    opener.join(10)
+    assert len(sessions) == 2
