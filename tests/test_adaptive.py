@@ -2,6 +2,7 @@
 and its recovery, over real gRPC with a scripted drafter whose accuracy switches mid-request."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -67,7 +68,7 @@ def test_positions_never_reached_count_the_deepest_observed_rate():
     assert model.observed == 2 and model.rates[2:] == [0.3, 0.3]
     rate = model.rates[1]
     assert model.expected_tokens(4) == pytest.approx(sum(rate**i for i in range(5)))
-    costs = StepCosts(draft_ms_per_token=5.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    costs = StepCosts(draft_ms_per_token=5.0, verify_ms=list(FLAT), overhead_ms=2.0)
     policy = AdaptiveK(4, "llama-cpp", model, {}, costs)
     assert policy.next_round({}) == ("llama-cpp", 4)
     model.observe(drafted=4, accepted=2)  # position 3 rejected: now observed, and low
@@ -78,8 +79,8 @@ def test_verify_rounds_are_costed_on_a_line_not_one_noisy_measurement_per_k():
     """A start-up measurement that came out 40 ms high for K = 3 does not keep rounds off K = 3:
     verify rounds cost the least-squares line through every K's measurement (the plain step
     aside), and the plain step its own measurement."""
-    noisy = StepCosts(draft_ms_per_token=1.0, verify_ms=[60.0, 70.0, 75.0, 120.0, 85.0], overhead_ms=[1.0, 3.0])
-    assert noisy.round_ms(0) == pytest.approx(60.0 + 1.0)
+    noisy = StepCosts(draft_ms_per_token=1.0, verify_ms=[60.0, 70.0, 75.0, 120.0, 85.0], overhead_ms=2.0)
+    assert noisy.round_ms(0) == pytest.approx(60.0 + 2.0)
     assert noisy.round_ms(3) < noisy.round_ms(4)
     assert choose([0.9, 0.9, 0.9, 0.2], noisy) == ("llama-cpp", 3)
 
@@ -94,19 +95,19 @@ def choose(rates, costs, k_max=4, match=None, ngram_rates=()):
 
 
 def test_choose_k_from_costs_and_acceptance():
-    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0)
     assert choose([0.0] * 4, costs) == (PLAIN, 0)  # drafts never pass: plain decode
     assert choose([0.95] * 4, costs) == ("llama-cpp", 4)
-    # 0.5 per position: K=0 gives 1 token in 61 ms, K=1 1.5 in 88 ms, K=2 1.75 in 108 ms
+    # 0.5 per position: K=0 gives 1 token in 62 ms, K=1 1.5 in 87 ms, K=2 1.75 in 107 ms
     assert choose([0.5] * 4, costs) == ("llama-cpp", 1)
     assert choose([0.95] * 4, costs, k_max=2) == ("llama-cpp", 2)  # never above K_max
     # a plain-step measurement inflated by contention at start-up does not block the fallback
-    inflated = StepCosts(draft_ms_per_token=15.0, verify_ms=[500.0, *FLAT[1:]], overhead_ms=[1.0, 3.0])
+    inflated = StepCosts(draft_ms_per_token=15.0, verify_ms=[500.0, *FLAT[1:]], overhead_ms=2.0)
     assert choose([0.0] * 4, inflated) == (PLAIN, 0)
 
 
 def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
-    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0)
     three_long = NgramMatch(3, [7, 8, 9, 10])
     # the same 0.5 per position, but free: K=3 gives 1.875 tokens in 81 ms
     assert choose([0.5] * 4, costs, match=three_long, ngram_rates=[[0.1] * 4, [0.1] * 4, [0.5] * 4]) == (NGRAM, 3)
@@ -134,7 +135,7 @@ def test_ngram_acceptance_is_observed_whether_or_not_it_was_used():
 def test_suffix_and_ngram_lookups_compete_with_estimates_of_their_own():
     """Each lookup keeps its estimates per match length (suffix matches of 4 tokens and more share
     one); both are observed every round against what it committed."""
-    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=[1.0, 3.0])
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0)
     lookups = {
         NGRAM: [AcceptanceModel([0.1] * 4, weight=0.5) for _ in range(3)],
         SUFFIX: [*(AcceptanceModel([0.2] * 4) for _ in range(3)), AcceptanceModel([0.9] * 4, weight=0.5)],
@@ -169,7 +170,7 @@ def forced_policy(drafter_rates, forced_rates, k_max=2, draft_ms=5.0) -> Adaptiv
         "llama-cpp",
         AcceptanceModel(list(drafter_rates)),
         {},
-        StepCosts(draft_ms, list(LONG), overhead_ms=[1.0, 3.0]),
+        StepCosts(draft_ms, list(LONG), overhead_ms=2.0),
         forced=AcceptanceModel(list(forced_rates)),
     )
 
@@ -182,9 +183,9 @@ def test_forced_tokens_are_free_proposals():
     forced = {FORCED: ForcedMatch([5, 6, 7, 8])}
     options = {(drafter, k): goodput for drafter, k, goodput in policy.options(forced)}
     assert set(options) == {(PLAIN, 0), ("llama-cpp", 5), ("llama-cpp", 6), *((FORCED, k) for k in range(1, 5))}
-    # K = 6: 4 forced and 2 drafted tokens, priced as 2 draft tokens: 1 + 4 + 0.9 + 0.81 in 10 + 82 + 3 ms
-    assert options[("llama-cpp", 6)] == pytest.approx((1 + 4 + 0.9 + 0.81) / (2 * 5.0 + LONG[6] + 3.0))
-    assert options[(FORCED, 4)] == pytest.approx(5 / (LONG[4] + 1.0))  # no draft call: one overhead
+    # K = 6: 4 forced and 2 drafted tokens, priced as 2 draft tokens: 1 + 4 + 0.9 + 0.81 in 10 + 82 + 2 ms
+    assert options[("llama-cpp", 6)] == pytest.approx((1 + 4 + 0.9 + 0.81) / (2 * 5.0 + LONG[6] + 2.0))
+    assert options[(FORCED, 4)] == pytest.approx(5 / (LONG[4] + 2.0))  # no draft call
     assert policy.next_round(forced) == ("llama-cpp", 6)
     # a slow draft loses to the forced tokens alone; forced tokens the target mostly rejects (another
     # tokenization of the text wins) open the drafter's proposals too: plain decode then pays best
@@ -230,7 +231,7 @@ def test_fallback_then_probe_then_recovery():
         "llama-cpp",
         AcceptanceModel([0.8] * 4),
         {},
-        StepCosts(15.0, list(FLAT), [1.0, 3.0]),
+        StepCosts(15.0, list(FLAT), 2.0),
         probe_interval=4,
         probe_k=2,
     )
@@ -251,26 +252,26 @@ def test_probes_are_rarer_where_a_probe_costs_more():
     machine) is probed less often than a fast one."""
 
     def rounds_to_first_probe(draft_ms_per_token: float) -> int:
-        costs = StepCosts(draft_ms_per_token, list(FLAT), [1.0, 3.0])
+        costs = StepCosts(draft_ms_per_token, list(FLAT), 2.0)
         policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), {}, costs, probe_interval=4, probe_k=2)
         return next(i for i in range(1, 100) if policy.next_round(None)[1])
 
-    assert rounds_to_first_probe(0.0) == 6  # a free draft: 78 ms against 61, after 4 x 1.28 rounds
-    assert rounds_to_first_probe(100.0) == 19  # 278 ms against 61: after 4 x 4.56 rounds
+    assert rounds_to_first_probe(0.0) == 5  # a free draft: 77 ms against 62, after 4 x 1.24 rounds
+    assert rounds_to_first_probe(100.0) == 18  # 277 ms against 62: after 4 x 4.47 rounds
 
 
 def test_costs_follow_live_rounds():
-    costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=[1.0, 2.0], weight=0.5)
+    costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=1.0, weight=0.5)
     costs.observe(
         RoundRecord("llama-cpp", 1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0), draft_call=True
     )
-    assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], [1.0, 4.0])
+    assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], 3.5)
     costs.observe(
         RoundRecord(NGRAM, 1, 1, 1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0), draft_call=False
     )
-    assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, [2.0, 4.0])  # a lookup round: one call
+    assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, 3.25)  # a lookup round: no draft time
     # in a batch: the step's forward time (120 ms) is the cost of its 8 tokens; the 180 ms the call
-    # waited for it (counted in the service's 300 ms) is the round's overhead
+    # waited for it (counted in the service's 300 ms) is the queue wait every kind of round pays
     costs.observe(
         RoundRecord(
             PLAIN,
@@ -289,7 +290,10 @@ def test_costs_follow_live_rounds():
         draft_call=False,
     )
     # (a new point starts from the line through the alone costs, 30 + 20 ms per token: 190 ms)
-    assert costs.batched_ms[8] == pytest.approx(155.0) and costs.overhead_ms[0] == pytest.approx(92.0)
+    assert costs.batched_ms[8] == pytest.approx(155.0) and costs.overhead_ms == pytest.approx(2.625)
+    assert costs.queue_ms == pytest.approx(90.0)
+    assert costs.round_ms(0, draft_call=False) == pytest.approx(min(50.0, costs.step_ms(2)) + 2.625 + 90.0)
+    assert costs.round_ms(1) == pytest.approx(15.0 + costs.step_ms(2) + 2.625 + 90.0)
 
 
 def test_sessions_warm_start_from_the_previous_ones():
@@ -327,6 +331,47 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
         wanted.append(loaded.wants_drafter(None))
         assert loaded.next_round(None, draft_available=False) == (PLAIN, 0)
     assert wanted.index(True) > 0  # a probe is due: the draft opens for it
+
+
+def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
+    """Opening the draft for a probe prefills the whole committed log: the longer it is, and the
+    slower the draft's last prefills were, the later the probe, so that a request on a loaded
+    service does not prefill a long prompt on the draft for one probe round."""
+    state = AdaptiveState(probe_interval=4)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=32.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(
+        model="t",
+        verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
+        step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
+    )
+
+    def rounds_to_open(context_tokens: int) -> int:
+        loaded = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=15)
+        for rounds in range(1000):
+            if loaded.wants_drafter(None, context_tokens, remaining=64):
+                return rounds
+            loaded.next_round(None, draft_available=False)
+        raise AssertionError("no probe in 1000 rounds")
+
+    open_at = [rounds_to_open(tokens) for tokens in (0, 64, 640)]
+    assert open_at[0] < open_at[1] < open_at[2]
+    # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus 640 tokens at 2 ms (the
+    # seed: a one-token forward per 16 tokens), against a plain round of 199 ms: 4 x 7.9 rounds
+    assert open_at[2] == math.ceil(4 * (284 + 640 * 2) / 199) - 1
+    state.costs[("llama-cpp", "t")].observe_draft_prefill(640, 640 * 8.0)  # prefills took 4x that
+    assert rounds_to_open(640) > open_at[2]
+
+
+def test_the_drafter_pays_for_opening_over_the_remaining_tokens():
+    """Alone, the drafter pays from the first round; a long context to prefill for few remaining
+    tokens does not, once the draft's prefills were seen to be slow."""
+    state = AdaptiveState()
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=10.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0])
+    policy = state.policy(drafter, target, k_max=4, lookups={})
+    assert policy.wants_drafter(None, 800, remaining=256) and policy.wants_drafter(None, 800, remaining=64)
+    policy.costs.observe_draft_prefill(800, 4000.0)  # 5 ms per token, at once (weight 0.5): 2.8 ms
+    assert policy.wants_drafter(None, 800, remaining=256) and not policy.wants_drafter(None, 800, remaining=64)
 
 
 @pytest.fixture

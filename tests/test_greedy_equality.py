@@ -157,7 +157,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
 
         k_max = k_limit = 8
 
-        def wants_drafter(self, matches) -> bool:
+        def wants_drafter(self, matches, context_tokens: int = 0, remaining: int = 0) -> bool:
             return True
 
         def next_round(self, matches, draft_available: bool) -> tuple[str, int]:
@@ -166,6 +166,9 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             return (lookup if lookup in matches else drafter), k
 
         def observe(self, record, matches, new) -> None:
+            pass
+
+        def observe_draft_prefill(self, num_tokens, ms) -> None:
             pass
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:

@@ -64,6 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
+from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
 from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import NgramMatch
 from specdec.suffix import SuffixMatch
@@ -132,15 +133,20 @@ class StepCosts:
     """A drafter's and the target's step costs in ms: ``draft_ms_per_token``; ``verify_ms[k]``, a
     verify round with k drafts alone in its step (``verify_ms[0]`` = a plain decode step);
     ``batched_ms[n]``, a verify call whose step batched n tokens of several sequences;
-    ``overhead_ms[0]`` and ``[1]``, the rest of a round without and with a draft service call
-    (gRPC, the coordinator's work). Seeded from the services' start-up measurements (GetInfo), kept
-    fresh from live rounds by :meth:`observe`."""
+    ``overhead_ms``, the rest of a round (gRPC, the coordinator's work, the wait for a free handler
+    on a loaded service); ``queue_ms``, a round's wait for the verify step in progress (behind
+    other sequences' work: under load, their prefill chunks); ``draft_prefill_ms_per_token``, what
+    opening a draft session costs per token of the context it prefills. Seeded from the services'
+    start-up measurements (GetInfo), kept fresh from live rounds by :meth:`observe` and from the
+    draft's prefills by :meth:`observe_draft_prefill`."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
-    overhead_ms: list[float] = field(default_factory=lambda: [1.0, 2.0])
+    overhead_ms: float = 1.0
     weight: float = 0.1
     batched_ms: dict[int, float] = field(default_factory=dict)
+    queue_ms: float = 0.0
+    draft_prefill_ms_per_token: float = 0.0
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0, free: int = 0) -> float:
@@ -157,7 +163,7 @@ class StepCosts:
             verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
         else:
             verify_ms = self._verify_ms(k, others_tokens)
-        return calls * (k - free) * self.draft_ms_per_token + verify_ms + self.overhead_ms[calls]
+        return calls * (k - free) * self.draft_ms_per_token + verify_ms + self.overhead_ms + self.queue_ms
 
     def _verify_ms(self, k: int, others_tokens: float) -> float:
         """A verify call of k drafts: alone, the plain step (k = 0) as measured and a verify round
@@ -188,12 +194,28 @@ class StepCosts:
         intercept, slope = self._line
         return intercept + slope * num_tokens
 
+    def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
+        """Learns from a draft session's Prefill of ``num_tokens`` tokens (those the draft's prefix
+        cache did not hold) that took ``ms`` (its wall time: on shared cores, slowed by the target's
+        steps as much as it slows them). Weighted at least half on the newest: a request opens its
+        draft at most a few times, and the first openings under a burst take several times what
+        they take alone (16 requests on 2 CPU cores: 3-4 s for a 770-token context)."""
+        if num_tokens > 0:
+            weight = max(self.weight, 0.5)
+            self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
+
     def observe(self, record: RoundRecord, draft_call: bool) -> None:
         """Learns from a finished round. The verify costs take the forward time of the step that
-        served it (``record.step_ms``; a service reporting no step: its handling time); what the
-        round waited for a step, behind other work or because it came back from drafting after
-        the step had begun, goes to the overhead of rounds of its kind. The draft's ms per token
-        counts the tokens it drafted, not those the grammar forced (they cost it no forward)."""
+        served it (``record.step_ms``; a service reporting no step: its handling time); its wait
+        for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of the round (less
+        the draft's time) to ``overhead_ms``, both paid by every kind of round. Not kept per kind:
+        under load the wait is mostly other sequences' work whatever the round's kind, and a cost
+        learnt only from the kind that runs left the other at its seed; counted that way, plain
+        decode was priced at 10-70x its step while the draft was closed, and every request opened
+        its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
+        cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
+        The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
+        cost it no forward)."""
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
@@ -204,8 +226,9 @@ class StepCosts:
             self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
-        overhead = record.wall_ms - record.draft_ms - verify_ms
-        self.overhead_ms[draft_call] = ema(self.overhead_ms[draft_call], overhead, self.weight)
+        self.queue_ms = ema(self.queue_ms, record.queue_ms, self.weight)
+        overhead = record.wall_ms - record.draft_ms - verify_ms - record.queue_ms
+        self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
         self._line = None
 
 
@@ -296,16 +319,21 @@ class AdaptiveK:
         after_forced = self.forced.pass_probability(num_forced)
         return self.forced.expected_tokens(num_forced) + after_forced * (self.acceptance.expected_tokens(k) - 1.0)
 
-    def options(self, matches: Matches | None, draft_available: bool = True) -> list[tuple[str, int, float]]:
+    def options(
+        self, matches: Matches | None, draft_available: bool = True, open_ms_per_token: float = 0.0
+    ) -> list[tuple[str, int, float]]:
         """(drafter, K, expected tokens per ms of the whole batch, see the module docstring) of
         every choice this round; the model drafter's only while ``draft_available``. With a
         forced-token match of f tokens, the model drafter's options are f forced tokens (free of
-        draft cost) plus 1..``k_max`` drafted ones, up to ``k_limit``."""
+        draft cost) plus 1..``k_max`` drafted ones, up to ``k_limit``. ``open_ms_per_token``: the
+        draft's ms to open its session spread over the request's remaining tokens, added to a
+        drafter round per token it is expected to commit (see :meth:`wants_drafter`)."""
         k_max = min(self.k_max, self.k_limit)
         others, others_tokens = self.load.others_expected_tokens(), self.load.others_tokens
 
         def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0) -> float:
-            return (tokens + others) / self.costs.round_ms(k, draft_call, others_tokens, free)
+            opening = tokens * open_ms_per_token if draft_call and k > 0 else 0.0
+            return (tokens + others) / (self.costs.round_ms(k, draft_call, others_tokens, free) + opening)
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and self.acceptance is not None and draft_available:
@@ -333,28 +361,38 @@ class AdaptiveK:
             return self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
         return drafter, k
 
-    def wants_drafter(self, matches: Matches | None) -> bool:
-        """Whether this round would ask the model drafter if it were ready: it is the best option,
-        or plain decode is and a probe is due. A request opens its draft only then, so that on a
-        loaded service, where speculation does not pay, no draft prefill takes the shared
-        hardware from the target's steps."""
+    def wants_drafter(self, matches: Matches | None, context_tokens: int = 0, remaining: int = 0) -> bool:
+        """Whether the request should open its draft session now: the model drafter is the best
+        option with what opening costs the draft (its prefill of the ``context_tokens`` of the
+        committed log, priced by the last prefills, :meth:`StepCosts.observe_draft_prefill`)
+        spread over the ``remaining`` tokens the request may still generate (0: not priced), or
+        plain decode is and a probe is due, the probe's cost including the opening. A request
+        opens its draft only then, so that on a loaded service, where speculation does not pay, no
+        draft prefill takes the shared hardware from the target's steps. Priced because it is most
+        of what the draft costs there: 16 requests of 64 tokens after prompts of up to 926 tokens
+        on 2 CPU cores, where speculation paid for the rounds after the opening but not for the
+        opening, had the draft's prefills take 26-45 ms of CPU per generated token while 2-6
+        rounds used it."""
         if not self.drafter:
             return False
-        drafter, _ = self._best(matches, True)
+        open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
+        drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
         return drafter == self.drafter or (
-            drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes()
+            drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes(open_ms)
         )
 
-    def _best(self, matches: Matches | None, draft_available: bool) -> tuple[str, int]:
-        drafter, k, _ = max(self.options(matches, draft_available), key=lambda option: (option[2], -option[1]))
+    def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
+        options = self.options(matches, draft_available, open_ms_per_token)
+        drafter, k, _ = max(options, key=lambda option: (option[2], -option[1]))
         return drafter, k
 
-    def _rounds_between_probes(self) -> float:
+    def _rounds_between_probes(self, open_ms: float = 0.0) -> float:
         """``probe_interval``, stretched by what a probe round costs over a plain one at the current
-        load: probing a slow draft, or one on a loaded service, then costs no larger share of the
-        fallback's time than probing a cheap one."""
+        load, ``open_ms`` to open the draft session included: probing a slow draft, one on a
+        loaded service or one that must first prefill a long context then costs no larger share of
+        the fallback's time than probing a cheap one."""
         others = self.load.others_tokens
-        probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others)
+        probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others) + open_ms
         return self.probe_interval * max(1.0, probe / self.costs.round_ms(0, False, others))
 
     def observe(self, record: RoundRecord, matches: Matches | None, committed: list[int]) -> None:
@@ -367,6 +405,11 @@ class AdaptiveK:
             model.observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call)
         self.load.observe(record, len(committed))
+
+    def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
+        """Learns what opening the draft session cost: a Prefill of ``num_tokens`` in ``ms``
+        (:meth:`StepCosts.observe_draft_prefill`)."""
+        self.costs.observe_draft_prefill(num_tokens, ms)
 
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
         """Every acceptance model of the request, by the name its warm start is kept under."""
@@ -431,7 +474,13 @@ class AdaptiveState:
             measured = list(target.verify_ms) or [1.0]  # unmeasured: every round costs the same
             measured += measured[-1:] * (k_max + 1 - len(measured))
             batched = {cost.num_tokens: cost.ms for cost in target.step_costs if cost.num_seqs > 1}
-            self.costs[key] = StepCosts(drafter.step_ms if drafter else 0.0, measured, batched_ms=batched)
+            draft_ms = drafter.step_ms if drafter else 0.0
+            self.costs[key] = StepCosts(
+                draft_ms,
+                measured,
+                batched_ms=batched,
+                draft_prefill_ms_per_token=draft_ms / TOKENS_PER_CATCH_UP_FORWARD,
+            )
         return AdaptiveK(
             k_max,
             name,

@@ -201,8 +201,12 @@ class DraftSession:
     def opens_at_once(self, policy: AdaptiveK | None) -> bool:
         """Whether the session is prefilled alongside the target's: always under a fixed K or
         sampling (see :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under adaptive K and
-        greedy decoding only if the first round would use the drafter, else when a later one would."""
-        return policy is None or not self.request.sampling.greedy or policy.wants_drafter(None)
+        greedy decoding only if the first round would use the drafter, its prefill priced in
+        (:meth:`AdaptiveK.wants_drafter`), else when a later one would."""
+        if policy is None or not self.request.sampling.greedy:
+            return True
+        generated = len(self.committed) - len(self.request.prompt_ids)
+        return policy.wants_drafter(None, len(self.committed), self.request.max_new_tokens - generated)
 
     def available(self) -> bool:
         """Whether this round may ask the draft service: the session is open (prefilled) and the
@@ -236,14 +240,19 @@ class DraftSession:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._prefill), timeout)
 
-    def check_prefill(self) -> None:
+    def check_prefill(self) -> tuple[int, float] | None:
         """Once the background prefill is done: raises what it found wrong with the request itself
-        (INVALID_ARGUMENT, FAILED_PRECONDITION; other failures only defer the draft)."""
+        (INVALID_ARGUMENT, FAILED_PRECONDITION; other failures only defer the draft); returns,
+        once, the tokens the draft prefilled (those its prefix cache did not hold) and the ms the
+        Prefill took, when it opened the session (None otherwise)."""
         if self._prefill is not None and self._prefill.done():
             prefill, self._prefill = self._prefill, None
-            prefill.result()
+            return prefill.result()
+        return None
 
-    async def _open(self) -> None:
+    async def _open(self) -> tuple[int, float]:
+        """Prefills a new session with the committed log; returns the tokens the draft computed and
+        the Prefill's ms."""
         session_id = self.new_session_id()
         request = draft_pb2.DraftServicePrefillRequest(
             session_id=session_id,
@@ -251,7 +260,7 @@ class DraftSession:
             token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
         )
-        seen = len(self.committed)  # rounds may commit more while the prefill runs
+        seen, start = len(self.committed), time.perf_counter()  # rounds may commit more while the prefill runs
         try:
             response = await self.service.prefill(request)
         except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
@@ -260,12 +269,14 @@ class DraftSession:
         self.session_id, self.seen = session_id, seen
         if self.num_cached_tokens is None:
             self.num_cached_tokens = response.num_cached_tokens
+        return seen - response.num_cached_tokens, ms_since(start)
 
-    async def _open_or_fail(self) -> None:
+    async def _open_or_fail(self) -> tuple[int, float] | None:
         try:
-            await self._open()
+            return await self._open()
         except SpecdecError as err:
             self._failed(err)
+            return None
 
     def _failed(self, err: SpecdecError) -> None:
         """Goes on without the draft until ``retry_s`` has passed. Raises ``err`` when it says the

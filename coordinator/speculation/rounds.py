@@ -186,18 +186,22 @@ class RequestRounds:
         4. commit the new tokens to the log;
         5. let the policy learn from the outcome.
         """
-        start, wire_bytes = time.perf_counter(), 0
         self.num_rounds += 1
         if self.num_rounds == 1 and not (self.draft_prefill_with_target and self.request.sampling.greedy):
             await self.draft.wait_for_prefill()  # sampled, or prefilled after the first token: see prefill()
-        self.draft.check_prefill()
+        # the round's clock starts after that wait: it is the draft's opening, not a round's cost
+        # (counted in the round, it priced every round of every request at seconds under a burst)
+        start, wire_bytes = time.perf_counter(), 0
+        opened = self.draft.check_prefill()
+        if policy is not None and opened is not None:
+            policy.observe_draft_prefill(*opened)
         # 1. choose the proposer and K
         matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch] = {}
         if policy is None:
             proposer, k = self.request.drafter, min(self.request.num_speculative_tokens, max_k)
         else:
             matches = self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k))
-            if not self.draft.available() and policy.wants_drafter(matches):
+            if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
                 self.draft.open()
             proposer, k = policy.next_round(matches, self.draft.available())
             k = min(k, max_k)

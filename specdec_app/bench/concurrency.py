@@ -177,7 +177,8 @@ class RequestRecord:
     ``start_ms`` since the cell began,
     ``ttft_ms`` until the first token, ``latency_ms`` until the last message. The pipeline's
     ``RequestMetrics`` fill the draft, round and batch fields (None for transformers serve);
-    ``num_rounds`` counts the request's Verify and Decode calls (``num_target_forwards``).
+    ``num_rounds`` counts the request's Verify and Decode calls (``num_target_forwards``);
+    ``drafter_usage``: per drafter that proposed, [rounds, draft tokens, accepted tokens].
     ``first_mismatch``: the index of the first token that differs from the reference (for
     transformers serve, the reference token where the text first differs); ``identical`` None:
     not compared."""
@@ -198,6 +199,7 @@ class RequestRecord:
     num_accepted_tokens: int | None = None
     num_rounds: int | None = None
     rounds_per_k: list[int] | None = None
+    drafter_usage: dict[str, list[int]] | None = None
     mean_batch_size: float | None = None
     mean_batched_tokens: float | None = None
     queue_time_ms: float | None = None
@@ -225,6 +227,10 @@ class RequestRecord:
         self.num_accepted_tokens = metrics.num_accepted_draft_tokens
         self.num_rounds = metrics.num_target_forwards
         self.rounds_per_k = list(metrics.rounds_per_k)
+        self.drafter_usage = {
+            name: [usage.num_rounds, usage.num_draft_tokens, usage.num_accepted_draft_tokens]
+            for name, usage in metrics.drafter_usage.items()
+        }
         self.mean_batch_size = metrics.mean_batch_size
         self.mean_batched_tokens = metrics.mean_batched_tokens
         self.queue_time_ms = metrics.queue_time_ms

@@ -384,6 +384,15 @@ def merge_rounds_per_k(histograms: list[list[int] | None]) -> list[int]:
     return merged
 
 
+def merge_drafter_usage(usages: list[dict[str, list[int]] | None]) -> dict[str, list[int]]:
+    """Per drafter, the sum of ``drafter_usage`` entries ([rounds, draft tokens, accepted tokens])."""
+    merged: dict[str, list[int]] = {}
+    for usage in usages:
+        for name, counts in (usage or {}).items():
+            merged[name] = [a + b for a, b in zip(merged.get(name, [0, 0, 0]), counts, strict=True)]
+    return dict(sorted(merged.items()))
+
+
 def mean_k(rounds_per_k: list[int]) -> float | None:
     """The mean K over rounds, plain rounds (K = 0) included; None without rounds."""
     rounds = sum(rounds_per_k)
@@ -404,6 +413,7 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str,
       the request's rounds (``num_rounds``: Verify and Decode calls); ``queue_ms_per_round``: all
       queue time / all rounds; None where the method does not report them;
     - ``acceptance_rate``: accepted / drafted tokens over the cell; ``mean_k`` over all rounds;
+      ``drafter_usage``: per drafter, [rounds, draft tokens, accepted tokens] over the cell;
     - ``identical_rate``: share of the requests compared with the reference that are identical.
     Failed requests (``error`` set) count only in ``num_failed``."""
     done = [r for r in records if not r.get("error")]
@@ -438,6 +448,7 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str,
         "acceptance_rate": _ratio(accepted, drafted),
         "rounds_per_k": rounds_per_k if pipeline else None,
         "mean_k": mean_k(rounds_per_k),
+        "drafter_usage": merge_drafter_usage([r.get("drafter_usage") for r in done]) if pipeline else None,
         "num_compared": len(compared),
         "identical_rate": sum(compared) / len(compared) if compared else None,
     }
