@@ -87,12 +87,14 @@ class SessionRegistry(Generic[S]):
                 )
             self._opening.add(session_id)
         try:
-            entry = _Entry(factory())
-        finally:
+            session = factory()
+        except BaseException:
             with self._lock:
                 self._opening.discard(session_id)
-        with self._lock:
-            self._entries[session_id] = entry
+            raise
+        with self._lock:  # from opening to open in one step: no moment where the id is free
+            self._opening.discard(session_id)
+            entry = self._entries[session_id] = _Entry(session)
             released_early = self._released_unknown.pop(session_id, False)
         if released_early or abandoned():
             self.release(session_id)

@@ -313,19 +313,22 @@ def test_sessions_warm_start_from_the_previous_ones():
     assert lookup_only.drafter is None and lookup_only.lookups[NGRAM][1].rates == [0.75] * 4
 
 
+# a verify service measured alone and at a step of 16 sequences (GetInfo)
+BATCHING_TARGET = verify_pb2.VerifyServiceGetInfoResponse(
+    model="t",
+    verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
+    step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
+)
+
+
 def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     """Alone, the drafter pays from the first round, so the draft is prefilled at once; with 15
     other requests running it does not, so the draft stays closed (its prefill would take the
     shared hardware from the target's steps) until a probe is due."""
     state = AdaptiveState(probe_interval=4)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=30.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(
-        model="t",
-        verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
-        step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
-    )
-    assert state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
-    loaded = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=15)
+    assert state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
+    loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
     wanted = []
     for _ in range(12):
         wanted.append(loaded.wants_drafter(None))
@@ -339,14 +342,9 @@ def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
     service does not prefill a long prompt on the draft for one probe round."""
     state = AdaptiveState(probe_interval=4)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=32.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(
-        model="t",
-        verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
-        step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
-    )
 
     def rounds_to_open(context_tokens: int) -> int:
-        loaded = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=15)
+        loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
         for rounds in range(1000):
             if loaded.wants_drafter(None, context_tokens, remaining=64):
                 return rounds
