@@ -28,6 +28,7 @@ from specdec_app.bench.structured import (
     REPORT_FILES,
     StructuredConfig,
     grammar_constraint,
+    pass_rates,
     run_structured,
     schema_valid,
 )
@@ -144,7 +145,7 @@ def report(tmp_path_factory, tiny_models, tiny_pipeline, without_grammar_aware_d
 def test_every_constrained_output_is_schema_valid_and_identical_to_plain_constrained_decoding(
     report, tiny_pipeline, smollm2_tokenizer, tiny_grammar_vocab
 ):
-    methods = ["plain", "close/adaptive", "close/adaptive@no-grammar-aware"]
+    methods = ["plain", "close/adaptive", "close/adaptive@no-grammar-aware", "close/K=8"]
     by_method = {m: [r for r in report["measurements"] if r["method"] == m] for m in report["methods"]}
     for method in methods:
         assert [r["schema_valid"] for r in by_method[method]] == [True] * len(HELD_OUT), method
@@ -181,12 +182,15 @@ def test_the_report_gives_every_figure_per_method(report):
         "close/adaptive",
         "close/adaptive@no-grammar-aware",
         "close/adaptive@unconstrained",
+        "close/K=8",
+        "close/K=8@unconstrained",
     ]
     assert report["categories"] == ["extraction", "generation"] and report["num_questions"] == len(HELD_OUT)
     default, without = overall["close/adaptive"], overall["close/adaptive@no-grammar-aware"]
     assert default["free_proposal_share"] > 0 and without["free_proposal_share"] == 0
     assert overall["plain"]["free_proposal_share"] is None and overall["plain"]["speedup"] == 1.0
     assert overall["close/adaptive@unconstrained"]["identical_rate"] is None
+    assert overall["close/K=8@unconstrained"]["identical_rate"] is None
     for stats in overall.values():
         assert stats["tokens_per_second"] > 0 and 0 <= stats["schema_valid_rate"] <= 1
     assert default["draft_acceptance_rate"] is not None and default["mean_acceptance_length"] >= 1
@@ -194,8 +198,18 @@ def test_the_report_gives_every_figure_per_method(report):
     markdown = (out / REPORT_FILES[1]).read_text()
     assert "| method | schema-valid | identical to plain | tokens/s | speedup | acceptance rate |" in markdown
     assert "`close/adaptive` at " in markdown and "(target: 2x or more)" in markdown
+    assert "`close/K=8`'s acceptance rate " in markdown
+    assert "at equal depth: all 8 drafts of a `close/K=8` round passed in " in markdown
+    assert len(overall["close/K=8"]["pass_rates"]) == 8
     assert json.loads((out / REPORT_FILES[0]).read_text())["methods"] == report["methods"]
     assert (out / REPORT_FILES[2]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pass_rates_are_per_position_over_the_rounds_that_reached_it():
+    # 10 rounds: 2 accepted no draft, 3 one, 4 two, 1 three (past the depth: forced tokens)
+    assert pass_rates([2, 3, 4, 1], 2) == [0.8, 5 / 8]
+    assert pass_rates([3], 2) == [0.0, None]  # no round passed position 1
+    assert pass_rates([], 1) == [None]
 
 
 def test_schema_validity_is_the_reference_validators():

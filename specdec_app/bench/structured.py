@@ -15,7 +15,11 @@ Every method runs every prompt in one run, interleaved per prompt after a warm-u
   ``--no-grammar-aware-drafting`` (draft service and coordinator): the draft drafts as without a
   grammar and only the verify service's cut keeps the output in it (vLLM's and SGLang's way);
 - ``<drafter>/adaptive@unconstrained``: the same prompts without the schema through the default
-  pipeline, for the acceptance rate the grammar should not lower.
+  pipeline, for the acceptance rate the grammar should not lower;
+- ``<drafter>/K=8`` and ``<drafter>/K=8@unconstrained``: the same pair at a fixed K
+  (:data:`FIXED_K`). Adaptive K drafts as deep as pays, and deeper under a grammar (its forced
+  tokens are free), so the adaptive pair's acceptance rates are taken at different depths; the
+  fixed pair compares them at the same one.
 
 Reported per category and overall, per method: the schema-valid rate (the answer, EOS left out,
 parsed as JSON and validated against its schema by ``jsonschema``: the reference validator, not the
@@ -25,6 +29,7 @@ Markdown and a PNG chart (:func:`specdec_app.bench.chart.write_chart`).
 """
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +61,7 @@ from specdec_app.bench.transformers_methods import TransformersMethod
 
 REPORT_FILES = ("report-structured.json", "report-structured.md", "structured.png")
 GRAMMAR_AWARE, NO_GRAMMAR_AWARE, UNCONSTRAINED = "", "@no-grammar-aware", "@unconstrained"  # method suffixes
+FIXED_K = 8  # the fixed-K pair's K: the batch-1 bench's fixed K, about adaptive K's mean accepted length here
 CLUSTER_ARGS = {  # the services of each cluster, by the suffix of its methods
     GRAMMAR_AWARE: {},
     NO_GRAMMAR_AWARE: {"draft": ["--no-grammar-aware-drafting"], "coordinator": ["--no-grammar-aware-drafting"]},
@@ -154,6 +160,8 @@ def _pipelines(config: StructuredConfig, addresses: dict[str, str]) -> list[Pipe
         PipelineMethod(addresses[GRAMMAR_AWARE], drafter, None),
         PipelineMethod(addresses[NO_GRAMMAR_AWARE], drafter, None, NO_GRAMMAR_AWARE),
         PipelineMethod(addresses[GRAMMAR_AWARE], drafter, None, UNCONSTRAINED, constrained=False),
+        PipelineMethod(addresses[GRAMMAR_AWARE], drafter, FIXED_K),
+        PipelineMethod(addresses[GRAMMAR_AWARE], drafter, FIXED_K, UNCONSTRAINED, constrained=False),
     ]
 
 
@@ -211,6 +219,10 @@ def _report(config, questions, methods, measurements: list[Measurement], tokeniz
             s["free_proposal_share"] = _ratio(sum(forced), s["num_draft_tokens"]) if forced else None
             if method.endswith(UNCONSTRAINED):  # other text than plain constrained decoding's
                 s["identical_rate"] = None
+    for method in (m.name for m in methods if m.k == FIXED_K):
+        for stats in summary.values():
+            if method in stats:
+                stats[method]["pass_rates"] = pass_rates(stats[method]["acceptance_histogram"], FIXED_K)
     records = [m.to_json() | {"schema_valid": valid[id(m)]} for m in measurements]
     return {
         "mode": "structured",
@@ -223,6 +235,20 @@ def _report(config, questions, methods, measurements: list[Measurement], tokeniz
         "mismatches": [r for r in records if not r["identical"] and not r["method"].endswith(UNCONSTRAINED)],
         "measurements": records,
     }
+
+
+def pass_rates(histogram: list[int], depth: int) -> list[float | None]:
+    """P(draft position i passes | positions 1..i-1 passed) for i = 1..``depth``, from
+    ``histogram`` (rounds by accepted drafts): the acceptance of a fixed-K method at equal depth,
+    whatever its rounds proposed past ``depth`` (forced tokens take a constrained round further).
+    A round that proposed fewer than i tokens (at the length limit) counts as stopped before i;
+    None where no round reached i - 1."""
+    reached = [sum(histogram[i:]) for i in range(depth + 1)]
+    return [reached[i] / reached[i - 1] if reached[i - 1] else None for i in range(1, depth + 1)]
+
+
+def _all_pass(rates: list[float | None]) -> float | None:
+    return None if None in rates else math.prod(rate for rate in rates if rate is not None)
 
 
 def structured_table(report: dict) -> list[str]:
@@ -247,15 +273,29 @@ def structured_table(report: dict) -> list[str]:
 
 def targets(report: dict) -> list[str]:
     """The issue's targets, read off the overall figures: the default pipeline at least 2x plain
-    constrained decoding, its acceptance no lower than the same prompts unconstrained."""
+    constrained decoding, its acceptance no lower than the same prompts unconstrained (adaptive K,
+    and the fixed-K pair at the same depth)."""
     overall = report["summary"][OVERALL]
     default = next(name for name in report["methods"] if name.endswith("/adaptive"))
-    speedup, acceptance = overall[default]["speedup"], overall[default]["draft_acceptance_rate"]
-    unconstrained = overall[f"{default}{UNCONSTRAINED}"]["draft_acceptance_rate"]
-    lines = [f"- `{default}` at {_cell(speedup, '.2f', 'x')} plain constrained decoding (target: 2x or more)"]
+    fixed = next(name for name in report["methods"] if name.endswith(f"/K={FIXED_K}"))
+    speedup = _cell(overall[default]["speedup"], ".2f", "x")
+    lines = [f"- `{default}` at {speedup} plain constrained decoding (target: 2x or more)"]
+    for method in (default, fixed):
+        acceptance = overall[method]["draft_acceptance_rate"]
+        unconstrained = overall[f"{method}{UNCONSTRAINED}"]["draft_acceptance_rate"]
+        lines.append(
+            f"- `{method}`'s acceptance rate {_cell(acceptance, '.3f')} against {_cell(unconstrained, '.3f')} "
+            "unconstrained (target: no lower)"
+        )
+    constrained, free = (overall[name]["pass_rates"] for name in (fixed, f"{fixed}{UNCONSTRAINED}"))
+
+    def by_position(rates: list[float | None]) -> str:
+        return " ".join(_cell(rate, ".2f") for rate in rates)
+
     lines.append(
-        f"- its acceptance rate {_cell(acceptance, '.3f')} against {_cell(unconstrained, '.3f')} unconstrained "
-        "(target: no lower)"
+        f"- at equal depth: all {FIXED_K} drafts of a `{fixed}` round passed in {_cell(_all_pass(constrained), '.3f')} "
+        f"of its rounds against {_cell(_all_pass(free), '.3f')} unconstrained; per position 1..{FIXED_K} "
+        f"{by_position(constrained)} against {by_position(free)}"
     )
     return lines
 
@@ -268,7 +308,8 @@ def to_markdown(report: dict) -> str:
         "",
         "`plain`: constrained decoding in process (transformers' generate, the grammar's mask at each step). "
         f"`@no-grammar-aware`: services with `--no-grammar-aware-drafting`. `{UNCONSTRAINED}`: the same prompts "
-        "without the schema. Schema-valid: the answer parses as JSON and `jsonschema` validates it.",
+        f"without the schema. `K={FIXED_K}`: K fixed, to compare acceptance at one depth. Schema-valid: the answer "
+        "parses as JSON and `jsonschema` validates it.",
         "",
         "## Overall",
         "",
