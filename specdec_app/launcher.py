@@ -45,6 +45,18 @@ def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCr
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+# Environment a service gets unless this process's sets the variable. The draft: llama.cpp's (and
+# torch's) OpenMP workers sleep between forwards instead of spinning (libgomp's default spins
+# about 300,000 times first): on one machine they share the target's cores, which the spinning took.
+SERVICE_ENV = {"draft": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def service_env(service: str) -> dict[str, str]:
+    """The variables of :data:`SERVICE_ENV` that ``service`` gets: those this process's
+    environment does not set."""
+    return {name: value for name, value in SERVICE_ENV.get(service, {}).items() if name not in os.environ}
+
+
 @dataclass
 class ServiceProcess:
     """One service (``coordinator``, ``draft`` or ``verify``) as an OS process: ``specdec serve
@@ -211,6 +223,7 @@ class LocalCluster:
             [*args, *self.tls_args(service), *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0),
             self.log_dir / f"{service}.log" if self.log_dir else None,
+            env=service_env(service),
             http_port=self.http_port,
             cpus=self.cpus.get(service, frozenset()),
             credentials=credentials,
