@@ -336,6 +336,20 @@ def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     assert wanted.index(True) > 0  # a probe is due: the draft opens for it
 
 
+def test_the_load_the_prefill_met_decides_the_opening():
+    """A request started while the coordinator ran nothing else would open its draft; its prefill's
+    step then reports 16 sequences running on the service (a burst arrived meanwhile, or another
+    coordinator's requests): it does not. A smaller count does not lower the load it knows."""
+    state = AdaptiveState(probe_interval=4)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=30.0)
+    policy = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2})
+    assert policy.wants_drafter(None, 64, remaining=64)
+    policy.observe_prefill(num_seqs=6, num_running_seqs=16)
+    assert not policy.wants_drafter(None, 64, remaining=64)
+    policy.observe_prefill(num_seqs=1, num_running_seqs=1)
+    assert (policy.load.others_seqs, policy.load.others_tokens) == (15, 15)
+
+
 def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
     """Opening the draft for a probe prefills the whole committed log: the longer it is, and the
     slower the draft's last prefills were, the later the probe, so that a request on a loaded
@@ -424,6 +438,20 @@ def test_k_shrinks_to_plain_decode_as_the_batch_grows():
         policy.load = Load(others_seqs=others, others_tokens=others, round_tokens=1.0)
         chosen[others] = policy.next_round(None)[1]
     assert chosen[0] >= 3 and chosen[0] > chosen[3] >= chosen[15] and chosen[15] == 0
+
+
+def test_the_others_prefill_is_work_a_lookup_token_must_beat():
+    """15 other sequences bring 90 tokens to each step (mostly prefill chunks) and commit 1 token
+    each: a 2-token n-gram match passing 35% of the time is worth its verify work next to their
+    15 committed tokens (the step's 90 tokens priced as overhead), not next to the step's 90
+    tokens of work. Plain decode wins; the same match still wins alone."""
+    costs = StepCosts(draft_ms_per_token=2.0, verify_ms=[80.0] * 6, batched_ms={8: 110.0, 16: 150.0, 64: 390.0})
+    match = {NGRAM: NgramMatch(2, [7, 8])}
+    loaded = AdaptiveK(5, None, None, {NGRAM: [AcceptanceModel([0.35] * 5)] * 2}, costs)
+    loaded.load = Load(others_seqs=15, others_tokens=90, round_tokens=1.0)
+    assert loaded.next_round(match) == (PLAIN, 0)
+    alone = AdaptiveK(5, None, None, {NGRAM: [AcceptanceModel([0.35] * 5)] * 2}, costs)
+    assert alone.next_round(match)[0] == NGRAM
 
 
 def test_load_counts_every_running_sequence_not_only_those_in_the_step():

@@ -168,6 +168,9 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         def observe(self, record, matches, new) -> None:
             pass
 
+        def observe_prefill(self, num_seqs, num_running_seqs) -> None:
+            pass
+
         def observe_draft_prefill(self, num_tokens, ms) -> None:
             pass
 

@@ -17,12 +17,17 @@ round into one step whose cost grows with its batched tokens, so a request's K +
 every other request's round slower too. With B other sequences bringing T tokens to the step (the
 sequences running on the service when it served the request's last round, also those away
 drafting: they are the batch a step should hold), option K is scored by the whole batch's
-expected tokens per ms, (E(K) + B x g) / (draft(K) + step(T + K + 1) + rest), where g is the
-tokens a round of this request commits on average (the others are assumed alike) and step(n) is
-the verify cost at n batched tokens: a line fitted to the service's measurements at start-up
-(:attr:`StepCosts.batched_ms`) and to live rounds (:meth:`StepCosts.step_ms`). Alone (B = 0) this
-is the formula above. As load grows K shrinks, and reaches 0 (plain decode) where speculation no
-longer pays.
+expected tokens per ms, (E(K) + W) / (draft(K) + step(T + K + 1) + rest), where W, the others'
+work in the step, is the larger of B x g (g: the tokens a round of this request commits on
+average, the others assumed alike) and T, and step(n) is the verify cost at n batched tokens: a
+line fitted to the service's measurements at start-up (:attr:`StepCosts.batched_ms`) and to live
+rounds (:meth:`StepCosts.step_ms`). Alone (B = 0) this is the formula above. As load grows K
+shrinks, and reaches 0 (plain decode) where speculation no longer pays. W counts the others'
+prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
+this request does, and a draft token that slows the step delays them as much as it delays the
+others' decode tokens. Counted as B x g alone, a step full of prefill chunks made a lookup's
+tokens look cheap next to it: 16 requests at a time on 2 CPU cores, prompts of up to 926 tokens,
+ran lookups in 734 of 1,217 rounds at 35% acceptance (with W: 558 of 1,360 at 47%).
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.ngram`, what
@@ -255,8 +260,24 @@ class Load:
             self.others_tokens = ema(self.others_tokens, others * per_other, self.weight)
         self.round_tokens = ema(self.round_tokens, committed, self.weight)
 
-    def others_expected_tokens(self) -> float:
-        return self.others_seqs * self.round_tokens
+    def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
+        """Starts from the load the request's prefill met (the step that decoded its first token:
+        ``num_seqs`` in it, ``num_running_seqs`` running on the service, the request included),
+        where larger than the coordinator's count of its own requests at the request's start: the
+        others, each taken to bring one token (their prefill chunks in the step are not told
+        apart from the request's own). Without it the first requests of a burst saw themselves
+        almost alone until their first round reported the service's load, and opened their draft
+        (16 requests at once on 2 CPU cores: 770- and 661-token contexts prefilled on the draft
+        after the first token, never used)."""
+        others = max(num_running_seqs, num_seqs) - 1
+        self.others_seqs = max(self.others_seqs, others)
+        self.others_tokens = max(self.others_tokens, others)
+
+    def others_work(self) -> float:
+        """The others' work in a step, in tokens (W in the module docstring): the tokens their
+        rounds commit, or the tokens they bring where more (prefill chunks; also their drafts,
+        rejected ones included, which overstates it a little where they speculate)."""
+        return max(self.others_seqs * self.round_tokens, self.others_tokens)
 
 
 @dataclass
@@ -329,7 +350,7 @@ class AdaptiveK:
         draft's ms to open its session spread over the request's remaining tokens, added to a
         drafter round per token it is expected to commit (see :meth:`wants_drafter`)."""
         k_max = min(self.k_max, self.k_limit)
-        others, others_tokens = self.load.others_expected_tokens(), self.load.others_tokens
+        others, others_tokens = self.load.others_work(), self.load.others_tokens
 
         def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0) -> float:
             opening = tokens * open_ms_per_token if draft_call and k > 0 else 0.0
@@ -405,6 +426,10 @@ class AdaptiveK:
             model.observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call)
         self.load.observe(record, len(committed))
+
+    def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
+        """Learns the load the request's prefill met (:meth:`Load.observe_prefill`)."""
+        self.load.observe_prefill(num_seqs, num_running_seqs)
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         """Learns what opening the draft session cost: a Prefill of ``num_tokens`` in ``ms``

@@ -131,7 +131,9 @@ class RequestRounds:
 
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
-        fixed K), else when a round first wants it; a draft that fails here is only retried later.
+        fixed K; decided again after the first token with the load the target's prefill met,
+        :meth:`AdaptiveK.observe_prefill`), else when a round first wants it; a draft that fails
+        here is only retried later.
         It starts beside the target's prefill (a draft on its own device is then ready for the
         first round), or, with ``draft_prefill_with_target`` off and greedy decoding, after the
         first token, so that no draft work slows the target's prefill where both share the same
@@ -143,15 +145,16 @@ class RequestRounds:
         draft until it is ready, which cannot change greedy output. Under sampling the first round
         waits for it too, because the sampled tokens depend on the proposals: a seed reproduces a
         completion only if the same rounds use the draft whatever the timing."""
-        opens_draft = self.draft.opens_at_once(policy)
-        if opens_draft and self.draft_prefill_with_target:
+        if self.draft_prefill_with_target and self.draft.opens_at_once(policy):
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
         response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
         first = [response.next_token_id] if decode else []
         self.committed.extend(first)
-        if opens_draft:
-            self.draft.open()  # after the first token; a no-op when it is opening already
+        if policy is not None and response.HasField("step"):
+            policy.observe_prefill(response.step.num_seqs, response.step.num_running_seqs)
+        if self.draft.opens_at_once(policy):  # with the load the prefill met; a no-op when opening
+            self.draft.open()
         return first, self._logprobs(response, first)
 
     # --- rounds --------------------------------------------------------------------------
