@@ -239,25 +239,6 @@ def run_tiny_bench(tiny_models, questions, out, *args, methods="pipeline/adaptiv
     )
 
 
-def test_pipeline_through_the_openai_api(tmp_path, tiny_models):
-    """--api openai: both pipeline methods go through the coordinator's HTTP API with the openai
-    SDK (the transformers serve client path); the reference stays Generate's token ids."""
-    questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
-    out = tmp_path / "out"
-    _, report = run_tiny_bench(
-        tiny_models,
-        questions,
-        out,
-        *("--concurrency", "2", "--requests-per-client", "1", "--api", "openai", "--arrivals", "burst"),
-    )
-    assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
-    for cell in report["cells"]:
-        s = cell["stats"]
-        assert cell["errors"] == [] and s["num_requests"] == 2 and s["num_compared"] == 2 and s["identical_rate"] == 1.0
-        assert s["mean_batch_size"] >= 1  # the specdec metrics came with the stream
-    assert "pipeline API `openai`" in (out / "report-concurrency.md").read_text()
-
-
 def test_load_generator_section_and_options(tmp_path):
     """The report's guidellm section from hand-made runs (one failed), and the option's checks."""
     from specdec_app.bench.load_generator import LoadTarget, check_installed, markdown, scenario
@@ -493,16 +474,24 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     assert "## CPU time per generated token, per process" in markdown and "coordinator CPU ms/token" in markdown
 
 
-def test_ceiling_on_tiny_models(tmp_path):
+def test_ceiling_on_tiny_models_through_the_openai_api(tmp_path):
     """--ceiling writes the near-free model (hidden 64, 2 layers, SmolLM2's tokenizer) and runs K = 0
-    and the K = 4 self-draft on it; the K = 4 drafts are all accepted and the targets reported."""
+    and the K = 4 self-draft on it; the K = 4 drafts are all accepted and the targets reported.
+    With --api openai both pipeline methods go through the coordinator's HTTP API with the openai
+    SDK (the transformers serve client path); the reference stays Generate's token ids."""
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
     _, report = run_bench(
         tmp_path / "out",
         *("--ceiling", "--concurrency", "2", "--requests-per-client", "1", "--max-new-tokens", "8"),
-        *("--methods", "pipeline/K=0,pipeline/K=4", "--questions", str(questions)),
+        *("--methods", "pipeline/K=0,pipeline/K=4", "--questions", str(questions), "--api", "openai"),
     )
     out = tmp_path / "out"
+    assert report["config"]["api"] == "openai" and report["reference"]["num_prompts"] == 1
+    for cell in report["cells"]:
+        s = cell["stats"]
+        assert cell["errors"] == [] and s["num_requests"] == 2 and s["num_compared"] == 2
+        assert s["mean_batch_size"] >= 1  # the specdec metrics came with the stream
+    assert "pipeline API `openai`" in (out / "report-concurrency.md").read_text()
     model = json.loads((Path(report["config"]["target"]) / "config.json").read_text())
     assert (model["hidden_size"], model["num_hidden_layers"], model["vocab_size"]) == (64, 2, 49152)
     assert "ceiling_targets" in report and report["config"]["drafter"] == "transformers"
