@@ -497,6 +497,7 @@ def test_ceiling_on_tiny_models_through_the_openai_api(tmp_path):
     assert "ceiling_targets" in report and report["config"]["drafter"] == "transformers"
     stats = {c["method"]: c["stats"] for c in report["cells"]}
     assert stats["pipeline/K=4"]["acceptance_rate"] == pytest.approx(1.0, abs=0.05)
+    assert list(stats["pipeline/K=4"]["drafter_usage"]) == ["transformers"]  # nested fields over HTTP too
     assert stats["pipeline/K=0"]["identical_rate"] == stats["pipeline/K=4"]["identical_rate"] == 1.0
     targets = report["ceiling_targets"]
     assert targets["concurrency"] == 2 and targets["k4_vs_k0_tokens_per_second"] > 0

@@ -79,10 +79,10 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.json_format import ParseDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -221,8 +221,7 @@ class RequestRecord:
         return record | {"tpot_ms": self.tpot_ms}
 
     def add_metrics(self, metrics) -> None:
-        """Fills the draft, round and batch fields from the request's ``RequestMetrics`` (the
-        message, or an object with its fields as attributes)."""
+        """Fills the draft, round and batch fields from the request's ``RequestMetrics``."""
         self.num_draft_tokens = metrics.num_draft_tokens
         self.num_accepted_tokens = metrics.num_accepted_draft_tokens
         self.num_rounds = metrics.num_target_forwards
@@ -381,7 +380,10 @@ class OpenAIClient:
             if extra.get("error"):
                 raise RuntimeError(f"{self.name}: {extra['error']}")
             if extra.get("specdec"):
-                record.add_metrics(SimpleNamespace(**extra["specdec"]))
+                # the message as the coordinator wrote it (MessageToDict): nested fields parse too
+                record.add_metrics(
+                    ParseDict(extra["specdec"], coordinator_pb2.RequestMetrics(), ignore_unknown_fields=True)
+                )
             for choice in chunk.choices:
                 if choice.delta.content:
                     if record.ttft_ms is None:
