@@ -353,7 +353,8 @@ def test_the_load_the_prefill_met_decides_the_opening():
 def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
     """Opening the draft for a probe prefills the whole committed log: the longer it is, and the
     slower the draft's last prefills were, the later the probe, so that a request on a loaded
-    service does not prefill a long prompt on the draft for one probe round."""
+    service does not prefill a long prompt on the draft for one probe round; and none is due in
+    the last ``probe_interval`` tokens, which no later round would use what it found for."""
     state = AdaptiveState(probe_interval=4)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=32.0)
 
@@ -366,6 +367,10 @@ def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
         raise AssertionError("no probe in 1000 rounds")
 
     open_at = [rounds_to_open(tokens) for tokens in (0, 64, 640)]
+    late = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
+    for _ in range(open_at[1]):
+        late.next_round(None, draft_available=False)
+    assert late.wants_drafter(None, 64, remaining=64) and not late.wants_drafter(None, 64, remaining=4)
     assert open_at[0] < open_at[1] < open_at[2]
     # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus 640 tokens at 2 ms (the
     # seed: a one-token forward per 16 tokens), against a plain round of 199 ms: 4 x 7.9 rounds

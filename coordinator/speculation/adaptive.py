@@ -387,7 +387,10 @@ class AdaptiveK:
         option with what opening costs the draft (its prefill of the ``context_tokens`` of the
         committed log, priced by the last prefills, :meth:`StepCosts.observe_draft_prefill`)
         spread over the ``remaining`` tokens the request may still generate (0: not priced), or
-        plain decode is and a probe is due, the probe's cost including the opening. A request
+        plain decode is and a probe is due, the probe's cost including the opening, with more than
+        ``probe_interval`` tokens left: what a probe finds out pays in the rounds after it, and a
+        request near its end has none (16 requests on 2 CPU cores: one opened its draft with 2
+        tokens left, prefilling 660 tokens for a probe of 1). A request
         opens its draft only then, so that on a loaded service, where speculation does not pay, no
         draft prefill takes the shared hardware from the target's steps. Priced because it is most
         of what the draft costs there: 16 requests of 64 tokens after prompts of up to 926 tokens
@@ -398,9 +401,8 @@ class AdaptiveK:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
-        return drafter == self.drafter or (
-            drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes(open_ms)
-        )
+        probe_due = drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes(open_ms)
+        return drafter == self.drafter or (probe_due and not 0 < remaining <= self.probe_interval)
 
     def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
         options = self.options(matches, draft_available, open_ms_per_token)
