@@ -367,16 +367,16 @@ def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
         raise AssertionError("no probe in 1000 rounds")
 
     open_at = [rounds_to_open(tokens) for tokens in (0, 64, 640)]
-    late = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
-    for _ in range(open_at[1]):
-        late.next_round(None, draft_available=False)
-    assert late.wants_drafter(None, 64, remaining=64) and not late.wants_drafter(None, 64, remaining=4)
     assert open_at[0] < open_at[1] < open_at[2]
     # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus 640 tokens at 2 ms (the
     # seed: a one-token forward per 16 tokens), against a plain round of 199 ms: 4 x 7.9 rounds
     assert open_at[2] == math.ceil(4 * (284 + 640 * 2) / 199) - 1
     state.costs[("llama-cpp", "t")].observe_draft_prefill(640, 640 * 8.0)  # prefills took 4x that
     assert rounds_to_open(640) > open_at[2]
+    late = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
+    for _ in range(rounds_to_open(64)):
+        late.next_round(None, draft_available=False)
+    assert late.wants_drafter(None, 64, remaining=64) and not late.wants_drafter(None, 64, remaining=4)
 
 
 def test_the_drafter_pays_for_opening_over_the_remaining_tokens():

@@ -390,7 +390,7 @@ class AdaptiveK:
         plain decode is and a probe is due, the probe's cost including the opening, with more than
         ``probe_interval`` tokens left: what a probe finds out pays in the rounds after it, and a
         request near its end has none (16 requests on 2 CPU cores: one opened its draft with 2
-        tokens left, prefilling 660 tokens for a probe of 1). A request
+        tokens left, prefilling a 660-token prompt for a probe of 1). A request
         opens its draft only then, so that on a loaded service, where speculation does not pay, no
         draft prefill takes the shared hardware from the target's steps. Priced because it is most
         of what the draft costs there: 16 requests of 64 tokens after prompts of up to 926 tokens
