@@ -118,9 +118,9 @@ def test_a_stopped_draft_costs_one_propose_deadline(real_cluster, smollm2):
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     with torch.inference_mode():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=96, do_sample=False)[0, len(ids) :].tolist()
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids) :].tolist()
     request = coordinator_pb2.GenerateRequest(
-        text=prompt, max_new_tokens=96, num_speculative_tokens=8, drafter="llama-cpp"
+        text=prompt, max_new_tokens=48, num_speculative_tokens=8, drafter="llama-cpp"
     )
     draft = real_cluster.services["draft"]
     try:
