@@ -145,7 +145,8 @@ class RequestRounds:
         draft until it is ready, which cannot change greedy output. Under sampling the first round
         waits for it too, because the sampled tokens depend on the proposals: a seed reproduces a
         completion only if the same rounds use the draft whatever the timing."""
-        if self.draft_prefill_with_target and self.draft.opens_at_once(policy):
+        opened = self.draft_prefill_with_target and self.draft.opens_at_once(policy)
+        if opened:
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
         response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
@@ -153,7 +154,7 @@ class RequestRounds:
         self.committed.extend(first)
         if policy is not None and response.HasField("step"):
             policy.observe_prefill(response.step.num_seqs, response.step.num_running_seqs)
-        if self.draft.opens_at_once(policy):  # with the load the prefill met; a no-op when opening
+        if not opened and self.draft.opens_at_once(policy):  # with the load the prefill met
             self.draft.open()
         return first, self._logprobs(response, first)
 

@@ -248,7 +248,9 @@ def pass_rates(histogram: list[int], depth: int) -> list[float | None]:
 
 
 def _all_pass(rates: list[float | None]) -> float | None:
-    return None if None in rates else math.prod(rate for rate in rates if rate is not None)
+    """The share of rounds whose drafts all passed: the product of ``rates`` (None if one is)."""
+    known = [rate for rate in rates if rate is not None]
+    return math.prod(known) if len(known) == len(rates) else None
 
 
 def structured_table(report: dict) -> list[str]:
