@@ -190,7 +190,10 @@ async def pipeline_tokens(
     )
     policy, rounds = adaptive_policy(), []
     try:
-        await request_rounds.prefill(policy)
+        # no policy at the prefill: it would start from the load the prefill met (32 sessions at
+        # once), with which these synthetic costs make every first round a plain one, and the
+        # model drafter's K = 3 rounds, which follow a full acceptance, would hardly ever run
+        await request_rounds.prefill(None)
         while len(request_rounds.committed) < len(PROMPT) + 3:
             _, _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))
