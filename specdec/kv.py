@@ -31,7 +31,7 @@ import torch
 from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, Work
+from specdec.engine import Engine, StepStats, Work
 from specdec.token_ids import common_prefix_length
 
 tracer = trace.get_tracer(__name__)
@@ -149,23 +149,24 @@ def prefill(
     committed: Sequence[int],
     timeout_s: float | None = None,
     abandoned: Callable[[], bool] | None = None,
-    last_chunk: int = 1,
-) -> int:
-    """Caches ``committed`` but its last ``last_chunk`` tokens (at least 1: the last token, by the
-    rule of the module docstring) in the new sequence ``kv_cache``, for the caller's next step to
-    feed: what the model's prefix cache holds of ``committed`` is attached (when it reaches into
-    the last chunk, the chunk is that much shorter), the rest runs through ``engine``
-    (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.Engine.run`), in a ``prefill``
-    span. Counts the tokens asked of the prefix cache and found there in the engine's metrics;
-    returns those found (``kv_cache.num_cached_tokens``)."""
-    if len(committed) <= 1:
-        return 0
+    work: Work | None = None,
+) -> StepStats | None:
+    """Prefills the new sequence ``kv_cache`` with ``committed``, in a ``prefill`` span: what the
+    model's prefix cache holds of it is attached, and ``work`` runs the rest through ``engine``
+    (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.Engine.run`). By default
+    ``work`` is a :class:`PrefillWork`, which caches every committed token but the last (by the
+    rule of the module docstring) and runs only when the cache lacks some of them; the verify
+    side passes its own work, which also decodes the token after ``committed``. Counts the tokens
+    asked of the prefix cache and found there (``kv_cache.num_cached_tokens``) in the engine's
+    metrics; returns the stats of the step that finished ``work``, None when nothing ran."""
     with tracer.start_as_current_span("prefill", attributes={"specdec.num_tokens": len(committed)}) as span:
         found = kv_cache.attach_prefix(committed)
         span.set_attribute("specdec.num_cached_tokens", found)
         if kv_cache.lm.prefix_caching:
             engine.metrics.observe_prefix_cache(len(committed), found)
-        end = len(committed) - max(last_chunk, 1)  # the positions to cache: [0, end)
-        if found < end:
-            engine.run(PrefillWork(kv_cache, committed[: end + 1]), timeout_s, abandoned)
-    return found
+        if work is None and found < len(committed) - 1:
+            work = PrefillWork(kv_cache, committed)
+        if work is None:
+            return None
+        _, stats = engine.run(work, timeout_s, abandoned)
+        return stats

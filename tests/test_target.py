@@ -1,8 +1,8 @@
 """verify_service.target: a Prefill that also decodes the first token gives exactly the token a
-Decode right after a plain Prefill gives (greedy and seeded sampling), in one forward with the
-prompt's last chunk, however the prompt is chunked, and after a prefix found in the prefix cache;
-loaded from a folder, its linear layers run on oneDNN (:mod:`specdec.cpu_linear`) unless told
-not to, with the same tokens."""
+Decode right after a plain Prefill gives (greedy and seeded sampling), in the forward of the
+prompt's last chunk, in as many steps as the prompt's chunks of the step budget, and after a
+prefix found in the prefix cache; loaded from a folder, its linear layers run on oneDNN
+(:mod:`specdec.cpu_linear`) unless told not to, with the same tokens."""
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ def small_budget_target(tiny_target) -> Target:
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(), SamplingParams(temperature=1.5, seed=7)], ids=["greedy", "seeded"]
 )
-@pytest.mark.parametrize("prompt_len", [1, 5, 40])
+@pytest.mark.parametrize("prompt_len", [1, 5, 32, 40])
 def test_prefill_with_decode_gives_the_next_decode_token(small_budget_target, sampling, prompt_len):
     prompt = [(7 * i + 3) % 1000 for i in range(prompt_len)]
     plain = small_budget_target.new_session(prompt, sampling)
@@ -38,9 +38,9 @@ def test_prefill_with_decode_gives_the_next_decode_token(small_budget_target, sa
     finally:
         small_budget_target.engine.metrics = metrics
     assert fused.committed == [*prompt, expected]
-    # every step but the last is a prefill chunk of at most the budget; the last one carries the
-    # prompt's last chunk (at most half the budget) and decodes the token: no forward of its own
-    assert len(recorder.batch_sizes) == max(1, -(-(prompt_len - 8) // 16) + 1)
+    # every step is a chunk of the whole budget but the last, which decodes the token from its
+    # last row: no forward of its own, and no step more than the prompt's chunks
+    assert len(recorder.batch_sizes) == -(-prompt_len // 16)
     assert fused.verify([], None) == plain_next(small_budget_target, [*prompt, expected], sampling)
     fused.close()
 

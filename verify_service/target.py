@@ -312,6 +312,39 @@ class _Verify(_Score):
         return n, token
 
 
+class _FirstToken(_Verify):
+    """``Prefill(decode=true)``'s work: the prompt's tokens the prefix cache lacks, scheduled as a
+    prefill (after the step's decoding work, a chunk of the step's leftover token budget at a
+    time), and in the step of the chunk that holds the prompt's last token the decode of the
+    token after it, from that chunk's last row. A 769-token prompt on an idle engine with a
+    512-token budget is two forwards (512 and 257 tokens), where a prefill followed by a decode
+    chunk of at most half the budget took three (512, 1 and 256)."""
+
+    is_prefill = True
+
+    def __init__(self, session: "TargetSession"):
+        super().__init__(session, [], None)
+
+    def next_step(self, budget: int) -> SequenceStep:
+        kv_cache = self.session.kv_cache
+        pending = kv_cache.reconcile(self.session.committed)
+        if len(pending) <= budget:
+            return kv_cache.step(pending)
+        return kv_cache.step(pending[:budget], num_logits=0)
+
+    @classmethod
+    def accept(cls, works: list[Work], logits: list[torch.Tensor]) -> None:
+        """The acceptance pass of the works whose last chunk ran (the others have no logits)."""
+        last = [i for i, rows in enumerate(logits) if len(rows)]
+        super().accept([works[i] for i in last], [logits[i] for i in last])
+
+    def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
+        if step.num_logits:
+            return super().finish_step(step, logits)
+        self.session.kv_cache.appended(step)
+        return False
+
+
 class TargetSession:
     """One request's committed tokens and its sequence in the target's KV store. ``last_step``:
     the step that served the last call; ``last_logprobs``: with ``sampling.logprobs``, the
@@ -339,20 +372,19 @@ class TargetSession:
     ) -> int | None:
         """Caches ``committed`` but its last token (chunked prefill, after what the prefix cache
         holds of it). With ``decode`` it also decodes the token after ``committed`` and commits it
-        (returned; None without): the prefill's last chunk, at most half a step's token budget,
-        runs as that decode step's work, so the first token costs no forward of its own (as in
-        plain decoding, where the prompt's forward gives it) and is the token a Decode right after
-        the prefill would give (the same seeded draw; its log-probabilities in ``last_logprobs``)."""
+        (returned; None without): the prefill's last chunk runs as that decode step's work, so the
+        first token costs no forward of its own (as in plain decoding, where the prompt's forward
+        gives it) and is the token a Decode right after the prefill would give (the same seeded
+        draw; its log-probabilities in ``last_logprobs``)."""
         self.committed = list(committed)
         self.grammar = self.target.grammar_matcher(self.sampling, self.committed)
-        last_chunk = self.target.limits.max_num_batched_tokens // 2 if decode else 1
-        prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned, last_chunk)
-        if not decode:
+        work = _FirstToken(self) if decode else None
+        stats = prefill(self.target.engine, self.kv_cache, self.committed, timeout_s, abandoned, work)
+        self.last_step = stats or StepStats()
+        if work is None:
             return None
-        work = _Verify(self, [], None)
-        _, token = self._run(work, timeout_s, abandoned)
         self.last_logprobs = work.logprobs
-        return token
+        return work.outcome[1]
 
     def next_logits(self, draft_tokens: Sequence[int] = ()) -> torch.Tensor:
         """``[len(draft_tokens) + 1, V]`` float32 logits after the committed prefix and after each
