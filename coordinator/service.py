@@ -184,6 +184,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 resolved.num_speculative_tokens,
                 {name: lengths[name] for name in self._lookup_names(resolved)},
                 self._num_running - 1,
+                draft_ahead=self.settings.draft_ahead
+                and resolved.uses_draft_service
+                and not self.settings.draft_shares_target_cores,
             )
         return resolved, verify_info, policy
 

@@ -106,6 +106,31 @@ def test_choose_k_from_costs_and_acceptance():
     assert choose([0.0] * 4, inflated) == (PLAIN, 0)
 
 
+def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
+    """The split placement of the batch-1 bench: a llama.cpp draft on its own core, 13 ms a forward,
+    a target whose 9-token verify takes 83 ms. Drafting ahead, a K = 8 round waits for the 9
+    forwards' excess over the verify and, on a miss, for 8 more; K = 5's 6 forwards about match
+    its verify. So K = 5 wins at the acceptance where, priced as K forwards a round, K = 8 did."""
+    verify = [62.0 + 2.6 * k for k in range(9)]  # 1..9 tokens: 62..83 ms
+    costs = StepCosts(draft_ms_per_token=13.0, verify_ms=verify, overhead_ms=2.0)
+    assert costs.draft_wait_ms(8, verify[8]) == 8 * 13.0  # not drafted ahead: the whole proposal
+    assert costs.draft_wait_ms(8, verify[8], hit_probability=0.8) == pytest.approx(
+        9 * 13.0 - (verify[8] + 2.0) + 0.2 * 8 * 13.0
+    )
+    assert costs.draft_wait_ms(4, verify[4], hit_probability=1.0) == 0.0  # hidden behind the verify
+    rates = AcceptanceModel([0.97] * 8)
+    assert AdaptiveK(8, "llama-cpp", rates, {}, costs).next_round({}) == ("llama-cpp", 8)
+    assert AdaptiveK(8, "llama-cpp", rates, {}, costs, draft_ahead=True).next_round({}) == ("llama-cpp", 5)
+    # a hit's wait is the excess alone: it does not teach the draft's ms per token
+    # it learns from the draft's time for the proposals asked for in a round, not from the wait
+    hit = RoundRecord("llama-cpp", 8, 8, 8, draft_ms=0.0, verify_ms=83.0, wall_ms=85.0, wire_bytes=0, draft_ahead="hit")
+    costs.observe(hit, draft_call=True, draft_ahead=True)
+    assert costs.draft_ms_per_token == 13.0
+    miss = dataclasses.replace(hit, num_accepted=2, draft_ms=150.0, draft_ahead="miss", draft_compute_ms=8 * 15.0)
+    costs.observe(miss, draft_call=True, draft_ahead=True)
+    assert costs.draft_ms_per_token == pytest.approx(13.0 + 0.1 * (15.0 - 13.0))
+
+
 def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
     costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0)
     three_long = NgramMatch(3, [7, 8, 9, 10])

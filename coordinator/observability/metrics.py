@@ -42,7 +42,8 @@ class RoundRecord:
     lookup's, or the model drafter's jump-forward: no draft forward), empty when none was;
     ``draft_ahead_branch``: of a hit, the branch verification went down (``"main"``, ``"bonus"``
     or ``"recovered"``, see :mod:`coordinator.speculation.draft_side`); ``draft_ahead_branches``:
-    the branches besides the main one drafted ahead for this round."""
+    the branches besides the main one drafted ahead for this round; ``draft_compute_ms``: the
+    draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call)."""
 
     drafter: str
     k: int
@@ -61,6 +62,7 @@ class RoundRecord:
     forced: tuple[bool, ...] = ()
     draft_ahead_branch: str = ""
     draft_ahead_branches: int = 0
+    draft_compute_ms: float = 0.0
 
     @property
     def num_forced(self) -> int:

@@ -8,9 +8,11 @@ round that drafted d tokens and accepted n observes passes at positions 1..n and
 rejection at n + 1; later positions are not observed.
 
 Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the design brief's
-(1 - a^(K+1)) / (1 - a) when every a_j = a). Its time (:class:`StepCosts`): K x the draft's ms
-per token + the verify round's ms for K drafts + the rest of the round, where K = 0 is a plain
-decode step on the verify service (the fallback).
+(1 - a^(K+1)) / (1 - a) when every a_j = a). Its time (:class:`StepCosts`): the wait for the
+draft's K forwards + the verify round's ms for K drafts + the rest of the round, where K = 0 is a
+plain decode step on the verify service (the fallback). A draft that drafts ahead works during the
+verify: a round waits only for the K + 1 forwards' excess over the verify, and for K more where
+the proposal drafted ahead misses (:meth:`StepCosts.draft_wait_ms`).
 
 Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every request's
 round into one step whose cost grows with its batched tokens, so a request's K + 1 tokens make
@@ -154,21 +156,46 @@ class StepCosts:
     draft_prefill_ms_per_token: float = 0.0
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def round_ms(self, k: int, draft_call: bool = True, others_tokens: float = 0.0, free: int = 0) -> float:
+    def round_ms(
+        self,
+        k: int,
+        draft_call: bool = True,
+        others_tokens: float = 0.0,
+        free: int = 0,
+        hit_probability: float | None = None,
+    ) -> float:
         """A round of k drafts while other sequences bring ``others_tokens`` to the step;
         ``draft_call`` False: drafts that cost nothing (n-gram lookup); ``free`` of the k cost the
-        draft no forward (tokens the grammar forces).
+        draft no forward (tokens the grammar forces); ``hit_probability``: see :meth:`draft_wait_ms`.
 
         A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
         forward over fewer tokens): a start-up measurement inflated by contention would otherwise
         keep a request from ever falling back, and plain rounds never run would never correct it.
         """
-        calls = draft_call and k > 0
         if k == 0:
             verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
         else:
             verify_ms = self._verify_ms(k, others_tokens)
-        return calls * (k - free) * self.draft_ms_per_token + verify_ms + self.overhead_ms + self.queue_ms
+        draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability) if draft_call and k > 0 else 0.0
+        return draft_ms + verify_ms + self.overhead_ms + self.queue_ms
+
+    def draft_wait_ms(self, drafted: int, verify_ms: float, hit_probability: float | None = None) -> float:
+        """The round's expected wait for a model drafter's proposal of ``drafted`` forwarded tokens.
+        Not drafted ahead (``hit_probability`` None): the ``drafted`` forwards. Drafted ahead
+        (:class:`coordinator.speculation.draft_side.DraftAhead`): while the target verifies one
+        round, the draft drafts the next one's proposal, ``drafted`` + 1 forwards (its guess of the
+        bonus token first), so every round waits for what of them outlasts the verify call, and a
+        round whose proposal was not drafted ahead on its branch (probability 1 -
+        ``hit_probability``) also for a proposal of its own. On a 2-core CPU with the llama.cpp draft
+        on one core (13 ms a forward) and the target on the other (a 9-token verify 83 ms), K = 8
+        waited 67 ms a round for its proposals and K = 4 19 ms, and K = 4 was the faster (2.37x
+        plain decoding against 2.25x, 5 prompts): priced at K times the wait per token, linear in
+        K, they looked alike."""
+        drafting = drafted * self.draft_ms_per_token
+        if hit_probability is None:
+            return drafting
+        outlasting = max(0.0, drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
+        return outlasting + (1.0 - hit_probability) * drafting
 
     def _verify_ms(self, k: int, others_tokens: float) -> float:
         """A verify call of k drafts: alone, the plain step (k = 0) as measured and a verify round
@@ -209,8 +236,9 @@ class StepCosts:
             weight = max(self.weight, 0.5)
             self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
 
-    def observe(self, record: RoundRecord, draft_call: bool) -> None:
-        """Learns from a finished round. The verify costs take the forward time of the step that
+    def observe(self, record: RoundRecord, draft_call: bool, draft_ahead: bool = False) -> None:
+        """Learns from a finished round (``draft_ahead``: its drafter's rounds are priced by
+        :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of the step that
         served it (``record.step_ms``; a service reporting no step: its handling time); its wait
         for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of the round (less
         the draft's time) to ``overhead_ms``, both paid by every kind of round. Not kept per kind:
@@ -220,11 +248,14 @@ class StepCosts:
         its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
         cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward)."""
+        cost it no forward); with ``draft_ahead`` it learns from the draft service's time for the
+        proposals asked for in the round (``record.draft_compute_ms``), not from the wait: a hit's
+        is what outlasted the verify, a miss's also the rest of the work ahead."""
         k = record.num_drafted
-        if draft_call and k > record.num_forced:
+        drafting_ms = record.draft_compute_ms if draft_ahead else record.draft_ms
+        if draft_call and k > record.num_forced and (drafting_ms or not draft_ahead):
             forwarded = k - record.num_forced
-            self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
+            self.draft_ms_per_token = ema(self.draft_ms_per_token, drafting_ms / forwarded, self.weight)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
             n = record.batched_tokens
@@ -301,6 +332,7 @@ class AdaptiveK:
     probe_k: int = 2
     load: Load = field(default_factory=Load)
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
+    draft_ahead: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
     _fallback_rounds: int = 0
 
     @property
@@ -340,6 +372,17 @@ class AdaptiveK:
         after_forced = self.forced.pass_probability(num_forced)
         return self.forced.expected_tokens(num_forced) + after_forced * (self.acceptance.expected_tokens(k) - 1.0)
 
+    def _hit_probability(self, num_forced: int, k: int) -> float | None:
+        """Drafting ahead: the probability that the proposal drafted ahead after a round of
+        ``num_forced`` forced and ``k`` drafted tokens is the next round's, every token passing
+        and the draft's guess of the bonus token right, taken as one more drafted position (None:
+        no draft-ahead)."""
+        if not self.draft_ahead:
+            return None
+        assert self.acceptance is not None
+        forced = self.forced.pass_probability(num_forced) if num_forced and self.forced is not None else 1.0
+        return forced * self.acceptance.pass_probability(k + 1)
+
     def options(
         self, matches: Matches | None, draft_available: bool = True, open_ms_per_token: float = 0.0
     ) -> list[tuple[str, int, float]]:
@@ -352,15 +395,19 @@ class AdaptiveK:
         k_max = min(self.k_max, self.k_limit)
         others, others_tokens = self.load.others_work(), self.load.others_tokens
 
-        def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0) -> float:
+        def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0, hit: float | None = None) -> float:
             opening = tokens * open_ms_per_token if draft_call and k > 0 else 0.0
-            return (tokens + others) / (self.costs.round_ms(k, draft_call, others_tokens, free) + opening)
+            return (tokens + others) / (self.costs.round_ms(k, draft_call, others_tokens, free, hit) + opening)
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and self.acceptance is not None and draft_available:
             f = self._num_forced(matches)
             options += [
-                (self.drafter, f + k, goodput(self._drafter_expected_tokens(f, k), f + k, free=f))
+                (
+                    self.drafter,
+                    f + k,
+                    goodput(self._drafter_expected_tokens(f, k), f + k, free=f, hit=self._hit_probability(f, k)),
+                )
                 for k in range(1, min(k_max, self.k_limit - f, len(self.acceptance.rates)) + 1)
             ]
         for name, match, model in self._lookup_models(matches):
@@ -426,7 +473,7 @@ class AdaptiveK:
             self.acceptance.observe(*drafted_outcome(record))
         for _, match, model in self._lookup_models(matches):
             model.observe_tokens(match.tokens, committed)
-        self.costs.observe(record, draft_call)
+        self.costs.observe(record, draft_call, self.draft_ahead)
         self.load.observe(record, len(committed))
 
     def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
@@ -489,12 +536,16 @@ class AdaptiveState:
         k_max: int,
         lookups: Mapping[str, int],
         others: int = 0,
+        draft_ahead: bool = False,
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
         the lookups that compete, each with its number of match-length estimates (the n-gram
         index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
-        load it assumes until its first round reports the service's."""
+        load it assumes until its first round reports the service's. ``draft_ahead``: the
+        request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
+        prices its rounds; not where the draft shares the target's cores: its forwards ahead then
+        slow the verify they would hide behind)."""
         name = drafter.name if drafter else None
         key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
@@ -524,6 +575,7 @@ class AdaptiveState:
             self.probe_interval,
             load=Load(others_seqs=others, others_tokens=others),
             forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
+            draft_ahead=draft_ahead and name is not None,
         )
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:

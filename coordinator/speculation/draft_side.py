@@ -142,8 +142,9 @@ class DraftProposal:
     """A round's proposal from the draft: the response (None when the draft is unavailable or
     failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
     branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
-    draft drafted ahead for this round, and the protobuf bytes of the round's Propose calls both
-    ways."""
+    draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both
+    ways, and the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
+    a hit, drafted during the previous round: a miss waits for both)."""
 
     response: draft_pb2.ProposeResponse | None
     wait_ms: float
@@ -151,6 +152,7 @@ class DraftProposal:
     wire_bytes: int
     branch: str = ""
     num_branches: int = 0
+    compute_ms: float = 0.0
 
 
 class DraftSession:
@@ -321,7 +323,8 @@ class DraftSession:
         if response is None and self.available():
             response, request_bytes = await self._proposal(k)
             taken.wire_bytes += request_bytes
-            wait_ms += response.compute_ms if response else 0.0
+            taken.compute_ms = response.compute_ms if response else 0.0
+            wait_ms += taken.compute_ms
         elif response is None:
             self.open()  # this round is a plain one while the draft opens
         if response is not None and response.token_ids and self.draft_ahead and self.available():

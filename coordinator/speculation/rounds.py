@@ -252,6 +252,7 @@ class RequestRounds:
             forced if any(forced) else (),
             drafted.branch,
             drafted.num_branches,
+            drafted.compute_ms,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
