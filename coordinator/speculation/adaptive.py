@@ -70,7 +70,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coordinator.observability.metrics import PLAIN, RoundRecord
+from coordinator.observability.metrics import MISS, PLAIN, RoundRecord
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
 from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import NgramMatch
@@ -248,12 +248,22 @@ class StepCosts:
         its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
         cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward); with ``draft_ahead`` it learns from the draft service's time for the
-        proposals asked for in the round (``record.draft_compute_ms``), not from the wait: a hit's
-        is what outlasted the verify, a miss's also the rest of the work ahead."""
+        cost it no forward). With ``draft_ahead`` it learns from the draft-ahead misses alone, and
+        from the draft service's time for the proposal the round then asked for
+        (``record.draft_compute_ms``), not from the wait: a hit's wait is what outlasted the
+        verify, a miss's also the rest of the work ahead; and any other round asking for a
+        proposal (the first with the draft, a probe after plain rounds) first feeds the draft what
+        was committed without it: on the split placement, after a 1,000-token prompt the draft
+        prefilled on its own core while 50 tokens were committed without it, such rounds priced
+        its forward at 5x its cost, and the estimate, shared by the requests, kept every later
+        request off the draft (adaptive K 1.46x plain decoding against K = 8's 2.14x, 50
+        prompts); a miss feeds at most K + 1 tokens."""
         k = record.num_drafted
-        drafting_ms = record.draft_compute_ms if draft_ahead else record.draft_ms
-        if draft_call and k > record.num_forced and (drafting_ms or not draft_ahead):
+        if draft_ahead:
+            learns, drafting_ms = record.draft_ahead == MISS and record.draft_compute_ms > 0, record.draft_compute_ms
+        else:
+            learns, drafting_ms = True, record.draft_ms
+        if draft_call and k > record.num_forced and learns:
             forwarded = k - record.num_forced
             self.draft_ms_per_token = ema(self.draft_ms_per_token, drafting_ms / forwarded, self.weight)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
