@@ -238,10 +238,10 @@ class StepCosts:
 
     def observe(self, record: RoundRecord, draft_call: bool, draft_ahead: bool = False) -> None:
         """Learns from a finished round (``draft_ahead``: its drafter's rounds are priced by
-        :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of the step that
-        served it (``record.step_ms``; a service reporting no step: its handling time); its wait
-        for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of the round (less
-        the draft's time) to ``overhead_ms``, both paid by every kind of round. Not kept per kind:
+        :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
+        the step that served it (``record.step_ms``; a service reporting no step: its handling
+        time); its wait for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of
+        the round (less the draft's time) to ``overhead_ms``, both paid by every kind of round. Not kept per kind:
         under load the wait is mostly other sequences' work whatever the round's kind, and a cost
         learnt only from the kind that runs left the other at its seed; counted that way, plain
         decode was priced at 10-70x its step while the draft was closed, and every request opened
@@ -253,11 +253,8 @@ class StepCosts:
         (``record.draft_compute_ms``), not from the wait: a hit's wait is what outlasted the
         verify, a miss's also the rest of the work ahead; and any other round asking for a
         proposal (the first with the draft, a probe after plain rounds) first feeds the draft what
-        was committed without it: on the split placement, after a 1,000-token prompt the draft
-        prefilled on its own core while 50 tokens were committed without it, such rounds priced
-        its forward at 5x its cost, and the estimate, shared by the requests, kept every later
-        request off the draft (adaptive K 1.46x plain decoding against K = 8's 2.14x, 50
-        prompts); a miss feeds at most K + 1 tokens."""
+        was committed without it, which priced a forward at several times its cost after long
+        prompts (docs/architecture.md#design-decisions); a miss feeds it at most K + 1 tokens."""
         k = record.num_drafted
         if draft_ahead:
             learns, drafting_ms = record.draft_ahead == MISS and record.draft_compute_ms > 0, record.draft_compute_ms
