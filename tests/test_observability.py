@@ -209,9 +209,9 @@ def test_one_trace_spans_all_services_with_parent_links(traced_run):
     for service in ("specdec-draft", "specdec-verify"):
         assert inside[(service, "prefill", "Prefill")] == 1
     assert inside[("specdec-draft", "forward", "prefill")] == 1
-    # the verify service's Prefill decodes the first token in the forward of the prompt (a short
+    # the verify service's prefill decodes the first token in the forward of the prompt (a short
     # one: its only chunk), with its acceptance test
-    assert inside[("specdec-verify", "forward", "Prefill")] == inside[("specdec-verify", "acceptance", "Prefill")] == 1
+    assert inside[("specdec-verify", "forward", "prefill")] == inside[("specdec-verify", "acceptance", "prefill")] == 1
     proposals = sum(s.service == "specdec-draft" and s.span.name.endswith("/Propose") for s in spans)
     assert inside[("specdec-draft", "forward", "Propose")] >= proposals > 0
     assert inside[("specdec-verify", "acceptance", "Verify")] + inside[
