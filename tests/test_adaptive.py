@@ -129,12 +129,18 @@ def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
     miss = dataclasses.replace(hit, num_accepted=2, draft_ms=150.0, draft_ahead="miss", draft_compute_ms=8 * 15.0)
     costs.observe(miss, draft_call=True, draft_ahead=True)
     assert costs.draft_ms_per_token == pytest.approx(13.0 + 0.1 * (15.0 - 13.0))
-    # nor from a proposal that first fed the draft what was committed without it (a probe after
-    # plain rounds): its time is mostly that catch-up
+    # a proposal that first fed the draft what was committed without it (a probe after plain
+    # rounds) overstates a forward: it may lower the estimate, never raise it
     learnt = costs.draft_ms_per_token
     probe = dataclasses.replace(hit, k=2, num_drafted=2, draft_ahead="", draft_ms=300.0, draft_compute_ms=300.0)
     costs.observe(probe, draft_call=True, draft_ahead=True)
     assert costs.draft_ms_per_token == learnt
+    costs.observe(dataclasses.replace(probe, draft_compute_ms=2 * 3.0), draft_call=True, draft_ahead=True)
+    assert costs.draft_ms_per_token == pytest.approx(learnt + 0.1 * (3.0 - learnt))
+    # a draft paused mid-proposal (seconds for 8 tokens) raises it by one weight's share at most
+    learnt = costs.draft_ms_per_token
+    costs.observe(dataclasses.replace(miss, draft_compute_ms=5000.0), draft_call=True, draft_ahead=True)
+    assert costs.draft_ms_per_token == pytest.approx(learnt * 1.1)
 
 
 def test_hybrid_prefers_a_free_ngram_match_when_it_pays():

@@ -197,6 +197,17 @@ class StepCosts:
         outlasting = max(0.0, drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
         return outlasting + (1.0 - hit_probability) * drafting
 
+    def _observe_draft_forward(self, ms: float, miss: bool) -> None:
+        """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
+        :meth:`observe`): a miss's moves the estimate either way, another round's only down (its
+        catch-up overstates a forward, never understates it), and no proposal raises it by more
+        than ``weight`` (a draft service paused mid-proposal reports seconds: the fault tests stop
+        it with SIGSTOP; an estimate that high kept every later request off the draft, with no
+        round left to correct it)."""
+        ms = min(ms, 2.0 * self.draft_ms_per_token)
+        if miss or ms < self.draft_ms_per_token:
+            self.draft_ms_per_token = ema(self.draft_ms_per_token, ms, self.weight)
+
     def _verify_ms(self, k: int, others_tokens: float) -> float:
         """A verify call of k drafts: alone, the plain step (k = 0) as measured and a verify round
         from the line through every K's measurement (one start-up measurement per K, refreshed
@@ -248,21 +259,20 @@ class StepCosts:
         its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
         cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward). With ``draft_ahead`` it learns from the draft-ahead misses alone, and
-        from the draft service's time for the proposal the round then asked for
-        (``record.draft_compute_ms``), not from the wait: a hit's wait is what outlasted the
-        verify, a miss's also the rest of the work ahead; and any other round asking for a
-        proposal (the first with the draft, a probe after plain rounds) first feeds the draft what
-        was committed without it, which priced a forward at several times its cost after long
-        prompts (docs/architecture.md#design-decisions); a miss feeds it at most K + 1 tokens."""
+        cost it no forward). With ``draft_ahead`` it learns from the draft service's time for the
+        proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
+        is what outlasted the verify, a miss's also the rest of the work ahead. A miss's proposal
+        feeds the draft at most K + 1 tokens first; any other round's (the first with the draft, a
+        probe after plain rounds) first feeds it what was committed without it, which priced a
+        forward at several times its cost after long prompts (docs/architecture.md#design-decisions),
+        so those only lower the estimate (:meth:`_observe_draft_forward`)."""
         k = record.num_drafted
-        if draft_ahead:
-            learns, drafting_ms = record.draft_ahead == MISS and record.draft_compute_ms > 0, record.draft_compute_ms
-        else:
-            learns, drafting_ms = True, record.draft_ms
-        if draft_call and k > record.num_forced and learns:
+        if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
-            self.draft_ms_per_token = ema(self.draft_ms_per_token, drafting_ms / forwarded, self.weight)
+            if not draft_ahead:
+                self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
+            elif record.draft_compute_ms > 0:
+                self._observe_draft_forward(record.draft_compute_ms / forwarded, record.draft_ahead == MISS)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
             n = record.batched_tokens
