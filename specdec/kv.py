@@ -164,9 +164,9 @@ def prefill(
         span.set_attribute("specdec.num_cached_tokens", found)
         if kv_cache.lm.prefix_caching:
             engine.metrics.observe_prefix_cache(len(committed), found)
-        if work is None and found < len(committed) - 1:
-            work = PrefillWork(kv_cache, committed)
         if work is None:
-            return None
+            if found >= len(committed) - 1:
+                return None
+            work = PrefillWork(kv_cache, committed)
         _, stats = engine.run(work, timeout_s, abandoned)
         return stats

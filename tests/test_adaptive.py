@@ -121,8 +121,8 @@ def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
     rates = AcceptanceModel([0.97] * 8)
     assert AdaptiveK(8, "llama-cpp", rates, {}, costs).next_round({}) == ("llama-cpp", 8)
     assert AdaptiveK(8, "llama-cpp", rates, {}, costs, draft_ahead=True).next_round({}) == ("llama-cpp", 5)
-    # a hit's wait is the excess alone: it does not teach the draft's ms per token
-    # it learns from the draft's time for the proposals asked for in a round, not from the wait
+    # it learns from the draft's time for the proposals asked for in a round, not from the wait:
+    # a hit's wait is the excess alone and teaches nothing
     hit = RoundRecord("llama-cpp", 8, 8, 8, draft_ms=0.0, verify_ms=83.0, wall_ms=85.0, wire_bytes=0, draft_ahead="hit")
     costs.observe(hit, draft_call=True, draft_ahead=True)
     assert costs.draft_ms_per_token == 13.0

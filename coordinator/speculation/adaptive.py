@@ -252,9 +252,10 @@ class StepCosts:
         :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
         the step that served it (``record.step_ms``; a service reporting no step: its handling
         time); its wait for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of
-        the round (less the draft's time) to ``overhead_ms``, both paid by every kind of round. Not kept per kind:
-        under load the wait is mostly other sequences' work whatever the round's kind, and a cost
-        learnt only from the kind that runs left the other at its seed; counted that way, plain
+        the round (less the draft's time) to ``overhead_ms``, both paid by every kind of round.
+        Not kept per kind: under load the wait is mostly other sequences' work whatever the
+        round's kind, and a cost learnt only from the kind that runs left the other at its seed;
+        counted that way, plain
         decode was priced at 10-70x its step while the draft was closed, and every request opened
         its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
         cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
@@ -592,7 +593,7 @@ class AdaptiveState:
             self.probe_interval,
             load=Load(others_seqs=others, others_tokens=others),
             forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
-            draft_ahead=draft_ahead and name is not None,
+            draft_ahead=draft_ahead,
         )
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:
