@@ -3,6 +3,7 @@ service of the tiny pipeline, and an address nothing listens on: when a request 
 draft, what a failure costs, and what a lost session does."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -211,11 +212,9 @@ def test_a_late_answer_clears_the_down_mark(tiny_pipeline):
         draft.stop(0)
 
 
-def late_draft(delay_ms: int):
-    """A draft service whose Propose calls are held ``delay_ms`` (the test hook): a draft slowed by load."""
-    settings = DraftSettings(
-        port=0, max_sessions=4, default_drafter="ngram", debug_rpc_delay_ms=[f"Propose={delay_ms}"]
-    )
+def late_draft(delay_ms: int, rpc: str = "Propose"):
+    """A draft service whose ``rpc`` calls are held ``delay_ms`` (the test hook): a draft slowed by load."""
+    settings = DraftSettings(port=0, max_sessions=4, default_drafter="ngram", debug_rpc_delay_ms=[f"{rpc}={delay_ms}"])
     return build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
 
 
@@ -279,6 +278,39 @@ def test_a_propose_never_answered_in_time_is_prefilled_again(tiny_pipeline):
             assert session.session_id == "gone.d2" and len(released) == 1
         finally:
             await session.release()
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        draft.stop(0)
+
+
+def test_a_sampling_request_waits_one_deadline_for_its_draft_prefill(tiny_pipeline):
+    """A sampling request's first round waits for its draft session's prefill (held 600 ms) at
+    most a Propose deadline (250 ms): then its rounds go on without the draft, which counts as a
+    draft failure (their tokens are another exact sample than the seed gives with the draft), and
+    the draft is used once its prefill is done."""
+    draft = late_draft(600, "Prefill")
+
+    async def run():
+        clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
+        clients.propose_deadline.observe(0.05, 3)
+        released: list = []
+        sampled = request(drafter="ngram", temperature=0.8)
+        session = session_of(DraftService(clients), sampled, released, "slow-prefill")
+        try:
+            session.open()
+            start = time.monotonic()
+            await session.wait_for_prefill()
+            assert 0.2 < time.monotonic() - start < 0.55
+            assert session.failures == 1 and not session.available()
+            await asyncio.sleep(0.5)  # the prefill is done
+            session.check_prefill()
+            assert session.available() and session.failures == 1
+        finally:
+            await session.release()
+            await asyncio.gather(*released)
             await clients.close()
 
     try:

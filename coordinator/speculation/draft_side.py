@@ -234,13 +234,18 @@ class DraftSession:
         """Waits for the background prefill, if any, at most as long as a Propose of its size may
         take (the Propose deadline for its forwards, :class:`coordinator.speculation.upstream.ProposeDeadline`):
         a draft that hangs costs a sampling request that deadline, not ``prefill_timeout_s``, and
-        its rounds go on without the draft until the prefill finishes or fails."""
+        its rounds go on without the draft until the prefill finishes or fails. A wait that ends
+        at the deadline counts as a draft failure (``RequestMetrics.num_draft_failures``): under
+        sampling those rounds draw another exact sample than the same seed with the draft."""
         if self._prefill is None:
             return
         forwards = math.ceil(len(self.committed) / TOKENS_PER_CATCH_UP_FORWARD)
         timeout = self.service.clients.propose_deadline.seconds(forwards)
-        with contextlib.suppress(TimeoutError):
+        try:
             await asyncio.wait_for(asyncio.shield(self._prefill), timeout)
+        except TimeoutError:
+            self.failures += 1
+            log.warning("draft session prefill not done within its %.2f s deadline; plain decode until it is", timeout)
 
     def check_prefill(self) -> tuple[int, float] | None:
         """Once the background prefill is done: raises what it found wrong with the request itself
