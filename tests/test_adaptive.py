@@ -297,6 +297,19 @@ def test_probes_are_rarer_where_a_probe_costs_more():
     assert rounds_to_first_probe(100.0) == 18  # 277 ms against 62: after 4 x 4.47 rounds
 
 
+def test_rounds_a_lookup_wins_do_not_put_the_probe_off():
+    """The rounds since the model drafter last proposed count towards a probe whoever won them:
+    a request whose plain rounds are broken up by a lookup round now and then still probes its
+    draft, in a plain round (the lookup's are kept)."""
+    costs = StepCosts(0.0, list(FLAT), 2.0)
+    ngram = [AcceptanceModel([0.9] * 4)]
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), {NGRAM: ngram}, costs, probe_interval=4)
+    every_third = [{NGRAM: NgramMatch(1, [7, 8])} if i % 3 == 2 else None for i in range(12)]
+    chosen = [policy.next_round(matches)[0] for matches in every_third]
+    # a free draft: a probe is due after 4 x 1.24 rounds; every third round is the lookup's
+    assert chosen == [PLAIN, PLAIN, NGRAM, PLAIN, "llama-cpp", NGRAM, PLAIN, PLAIN, NGRAM, "llama-cpp", PLAIN, NGRAM]
+
+
 def test_costs_follow_live_rounds():
     costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=1.0, weight=0.5)
     costs.observe(

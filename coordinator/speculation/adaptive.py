@@ -334,9 +334,14 @@ class AdaptiveK:
     """One request's choice of drafter and K. Each round's options: plain decode, the model
     ``drafter`` (None: none) with K in [1, k_max], and each lookup's match (``matches``, by
     lookup) with K up to its length; the one with the most expected tokens per ms wins (the
-    cheaper on a tie). While plain decode wins (the fallback), every ``probe_interval``-th round
-    asks the model drafter for ``probe_k`` tokens anyway (less often where a probe costs more, see
-    :meth:`_rounds_between_probes`), so that a request whose text becomes predictable is noticed.
+    cheaper on a tie). From the ``probe_interval``-th round since the model drafter last proposed
+    (later where a probe costs more, see :meth:`_rounds_between_probes`), the first round that plain
+    decode wins (the fallback) asks it for ``probe_k`` tokens anyway, so that a request whose text becomes
+    predictable is noticed. The rounds a lookup wins count too (they teach nothing about the
+    drafter), but are not replaced by a probe: counted only while plain decode won in a row, a
+    lookup round now and then kept a request from ever probing (an adaptive self-draft request of
+    400 tokens in the fault tests ran plain decode and 21 lookup drafts, none accepted, and never
+    asked its draft, whose every token would have passed).
     ``lookups[name][i]`` is the acceptance of lookup ``name``'s proposals from a suffix match of
     i + 1 tokens (the last one: of that many or more)."""
 
@@ -351,7 +356,7 @@ class AdaptiveK:
     load: Load = field(default_factory=Load)
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
     draft_ahead: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
-    _fallback_rounds: int = 0
+    _rounds_without_drafter: int = 0
 
     @property
     def k_limit(self) -> int:
@@ -441,10 +446,10 @@ class AdaptiveK:
         ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
         is not open yet, or the draft service failed recently): never the model drafter."""
         drafter, k = self._best(matches, draft_available)
-        self._fallback_rounds = self._fallback_rounds + 1 if drafter == PLAIN else 0
-        if self.drafter and draft_available and self._fallback_rounds >= self._rounds_between_probes():
-            self._fallback_rounds = 0
-            return self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
+        probe_due = self._rounds_without_drafter + 1 >= self._rounds_between_probes()
+        if drafter == PLAIN and self.drafter and draft_available and probe_due:
+            drafter, k = self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
+        self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
 
     def wants_drafter(self, matches: Matches | None, context_tokens: int = 0, remaining: int = 0) -> bool:
@@ -466,7 +471,7 @@ class AdaptiveK:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
-        probe_due = drafter == PLAIN and self._fallback_rounds + 1 >= self._rounds_between_probes(open_ms)
+        probe_due = drafter == PLAIN and self._rounds_without_drafter + 1 >= self._rounds_between_probes(open_ms)
         return drafter == self.drafter or (probe_due and not 0 < remaining <= self.probe_interval)
 
     def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
