@@ -11,7 +11,11 @@ are about to send their next call, so that clients share steps instead of altern
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
-time, so one long prompt does not stall every other session's decode. A call that waits longer
+time, so one long prompt does not stall every other session's decode. A sequence alone on the
+engine (nothing else queued, no other open sequence served in the last two steps) has nobody to
+stall: its step may take up to ``max_num_batched_tokens_alone`` tokens, so that a prompt that fits
+is prefilled in one forward, as plain decoding does (on 2 CPU cores SmolLM2 ran a 769-token prompt
+in one forward about 100 ms faster than as chunks of 512 and 257). A call that waits longer
 than its deadline gives up (its work is dropped unless a step already runs it); bounded sessions
 (the registry's ``max_sessions``) bound the queue.
 
@@ -122,7 +126,9 @@ class _Entry:
 
 class Engine:
     """The engine loop over ``lm`` (see the module docstring); ``name`` labels its thread and
-    metrics. Raises ValueError for limits below 1."""
+    metrics; ``max_num_batched_tokens_alone`` (tokens; None or less than
+    ``max_num_batched_tokens``: the same) is the step budget of a sequence alone on the engine.
+    Raises ValueError for limits below 1."""
 
     def __init__(
         self,
@@ -132,11 +138,13 @@ class Engine:
         batch_wait_ms: float = 0.0,
         metrics: EngineMetrics | None = None,
         name: str = "engine",
+        max_num_batched_tokens_alone: int | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.lm = lm
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_num_batched_tokens_alone = max(max_num_batched_tokens, max_num_batched_tokens_alone or 0)
         self.batch_wait_s = batch_wait_ms / 1000
         self.metrics = metrics or EngineMetrics()
         self.name = name
@@ -273,9 +281,11 @@ class Engine:
 
     def _schedule(self) -> list[tuple[_Entry, SequenceStep]]:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
-        arrival order, within the limits."""
+        arrival order, within the limits (a sequence alone: ``max_num_batched_tokens_alone``)."""
         batch: list[tuple[_Entry, SequenceStep]] = []
-        budget, seqs = self.max_num_batched_tokens, set()
+        queued = {entry.work.seq_id for entry in self._queue}
+        alone = len(queued) == 1 and self._recent[0] | self._recent[1] <= queued
+        budget, seqs = self.max_num_batched_tokens_alone if alone else self.max_num_batched_tokens, set()
         for prefill in (False, True):
             for entry in self._queue:
                 work = entry.work

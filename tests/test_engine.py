@@ -1,7 +1,8 @@
 """specdec.engine alone, over a fake BatchedLM that records its steps: the step's limits
 (max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
-leftover budget, a decode that does not fit waiting for the next step, and the per-step
-acceptance pass (one call per kind of work, its failure failing only that kind's calls)."""
+leftover budget, a sequence alone prefilling in larger chunks, a decode that does not fit waiting
+for the next step, and the per-step acceptance pass (one call per kind of work, its failure
+failing only that kind's calls)."""
 
 import threading
 import time
@@ -158,4 +159,26 @@ def test_a_failed_acceptance_pass_fails_only_its_kinds_calls(lm):
     assert isinstance(failed.error, RuntimeError) and failed.result is None
     assert decoded.error is None and decoded.result == torch.Size([1, VOCAB])
     Accepted.fail = False
+    engine.stop()
+
+
+def test_a_sequence_alone_prefills_up_to_its_own_budget(lm):
+    """Alone on the engine, a prefill takes up to ``max_num_batched_tokens_alone`` tokens a step;
+    while another open sequence was served in the last two steps, the step budget applies."""
+    lm.gate.set()
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=16, max_num_batched_tokens_alone=24)
+    first = PrefillWork(SequenceKV(lm), list(range(50)))  # caches 49 tokens
+    engine.run(first)
+    assert lm.steps == [[(first.seq_id, 24)], [(first.seq_id, 24)], [(first.seq_id, 1)]]
+    engine.forget(first.seq_id)  # its session closed
+    engine.run(Decode(10, 1))  # another sequence, open
+    second = PrefillWork(SequenceKV(lm), list(range(60)))  # caches 59 tokens
+    engine.run(second)
+    assert lm.steps[3:] == [
+        [(10, 1)],
+        [(second.seq_id, 16)],
+        [(second.seq_id, 16)],
+        [(second.seq_id, 24)],
+        [(second.seq_id, 3)],
+    ]
     engine.stop()

@@ -15,9 +15,10 @@ from verify_service.target import EngineLimits, Target
 
 @pytest.fixture(scope="module")
 def small_budget_target(tiny_target) -> Target:
-    """The tiny target with a 16-token step budget, so that a 40-token prompt prefills in chunks;
+    """The tiny target with a 16-token step budget, alone too, so that a 40-token prompt prefills in chunks;
     prefix caching off, so that each session computes its whole prompt."""
-    target = Target(tiny_target.lm.model, tiny_target.tokenizer, "small-budget", 4, EngineLimits(4, 16, 0.0), None)
+    limits = EngineLimits(4, 16, 0.0, max_num_batched_tokens_alone=16)
+    target = Target(tiny_target.lm.model, tiny_target.tokenizer, "small-budget", 4, limits, None)
     yield target
     target.engine.stop()
 

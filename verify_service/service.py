@@ -161,7 +161,12 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     metrics = ServiceMetrics()
-    limits = EngineLimits(settings.max_num_seqs, settings.max_num_batched_tokens, settings.batch_wait_ms)
+    limits = EngineLimits(
+        settings.max_num_seqs,
+        settings.max_num_batched_tokens,
+        settings.batch_wait_ms,
+        settings.max_num_batched_tokens_alone,
+    )
     target = target or Target.load(
         settings.model,
         settings.dtype,

@@ -28,6 +28,13 @@ class VerifySettings(SessionServiceSettings):
         "(a verify step of 9 tokens about 2x faster on SmolLM2, see specdec/cpu_linear.py); off: transformers' own "
         "(aten). No effect on a GPU.",
     )
+    max_num_batched_tokens_alone: int = Field(
+        2048,
+        ge=1,
+        description="New tokens a step takes at most when it serves one sequence alone (nothing else queued, no "
+        "other open session served in the last two steps; at least max_num_batched_tokens): a prompt that fits "
+        "is prefilled in one forward, as plain decoding does, since its chunks would let no one in between.",
+    )
     batch_wait_ms: float = Field(
         5.0,
         ge=0,

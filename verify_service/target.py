@@ -45,12 +45,14 @@ tracer = trace.get_tracer(__name__)
 
 @dataclass
 class EngineLimits:
-    """``max_num_seqs`` sequences and ``max_num_batched_tokens`` new tokens per step; a step waits
-    up to ``batch_wait_ms`` for the sequences of the previous one (see :mod:`specdec.engine`)."""
+    """``max_num_seqs`` sequences and ``max_num_batched_tokens`` new tokens per step
+    (``max_num_batched_tokens_alone`` for a sequence alone on the engine); a step waits up to
+    ``batch_wait_ms`` for the sequences of the previous one (see :mod:`specdec.engine`)."""
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     batch_wait_ms: float = 5.0
+    max_num_batched_tokens_alone: int = 2048
 
 
 class Target:
@@ -85,7 +87,12 @@ class Target:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.lm = RaggedLM(model, prefix_cache_max_tokens=prefix_cache_max_tokens)
         self.engine = Engine(
-            self.lm, limits.max_num_seqs, limits.max_num_batched_tokens, limits.batch_wait_ms, name="verify"
+            self.lm,
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+            limits.batch_wait_ms,
+            name="verify",
+            max_num_batched_tokens_alone=limits.max_num_batched_tokens_alone,
         )
         self.verify_ms: list[float] = []  # index K: a verify round with K draft tokens, see measure_costs
         self.step_costs: list[tuple[int, int, float]] = []  # (num_tokens, num_seqs, ms), see measure_costs
