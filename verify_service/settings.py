@@ -32,8 +32,8 @@ class VerifySettings(SessionServiceSettings):
         2048,
         ge=1,
         description="New tokens a step takes at most when it serves one sequence alone (nothing else queued, no "
-        "other open session served in the last two steps; at least max_num_batched_tokens): a prompt that fits "
-        "is prefilled in one forward, as plain decoding does, since its chunks would let no one in between.",
+        "other open session served in the last two steps): a prompt that fits is prefilled in one forward, as plain "
+        "decoding does, since its chunks would let no one in between. Below max_num_batched_tokens: that.",
     )
     batch_wait_ms: float = Field(
         5.0,

@@ -335,13 +335,13 @@ class AdaptiveK:
     ``drafter`` (None: none) with K in [1, k_max], and each lookup's match (``matches``, by
     lookup) with K up to its length; the one with the most expected tokens per ms wins (the
     cheaper on a tie). From the ``probe_interval``-th round since the model drafter last proposed
-    (later where a probe costs more, see :meth:`_rounds_between_probes`), the first round that plain
-    decode wins (the fallback) asks it for ``probe_k`` tokens anyway, so that a request whose text becomes
-    predictable is noticed. The rounds a lookup wins count too (they teach nothing about the
-    drafter), but are not replaced by a probe: counted only while plain decode won in a row, a
-    lookup round now and then kept a request from ever probing (an adaptive self-draft request of
-    400 tokens in the fault tests ran plain decode and 21 lookup drafts, none accepted, and never
-    asked its draft, whose every token would have passed).
+    (later where a probe costs more, see :meth:`_rounds_between_probes`), the first round that
+    plain decode wins (the fallback) asks it for ``probe_k`` tokens anyway, so that a request whose
+    text becomes predictable is noticed. The rounds a lookup wins count too (they teach nothing
+    about the drafter), but are not replaced by a probe: counted only while plain decode won in a
+    row, a lookup round now and then kept a request from ever probing (an adaptive self-draft
+    request of 400 tokens in the fault tests ran plain decode and 21 lookup drafts, none accepted,
+    and never asked its draft, whose every token would have passed).
     ``lookups[name][i]`` is the acceptance of lookup ``name``'s proposals from a suffix match of
     i + 1 tokens (the last one: of that many or more)."""
 
