@@ -239,8 +239,8 @@ class Engine:
                     return
                 self._wait_for_previous()
                 given_up = self._drop_given_up()
-                batch = self._schedule()
                 running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
+                batch = self._schedule(alone=running == 1)
             for entry in given_up:
                 entry.done(None, entry.stats, self._late_error())
             if batch:
@@ -279,12 +279,11 @@ class Engine:
             self._cond.wait(remaining)
         self._awaited = set()
 
-    def _schedule(self) -> list[tuple[_Entry, SequenceStep]]:
+    def _schedule(self, alone: bool) -> list[tuple[_Entry, SequenceStep]]:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
-        arrival order, within the limits (a sequence alone: ``max_num_batched_tokens_alone``)."""
+        arrival order, within the limits (``alone``, the queue's only sequence and no other served
+        in the last two steps: ``max_num_batched_tokens_alone``)."""
         batch: list[tuple[_Entry, SequenceStep]] = []
-        queued = {entry.work.seq_id for entry in self._queue}
-        alone = len(queued) == 1 and self._recent[0] | self._recent[1] <= queued
         budget, seqs = self.max_num_batched_tokens_alone if alone else self.max_num_batched_tokens, set()
         for prefill in (False, True):
             for entry in self._queue:

@@ -446,8 +446,7 @@ class AdaptiveK:
         ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
         is not open yet, or the draft service failed recently): never the model drafter."""
         drafter, k = self._best(matches, draft_available)
-        probe_due = self._rounds_without_drafter + 1 >= self._rounds_between_probes()
-        if drafter == PLAIN and self.drafter and draft_available and probe_due:
+        if drafter == PLAIN and self.drafter and draft_available and self._probe_due():
             drafter, k = self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
         self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
@@ -471,13 +470,18 @@ class AdaptiveK:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
-        probe_due = drafter == PLAIN and self._rounds_without_drafter + 1 >= self._rounds_between_probes(open_ms)
+        probe_due = drafter == PLAIN and self._probe_due(open_ms)
         return drafter == self.drafter or (probe_due and not 0 < remaining <= self.probe_interval)
 
     def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
         options = self.options(matches, draft_available, open_ms_per_token)
         drafter, k, _ = max(options, key=lambda option: (option[2], -option[1]))
         return drafter, k
+
+    def _probe_due(self, open_ms: float = 0.0) -> bool:
+        """Whether this round, counted, reaches :meth:`_rounds_between_probes` since the model
+        drafter last proposed."""
+        return self._rounds_without_drafter + 1 >= self._rounds_between_probes(open_ms)
 
     def _rounds_between_probes(self, open_ms: float = 0.0) -> float:
         """``probe_interval``, stretched by what a probe round costs over a plain one at the current
