@@ -206,41 +206,6 @@ def make_fault(fleet, redis_server, target: str, signum: int) -> Fault:
     return Fault(lambda: [p.kill() for p in processes], restart, recover_at_once=True)
 
 
-def from_redis(url: str, read):
-    """``await read(store)`` on a RedisStore of the coordinators' Redis."""
-
-    async def run():
-        store = RedisStore(url, 60, Counter("errors", "", ["operation"], registry=CollectorRegistry()))
-        try:
-            return await read(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
-
-
-def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny_models):
-    """An adaptive request's acceptance estimates reach Redis, where every coordinator replica
-    warm-starts its sessions from. It runs before the fault matrix, whose cells restart the draft
-    under load: run after them, the request went all its 400 tokens without its draft in 1 of 4
-    clean-clone runs (18 n-gram rounds, no probe; probes are spaced by the draft's estimated
-    cost, which a draft that measured itself on loaded cores may overstate)."""
-    request = requests()["adaptive"]
-    request.request_id, request.max_new_tokens = "adaptive-estimates", 400
-    completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
-    metrics = completion.metrics
-    usage = {name: (use.num_rounds, use.num_accepted_draft_tokens) for name, use in metrics.drafter_usage.items()}
-    assert metrics.adaptive and metrics.num_accepted_draft_tokens > 0, f"rounds, accepted by drafter: {usage}"
-    deadline = time.monotonic() + 10
-    while "transformers" not in (
-        priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))
-    ):
-        assert time.monotonic() < deadline, f"no estimates for the transformers drafter in Redis: {priors}"
-        time.sleep(0.1)
-    assert {"ngram/1", "ngram/2", "ngram/3"} <= priors.keys()
-    assert min(priors["transformers"][:2]) > 0.8  # a self-draft: its first positions always pass
-
-
 CELLS = [
     (target, sig, when)
     for target in ("draft", "verify-one", "verify-all", "redis")
@@ -382,3 +347,35 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references):
     assert rest.finish_reason == reference.finish_reason
     assert rest.metrics.num_resumed_tokens >= len(received.token_ids)
     assert_no_session_left(services, evicted_before)
+
+
+def from_redis(url: str, read):
+    """``await read(store)`` on a RedisStore of the coordinators' Redis."""
+
+    async def run():
+        store = RedisStore(url, 60, Counter("errors", "", ["operation"], registry=CollectorRegistry()))
+        try:
+            return await read(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny_models):
+    """An adaptive request's acceptance estimates reach Redis, where every coordinator replica
+    warm-starts its sessions from."""
+    request = requests()["adaptive"]
+    request.request_id, request.max_new_tokens = "adaptive-estimates", 400
+    completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
+    metrics = completion.metrics
+    usage = {name: (use.num_rounds, use.num_accepted_draft_tokens) for name, use in metrics.drafter_usage.items()}
+    assert metrics.adaptive and metrics.num_accepted_draft_tokens > 0, f"rounds, accepted by drafter: {usage}"
+    deadline = time.monotonic() + 10
+    while "transformers" not in (
+        priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))
+    ):
+        assert time.monotonic() < deadline, f"no estimates for the transformers drafter in Redis: {priors}"
+        time.sleep(0.1)
+    assert {"ngram/1", "ngram/2", "ngram/3"} <= priors.keys()
+    assert min(priors["transformers"][:2]) > 0.8  # a self-draft: its first positions always pass
