@@ -403,30 +403,54 @@ def test_the_load_the_prefill_met_decides_the_opening():
 def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
     """Opening the draft for a probe prefills the whole committed log: the longer it is, and the
     slower the draft's last prefills were, the later the probe, so that a request on a loaded
-    service does not prefill a long prompt on the draft for one probe round; and none is due in
-    the last ``probe_interval`` tokens, which no later round would use what it found for."""
+    service does not prefill a long prompt on the draft for one probe round. A probe pays its share
+    of the opening, one per ``probe_interval`` of the remaining tokens: the fewer remain, the later
+    the probe, and none is due in the last ``probe_interval`` tokens, which no later round would
+    use what it found for."""
     state = AdaptiveState(probe_interval=4)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=32.0)
 
-    def rounds_to_open(context_tokens: int) -> int:
+    def rounds_to_open(context_tokens: int, remaining: int = 64) -> int:
         loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
         for rounds in range(1000):
-            if loaded.wants_drafter(None, context_tokens, remaining=64):
+            if loaded.wants_drafter(None, context_tokens, remaining):
                 return rounds
             loaded.next_round(None, draft_available=False)
         raise AssertionError("no probe in 1000 rounds")
 
-    open_at = [rounds_to_open(tokens) for tokens in (0, 64, 640)]
+    open_at = [rounds_to_open(tokens) for tokens in (0, 640, 6400)]
     assert open_at[0] < open_at[1] < open_at[2]
-    # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus 640 tokens at 2 ms (the
-    # seed: a one-token forward per 16 tokens), against a plain round of 199 ms: 4 x 7.9 rounds
-    assert open_at[2] == math.ceil(4 * (284 + 640 * 2) / 199) - 1
+    # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus its share of prefilling
+    # 6400 tokens at 2 ms (the seed: a one-token forward per 16 tokens), 4 of 64 remaining tokens,
+    # against a plain round of 199 ms: 4 x 5.4 rounds
+    assert open_at[2] == math.ceil(4 * (284 + 6400 * 2 * 4 / 64) / 199) - 1
+    assert rounds_to_open(6400, remaining=640) < open_at[2] < rounds_to_open(6400, remaining=16)
     state.costs[("llama-cpp", "t")].observe_draft_prefill(640, 640 * 8.0)  # prefills took 4x that
-    assert rounds_to_open(640) > open_at[2]
+    assert rounds_to_open(6400) > open_at[2]
     late = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
     for _ in range(rounds_to_open(64)):
         late.next_round(None, draft_available=False)
     assert late.wants_drafter(None, 64, remaining=64) and not late.wants_drafter(None, 64, remaining=4)
+
+
+def test_a_probe_comes_while_the_context_grows():
+    """Each plain round adds a token to the context a probe's opening prefills: a draft whose
+    forward is as slow as the target's plain round (prefill per token seeded at a forward / 16)
+    still gets its probe within the request, where a probe priced with the whole opening was put
+    off by more than a round every round and never came."""
+    drafter = draft_pb2.DrafterInfo(name="transformers", step_ms=8.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[3.0, 4.0, 5.0, 6.0, 7.0])
+    policy = AdaptiveState().policy(drafter, target, k_max=4, lookups={})
+    prompt_tokens, max_new_tokens = 40, 400
+    for generated in range(max_new_tokens):
+        if policy.wants_drafter(None, prompt_tokens + generated, max_new_tokens - generated):
+            break
+        assert policy.next_round(None, draft_available=False) == (PLAIN, 0)
+    else:
+        raise AssertionError(f"no probe in {max_new_tokens} tokens")
+    # a probe of 22 ms (2 forwards of 8 ms, the 3-token verify, overhead) against a plain round of 4:
+    # 16 x 5.5 = 88 rounds, and its share of the growing opening puts it off some more
+    assert 88 < generated < 120
 
 
 def test_the_drafter_pays_for_opening_over_the_remaining_tokens():

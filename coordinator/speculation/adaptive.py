@@ -456,10 +456,11 @@ class AdaptiveK:
         option with what opening costs the draft (its prefill of the ``context_tokens`` of the
         committed log, priced by the last prefills, :meth:`StepCosts.observe_draft_prefill`)
         spread over the ``remaining`` tokens the request may still generate (0: not priced), or
-        plain decode is and a probe is due, the probe's cost including the opening, with more than
-        ``probe_interval`` tokens left: what a probe finds out pays in the rounds after it, and a
-        request near its end has none (16 requests on 2 CPU cores: one opened its draft with 2
-        tokens left, prefilling a 660-token prompt for a probe of 1). A request
+        plain decode is and a probe is due, the probe's cost including its share of the opening
+        (:meth:`_opening_share`), with more than ``probe_interval`` tokens left: what a probe finds
+        out pays in the rounds after it, and a request near its end has none (16 requests on 2 CPU
+        cores: one opened its draft with 2 tokens left, prefilling a 660-token prompt for a probe
+        of 1). A request
         opens its draft only then, so that on a loaded service, where speculation does not pay, no
         draft prefill takes the shared hardware from the target's steps. Priced because it is most
         of what the draft costs there: 16 requests of 64 tokens after prompts of up to 926 tokens
@@ -470,8 +471,23 @@ class AdaptiveK:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
-        probe_due = drafter == PLAIN and self._probe_due(open_ms)
+        probe_due = drafter == PLAIN and self._probe_due(self._opening_share(open_ms, remaining))
         return drafter == self.drafter or (probe_due and not 0 < remaining <= self.probe_interval)
+
+    def _opening_share(self, open_ms: float, remaining: int) -> float:
+        """A probe's share of ``open_ms``, the draft's opening: the session stays open for every
+        probe the ``remaining`` tokens allow (one per ``probe_interval`` tokens at most), so each
+        pays its part of it, and a probe with no later one (or ``remaining`` 0, unknown) all of it.
+        Priced in full, the opening grows by the prefill of one token each plain round, which
+        puts the probe off by ``probe_interval`` x that / a plain round's ms: once that reached a
+        round (a draft whose prefill per token, seeded at its forward / 16, costs a plain round /
+        ``probe_interval``: a forward as slow as the plain round) the probe never came. An adaptive
+        self-draft request of 400 tokens in the fault tests, whose draft is as slow as the tiny
+        target, ran on plain decode to its end in 4 of 10 suite runs without asking its draft, every
+        token of which would have passed."""
+        if remaining <= self.probe_interval:
+            return open_ms
+        return open_ms * self.probe_interval / remaining
 
     def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
         options = self.options(matches, draft_available, open_ms_per_token)
@@ -485,9 +501,9 @@ class AdaptiveK:
 
     def _rounds_between_probes(self, open_ms: float = 0.0) -> float:
         """``probe_interval``, stretched by what a probe round costs over a plain one at the current
-        load, ``open_ms`` to open the draft session included: probing a slow draft, one on a
-        loaded service or one that must first prefill a long context then costs no larger share of
-        the fallback's time than probing a cheap one."""
+        load, ``open_ms`` (its share of opening the draft session) included: probing a slow draft,
+        one on a loaded service or one that must first prefill a long context then costs no larger
+        share of the fallback's time than probing a cheap one."""
         others = self.load.others_tokens
         probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others) + open_ms
         return self.probe_interval * max(1.0, probe / self.costs.round_ms(0, False, others))
