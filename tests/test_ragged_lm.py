@@ -1,6 +1,7 @@
 """specdec.ragged_lm alone, without the engine or services: every sequence of a ragged batched
 step gets the logits transformers' own forward gives it alone (within float tolerance), through
-steps of mixed sizes (decodes, verifies and prefill chunks, which attend in a group of their own),
+steps of mixed sizes (decodes, verifies and prefill chunks, attending in groups by their number
+of new tokens and context),
 rollback then append, a freed sequence's blocks reused, a pool that grows from two blocks, grouped
 query attention (the tiny Llama has 4 query and 2 KV heads) and a sliding window. With prefix
 caching: a sequence that starts from cached blocks, blocks shared by live sequences and never
@@ -11,7 +12,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from specdec.batching import SequenceStep
-from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM
+from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _by_context, _Sequence
 from tests.conftest import tiny_llama
 
 VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small
@@ -84,6 +85,15 @@ def test_ragged_steps_equal_each_sequence_alone(checked):
         for seq in batch[::2]:  # rejected drafts: a length change
             checked.truncate(seq, max(1, len(checked.tokens[seq]) - 2))
     assert checked.lm._pool.shape[2] > 2 * BLOCK_SIZE  # the pool grew while sequences kept their blocks
+
+
+def test_sequences_attend_with_those_of_their_width_and_context():
+    """A padded SDPA groups sequences bringing the same number of new tokens and contexts within
+    MAX_CONTEXT_RATIO of each other: a verify pads no decode to its K + 1 queries, a long document
+    no short chat to its context; prefill chunks are left to groups of their own."""
+    sequences = [_Sequence(length=n) for n in (100, 120, 110, 300, 105, 40)]
+    counts = [1, 5, 1, 1, 3, MAX_PADDED_QUERIES + 1]
+    assert _by_context(sequences, counts) == [[0, 2], [3], [4], [1]]
 
 
 def test_a_sequence_grows_past_many_blocks_and_rolls_back_inside_one(checked):

@@ -1,0 +1,80 @@
+"""The verify service's batched step by how its sequences' new tokens mix: decodes alone, and
+decodes beside verifies of K + 1 tokens; findings in specdec/ragged_lm.py's module docstring.
+
+Loads the target as the verify service does (float32, linear layers packed on the CPU), prefills
+``--sequences`` sequences of random tokens with contexts drawn from ``--contexts``, then times one
+step per mix (each sequence's new tokens rolled back after it), the mixes interleaved; prints the
+median of ``--repeats`` in ms.
+
+    .venv/bin/python scripts/profile_step.py [--model smollm2] [--threads 2] [--sequences 14]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from specdec.batching import SequenceStep
+from specdec.cpu_linear import pack_linears
+from specdec.models import load_causal_lm
+from specdec.ragged_lm import RaggedLM
+from specdec.timing import ms_since
+
+
+def mixes(num_sequences: int) -> dict[str, list[int]]:
+    """Draft tokens per sequence (K; 0: a decode) of each mix."""
+    decodes = [0] * num_sequences
+    return {
+        "decodes": decodes,
+        "one verify of K = 4": [4, *decodes[1:]],
+        "three verifies of K = 2": [2, 2, 2, *decodes[3:]],
+        "every sequence K = 1": [1] * num_sequences,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sequences", type=int, default=14)
+    parser.add_argument("--contexts", default="300,900", help="the smallest and largest context, in tokens")
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_causal_lm(args.model, "float32")[0]
+    pack_linears(model)
+    lm, rng = RaggedLM(model), random.Random(0)
+    vocab = model.config.vocab_size
+    low, high = (int(n) for n in args.contexts.split(","))
+    contexts = [rng.randint(low, high) for _ in range(args.sequences)]
+    seqs = [lm.allocate() for _ in contexts]
+    for seq, context in zip(seqs, contexts, strict=True):
+        lm.forward([SequenceStep(seq, [rng.randrange(vocab) for _ in range(context)], 1)])
+
+    def step_ms(draft_tokens: list[int]) -> float:
+        steps = [
+            SequenceStep(seq, [rng.randrange(vocab) for _ in range(k + 1)], k + 1)
+            for seq, k in zip(seqs, draft_tokens, strict=True)
+        ]
+        start = time.perf_counter()
+        lm.forward(steps)
+        ms = ms_since(start)
+        for seq, context in zip(seqs, contexts, strict=True):
+            lm.truncate(seq, context)
+        return ms
+
+    times: dict[str, list[float]] = {name: [] for name in mixes(args.sequences)}
+    for repeat in range(args.repeats + 1):  # the first of each is a warm-up
+        for name, draft_tokens in mixes(args.sequences).items():
+            ms = step_ms(draft_tokens)
+            if repeat:
+                times[name].append(ms)
+    print(f"{args.sequences} sequences, contexts {low} to {high} tokens; mix | new tokens | step ms")
+    for name, draft_tokens in mixes(args.sequences).items():
+        print(f"{name} | {sum(k + 1 for k in draft_tokens)} | {statistics.median(times[name]):.0f}")
+
+
+if __name__ == "__main__":
+    main()
