@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import time
 
 import torch
@@ -228,4 +229,14 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
 
 
 def main(settings: DraftSettings) -> None:
+    """Serves until SIGINT or SIGTERM, at ``settings.nice``."""
+    if settings.nice:
+        lower_priority(settings.nice)
     build(settings).serve_until_signal()
+
+
+def lower_priority(nice: int) -> None:
+    """Sets every thread of this process to niceness ``nice`` (Linux keeps one per thread, and a
+    thread started later inherits its starter's): those started before (at import) too."""
+    for task in os.listdir("/proc/self/task"):
+        os.setpriority(os.PRIO_PROCESS, int(task), nice)

@@ -1,17 +1,22 @@
-"""The verify service's batched step by how its sequences' new tokens mix: decodes alone, and
-decodes beside verifies of K + 1 tokens; findings in specdec/ragged_lm.py's module docstring.
+"""The verify service's batched step by how its sequences' new tokens mix (decodes alone, and
+decodes beside verifies of K + 1 tokens), and the decodes' step beside a draft's prefill on the
+same cores at each of ``--draft-nice``; findings in specdec/ragged_lm.py's module docstring and
+draft_service/settings.py's ``nice``.
 
 Loads the target as the verify service does (float32, linear layers packed on the CPU), prefills
 ``--sequences`` sequences of random tokens with contexts drawn from ``--contexts``, then times one
 step per mix (each sequence's new tokens rolled back after it), the mixes interleaved; prints the
-median of ``--repeats`` in ms.
+median of ``--repeats`` in ms. Beside a draft: a child process prefills 700 tokens again and again
+in llama.cpp (the default draft, Q8_0, one thread) at that niceness while the decodes' steps run.
 
-    .venv/bin/python scripts/profile_step.py [--model smollm2] [--threads 2] [--sequences 14]
+    .venv/bin/python scripts/profile_step.py [--model smollm2] [--threads 2] [--sequences 14] [--draft-nice 0,19]
 """
 
 import argparse
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -34,13 +39,32 @@ def mixes(num_sequences: int) -> dict[str, list[int]]:
     }
 
 
+def draft_prefills() -> None:
+    """The child: prints ``ready`` once loaded, then prefills 700 tokens in a loop until killed."""
+    from llama_cpp import Llama
+
+    from draft_service.drafters.llama_cpp import requantized
+    from specdec.model_files import resolve_model
+
+    ref = resolve_model("smollm2")
+    llm = Llama(model_path=requantized(ref.gguf_path, "q8_0"), n_threads=1, n_ctx=2048, verbose=False)
+    tokens = [random.randrange(1000, 40000) for _ in range(700)]
+    print("ready", flush=True)
+    while True:
+        llm.reset()
+        llm.eval(tokens)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--draft-prefills"]:
+        return draft_prefills()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sequences", type=int, default=14)
     parser.add_argument("--contexts", default="300,900", help="the smallest and largest context, in tokens")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--draft-nice", default="", help="niceness of a draft prefilling beside the decodes, e.g. 0,19")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_causal_lm(args.model, "float32")[0]
@@ -74,6 +98,16 @@ def main() -> None:
     print(f"{args.sequences} sequences, contexts {low} to {high} tokens; mix | new tokens | step ms")
     for name, draft_tokens in mixes(args.sequences).items():
         print(f"{name} | {sum(k + 1 for k in draft_tokens)} | {statistics.median(times[name]):.0f}")
+    decodes = mixes(args.sequences)["decodes"]
+    for nice in [int(n) for n in args.draft_nice.split(",") if n]:
+        child = subprocess.Popen(
+            ["nice", "-n", str(nice), sys.executable, __file__, "--draft-prefills"], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        beside = statistics.median(step_ms(decodes) for _ in range(args.repeats))
+        child.kill()
+        child.wait()
+        print(f"decodes beside a draft prefill at niceness {nice} | {args.sequences} | {beside:.0f}")
 
 
 if __name__ == "__main__":

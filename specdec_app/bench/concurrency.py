@@ -779,12 +779,14 @@ def max_in_flight(config: ConcurrencyConfig) -> int:
 
 def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
-    llama-cpp drafter's sequences for the largest N; the coordinator's streams per client and
+    llama-cpp drafter's sequences for the largest N; the draft service at niceness 19, as it runs
+    on the target's cores (:attr:`draft_service.settings.DraftSettings.nice`: under load a draft
+    prefill at the target's priority stalled its steps); the coordinator's streams per client and
     both services' sessions for :func:`max_in_flight` requests where that is above their default
     (64; sessions twice that plus 8, as a finished request's sessions are released while the
     client's next one opens); then ``config.service_env`` (the ceiling's)."""
     in_flight = max_in_flight(config)
-    settings = {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency))}
+    settings = {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency)), "SPECDEC_DRAFT_NICE": "19"}
     if in_flight > DEFAULT_SERVICE_LIMIT:
         sessions = str(2 * in_flight + 8)
         settings |= {
