@@ -41,7 +41,7 @@ class DraftSettings(SessionServiceSettings):
         "decodes took 3.6x as long beside a one-thread llama.cpp prefill at niceness 0, 1.02x at 19; "
         "scripts/profile_step.py --draft-nice 0,19). The price at "
         "batch 1: drafting ahead then waits for the target's step (2 cores, K = 8: 1.73-1.77x plain decoding "
-        "against 1.83x at 0). specdec bench --concurrency starts the draft at 19.",
+        "against 1.83x at 0). specdec bench --concurrency starts the draft at 19 (--ceiling at 0).",
     )
     llama_cpp_n_gpu_layers: int = Field(0, description="Layers llama.cpp offloads to the GPU (-1 = all).")
     llama_cpp_max_num_seqs: int = Field(

@@ -34,7 +34,7 @@ and a boolean mask (causal within the step, padding, sliding window) built once 
 Sequences that bring more than :data:`MAX_PADDED_QUERIES` new tokens (prefill chunks) each attend
 in a group of their own, so a long chunk does not pad every decode to its length; the others are
 grouped by their number of new tokens, then by context, no group's longest more than
-:data:`MAX_CONTEXT_RATIO` times its shortest (:func:`_by_context`), so a step mixing short chats
+:data:`MAX_CONTEXT_RATIO` times its shortest (:func:`_padded_groups`), so a step mixing short chats
 with long documents does not pad every chat to the longest document, and one sequence's verify of
 K + 1 tokens does not pad every decode beside it to K + 1 queries (SmolLM2, 2 threads, 14
 sequences of 300 to 900 tokens of context: 14 decodes 143 ms; with one of them verifying K = 4,
@@ -199,7 +199,7 @@ def _group(sequences: list[_Sequence], counts: list[int], offsets: list[int], de
     )
 
 
-def _by_context(sequences: list[_Sequence], counts: list[int]) -> list[list[int]]:
+def _padded_groups(sequences: list[_Sequence], counts: list[int]) -> list[list[int]]:
     """The sequences that bring at most MAX_PADDED_QUERIES new tokens, in groups of the same
     number of new tokens and similar context (cached + new): by increasing count, then context, a
     group closes where the count changes or the next context is more than MAX_CONTEXT_RATIO times
@@ -224,7 +224,7 @@ def _layout(pool: torch.Tensor, sequences: list[_Sequence], counts: list[int]) -
     """The step's layout for ``sequences`` (cached lengths before the step) bringing ``counts``
     new tokens each, in that order in the flattened step."""
     offsets = [sum(counts[:i]) for i in range(len(counts))]
-    members = _by_context(sequences, counts)
+    members = _padded_groups(sequences, counts)
     members += [[i] for i, n in enumerate(counts) if n > MAX_PADDED_QUERIES]
     groups, out_rows, base = [], [0] * sum(counts), 0
     for group in members:

@@ -407,7 +407,11 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
     assert config.concurrency == [64] and config.max_new_tokens == 128
     assert config.arrivals == ["closed"] and config.methods == ["pipeline/K=0", "pipeline/K=4", "transformers-serve"]
     assert config.target == config.draft_model == str(tmp_path / "near-free") and config.drafter == "transformers"
-    assert config.service_env == {"SPECDEC_VERIFY_MAX_NUM_SEQS": "64", "SPECDEC_DRAFT_MAX_NUM_SEQS": "64"}
+    assert config.service_env == {
+        "SPECDEC_VERIFY_MAX_NUM_SEQS": "64",
+        "SPECDEC_DRAFT_MAX_NUM_SEQS": "64",
+        "SPECDEC_DRAFT_NICE": "0",
+    }
     config = captured_config(monkeypatch, tmp_path, "--ceiling", "--concurrency", "8", "--arrivals", "burst")
     assert config.concurrency == [8] and config.arrivals == ["burst"]
 

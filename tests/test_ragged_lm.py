@@ -12,7 +12,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from specdec.batching import SequenceStep
-from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _by_context, _Sequence
+from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _padded_groups, _Sequence
 from tests.conftest import tiny_llama
 
 VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small
@@ -93,7 +93,7 @@ def test_sequences_attend_with_those_of_their_width_and_context():
     no short chat to its context; prefill chunks are left to groups of their own."""
     sequences = [_Sequence(length=n) for n in (100, 120, 110, 300, 105, 40)]
     counts = [1, 5, 1, 1, 3, MAX_PADDED_QUERIES + 1]
-    assert _by_context(sequences, counts) == [[0, 2], [3], [4], [1]]
+    assert _padded_groups(sequences, counts) == [[0, 2], [3], [4], [1]]
 
 
 def test_a_sequence_grows_past_many_blocks_and_rolls_back_inside_one(checked):

@@ -170,8 +170,14 @@ def configure(config: ConcurrencyConfig, console: Console | None = None) -> Conc
     """``config`` for the ceiling: the near-free model (written if missing) as target and draft
     model, the ``transformers`` drafter (so ``pipeline/K=4`` is the self-draft), both services'
     steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
-    cap the batch below the issue's N = 64, where transformers serve batches all)."""
+    cap the batch below the issue's N = 64, where transformers serve batches all), and the draft at
+    the target's CPU priority (niceness 0, not the load modes' 19: every round of ``pipeline/K=4``
+    waits for its self-draft's forwards, and none opens it for a probe)."""
     folder = str(near_free_model(console))
     seqs = str(max(config.concurrency))
-    service_env = {"SPECDEC_VERIFY_MAX_NUM_SEQS": seqs, "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs} | config.service_env
+    service_env = {
+        "SPECDEC_VERIFY_MAX_NUM_SEQS": seqs,
+        "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs,
+        "SPECDEC_DRAFT_NICE": "0",
+    } | config.service_env
     return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, service_env=service_env)
