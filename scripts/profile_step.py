@@ -89,16 +89,17 @@ def main() -> None:
             lm.truncate(seq, context)
         return ms
 
-    times: dict[str, list[float]] = {name: [] for name in mixes(args.sequences)}
+    draft_tokens_by_mix = mixes(args.sequences)
+    times: dict[str, list[float]] = {name: [] for name in draft_tokens_by_mix}
     for repeat in range(args.repeats + 1):  # the first of each is a warm-up
-        for name, draft_tokens in mixes(args.sequences).items():
+        for name, draft_tokens in draft_tokens_by_mix.items():
             ms = step_ms(draft_tokens)
             if repeat:
                 times[name].append(ms)
     print(f"{args.sequences} sequences, contexts {low} to {high} tokens; mix | new tokens | step ms")
-    for name, draft_tokens in mixes(args.sequences).items():
+    for name, draft_tokens in draft_tokens_by_mix.items():
         print(f"{name} | {sum(k + 1 for k in draft_tokens)} | {statistics.median(times[name]):.0f}")
-    decodes = mixes(args.sequences)["decodes"]
+    decodes = draft_tokens_by_mix["decodes"]
     for nice in [int(n) for n in args.draft_nice.split(",") if n]:
         child = subprocess.Popen(
             ["nice", "-n", str(nice), sys.executable, __file__, "--draft-prefills"], stdout=subprocess.PIPE, text=True
