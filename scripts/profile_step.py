@@ -1,7 +1,8 @@
-"""The verify service's batched step by how its sequences' new tokens mix (decodes alone, and
-decodes beside verifies of K + 1 tokens), and the decodes' step beside a draft's prefill on the
-same cores at each of ``--draft-nice``; findings in specdec/ragged_lm.py's module docstring and
-draft_service/settings.py's ``nice``.
+"""The verify service's batched step by how its sequences' new tokens mix (decodes alone,
+beside verifies of K + 1 tokens, beside a prefill chunk), and the decodes' step beside a draft's
+prefill on the same cores at each of ``--draft-nice``; findings in specdec/ragged_lm.py's module
+docstring, draft_service/settings.py's ``nice`` and coordinator/speculation/adaptive.py's
+``StepCosts.step_ms``.
 
 Loads the target as the verify service does (float32, linear layers packed on the CPU), prefills
 ``--sequences`` sequences of random tokens with contexts drawn from ``--contexts``, then times one
@@ -28,14 +29,18 @@ from specdec.ragged_lm import RaggedLM
 from specdec.timing import ms_since
 
 
-def mixes(num_sequences: int) -> dict[str, list[int]]:
-    """Draft tokens per sequence (K; 0: a decode) of each mix."""
+def mixes(num_sequences: int) -> dict[str, tuple[list[int], int]]:
+    """Each mix's draft tokens per sequence (K; 0: a decode) and the tokens of a prefill chunk
+    beside them (0: none)."""
     decodes = [0] * num_sequences
     return {
-        "decodes": decodes,
-        "one verify of K = 4": [4, *decodes[1:]],
-        "three verifies of K = 2": [2, 2, 2, *decodes[3:]],
-        "every sequence K = 1": [1] * num_sequences,
+        "decodes": (decodes, 0),
+        "one verify of K = 4": ([4, *decodes[1:]], 0),
+        "three verifies of K = 2": ([2, 2, 2, *decodes[3:]], 0),
+        "every sequence K = 1": ([1] * num_sequences, 0),
+        "decodes and a prefill chunk of 32": (decodes, 32),
+        "decodes and a prefill chunk of 128": (decodes, 128),
+        "K = 1 and a prefill chunk of 128": ([1] * num_sequences, 128),
     }
 
 
@@ -77,29 +82,33 @@ def main() -> None:
     for seq, context in zip(seqs, contexts, strict=True):
         lm.forward([SequenceStep(seq, [rng.randrange(vocab) for _ in range(context)], 1)])
 
-    def step_ms(draft_tokens: list[int]) -> float:
+    prefilled = lm.allocate()  # the sequence whose prompt a mix's prefill chunk opens
+
+    def step_ms(draft_tokens: list[int], prefill: int = 0) -> float:
         steps = [
             SequenceStep(seq, [rng.randrange(vocab) for _ in range(k + 1)], k + 1)
             for seq, k in zip(seqs, draft_tokens, strict=True)
         ]
+        if prefill:
+            steps.append(SequenceStep(prefilled, [rng.randrange(vocab) for _ in range(prefill)], 0))
         start = time.perf_counter()
         lm.forward(steps)
         ms = ms_since(start)
-        for seq, context in zip(seqs, contexts, strict=True):
+        for seq, context in [*zip(seqs, contexts, strict=True), (prefilled, 0)]:
             lm.truncate(seq, context)
         return ms
 
     draft_tokens_by_mix = mixes(args.sequences)
     times: dict[str, list[float]] = {name: [] for name in draft_tokens_by_mix}
     for repeat in range(args.repeats + 1):  # the first of each is a warm-up
-        for name, draft_tokens in draft_tokens_by_mix.items():
-            ms = step_ms(draft_tokens)
+        for name, (draft_tokens, prefill) in draft_tokens_by_mix.items():
+            ms = step_ms(draft_tokens, prefill)
             if repeat:
                 times[name].append(ms)
     print(f"{args.sequences} sequences, contexts {low} to {high} tokens; mix | new tokens | step ms")
-    for name, draft_tokens in draft_tokens_by_mix.items():
-        print(f"{name} | {sum(k + 1 for k in draft_tokens)} | {statistics.median(times[name]):.0f}")
-    decodes = draft_tokens_by_mix["decodes"]
+    for name, (draft_tokens, prefill) in draft_tokens_by_mix.items():
+        print(f"{name} | {sum(k + 1 for k in draft_tokens) + prefill} | {statistics.median(times[name]):.0f}")
+    decodes = draft_tokens_by_mix["decodes"][0]
     for nice in [int(n) for n in args.draft_nice.split(",") if n]:
         child = subprocess.Popen(
             ["nice", "-n", str(nice), sys.executable, __file__, "--draft-prefills"], stdout=subprocess.PIPE, text=True

@@ -55,15 +55,16 @@ tracer = trace.get_tracer(__name__)
 @dataclass
 class StepStats:
     """The last step that ran a call's work: sequences and batched tokens in it, its forward time
-    (ms), the time the call waited before its first step began (ms), and the running sequences
+    (ms), the time the call waited before its first step began (ms), the running sequences
     (served in the last two steps or queued: the batch a step would hold if every session kept
-    in step, also those away drafting)."""
+    in step, also those away drafting), and the batched tokens of prefill work."""
 
     num_seqs: int = 0
     num_tokens: int = 0
     step_ms: float = 0.0
     queue_ms: float = 0.0
     num_running_seqs: int = 0
+    num_prefill_tokens: int = 0
 
 
 class Work(abc.ABC):
@@ -314,12 +315,14 @@ class Engine:
             return
         step_ms, end_ns = (time.perf_counter() - start) * 1000, time.time_ns()
         num_tokens = sum(len(step.token_ids) for step in steps)
+        num_prefill_tokens = sum(len(step.token_ids) for entry, step in batch if entry.work.is_prefill)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
         failed = self._accept(batch, logits)
         outcomes: list[tuple[_Entry, Exception | None]] = []
         for i, ((entry, step), rows) in enumerate(zip(batch, logits, strict=True)):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
             entry.stats.num_running_seqs = max(running, len(batch))
+            entry.stats.num_prefill_tokens = num_prefill_tokens
             if trace.get_current_span(entry.context).is_recording():
                 attributes = {
                     "specdec.num_tokens": len(step.token_ids),

@@ -346,6 +346,22 @@ def test_costs_follow_live_rounds():
     assert costs.round_ms(1) == pytest.approx(15.0 + costs.step_ms(2) + 2.625 + 90.0)
 
 
+def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():
+    """The step line's slope is a draft token's cost: a step of 14 decodes and a 128-token
+    prefill chunk (cheaper tokens) would bring it down to what a chunk's token costs."""
+    costs = StepCosts(draft_ms_per_token=1.0, verify_ms=[50.0, 60.0], batched_ms={14: 150.0, 28: 210.0})
+    line = [costs.step_ms(n) for n in (14, 28)]
+
+    def observe_step(prefill: int) -> None:
+        record = RoundRecord(PLAIN, 0, 0, 0, 0.0, 330.0, 331.0, 0, 15, 142, step_ms=320.0, prefill_tokens=prefill)
+        costs.observe(record, draft_call=False)
+
+    observe_step(prefill=128)
+    assert 142 not in costs.batched_ms and [costs.step_ms(n) for n in (14, 28)] == pytest.approx(line)
+    observe_step(prefill=0)  # 142 tokens of decoding work
+    assert 142 in costs.batched_ms
+
+
 def test_sessions_warm_start_from_the_previous_ones():
     state = AdaptiveState(prior_rate=0.8)
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, Work
+from specdec.engine import Engine, StepStats, Work
 from specdec.kv import PrefillWork, SequenceKV
 
 VOCAB = 4
@@ -82,6 +82,7 @@ class Queued:
 
     def __init__(self, engine: Engine, work: Work):
         self.result: object = None
+        self.stats: StepStats | None = None
         self.error: BaseException | None = None
         ahead = len(engine._queue)
         self.thread = threading.Thread(target=self._run, args=(engine, work), daemon=True)
@@ -92,7 +93,7 @@ class Queued:
 
     def _run(self, engine: Engine, work: Work) -> None:
         try:
-            self.result, _ = engine.run(work, timeout_s=10)
+            self.result, self.stats = engine.run(work, timeout_s=10)
         except Exception as err:
             self.error = err
 
@@ -121,8 +122,11 @@ def lm() -> RecordingLM:
 def test_decoding_goes_first_and_a_prefill_fills_what_is_left_a_chunk_a_step(lm):
     engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=16)
     prefill = PrefillWork(SequenceKV(lm), list(range(30)))  # caches 29 tokens
-    run_behind_a_blocker(engine, [prefill, Decode(10, 5), Decode(11, 5)])
+    chunks, *decodes = run_behind_a_blocker(engine, [prefill, Decode(10, 5), Decode(11, 5)])
     assert lm.steps[1:] == [[(10, 5), (11, 5), (prefill.seq_id, 6)], [(prefill.seq_id, 16)], [(prefill.seq_id, 7)]]
+    # each call's stats are its last step's, telling the prefill chunk's tokens apart
+    assert [(c.stats.num_seqs, c.stats.num_tokens, c.stats.num_prefill_tokens) for c in decodes] == [(3, 16, 6)] * 2
+    assert (chunks.stats.num_seqs, chunks.stats.num_tokens, chunks.stats.num_prefill_tokens) == (1, 7, 7)
     engine.stop()
 
 

@@ -33,6 +33,7 @@ def step_stats(stats: StepStats) -> common_pb2.StepStats:
                 "specdec.step.step_ms": stats.step_ms,
                 "specdec.step.queue_ms": stats.queue_ms,
                 "specdec.step.num_running_seqs": stats.num_running_seqs,
+                "specdec.step.num_prefill_tokens": stats.num_prefill_tokens,
             }
         )
     return common_pb2.StepStats(
@@ -41,6 +42,7 @@ def step_stats(stats: StepStats) -> common_pb2.StepStats:
         step_ms=stats.step_ms,
         queue_ms=stats.queue_ms,
         num_running_seqs=stats.num_running_seqs,
+        num_prefill_tokens=stats.num_prefill_tokens,
     )
 
 

@@ -35,7 +35,8 @@ class RoundRecord:
     protobuf bytes of the round's requests and responses; ``batch_size``, ``batched_tokens`` and
     ``step_ms``: the verify service's step that served the round (sequences, new tokens, forward
     time), ``queue_ms`` the round's wait before it, ``running_seqs`` the sequences running on the
-    verify service then (see ``StepStats``); ``draft_ahead``: ``"hit"`` when the proposal was
+    verify service then, ``prefill_tokens`` the step's batched tokens of prefill chunks (see
+    ``StepStats``); ``draft_ahead``: ``"hit"`` when the proposal was
     drafted ahead during the previous round, ``"miss"`` when one was but verification went
     another way, else ``""`` (the draft time of a hit is the round's wait for it, often 0);
     ``forced``: per proposed token, whether the request's grammar forced it (the forced-token
@@ -63,6 +64,7 @@ class RoundRecord:
     draft_ahead_branch: str = ""
     draft_ahead_branches: int = 0
     draft_compute_ms: float = 0.0
+    prefill_tokens: int = 0
 
     @property
     def num_forced(self) -> int:

@@ -23,7 +23,8 @@ expected tokens per ms, (E(K) + W) / (draft(K) + step(T + K + 1) + rest), where 
 work in the step, is the larger of B x g (g: the tokens a round of this request commits on
 average, the others assumed alike) and T, and step(n) is the verify cost at n batched tokens: a
 line fitted to the service's measurements at start-up (:attr:`StepCosts.batched_ms`) and to live
-rounds (:meth:`StepCosts.step_ms`). Alone (B = 0) this is the formula above. As load grows K
+rounds whose step ran decoding work only (:meth:`StepCosts.step_ms`: a prefill chunk's tokens cost
+less than a draft token's). Alone (B = 0) this is the formula above. As load grows K
 shrinks, and reaches 0 (plain decode) where speculation no longer pays. W counts the others'
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
@@ -224,7 +225,14 @@ class StepCosts:
         at least 0. A line rather than an interpolation: on a shared CPU one measurement varies by
         up to 2x, and a dip between two points made the tokens up to the next look free. The plain
         step (1 token) stays out of the line when there are two points besides it: on a CPU it
-        runs a matrix-vector product, cheaper per token than any step of several tokens."""
+        runs a matrix-vector product, cheaper per token than any step of several tokens.
+        The batched points are steps of decoding work only (no prefill chunk, see :meth:`observe`):
+        the slope is what a draft token adds to a step, and a prefill chunk's tokens cost less
+        (no logits; one matrix product per chunk). On SmolLM2, 2 CPU cores, beside 14 decodes
+        (``scripts/profile_step.py``) a verify token added 4.5 ms and a token of a 128-token chunk
+        1.3; with the prefill steps of a burst of 16 in the line its slope read 1.85 ms a token,
+        which made lookups at 44% acceptance look worth their verify tokens (they cost the verify
+        service 17% more CPU per generated token than plain decoding)."""
         if self._line is None:  # fitted once per change, not per option of every round
             points = {k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms
             if len(points) > 2:
@@ -266,7 +274,8 @@ class StepCosts:
         feeds the draft at most K + 1 tokens first; any other round's (the first with the draft, a
         probe after plain rounds) first feeds it what was committed without it, which priced a
         forward at several times its cost after long prompts (docs/architecture.md#design-decisions),
-        so those only lower the estimate (:meth:`_observe_draft_forward`)."""
+        so those only lower the estimate (:meth:`_observe_draft_forward`). A batched step that ran
+        prefill chunks too stays out of the step line (:meth:`step_ms`)."""
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
@@ -276,8 +285,9 @@ class StepCosts:
                 self._observe_draft_forward(record.draft_compute_ms / forwarded, record.draft_ahead == MISS)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
-            n = record.batched_tokens
-            self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
+            if not record.prefill_tokens:  # see step_ms
+                n = record.batched_tokens
+                self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
         self.queue_ms = ema(self.queue_ms, record.queue_ms, self.weight)

@@ -253,6 +253,7 @@ class RequestRounds:
             drafted.branch,
             drafted.num_branches,
             drafted.compute_ms,
+            step.num_prefill_tokens,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
