@@ -390,16 +390,18 @@ BATCHING_TARGET = verify_pb2.VerifyServiceGetInfoResponse(
 def test_a_session_opens_its_draft_only_when_a_round_would_use_it():
     """Alone, the drafter pays from the first round, so the draft is prefilled at once; with 15
     other requests running it does not, so the draft stays closed (its prefill would take the
-    shared hardware from the target's steps) until a probe is due."""
-    state = AdaptiveState(probe_interval=4)
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=30.0)
-    assert state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
-    loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
-    wanted = []
-    for _ in range(12):
-        wanted.append(loaded.wants_drafter(None))
-        assert loaded.next_round(None, draft_available=False) == (PLAIN, 0)
-    assert wanted.index(True) > 0  # a probe is due: the draft opens for it
+    shared hardware from the target's steps) until a probe is due: a draft of 2 ms a token would
+    win there were its every token accepted, one of 30 ms not even then, and is never probed."""
+    for draft_ms, probed in ((2.0, True), (30.0, False)):
+        state = AdaptiveState(probe_interval=4)
+        drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=draft_ms)
+        assert state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}).wants_drafter(None)
+        loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
+        wanted = []
+        for _ in range(100):
+            wanted.append(loaded.wants_drafter(None))
+            assert loaded.next_round(None, draft_available=False) == (PLAIN, 0)
+        assert (True in wanted) == probed and wanted[0] is False  # a probe is due: the draft opens for it
 
 
 def test_the_load_the_prefill_met_decides_the_opening():
@@ -424,7 +426,9 @@ def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
     the probe, and none is due in the last ``probe_interval`` tokens, which no later round would
     use what it found for."""
     state = AdaptiveState(probe_interval=4)
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=32.0)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=2.0)  # would win, were it always right
+    state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2})
+    state.costs[("llama-cpp", "t")].draft_prefill_ms_per_token = 2.0
 
     def rounds_to_open(context_tokens: int, remaining: int = 64) -> int:
         loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={NGRAM: 2}, others=15)
@@ -436,10 +440,9 @@ def test_a_probe_that_must_open_the_draft_waits_as_long_as_its_prefill_costs():
 
     open_at = [rounds_to_open(tokens) for tokens in (0, 640, 6400)]
     assert open_at[0] < open_at[1] < open_at[2]
-    # a probe round of 284 ms (2 drafts of 32 ms, the step, overhead) plus its share of prefilling
-    # 6400 tokens at 2 ms (the seed: a one-token forward per 16 tokens), 4 of 64 remaining tokens,
-    # against a plain round of 199 ms: 4 x 5.4 rounds
-    assert open_at[2] == math.ceil(4 * (284 + 6400 * 2 * 4 / 64) / 199) - 1
+    # a probe round of 223 ms (2 drafts of 2 ms, the step, overhead) plus its share of prefilling
+    # 6400 tokens at 2 ms, 4 of 64 remaining tokens, against a plain round of 199 ms: 4 x 5.1 rounds
+    assert open_at[2] == math.ceil(4 * (223 + 6400 * 2 * 4 / 64) / 199) - 1
     assert rounds_to_open(6400, remaining=640) < open_at[2] < rounds_to_open(6400, remaining=16)
     state.costs[("llama-cpp", "t")].observe_draft_prefill(640, 640 * 8.0)  # prefills took 4x that
     assert rounds_to_open(6400) > open_at[2]

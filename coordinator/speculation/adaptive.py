@@ -67,6 +67,7 @@ are verified like any draft token (point masses under sampling), and the choice 
 proposes and how many (``--grammar-aware-drafting`` off: neither half).
 """
 
+import dataclasses
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -456,7 +457,7 @@ class AdaptiveK:
         ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
         is not open yet, or the draft service failed recently): never the model drafter."""
         drafter, k = self._best(matches, draft_available)
-        if drafter == PLAIN and self.drafter and draft_available and self._probe_due():
+        if drafter == PLAIN and self.drafter and draft_available and self._probe_due() and self._could_win(matches):
             drafter, k = self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
         self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
@@ -481,7 +482,9 @@ class AdaptiveK:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
-        probe_due = drafter == PLAIN and self._probe_due(self._opening_share(open_ms, remaining))
+        probe_due = (
+            drafter == PLAIN and self._probe_due(self._opening_share(open_ms, remaining)) and self._could_win(matches)
+        )
         return drafter == self.drafter or (probe_due and not 0 < remaining <= self.probe_interval)
 
     def _opening_share(self, open_ms: float, remaining: int) -> float:
@@ -498,6 +501,23 @@ class AdaptiveK:
         if remaining <= self.probe_interval:
             return open_ms
         return open_ms * self.probe_interval / remaining
+
+    def _could_win(self, matches: Matches | None) -> bool:
+        """Under load, whether the model drafter, were every draft token of it accepted, would be
+        this round's best option at the current load and costs: a probe measures its acceptance,
+        so where even a drafter always right loses, no probe can find it worth using. On a loaded
+        service whose draft shares the target's cores (no draft-ahead to hide it) that is most
+        rounds (16 requests of 64 tokens on 2 CPU cores: probes opened the draft for 5-8 rounds in
+        all, each prefilling the request's context, 3.5-5 ms of the draft's CPU per generated
+        token). Alone, True: a probe also measures the draft's cost, whose start-up measurement
+        can read several times too high (taken while the other services load), and a request
+        alone is where that estimate is put right."""
+        if self.load.others_seqs < 1:
+            return True
+        assert self.acceptance is not None
+        always_right = AcceptanceModel([1.0] * len(self.acceptance.rates))
+        drafter, _ = dataclasses.replace(self, acceptance=always_right)._best(matches, True)
+        return drafter == self.drafter
 
     def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
         options = self.options(matches, draft_available, open_ms_per_token)
