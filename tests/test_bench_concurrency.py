@@ -411,6 +411,7 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
         "SPECDEC_VERIFY_MAX_NUM_SEQS": "64",
         "SPECDEC_DRAFT_MAX_NUM_SEQS": "64",
         "SPECDEC_DRAFT_NICE": "0",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
     }
     config = captured_config(monkeypatch, tmp_path, "--ceiling", "--concurrency", "8", "--arrivals", "burst")
     assert config.concurrency == [8] and config.arrivals == ["burst"]
@@ -548,12 +549,14 @@ def test_services_sized_for_the_load(tmp_path):
     assert service_settings(closed) == {  # within the defaults; the draft behind the target on their shared cores
         "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "32",
         "SPECDEC_DRAFT_NICE": "19",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
     }
     poisson = replace(base, concurrency=[64], requests_per_client=2)
     assert max_in_flight(poisson) == 128
     assert service_settings(poisson) == {
         "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "64",
         "SPECDEC_DRAFT_NICE": "19",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
         "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": "128",
         "SPECDEC_VERIFY_MAX_SESSIONS": "264",
         "SPECDEC_DRAFT_MAX_SESSIONS": "264",

@@ -172,12 +172,15 @@ def configure(config: ConcurrencyConfig, console: Console | None = None) -> Conc
     steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
     cap the batch below the issue's N = 64, where transformers serve batches all), and the draft at
     the target's CPU priority (niceness 0, not the load modes' 19: every round of ``pipeline/K=4``
-    waits for its self-draft's forwards, and none opens it for a probe)."""
+    waits for its self-draft's forwards, and none opens it for a probe), the coordinator not told
+    that it shares the target's cores (fixed K: nothing to price; its committed result was
+    measured so)."""
     folder = str(near_free_model(console))
     seqs = str(max(config.concurrency))
     service_env = {
         "SPECDEC_VERIFY_MAX_NUM_SEQS": seqs,
         "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs,
         "SPECDEC_DRAFT_NICE": "0",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
     } | config.service_env
     return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, service_env=service_env)

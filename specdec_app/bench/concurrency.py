@@ -781,12 +781,19 @@ def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
     llama-cpp drafter's sequences for the largest N; the draft service at niceness 19, as it runs
     on the target's cores (:attr:`draft_service.settings.DraftSettings.nice`: under load a draft
-    prefill at the target's priority stalled its steps); the coordinator's streams per client and
+    prefill at the target's priority stalled its steps), and the coordinator told so
+    (``draft_shares_target_cores``: adaptive K prices the draft's forwards as the round's wait, not
+    as hidden behind the verify, and so, under load, stops probing a draft that could not win); the
+    coordinator's streams per client and
     both services' sessions for :func:`max_in_flight` requests where that is above their default
     (64; sessions twice that plus 8, as a finished request's sessions are released while the
     client's next one opens); then ``config.service_env`` (the ceiling's)."""
     in_flight = max_in_flight(config)
-    settings = {"SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency)), "SPECDEC_DRAFT_NICE": "19"}
+    settings = {
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency)),
+        "SPECDEC_DRAFT_NICE": "19",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
+    }
     if in_flight > DEFAULT_SERVICE_LIMIT:
         sessions = str(2 * in_flight + 8)
         settings |= {
