@@ -57,6 +57,7 @@ from specdec.v1 import common_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
+INDEX_CHUNK = 64  # prompt tokens the lookups index between two turns of the event loop (about 1 ms)
 
 
 class RequestRounds:
@@ -149,7 +150,7 @@ class RequestRounds:
         if opened:
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
-        indexing = asyncio.ensure_future(asyncio.to_thread(self._index_lookups, list(self.committed)))
+        indexing = asyncio.ensure_future(self._index_lookups(list(self.committed)))
         try:
             response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
         finally:
@@ -162,15 +163,21 @@ class RequestRounds:
             self.draft.open()
         return first, self._logprobs(response, first)
 
-    def _index_lookups(self, context: list[int]) -> None:
-        """Indexes ``context`` (the committed log before the first token) in the lookups, on a
-        worker thread while the target prefills. Done by the first round's lookups instead, on
-        the event loop, a 300-900-token prompt took the suffix tree 20-40 ms of Python (24 nodes
-        a token), every other request's rounds waiting behind it: under a burst of 16 the most
-        of the coordinator's CPU (py-spy), and rounds that came back too late for the verify
-        service's next step."""
-        for index in self.lookups.values():
-            index.lookup(context, 0)
+    async def _index_lookups(self, context: list[int]) -> None:
+        """Indexes ``context`` (the committed log before the first token) in the lookups while the
+        target prefills, ``INDEX_CHUNK`` tokens at a time, letting the event loop run the other
+        requests' rounds in between. Done at once by the first round's lookups instead, a
+        300-900-token prompt held the event loop for 10-40 ms (the suffix tree's 24 nodes a token
+        in Python), every other request's rounds waiting behind it: under a burst of 16 most of
+        the coordinator's CPU in its request handlers (py-spy), and rounds that came back too
+        late for the verify service's next step. (A worker thread did not help: the indexing
+        holds the GIL, and the event loop waited for it as long.)"""
+        if not self.lookups:
+            return
+        for end in range(INDEX_CHUNK, len(context) + INDEX_CHUNK, INDEX_CHUNK):
+            for index in self.lookups.values():
+                index.lookup(context[:end], 0)
+            await asyncio.sleep(0)
 
     # --- rounds --------------------------------------------------------------------------
 
