@@ -1,6 +1,7 @@
 """SuffixDecoding (:mod:`specdec.suffix`) on hand-made token sequences, and the ``suffix`` drafter
 lossless through the tiny pipeline."""
 
+import gc
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.sampling_params import SamplingParams
-from specdec.suffix import ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
+from specdec.suffix import ROOT, ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
@@ -21,10 +22,10 @@ UNLIMITED = ProposalLimits(max_spec_factor=100.0, min_token_prob=0.0)
 def shape(tree: SuffixTree) -> dict:
     """The tree as nested dicts {token: (count, children)}, for comparing trees."""
 
-    def walk(node):
-        return {token: (child.count, walk(child)) for token, child in node.children.items()}
+    def walk(node: int) -> dict:
+        return {token: (tree.count(child), walk(child)) for token, child in tree.children(node).items()}
 
-    return walk(tree.root)
+    return walk(ROOT)
 
 
 def index(prompt: list[int], cache: SuffixCache | None = None, limits: ProposalLimits = UNLIMITED) -> SuffixIndex:
@@ -112,7 +113,7 @@ def test_cache_evicts_the_oldest_output_beyond_its_bounds():
 def test_a_disabled_cache_holds_nothing():
     cache = SuffixCache(max_depth=16, max_requests=0)
     index([1], cache).lookup([1, 2, 3, 2], 2)
-    assert not cache.tree.sequences and cache.tree.root.children == {}
+    assert not cache.tree.sequences and cache.tree.children(ROOT) == {}
 
 
 def test_incremental_updates_and_removal_equal_a_fresh_build():
@@ -130,7 +131,8 @@ def test_incremental_updates_and_removal_equal_a_fresh_build():
     assert shape(incremental) == shape(fresh)
     for key, tokens in enumerate(sequences):  # a sequence's open suffixes are what a walk finds
         assert list(incremental.suffixes(key)) == list(incremental.matches(tokens))
-    assert incremental.root.children[sequences[0][0]].count == sum(s.count(sequences[0][0]) for s in sequences)
+    first = sequences[0][0]
+    assert incremental.count(incremental.children(ROOT)[first]) == sum(s.count(first) for s in sequences)
 
     incremental.remove(1)
     incremental.remove(3)
@@ -138,6 +140,19 @@ def test_incremental_updates_and_removal_equal_a_fresh_build():
     for key in (0, 2):
         without.extend(key, sequences[key])
     assert shape(incremental) == shape(without) and incremental.num_tokens == without.num_tokens
+    num_nodes = len(incremental._counts)
+    for key in (1, 3):  # the removed nodes are reused
+        incremental.extend(key, sequences[key])
+    assert shape(incremental) == shape(fresh) and len(incremental._counts) == num_nodes
+
+
+def test_the_tree_is_no_work_for_the_garbage_collector():
+    """Its nodes are entries of lists, their children dicts of ints: nothing a cyclic garbage
+    collection has to visit, however many nodes (see :class:`specdec.suffix.SuffixTree`)."""
+    tree = SuffixTree(24)
+    tree.extend(0, list(range(300)) * 2)
+    tracked = [node for node in range(len(tree._counts)) if gc.is_tracked(tree.children(node))]
+    assert len(tree._counts) > 7000 and tracked == []
 
 
 def test_lookup_matches_a_fresh_index_at_every_length():
