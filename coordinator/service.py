@@ -292,6 +292,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             draft_ahead=self.settings.draft_ahead and self.draft_service.is_model_drafter(resolved.drafter),
             draft_prefill_with_target=not self.settings.draft_shares_target_cores,
             draft_ahead_branches=1 if self.settings.draft_shares_target_cores else self.settings.draft_ahead_branches,
+            running_requests=lambda: self._num_running,
         )
         return RunningRequest(
             resolved,

@@ -1,10 +1,12 @@
-"""coordinator.speculation.rounds without services: the lookups' indexing of the prompt while the
-target prefills (the round loop itself runs against real services in test_greedy_equality.py)."""
+"""coordinator.speculation.rounds: the lookups' indexing of the prompt while the target prefills,
+and the draft's opening after the first token under a burst (the round loop's output against
+plain decoding is test_greedy_equality.py's)."""
 
 import asyncio
 import random
 
 from coordinator.api.request import ResolvedRequest
+from coordinator.speculation.adaptive import AdaptiveState
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.rounds import INDEX_CHUNK, RequestRounds
@@ -14,6 +16,7 @@ from specdec.ngram import NgramIndex
 from specdec.sampling_params import SamplingParams
 from specdec.suffix import DRAFTER_NAME as SUFFIX
 from specdec.suffix import SuffixCache, SuffixIndex
+from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 
 def test_the_prompt_is_indexed_a_chunk_at_a_time_between_other_requests_work():
@@ -47,3 +50,38 @@ def test_the_prompt_is_indexed_a_chunk_at_a_time_between_other_requests_work():
     for name in (NGRAM, SUFFIX):
         at_once[name].lookup(prompt, 0)
         assert chunked[name].lookup(context, 4) == at_once[name].lookup(context, 4) is not None
+
+
+def test_the_first_tokens_decision_on_the_draft_counts_the_coordinators_running_requests(tiny_pipeline):
+    """A prompt prefilled before the rest of a burst reached the verify service finds its step
+    alone, but the coordinator already runs the burst: the policy takes that as the load, and an
+    adaptive request whose draft pays alone leaves it closed."""
+    prompt = random.Random(5).choices(range(1000), k=40)
+    request = ResolvedRequest(prompt, 16, SamplingParams(), [], 4, "transformers", adaptive=True)
+    drafter = draft_pb2.DrafterInfo(name="transformers", step_ms=2.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(
+        model="t",
+        verify_ms=[60.0, 65.0, 70.0, 75.0, 80.0],
+        step_costs=[common_pb2.StepCost(num_tokens=16, num_seqs=16, ms=200.0)],
+    )
+
+    async def opened_at_once(running: int) -> bool:
+        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
+        policy = AdaptiveState().policy(drafter, target, k_max=4, lookups={})
+        rounds = RequestRounds(
+            DraftService(clients),
+            VerifyReplicas(clients),
+            f"burst-{running}",
+            request,
+            list(prompt),
+            draft_prefill_with_target=False,  # decided after the first token
+            running_requests=lambda: running,
+        )
+        try:
+            await rounds.prefill(policy)
+            return rounds.draft._prefill is not None or rounds.draft.session_id is not None
+        finally:
+            await rounds.release()
+            await clients.close()
+
+    assert asyncio.run(opened_at_once(1)) and not asyncio.run(opened_at_once(16))

@@ -72,7 +72,9 @@ class RequestRounds:
     under adaptive K); ``draft_ahead``: draft the next round while this one verifies (a model
     drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds; ``draft_prefill_with_target``:
     the draft session prefills beside the target's prefill, else (greedy only) after the first
-    token, the first round waiting for it (see :meth:`prefill`).
+    token, the first round waiting for it (see :meth:`prefill`); ``running_requests()``: the
+    requests the coordinator runs now, this one included (the load the first token's decision on
+    the draft counts, see :meth:`prefill`).
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
@@ -88,6 +90,7 @@ class RequestRounds:
         draft_ahead: bool = False,
         draft_prefill_with_target: bool = True,
         draft_ahead_branches: int = 1,
+        running_requests: Callable[[], int] = lambda: 1,
     ):
         self.session_prefix = session_prefix
         self.request = request
@@ -115,6 +118,7 @@ class RequestRounds:
             failover_timeout_s,
         )
         self.draft_prefill_with_target = draft_prefill_with_target or not request.sampling.greedy
+        self.running_requests = running_requests
         self.num_rounds = 0
 
     def _new_session_id(self, service: str) -> str:
@@ -132,8 +136,10 @@ class RequestRounds:
 
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
-        fixed K; decided again after the first token with the load the target's prefill met,
-        :meth:`AdaptiveK.observe_prefill`), else when a round first wants it; a draft that fails
+        fixed K; decided again after the first token with the load the target's prefill met, or
+        the coordinator's requests running then where more, :meth:`AdaptiveK.observe_prefill`: in
+        a burst the first prompts were prefilled before the others reached the verify service, and
+        opened their draft), else when a round first wants it; a draft that fails
         here is only retried later.
         It starts beside the target's prefill (a draft on its own device is then ready for the
         first round), or, with ``draft_prefill_with_target`` off and greedy decoding, after the
@@ -158,7 +164,8 @@ class RequestRounds:
         first = [response.next_token_id] if decode else []
         self.committed.extend(first)
         if policy is not None and response.HasField("step"):
-            policy.observe_prefill(response.step.num_seqs, response.step.num_running_seqs)
+            running = max(response.step.num_running_seqs, self.running_requests())
+            policy.observe_prefill(response.step.num_seqs, running)
         if not opened and self.draft.opens_at_once(policy):  # with the load the prefill met
             self.draft.open()
         return first, self._logprobs(response, first)
