@@ -24,7 +24,9 @@ work in the step, is the larger of B x g (g: the tokens a round of this request 
 average, the others assumed alike) and T, and step(n) is the verify cost at n batched tokens: a
 line fitted to the service's measurements at start-up (:attr:`StepCosts.batched_ms`) and to live
 rounds whose step ran decoding work only (:meth:`StepCosts.step_ms`: a prefill chunk's tokens cost
-less than a draft token's). Alone (B = 0) this is the formula above. As load grows K
+less than a draft token's), and rest the round's overhead, not its wait for the step in progress
+(other sequences' work, which their steps count: :meth:`StepCosts.observe`). Alone (B = 0) this
+is the formula above. As load grows K
 shrinks, and reaches 0 (plain decode) where speculation no longer pays. W counts the others'
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
@@ -143,8 +145,8 @@ class StepCosts:
     verify round with k drafts alone in its step (``verify_ms[0]`` = a plain decode step);
     ``batched_ms[n]``, a verify call whose step batched n tokens of several sequences;
     ``overhead_ms``, the rest of a round (gRPC, the coordinator's work, the wait for a free handler
-    on a loaded service); ``queue_ms``, a round's wait for the verify step in progress (behind
-    other sequences' work: under load, their prefill chunks); ``draft_prefill_ms_per_token``, what
+    on a loaded service), not its wait for the verify step in progress (see :meth:`observe`);
+    ``draft_prefill_ms_per_token``, what
     opening a draft session costs per token of the context it prefills. Seeded from the services'
     start-up measurements (GetInfo), kept fresh from live rounds by :meth:`observe` and from the
     draft's prefills by :meth:`observe_draft_prefill`."""
@@ -154,7 +156,6 @@ class StepCosts:
     overhead_ms: float = 1.0
     weight: float = 0.1
     batched_ms: dict[int, float] = field(default_factory=dict)
-    queue_ms: float = 0.0
     draft_prefill_ms_per_token: float = 0.0
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -179,7 +180,7 @@ class StepCosts:
         else:
             verify_ms = self._verify_ms(k, others_tokens)
         draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability) if draft_call and k > 0 else 0.0
-        return draft_ms + verify_ms + self.overhead_ms + self.queue_ms
+        return draft_ms + verify_ms + self.overhead_ms
 
     def draft_wait_ms(self, drafted: int, verify_ms: float, hit_probability: float | None = None) -> float:
         """The round's expected wait for a model drafter's proposal of ``drafted`` forwarded tokens.
@@ -260,14 +261,17 @@ class StepCosts:
         """Learns from a finished round (``draft_ahead``: its drafter's rounds are priced by
         :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
         the step that served it (``record.step_ms``; a service reporting no step: its handling
-        time); its wait for that step (``record.queue_ms``) goes to ``queue_ms`` and the rest of
-        the round (less the draft's time) to ``overhead_ms``, both paid by every kind of round.
-        Not kept per kind: under load the wait is mostly other sequences' work whatever the
-        round's kind, and a cost learnt only from the kind that runs left the other at its seed;
-        counted that way, plain
-        decode was priced at 10-70x its step while the draft was closed, and every request opened
-        its draft at its second round (16 requests at once after prompts of up to 926 tokens, 2 CPU
-        cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every round's overhead.
+        time); the rest of the round (less the draft's time and its wait for that step,
+        ``record.queue_ms``) to ``overhead_ms``, paid by every kind of round. Not kept per kind:
+        a cost learnt only from the kind that runs left the other at its seed; counted that way,
+        plain decode was priced at 10-70x its step while the draft was closed, and every request
+        opened its draft at its second round (16 requests at once after prompts of up to 926
+        tokens, 2 CPU cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every
+        round's overhead. The wait for the step is priced nowhere: it is the service running other
+        sequences' work (their prefill chunks, under a burst), which their steps count (W), not
+        time the batch loses. Priced as a cost of every round, the 300-600 ms waits of a burst's
+        prefill made a round's fixed part so large that a request opened its draft at its first
+        token with 15 others running (16 requests on 2 CPU cores).
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
         cost it no forward). With ``draft_ahead`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
@@ -291,7 +295,6 @@ class StepCosts:
                 self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
-        self.queue_ms = ema(self.queue_ms, record.queue_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - verify_ms - record.queue_ms
         self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
         self._line = None
