@@ -6,8 +6,13 @@ new tokens, runs one :meth:`specdec.batching.BatchedLM.forward` over all of it, 
 sequence its slice of the logits: first to one pass per kind of work over all of that kind in the
 step (:meth:`Work.accept`: the verify's acceptance test for every sequence at once), then to each
 work's :meth:`Work.finish_step`. Sessions join and leave between steps; a step never waits for a
-full batch, only (up to ``batch_wait_ms``) for the sequences of the previous step whose callers
-are about to send their next call, so that clients share steps instead of alternating.
+full batch, only (up to ``batch_wait_ms``, or ``batch_wait_step_share`` of the last step's
+forward time where longer) for the sequences of the previous step whose callers are about to send
+their next call, so that clients share steps instead of alternating. The share, because a call
+that misses a step waits a whole one, and the callers' turnaround grows with the batch: on 2 CPU
+cores a step of 16 sequences took 200-300 ms and the coordinator's 16 rounds came back over 10-20
+ms, past a 5 ms wait (adaptive K's rounds, with more work each, waited 25 ms a round for their
+step against K = 0's 2).
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
@@ -128,8 +133,9 @@ class _Entry:
 class Engine:
     """The engine loop over ``lm`` (see the module docstring); ``name`` labels its thread and
     metrics; ``max_num_batched_tokens_alone`` (tokens; None or less than
-    ``max_num_batched_tokens``: the same) is the step budget of a sequence alone on the engine.
-    Raises ValueError for limits below 1."""
+    ``max_num_batched_tokens``: the same) is the step budget of a sequence alone on the engine;
+    ``batch_wait_ms`` and ``batch_wait_step_share`` bound the wait for the previous step's
+    sequences (see the module docstring). Raises ValueError for limits below 1."""
 
     def __init__(
         self,
@@ -140,13 +146,14 @@ class Engine:
         metrics: EngineMetrics | None = None,
         name: str = "engine",
         max_num_batched_tokens_alone: int | None = None,
+        batch_wait_step_share: float = 0.0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.lm = lm
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_num_batched_tokens_alone = max(max_num_batched_tokens, max_num_batched_tokens_alone or 0)
-        self.batch_wait_s = batch_wait_ms / 1000
+        self.batch_wait_s, self.batch_wait_step_share = batch_wait_ms / 1000, batch_wait_step_share
         self.metrics = metrics or EngineMetrics()
         self.name = name
         self._queue: list[_Entry] = []
@@ -154,6 +161,7 @@ class Engine:
         self._recent: list[set[int]] = [set(), set()]  # sequences whose work finished in the last two steps
         self._awaited: set[int] = set()  # recent sequences whose next call the loop waits for
         self._step_end = 0.0
+        self._step_s = 0.0  # the last step's forward time
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -264,14 +272,15 @@ class Engine:
         )
 
     def _wait_for_previous(self) -> None:
-        """Waits (holding the condition) up to ``batch_wait_ms`` after the last step for the
-        sequences served in the last two steps to queue their next call, so that sessions which
-        alternated between steps come together; with one sequence about there is no batch to
-        keep together, and nothing waits."""
+        """Waits (holding the condition) up to ``batch_wait_ms``, or ``batch_wait_step_share`` of
+        the last step's forward time where longer, after the last step for the sequences served in
+        the last two steps to queue their next call, so that sessions which alternated between
+        steps come together; with one sequence about there is no batch to keep together, and
+        nothing waits."""
         recent = self._recent[0] | self._recent[1]
         if len(recent) < 2:
             return
-        deadline = self._step_end + self.batch_wait_s
+        deadline = self._step_end + max(self.batch_wait_s, self.batch_wait_step_share * self._step_s)
         self._awaited = recent - {e.work.seq_id for e in self._queue}  # emptied by the calls as they come
         while self._awaited and not self._stopped:
             remaining = deadline - time.perf_counter()
@@ -314,6 +323,7 @@ class Engine:
             self._finish([(entry, err) for entry, _ in batch])
             return
         step_ms, end_ns = (time.perf_counter() - start) * 1000, time.time_ns()
+        self._step_s = step_ms / 1000
         num_tokens = sum(len(step.token_ids) for step in steps)
         num_prefill_tokens = sum(len(step.token_ids) for entry, step in batch if entry.work.is_prefill)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)

@@ -1,8 +1,8 @@
 """specdec.engine alone, over a fake BatchedLM that records its steps: the step's limits
 (max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
 leftover budget, a sequence alone prefilling in larger chunks, a decode that does not fit waiting
-for the next step, and the per-step acceptance pass (one call per kind of work, its failure
-failing only that kind's calls)."""
+for the next step, the per-step acceptance pass (one call per kind of work, its failure failing
+only that kind's calls), and the wait for the last step's sequences."""
 
 import threading
 import time
@@ -185,4 +185,45 @@ def test_a_sequence_alone_prefills_up_to_its_own_budget(lm):
         [(second.seq_id, 24)],
         [(second.seq_id, 3)],
     ]
+    engine.stop()
+
+
+class SlowLM(RecordingLM):
+    """Each step takes ``step_s`` more."""
+
+    def __init__(self, step_s: float):
+        super().__init__()
+        self.step_s = step_s
+
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        time.sleep(self.step_s)
+        return super().forward(steps)
+
+
+@pytest.mark.parametrize(("share", "together"), [(0.1, True), (0.0, False)])
+def test_a_step_waits_for_its_last_sequences_a_share_of_its_time(share, together):
+    """Two sequences stepped together in a 300 ms step send their next calls 5 ms apart: with a
+    share of 0.1 the engine waits up to 30 ms for the second, and the two share the next step;
+    with none (batch_wait_ms 0) the first steps alone and the second waits for another step."""
+    lm = SlowLM(0.3)
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64, batch_wait_step_share=share)
+    finished = [threading.Event(), threading.Event()]
+
+    def next_call(seq_id: int, delay_s: float):
+        def done(result, stats, error) -> None:
+            then = finished[seq_id - 1]
+            threading.Timer(delay_s, engine.submit, (Decode(seq_id, 1), lambda *_: then.set())).start()
+
+        return done
+
+    blocker = threading.Thread(target=engine.run, args=(Decode(0, 1),), daemon=True)
+    blocker.start()
+    while not engine._queue or not engine._queue[0].started:  # the blocker's step has begun
+        time.sleep(0.001)
+    engine.submit(Decode(1, 1), next_call(1, 0.0))
+    engine.submit(Decode(2, 1), next_call(2, 0.005))
+    lm.gate.set()
+    assert all(event.wait(10) for event in finished)
+    assert lm.steps[:2] == [[(0, 1)], [(1, 1), (2, 1)]]
+    assert (lm.steps[2] == [(1, 1), (2, 1)]) == together
     engine.stop()

@@ -168,6 +168,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.max_num_batched_tokens,
         settings.batch_wait_ms,
         settings.max_num_batched_tokens_alone,
+        settings.batch_wait_step_share,
     )
     target = target or Target.load(
         settings.model,

@@ -41,6 +41,14 @@ class VerifySettings(SessionServiceSettings):
         description="After a step, wait up to this long for the sessions served in the last two steps to send "
         "their next call, so lock-step clients share steps (with one session about, nothing waits), ms.",
     )
+    batch_wait_step_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="...or up to this share of the last step's forward time where longer: a call that misses a "
+        "step waits a whole one, and the clients' turnaround grows with the batch (on a CPU, where a step of 16 "
+        "sequences takes hundreds of ms, 16 rounds came back over 10-20 ms). 0: batch_wait_ms alone.",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="Prefix caching: a prefill reuses the KV of the longest prefix of its context (whole blocks "
