@@ -98,17 +98,17 @@ def main() -> None:
             lm.truncate(seq, context)
         return ms
 
-    draft_tokens_by_mix = mixes(args.sequences)
-    times: dict[str, list[float]] = {name: [] for name in draft_tokens_by_mix}
+    by_mix = mixes(args.sequences)
+    times: dict[str, list[float]] = {name: [] for name in by_mix}
     for repeat in range(args.repeats + 1):  # the first of each is a warm-up
-        for name, (draft_tokens, prefill) in draft_tokens_by_mix.items():
+        for name, (draft_tokens, prefill) in by_mix.items():
             ms = step_ms(draft_tokens, prefill)
             if repeat:
                 times[name].append(ms)
     print(f"{args.sequences} sequences, contexts {low} to {high} tokens; mix | new tokens | step ms")
-    for name, (draft_tokens, prefill) in draft_tokens_by_mix.items():
+    for name, (draft_tokens, prefill) in by_mix.items():
         print(f"{name} | {sum(k + 1 for k in draft_tokens) + prefill} | {statistics.median(times[name]):.0f}")
-    decodes = draft_tokens_by_mix["decodes"][0]
+    decodes = by_mix["decodes"][0]
     for nice in [int(n) for n in args.draft_nice.split(",") if n]:
         child = subprocess.Popen(
             ["nice", "-n", str(nice), sys.executable, __file__, "--draft-prefills"], stdout=subprocess.PIPE, text=True
