@@ -8,7 +8,7 @@ import time
 import torch
 from opentelemetry import trace
 
-from draft_service.drafters.base import Drafter, DraftSession
+from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from draft_service.settings import DraftSettings
 from specdec.delay_hook import parse_delays
 from specdec.errors import InvalidArgument, grpc_errors
@@ -16,7 +16,7 @@ from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.sessions import SessionRegistry
-from specdec.step_stream import StepCalls
+from specdec.step_stream import Reply, StepCalls, wait_for_reply
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -75,7 +75,7 @@ MAX_BRANCHES = 16  # ProposeRequest.num_branches at most
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Serves DraftService; Propose as a unary RPC and as calls of Step streams
-    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handler.
+    (:mod:`specdec.step_stream`), by the same starter.
     ``grammar_aware_drafting`` False: sessions are opened without the request's structured output,
     so model drafters draft without the grammar's mask and jump-forward, and only the verify
     service's cut keeps their proposals in the grammar (vLLM's and SGLang's behaviour; for
@@ -99,10 +99,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_k = max_k
         self.metrics = metrics
         self.grammar_aware_drafting = grammar_aware_drafting
-        handlers = {"propose": self._propose}
-        self.step_calls = StepCalls(
-            SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers, blocking=frozenset(handlers)
-        )
+        handlers = {"propose": self._propose}  # a starter: no thread waits per call
+        self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers)
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(
@@ -148,15 +146,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     def Propose(self, request, context):
-        return self._propose(request, context.time_remaining(), lambda: not context.is_active())
+        abandoned = lambda: not context.is_active()  # noqa: E731
+        return wait_for_reply(lambda reply: self._propose(request, context.time_remaining(), abandoned, reply))
 
     def Step(self, request_iterator, context):
         for results in self.step_calls.serve(request_iterator, context):
             yield draft_pb2.DraftStepResponse(results=results)
 
-    def _propose(self, request, timeout_s: float | None, abandoned) -> draft_pb2.ProposeResponse:
-        """Serves one Propose (``timeout_s`` and ``abandoned`` are not used: a proposal's steps
-        run on the drafter's own loop to the end)."""
+    def _propose(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
+        """Starts a Propose (a :data:`specdec.step_stream.Starter`): a model drafter's proposal
+        replies from its engine's thread, holding the session until then (``timeout_s`` and
+        ``abandoned`` are not used: a proposal's steps run on the drafter's own loop to the end).
+        Raises InvalidArgument for a K, branch count or budget out of range, NotFound."""
         start = time.perf_counter()
         k = request.num_speculative_tokens
         if not 1 <= k <= self.max_k:
@@ -168,41 +169,58 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not math.isfinite(budget_ms) or budget_ms < 0:
             raise InvalidArgument(f"branch_budget_ms is {budget_ms}: it must be >= 0 (0: no limit)")
         budget_s = budget_ms / 1000 - (time.perf_counter() - start) if budget_ms else None
-        with self.sessions.use(request.session_id) as session:
+        span = trace.get_current_span()
+        session, release = self.sessions.acquire(request.session_id)
+
+        def done(proposal: Proposal | BaseException) -> None:
+            release()
+            if isinstance(proposal, BaseException):
+                reply(proposal)
+                return
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "specdec.num_speculative_tokens": k,
+                        "specdec.num_drafted": len(proposal.tokens),
+                        "specdec.draft_ahead": bool(predicted),
+                        "specdec.num_branches": len(proposal.branches),
+                    }
+                )
+            reply(_response(proposal, session.sampling.greedy, ms_since(start)))
+
+        try:
             session.sync(request.appended_token_ids)
             if num_branches > 1:
                 session.keep_alternatives()
-            proposal = session.propose_ahead(predicted, k, num_branches, budget_s) if predicted else session.propose(k)
-        trace.get_current_span().set_attributes(
-            {
-                "specdec.num_speculative_tokens": k,
-                "specdec.num_drafted": len(proposal.tokens),
-                "specdec.draft_ahead": bool(predicted),
-                "specdec.num_branches": len(proposal.branches),
-            }
-        )
-        greedy = session.sampling.greedy
-        return draft_pb2.ProposeResponse(
-            token_ids=proposal.tokens,
-            distributions=[] if greedy else proposal.distributions(),
-            compute_ms=ms_since(start),
-            predicted_bonus_token_id=proposal.bonus_token_id,
-            forced=proposal.forced,
-            branches=[
-                draft_pb2.DraftBranch(
-                    num_accepted=branch.num_accepted,
-                    next_token_id=branch.next_token,
-                    token_ids=branch.proposal.tokens,
-                    distributions=[] if greedy else branch.proposal.distributions(),
-                    forced=branch.proposal.forced,
-                )
-                for branch in proposal.branches
-            ],
-        )
+            session.start_proposal(k, predicted, num_branches, budget_s, done)
+        except BaseException:
+            release()
+            raise
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)
         return draft_pb2.DraftServiceReleaseResponse()
+
+
+def _response(proposal: Proposal, greedy: bool, compute_ms: float) -> draft_pb2.ProposeResponse:
+    """The ProposeResponse of a proposal (draft distributions only under sampling)."""
+    return draft_pb2.ProposeResponse(
+        token_ids=proposal.tokens,
+        distributions=[] if greedy else proposal.distributions(),
+        compute_ms=compute_ms,
+        predicted_bonus_token_id=proposal.bonus_token_id,
+        forced=proposal.forced,
+        branches=[
+            draft_pb2.DraftBranch(
+                num_accepted=branch.num_accepted,
+                next_token_id=branch.next_token,
+                token_ids=branch.proposal.tokens,
+                distributions=[] if greedy else branch.proposal.distributions(),
+                forced=branch.proposal.forced,
+            )
+            for branch in proposal.branches
+        ],
+    )
 
 
 def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -> RunningService:

@@ -70,10 +70,10 @@ class SessionServiceSettings(ServiceSettings):
         0,
         ge=0,
         description="Calls served at once: gRPC handler threads (each Prefill, unary Propose, Verify or Decode "
-        "holds one while it waits for its step, each coordinator's Step stream one while it is open), and as many "
-        "threads again for the calls that arrive over Step streams; more wait in a queue. 0 = max(max_sessions, "
-        "max_num_seqs) + 8: every session's call, and a few GetInfo, Release calls and streams at once. At least "
-        "max_num_seqs, or a step could never fill.",
+        "holds one while it waits for its step, each coordinator's Step stream one while it is open; the calls "
+        "that arrive over a Step stream hold none); more wait in a queue. 0 = max(max_sessions, max_num_seqs) + 8: "
+        "every session's call, and a few GetInfo, Release calls and streams at once. At least max_num_seqs, or a "
+        "step of unary calls could never fill.",
     )
     num_threads: int = Field(0, description="torch CPU threads; 0 keeps torch's default.")
     max_sessions: int = Field(64, description="Open sessions allowed at once (RESOURCE_EXHAUSTED beyond).")

@@ -5,14 +5,14 @@ unary RPC per call (docs/architecture.md#the-serving-path-step-streams says why:
 Each incoming message carries calls; each call is served exactly as its unary RPC would be (the
 same handler, its deadline from ``CallHeader.timeout_ms``, 0 for none, its span a child of the
 caller's from ``CallHeader.trace_context``), and its result or error (``CallError``, the status
-code and message the unary RPC would fail with) goes back in the next outgoing message. A kind of
-call served by a *starter* (the verify service's Verify and Decode) starts on the thread that
-reads the stream, which queues its work on the engine and goes on reading; the engine's thread
-replies when the step is done, so no thread waits per call. Another kind runs in a thread of the
-service's call pool, which waits for its work. Outgoing messages take every result ready when one
-is sent: the calls of one engine step finish together, so they usually travel together. The
-stream ends when the caller closes its side and every call it sent has been answered, or at once
-when the caller goes away.
+code and message the unary RPC would fail with) goes back in the next outgoing message. Every kind
+of call is served by a *starter* (the verify service's Verify and Decode, the draft service's
+Propose): it starts on the thread that reads the stream, queues its work on the engine and
+returns, and the reading thread goes on; the engine's thread replies when the work is done, so no
+thread waits per call (a model-free drafter's Propose, which needs no forward, replies at once).
+Outgoing messages take every result ready when one is sent: the calls of one engine step finish
+together, so they usually travel together. The stream ends when the caller closes its side and
+every call it sent has been answered, or at once when the caller goes away.
 """
 
 import logging
@@ -35,11 +35,10 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# A handler: (request, timeout in seconds or None, abandoned() -> the caller went away) -> response.
-Handler = Callable[[Any, float | None, Callable[[], bool]], Message]
 # What a call's starter is given to reply with, once: the response, or the error the call fails with.
 Reply = Callable[[Message | BaseException], None]
-# A starter: as a handler, but it returns at once and replies later, from any thread (or raises).
+# A starter: (request, timeout in seconds or None, abandoned() -> the caller went away, reply);
+# returns at once and replies later, from any thread, or raises the error the call fails with.
 Starter = Callable[[Any, float | None, Callable[[], bool], Reply], None]
 _END = object()  # the caller closed its side of the stream
 POLL_S = 1.0  # how often a stream waiting for results checks that its caller is still there, seconds
@@ -51,32 +50,27 @@ class StepCalls:
     Args:
         service: the full gRPC service name (``specdec.v1.VerifyService``), for span names.
         handlers: by the name of a call's ``oneof call`` field (``verify``, ``decode``,
-            ``propose``): the function that serves it, the same one its unary RPC calls: a
-            :data:`Starter` (started on the stream's reading thread, see the module docstring) or,
-            in ``blocking``, a :data:`Handler` run in the call pool.
+            ``propose``): the :data:`Starter` that serves it, the same one its unary RPC calls
+            (started on the stream's reading thread, see the module docstring).
         result_cls: the result message (``VerifyCallResult``, ``DraftCallResult``), whose ``oneof
             result`` has one field per handler, named alike, and ``error``.
         metrics: failed calls are counted in ``rpc_errors`` under the unary RPC's name.
-        max_workers: calls served at once in the call pool, over every stream of the service (such
-            a call holds a thread while it waits for its engine step).
-        blocking: the kinds whose handler is a :data:`Handler`.
+        max_workers: threads for the calls the fault tests' hook holds back (below).
 
     ``delays_s``: the fault tests' hook (:mod:`specdec.delay_hook`), set by the service: seconds
-    each call of an RPC (by its name, ``Propose``) waits before it is handled (in the call pool);
-    empty in production.
+    each call of an RPC (by its name, ``Propose``) waits before it is started (in a thread of a
+    pool of ``max_workers``); empty in production.
     """
 
     def __init__(
         self,
         service: str,
-        handlers: Mapping[str, Handler | Starter],
+        handlers: Mapping[str, Starter],
         result_cls: type[Message],
         metrics: ServiceMetrics,
         max_workers: int,
-        blocking: frozenset[str] = frozenset(),
     ):
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
-        self.blocking = blocking
         self.delays_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="step-call")
 
@@ -119,31 +113,28 @@ class StepCalls:
                 kinds = ", ".join(self.handlers)
                 raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
             request = getattr(call, kind)
-            if kind in self.blocking or name in self.delays_s:
-                self._pool.submit(self._run, kind, name, request, header.timeout_ms, received, abandoned, span, reply)
+
+            def start() -> None:
+                handler(request, _timeout_s(header.timeout_ms, received), abandoned, reply)
+
+            if name in self.delays_s:
+                self._pool.submit(self._delayed, self.delays_s[name], start, span, reply)
                 return
-            timeout_s = _timeout_s(header.timeout_ms, received)
             if not span.is_recording():  # tracing off: no context to make current
-                handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
+                start()
                 return
             with trace.use_span(span):
-                handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
+                start()
         except Exception as err:  # any failure is the call's result
             reply(err)
 
-    def _run(self, kind: str, name: str, request, timeout_ms: float, received: float, abandoned, span, reply) -> None:
-        """Serves a call in a thread of the call pool: the test hook's delay, then its handler (a
-        :data:`Handler`, whose response it replies with, or a :data:`Starter`, which replies)."""
-        handler = self.handlers[kind]
+    @staticmethod
+    def _delayed(delay_s: float, start: Callable[[], None], span, reply: Reply) -> None:
+        """Starts a call after the test hook's delay, in a thread of the pool."""
         with trace.use_span(span):
             try:
-                if delay_s := self.delays_s.get(name):
-                    time.sleep(delay_s)
-                timeout_s = _timeout_s(timeout_ms, received)
-                if kind in self.blocking:
-                    reply(handler(request, timeout_s, abandoned))  # type: ignore[call-arg]
-                else:
-                    handler(request, timeout_s, abandoned, reply)  # type: ignore[call-arg]
+                time.sleep(delay_s)
+                start()
             except Exception as err:  # any failure is the call's result
                 reply(err)
 

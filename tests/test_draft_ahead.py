@@ -97,14 +97,14 @@ def test_a_branch_is_begun_only_if_it_ends_within_the_budget(tiny_drafters, monk
     for it), within 2 s one, within 3 s two; no budget, all three."""
     session = tiny_drafters["transformers"].new_session(SamplingParams())
     clock = [0.0]
-    run = session.engine.run
+    submit = session.engine.submit
 
-    def run_one_second(work, *args):
+    def submit_one_second(work, *args):
         clock[0] += 1.0
-        return run(work, *args)
+        return submit(work, *args)
 
     monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr(session.engine, "run", run_one_second)
+    monkeypatch.setattr(session.engine, "submit", submit_one_second)
     try:
         session.prefill(PROMPT)
         session.keep_alternatives()

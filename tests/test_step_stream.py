@@ -1,6 +1,6 @@
 """The service end of a Step stream (specdec/step_stream.py), driven directly: calls run as their
-handlers (blocking ones in the call pool, starters on the reading thread, replying later from
-another), results that are ready travel in one message, errors come back as CallErrors."""
+starters (on the reading thread, replying at once or later from another thread), results that
+are ready travel in one message, errors come back as CallErrors."""
 
 import queue
 import threading
@@ -37,18 +37,17 @@ def metrics():
     metrics.close()
 
 
-def step_calls(metrics, decode, blocking: bool = True) -> StepCalls:
-    """A Step stream's service end whose Decode calls ``decode``: a blocking handler, or a starter."""
-    kinds = frozenset({"decode"}) if blocking else frozenset()
-    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16, kinds)
+def step_calls(metrics, decode) -> StepCalls:
+    """A Step stream's service end whose Decode calls are started by ``decode``."""
+    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16)
 
 
 def test_results_ready_together_travel_in_one_message(metrics):
     done = threading.Semaphore(0)
 
-    def decode(request, timeout_s, abandoned):
+    def decode(request, timeout_s, abandoned, reply):
         done.release()
-        return verify_pb2.DecodeResponse(token_id=int(request.session_id))
+        reply(verify_pb2.DecodeResponse(token_id=int(request.session_id)))
 
     calls = [decode_call(i, str(100 + i)) for i in range(1, 9)]
     stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
@@ -62,13 +61,13 @@ def test_results_ready_together_travel_in_one_message(metrics):
 def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):
     seen = {}
 
-    def decode(request, timeout_s, abandoned):
+    def decode(request, timeout_s, abandoned, reply):
         seen[request.session_id] = timeout_s
         if request.session_id == "gone":
             raise NotFound("session 'gone' not found: prefill it again")
         if request.session_id == "bug":
             raise RuntimeError("a bug")
-        return verify_pb2.DecodeResponse(token_id=7)
+        reply(verify_pb2.DecodeResponse(token_id=7))
 
     header = common_pb2.CallHeader(call_id=4)
     calls = [
@@ -97,9 +96,8 @@ def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):
 def test_the_stream_waits_for_calls_in_flight_after_the_caller_closes_its_side(metrics):
     release = threading.Event()
 
-    def decode(request, timeout_s, abandoned):
-        release.wait(10)
-        return verify_pb2.DecodeResponse(token_id=1)
+    def decode(request, timeout_s, abandoned, reply):
+        threading.Thread(target=lambda: release.wait(10) and reply(verify_pb2.DecodeResponse(token_id=1))).start()
 
     stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context())
     answered: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,7 +114,7 @@ def test_the_stream_ends_when_the_caller_goes_away(metrics):
         time.sleep(60)  # the caller keeps its side open
 
     context = Context()
-    stream = step_calls(metrics, lambda r, t, a: verify_pb2.DecodeResponse()).serve(requests(), context)
+    stream = step_calls(metrics, lambda r, t, a, reply: reply(verify_pb2.DecodeResponse())).serve(requests(), context)
     assert [r.call_id for r in next(stream)] == [1]
     context.active = False
     start = time.monotonic()
@@ -138,9 +136,7 @@ def test_starters_take_no_thread_and_their_replies_from_another_thread_travel_to
         started.append((int(request.session_id), reply))
 
     calls = [decode_call(i, str(100 + i)) for i in range(1, 9)] + [decode_call(9, "gone")]
-    stream = step_calls(metrics, decode, blocking=False).serve(
-        iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context()
-    )
+    stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
     first = next(stream)  # the error, answered at once
     assert [(r.call_id, r.error.code) for r in first] == [(9, grpc.StatusCode.NOT_FOUND.value[0])]
     assert len(started) == 8 and threads == {"step-stream-reader"}
@@ -158,7 +154,7 @@ def test_the_delay_hook_holds_a_starters_call_in_the_pool(metrics):
     def decode(request, timeout_s, abandoned, reply):
         reply(verify_pb2.DecodeResponse(token_id=3))
 
-    calls = step_calls(metrics, decode, blocking=False)
+    calls = step_calls(metrics, decode)
     calls.delays_s = {"Decode": 0.2}
     start = time.monotonic()
     (results,) = list(calls.serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()))

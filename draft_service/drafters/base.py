@@ -4,6 +4,7 @@ import abc
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,26 @@ class DraftSession(abc.ABC):
     @abc.abstractmethod
     def propose(self, k: int) -> Proposal:
         """Proposes up to ``k`` tokens continuing ``committed``."""
+
+    def start_proposal(
+        self,
+        k: int,
+        predicted: Sequence[int],
+        num_branches: int,
+        budget_s: float | None,
+        done: Callable[[Proposal | BaseException], None],
+    ) -> None:
+        """Starts :meth:`propose` (no ``predicted``) or :meth:`propose_ahead` and returns without
+        waiting for it: ``done`` is called once with the proposal or the error it raised. Here (a
+        drafter without a model, whose proposal costs no forward) it runs at once, on this thread;
+        a model drafter's runs as work of its engine loop and ``done`` comes from the engine's
+        thread, so that the draft service waits for no proposal in a thread of its own."""
+        try:
+            proposal = self.propose_ahead(predicted, k, num_branches, budget_s) if predicted else self.propose(k)
+        except Exception as err:  # the caller's error to answer with
+            done(err)
+            return
+        done(proposal)
 
     def keep_alternatives(self) -> None:  # noqa: B027 (a no-op unless drafting ahead: model-free drafters do not)
         """From now on, each proposal keeps its :class:`Alternative` per token, for the branches of
@@ -333,10 +354,7 @@ class ModelDraftSession(DraftSession):
             self.grammar.advance(appended)
 
     def propose(self, k: int) -> Proposal:
-        if len(self.committed) + k > self.window:
-            return Proposal([])
-        proposal, _ = self.engine.run(_Propose(self, k))
-        return proposal
+        return _wait(lambda done: self.start_proposal(k, (), 1, None, done))
 
     def propose_ahead(
         self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
@@ -353,28 +371,70 @@ class ModelDraftSession(DraftSession):
         branches are drafted), and come back in
         ``Proposal.branches``. A session that asks for branches keeps each proposal's alternatives
         (:class:`Alternative`) from then on; a proposal drafted before has only its bonus branch."""
+        return _wait(lambda done: self.start_proposal(k, predicted, num_branches, budget_s, done))
+
+    def start_proposal(
+        self,
+        k: int,
+        predicted: Sequence[int],
+        num_branches: int,
+        budget_s: float | None,
+        done: Callable[[Proposal | BaseException], None],
+    ) -> None:
+        """Queues the proposal (:meth:`propose`, or :meth:`propose_ahead` and its branches one after
+        another) on the engine and returns; ``done`` is called from the engine's thread. Raises
+        InvalidArgument for a predicted id outside the vocabulary."""
         start = time.monotonic()
-        check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
-        if num_branches > 1:
-            self.keep_alternatives()
-        if len(self.committed) + len(predicted) + 1 + k > self.window:
-            return Proposal([])
+        if predicted:
+            check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
+            if num_branches > 1:
+                self.keep_alternatives()
+        if len(self.committed) + (len(predicted) + 1 if predicted else 0) + k > self.window:
+            done(Proposal([]))
+            return
         work = _Propose(self, k, predicted)
-        proposal, _ = self.engine.run(work)
-        alternatives = self.alternatives.get(tuple(predicted), [])
-        self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(proposal.tokens), [])}
-        outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)
-        last_s = time.monotonic() - start  # how long the last branch took to draft
-        for num_accepted, token in outcomes[: num_branches - 1]:
-            began = time.monotonic()
-            if budget_s is not None and began - start + last_s > budget_s:
-                break  # it would still be drafting when verification ends: the round would wait for it
-            prefix = [*predicted[:num_accepted], token]
-            branch, _ = self.engine.run(_Propose(self, k, prefix, guess_bonus=False))
-            last_s = time.monotonic() - began
+
+        def drafted(proposal, _stats, error: BaseException | None) -> None:
+            if error is not None or not predicted:
+                done(error if error is not None else proposal)
+                return
+            alternatives = self.alternatives.get(tuple(predicted), [])
+            self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(proposal.tokens), [])}
+            outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)[: num_branches - 1]
+            deadline = None if budget_s is None else start + budget_s
+            self._draft_branches(proposal, predicted, k, outcomes, deadline, time.monotonic() - start, done)
+
+        self.engine.submit(work, drafted)
+
+    def _draft_branches(
+        self,
+        proposal: Proposal,
+        predicted: Sequence[int],
+        k: int,
+        outcomes: list[tuple[int, int]],
+        deadline: float | None,
+        last_s: float,
+        done: Callable[[Proposal | BaseException], None],
+    ) -> None:
+        """Drafts the branch of ``outcomes[0]`` (``(num_accepted, next_token)``), then the rest, each
+        on the engine after the one before, unless it would end after ``deadline``
+        (time.monotonic(); ``last_s``: how long the branch before took); then ``done(proposal)``."""
+        began = time.monotonic()
+        if not outcomes or (deadline is not None and began + last_s > deadline):
+            done(proposal)  # a branch past the deadline would still be drafting when verification ends
+            return
+        (num_accepted, token), rest = outcomes[0], outcomes[1:]
+
+        def drafted(branch, _stats, error: BaseException | None) -> None:
+            if error is not None:
+                done(error)
+                return
             if branch.tokens:
                 proposal.branches.append(Branch(num_accepted, token, branch))
-        return proposal
+            self._draft_branches(proposal, predicted, k, rest, deadline, time.monotonic() - began, done)
+
+        prefix = [*predicted[:num_accepted], token]
+        self.engine.submit(_Propose(self, k, prefix, guess_bonus=False), drafted)
 
     def keep_alternatives(self) -> None:
         self.branching = True
@@ -421,3 +481,18 @@ class GrammarVocabulary:
         if eos not in self._built:
             self._built[eos] = grammar_tokenizer(self._tokenizer, self.vocab_size, list(eos))
         return self._built[eos]
+
+
+def _wait(start: Callable[[Callable[[Proposal | BaseException], None]], None]) -> Proposal:
+    """Runs ``start(done)`` (a :meth:`DraftSession.start_proposal`) and waits for its proposal, or
+    raises its error."""
+    outcome: Future = Future()
+
+    def done(result: Proposal | BaseException) -> None:
+        if isinstance(result, BaseException):
+            outcome.set_exception(result)
+        else:
+            outcome.set_result(result)
+
+    start(done)
+    return outcome.result()
