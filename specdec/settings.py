@@ -107,8 +107,8 @@ class SessionServiceSettings(ServiceSettings):
             self.max_workers = max(self.max_sessions, self.max_num_seqs) + RESERVED_WORKERS
         if self.max_workers < self.max_num_seqs:
             raise ValueError(
-                f"max_workers ({self.max_workers}) is below max_num_seqs ({self.max_num_seqs}): each call waits for "
-                f"its step in a handler thread, so no step could hold more than {self.max_workers} sequences; raise "
+                f"max_workers ({self.max_workers}) is below max_num_seqs ({self.max_num_seqs}): each unary call waits "
+                f"for its step in a handler thread, so no step could hold more than {self.max_workers} of them; raise "
                 f"max_workers to at least {self.max_num_seqs} (0 chooses one thread per session) or lower max_num_seqs"
             )
         if self.max_num_batched_tokens < self.max_num_speculative_tokens + 1:
