@@ -21,13 +21,18 @@ def round_attributes(record: RoundRecord, num_committed: int) -> dict:
 
 def request_attributes(message: Message, prefix: str = REQUEST) -> dict:
     """``specdec.request.<field>`` for every RequestMetrics field; repeated fields are arrays, and
-    ``drafter_usage`` is flattened to ``specdec.request.drafter_usage.<drafter>.<field>``."""
+    maps are flattened by key: ``specdec.request.drafter_usage.<drafter>.<field>`` (message
+    values), ``specdec.request.draft_ahead_hits_per_branch.<branch>`` (number values)."""
     attributes = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             for key, entry in value.items():
-                attributes.update(request_attributes(entry, f"{prefix}.{field.name}.{key}"))
+                name = f"{prefix}.{field.name}.{key}"
+                if isinstance(entry, Message):
+                    attributes.update(request_attributes(entry, name))
+                else:
+                    attributes[name] = entry
         else:
             attributes[f"{prefix}.{field.name}"] = list(value) if field.is_repeated else value
     return attributes
