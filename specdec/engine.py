@@ -179,7 +179,7 @@ class Engine:
         ``timeout_s`` seconds passed (None: no deadline) or ``abandoned()`` turned True (checked
         before each step), or the engine stopped; what the work's steps raise (the whole step
         fails: every call in it gets the error). ``done`` must not block: it runs on the engine's
-        thread."""
+        thread (an error it raises is logged, and the loop goes on)."""
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         entry = _Entry(work, done, deadline, abandoned)
         with self._cond:
@@ -251,7 +251,7 @@ class Engine:
                 running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
                 batch = self._schedule(alone=running == 1)
             for entry in given_up:
-                entry.done(None, entry.stats, self._late_error())
+                self._hand(entry, self._late_error())
             if batch:
                 self._step(batch, running)
 
@@ -376,5 +376,14 @@ class Engine:
             self._queue = [entry for entry in self._queue if id(entry) not in finished]
             self._recent[0].update(entry.work.seq_id for entry, _ in outcomes)
             self._step_end = time.perf_counter()
-        for entry, err in outcomes:  # in the call's OpenTelemetry context, as its steps
+        for entry, err in outcomes:
+            self._hand(entry, err)
+
+    def _hand(self, entry: _Entry, err: BaseException | None) -> None:
+        """Calls the entry's ``done`` with its outcome (its work's result, or ``err``), in the
+        call's OpenTelemetry context as its steps; an error ``done`` raises is logged: a caller's
+        bug must not stop the loop that serves every other call."""
+        try:
             entry.call(entry.done, entry.work.result if err is None else None, entry.stats, err)
+        except Exception:
+            log.exception("%s engine: a call's done callback failed", self.name)

@@ -79,6 +79,7 @@ def _prefilled(drafter, prompt: list[int]) -> ModelDraftSession:
     session.prefill(prompt)
     return session
 
+
 CHILD = """
 import os, threading
 from draft_service.service import lower_priority

@@ -2,7 +2,8 @@
 (max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
 leftover budget, a sequence alone prefilling in larger chunks, a decode that does not fit waiting
 for the next step, the per-step acceptance pass (one call per kind of work, its failure failing
-only that kind's calls), and the wait for the last step's sequences."""
+only that kind's calls), the wait for the last step's sequences, and a caller's callback that
+raises."""
 
 import threading
 import time
@@ -163,6 +164,24 @@ def test_a_failed_acceptance_pass_fails_only_its_kinds_calls(lm):
     assert isinstance(failed.error, RuntimeError) and failed.result is None
     assert decoded.error is None and decoded.result == torch.Size([1, VOCAB])
     Accepted.fail = False
+    engine.stop()
+
+
+def test_a_callback_that_raises_leaves_the_loop_serving_the_others(lm):
+    """A caller's ``done`` that raises (a bug) is logged; the engine goes on with every other call,
+    those of the same step and later ones."""
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64)
+    answered = [threading.Event(), threading.Event()]
+
+    def broken(result, stats, error):
+        raise RuntimeError("a bug in a caller")
+
+    engine.submit(Decode(10, 1), broken)
+    engine.submit(Decode(11, 1), lambda result, stats, error: answered[0].set())
+    lm.gate.set()  # both in one step
+    assert answered[0].wait(10)
+    engine.submit(Decode(12, 1), lambda result, stats, error: answered[1].set())
+    assert answered[1].wait(10)
     engine.stop()
 
 

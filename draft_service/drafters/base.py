@@ -433,8 +433,12 @@ class ModelDraftSession(DraftSession):
                 proposal.branches.append(Branch(num_accepted, token, branch))
             self._draft_branches(proposal, predicted, k, rest, deadline, time.monotonic() - began, done)
 
-        prefix = [*predicted[:num_accepted], token]
-        self.engine.submit(_Propose(self, k, prefix, guess_bonus=False), drafted)
+        try:
+            work = _Propose(self, k, [*predicted[:num_accepted], token], guess_bonus=False)
+        except Exception as err:  # the grammar's, say: the Propose fails with it (called on the engine's thread)
+            done(err)
+            return
+        self.engine.submit(work, drafted)
 
     def keep_alternatives(self) -> None:
         self.branching = True
