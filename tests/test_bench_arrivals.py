@@ -1,6 +1,7 @@
 """The arrival patterns of `specdec bench --concurrency --arrivals`: each schedule on its own
-(closed loop, burst at t = 0, seeded Poisson with the rate's mean gap), the prompt slices, and the
-cell runner sending one schedule the same way for every method."""
+(closed loop, burst at t = 0, seeded Poisson with the rate's mean gap), the prompt slices, the
+cell runner sending one schedule the same way for every method, and the warm-up burst before a
+larger N than any before."""
 
 import asyncio
 
@@ -15,7 +16,7 @@ from specdec_app.bench.arrivals import (
     parse_arrivals,
     prompt_slices,
 )
-from specdec_app.bench.concurrency import ConcurrencyConfig, RequestRecord, run_cell
+from specdec_app.bench.concurrency import ConcurrencyConfig, RequestRecord, _pattern_cells, run_cell
 from specdec_app.bench.questions import Question
 
 
@@ -110,3 +111,42 @@ def test_the_cell_runner_sends_one_schedule_alike_for_every_method(tmp_path, pat
                 assert start_ms == pytest.approx(1000 * send_at_s, abs=40)
             else:  # the closed loop: after the client's previous request finished
                 assert start_ms >= 1000 * (0.01 if records is sent["fast"] else 0.05)
+
+
+class RecordingClient(FakeClient):
+    """A FakeClient that records every prompt it is sent, in order."""
+
+    def __init__(self, name: str):
+        super().__init__(name, 0.001)
+        self.prompts: list[str] = []
+
+    async def run(self, question: Question, max_new_tokens: int, seed: int) -> RequestRecord:
+        self.prompts.append(question.prompt)
+        return await super().run(question, max_new_tokens, seed)
+
+
+class Quiet:
+    """What the cells ask of the CPU clock and the progress display."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_a_larger_n_than_any_before_is_warmed_up_first_with_prompts_no_cell_sends(tmp_path):
+    """Before the first cell at N = 4 every method gets a burst of 4 unmeasured requests, each
+    with its own prompt that no cell sends; N = 1 (after the per-method warm-up) and N = 2 (below
+    the 4 warmed before) get none, and neither does a later pattern's N = 4."""
+    prompts = [Question(i, "qa", f"p{i}") for i in range(3)]
+    config = ConcurrencyConfig(questions=tmp_path, out=tmp_path, command="", max_new_tokens=5, concurrency=[1, 4, 2])
+    clients = [RecordingClient("a"), RecordingClient("b")]
+    cells: list = []
+    for name in ("closed", "burst"):
+        asyncio.run(_pattern_cells(clients, name, prompts, config, cells, Quiet(), Quiet()))
+    measured = {f"p{i}" for i in range(3)}
+    for client in clients:
+        warm_ups = [prompt for prompt in client.prompts if prompt not in measured]
+        assert len(warm_ups) == len(set(warm_ups)) == 4
+        assert all(prompt.startswith("(Warm-up") for prompt in warm_ups)
+        # right after its closed-loop N = 1 cell (requests_per_client requests), before any at N = 4
+        first = config.requests_per_client
+        assert client.prompts[first : first + 4] == warm_ups

@@ -7,7 +7,8 @@ closed-loop clients each sending its next prompt as soon as its previous complet
 ``requests_per_client`` requests at a Poisson rate of N x the rate per client), greedy, the same
 ``max_new_tokens``, the same prompts and arrival times for every method, all methods in one run
 (the order of the methods rotating per N, so machine noise hits all alike), after one warm-up
-request per method:
+request per method, and before the first cell of each N larger than any before, an unmeasured
+burst of N short requests per method (:func:`_warm_up_at`):
 
 - ``pipeline/adaptive``: the coordinator, draft (``llama-cpp`` and ``ngram``) and verify services
   started as processes; requests leave ``num_speculative_tokens`` unset (the coordinator chooses
@@ -67,6 +68,7 @@ where batched and unbatched arithmetic may legitimately pick different tokens.
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import os
@@ -591,6 +593,9 @@ async def _pattern_cells(
     total = sum(len(requests) for schedule in schedules.values() for requests in schedule) * len(clients)
     task = progress.add_task(name, total=total)
     for i, (n, schedule) in enumerate(schedules.items()):
+        if n > max((cell["concurrency"] for cell in cells), default=1):
+            progress.update(task, description=f"{name:<8} warm-up              N={n:<3}")
+            await _warm_up_at(clients, n, prompts, config)
         for client in clients[i % len(clients) :] + clients[: i % len(clients)]:
             progress.update(task, description=f"{name:<8} {client.name:<20} N={n:<3}")
             cpu.start()
@@ -613,6 +618,29 @@ async def _pattern_cells(
             )
     if rate is not None:
         progress.console.print(f"poisson: {rate:.4f} requests/s per client (N x that per cell)")
+
+
+async def _warm_up_at(clients: list, n: int, prompts: list[Question], config: ConcurrencyConfig) -> None:
+    """An unmeasured burst of ``n`` requests of WARM_UP_TOKENS tokens per method, one method after
+    another, before the first cells of a larger N than any before: the first loaded cell at a new
+    size of a process is slower (the verify service's prefill steps of a burst of 16 took about
+    40% longer in the first method's cell than in the next one's, on the same services: its KV
+    pool and allocations grow to the new high-water mark), and without it the method that ran
+    first paid for the others (``pipeline/adaptive`` first at N = 16: 0.79-0.92x ``pipeline/K=0``
+    over four runs; ``pipeline/K=0`` first: 1.01x). The prompts are the cells' own with a
+    distinct opening each, as long but never the same text, so that no prefix cache (transformers
+    serve's shares blocks) holds a measured prompt from them. Raises RuntimeError when a request
+    fails."""
+    warm_ups = [
+        dataclasses.replace(prompts[i % len(prompts)], prompt=f"(Warm-up {i}.) {prompts[i % len(prompts)].prompt}")
+        for i in range(n)
+    ]
+    for client in clients:
+        tokens = min(WARM_UP_TOKENS, config.max_new_tokens)
+        requests = [client.run(question, tokens, config.seed) for question in warm_ups]
+        for outcome in await asyncio.gather(*requests, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"a warm-up request of {client.name} at N={n} failed: {_error_text(outcome)}")
 
 
 async def _run_cells(
