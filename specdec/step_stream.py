@@ -151,11 +151,13 @@ class StepCalls:
         return self.result_cls(call_id=call_id, error=error)
 
 
-def wait_for_reply(start: Callable[[Reply], None]) -> Message:
-    """Runs a starter (``start(reply)``) and waits for its reply: the response, or raises the error."""
+def wait_for_reply(start: Callable[[Callable[[Any], None]], None]) -> Any:
+    """Runs a starter (``start(reply)``: a :data:`Starter` given its call, or any function that
+    replies once the same way) and waits for its reply, from whichever thread: the response, or
+    raises the error."""
     outcome: Future = Future()
 
-    def reply(answer: Message | BaseException) -> None:
+    def reply(answer: Any) -> None:
         if isinstance(answer, BaseException):
             outcome.set_exception(answer)
         else:

@@ -4,7 +4,6 @@ import abc
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +18,7 @@ from specdec.kv import SequenceKV, prefill
 from specdec.logits_processors import process
 from specdec.sampling import logits_to_probs, round_generator, sample
 from specdec.sampling_params import SamplingParams
+from specdec.step_stream import wait_for_reply
 from specdec.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.token_ids import point_masses
@@ -354,7 +354,7 @@ class ModelDraftSession(DraftSession):
             self.grammar.advance(appended)
 
     def propose(self, k: int) -> Proposal:
-        return _wait(lambda done: self.start_proposal(k, (), 1, None, done))
+        return wait_for_reply(lambda done: self.start_proposal(k, (), 1, None, done))
 
     def propose_ahead(
         self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
@@ -371,7 +371,7 @@ class ModelDraftSession(DraftSession):
         branches are drafted), and come back in
         ``Proposal.branches``. A session that asks for branches keeps each proposal's alternatives
         (:class:`Alternative`) from then on; a proposal drafted before has only its bonus branch."""
-        return _wait(lambda done: self.start_proposal(k, predicted, num_branches, budget_s, done))
+        return wait_for_reply(lambda done: self.start_proposal(k, predicted, num_branches, budget_s, done))
 
     def start_proposal(
         self,
@@ -485,18 +485,3 @@ class GrammarVocabulary:
         if eos not in self._built:
             self._built[eos] = grammar_tokenizer(self._tokenizer, self.vocab_size, list(eos))
         return self._built[eos]
-
-
-def _wait(start: Callable[[Callable[[Proposal | BaseException], None]], None]) -> Proposal:
-    """Runs ``start(done)`` (a :meth:`DraftSession.start_proposal`) and waits for its proposal, or
-    raises its error."""
-    outcome: Future = Future()
-
-    def done(result: Proposal | BaseException) -> None:
-        if isinstance(result, BaseException):
-            outcome.set_exception(result)
-        else:
-            outcome.set_result(result)
-
-    start(done)
-    return outcome.result()
