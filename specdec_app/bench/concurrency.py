@@ -624,19 +624,17 @@ async def _warm_up_at(clients: list, n: int, prompts: list[Question], config: Co
     """An unmeasured burst of ``n`` requests of WARM_UP_TOKENS tokens per method, one method after
     another, before the first cells of a larger N than any before: the first loaded cell at a new
     size of a process is slower (the verify service's prefill steps of a burst of 16 took about
-    40% longer in the first method's cell than in the next one's, on the same services: its KV
-    pool and allocations grow to the new high-water mark), and without it the method that ran
-    first paid for the others (``pipeline/adaptive`` first at N = 16: 0.79-0.92x ``pipeline/K=0``
-    over four runs; ``pipeline/K=0`` first: 1.01x). The prompts are the cells' own with a
-    distinct opening each, as long but never the same text, so that no prefix cache (transformers
-    serve's shares blocks) holds a measured prompt from them. Raises RuntimeError when a request
-    fails."""
-    warm_ups = [
-        dataclasses.replace(prompts[i % len(prompts)], prompt=f"(Warm-up {i}.) {prompts[i % len(prompts)].prompt}")
-        for i in range(n)
-    ]
+    40% longer in the first method's cell than in the next one's, on the same services, for the
+    same calls; not the KV pool's growth, as a pool sized for the burst from the start did the
+    same; the cause is not identified), and without it the method that ran first paid for the
+    others (``pipeline/adaptive`` first at N = 16: 0.79-0.92x ``pipeline/K=0`` over four runs;
+    ``pipeline/K=0`` first: 1.01x). The prompts are the cells' own with a distinct opening each,
+    as long but never the same text, so that no prefix cache (transformers serve's shares blocks)
+    holds a measured prompt from them. Raises RuntimeError when a request fails."""
+    questions = [prompts[i % len(prompts)] for i in range(n)]
+    warm_ups = [dataclasses.replace(q, prompt=f"(Warm-up {i}.) {q.prompt}") for i, q in enumerate(questions)]
+    tokens = min(WARM_UP_TOKENS, config.max_new_tokens)
     for client in clients:
-        tokens = min(WARM_UP_TOKENS, config.max_new_tokens)
         requests = [client.run(question, tokens, config.seed) for question in warm_ups]
         for outcome in await asyncio.gather(*requests, return_exceptions=True):
             if isinstance(outcome, BaseException):
