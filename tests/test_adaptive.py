@@ -7,7 +7,7 @@ import math
 import pytest
 
 from coordinator.api.client import generate
-from coordinator.observability.metrics import RoundRecord
+from coordinator.observability.metrics import HIT, MISS, RoundRecord
 from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.adaptive import (
     PLAIN,
@@ -343,6 +343,29 @@ def test_costs_follow_live_rounds():
     assert costs.batched_ms[8] == pytest.approx(155.0) and costs.overhead_ms == pytest.approx(2.625)
     assert costs.round_ms(0, draft_call=False) == pytest.approx(min(50.0, costs.step_ms(2)) + 2.625)
     assert costs.round_ms(1) == pytest.approx(15.0 + costs.step_ms(2) + 2.625)
+
+
+def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
+    """A drafter whose forwards cost nothing (model-free) beside a verify step that costs the same
+    at every K: with its drafts rejected, plain decode wins, because a round that asks the draft
+    service for a proposal pays the call's round trip beyond the service's time (1.5 ms here),
+    learnt from such rounds and kept out of the overhead every round pays. Priced as part of that
+    overhead, the rejected drafts looked free and kept winning."""
+    costs = StepCosts(draft_ms_per_token=0.0, verify_ms=[3.0] * 5, overhead_ms=1.0, weight=0.5)
+    asked = RoundRecord(
+        "switching", 4, 4, 0, 0.1, 3.0, 5.6, 0, draft_ahead=MISS, draft_compute_ms=0.1, propose_call_ms=1.5
+    )
+    costs.observe(asked, draft_call=True, draft_ahead=True)
+    assert costs.propose_call_ms == 0.75 and costs.overhead_ms == pytest.approx(1.0)  # 5.6 - 0.1 - 1.5 - 3.0
+
+    def choice(costs: StepCosts) -> str:
+        return AdaptiveK(4, "switching", AcceptanceModel([0.01] * 4), {}, costs, draft_ahead=True).next_round(None)[0]
+
+    assert choice(costs) == PLAIN
+    assert choice(dataclasses.replace(costs, propose_call_ms=0.0)) == "switching"
+    # a round that took its proposal drafted ahead asked for none: it teaches no round trip
+    costs.observe(dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0), draft_call=True, draft_ahead=True)
+    assert costs.propose_call_ms == 0.75
 
 
 def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():

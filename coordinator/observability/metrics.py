@@ -44,7 +44,8 @@ class RoundRecord:
     ``draft_ahead_branch``: of a hit, the branch verification went down (``"main"``, ``"bonus"``
     or ``"recovered"``, see :mod:`coordinator.speculation.draft_side`); ``draft_ahead_branches``:
     the branches besides the main one drafted ahead for this round; ``draft_compute_ms``: the
-    draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call)."""
+    draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call), and
+    ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads)."""
 
     drafter: str
     k: int
@@ -65,6 +66,7 @@ class RoundRecord:
     draft_ahead_branches: int = 0
     draft_compute_ms: float = 0.0
     prefill_tokens: int = 0
+    propose_call_ms: float = 0.0
 
     @property
     def num_forced(self) -> int:

@@ -147,9 +147,11 @@ class StepCosts:
     ``overhead_ms``, the rest of a round (gRPC, the coordinator's work, the wait for a free handler
     on a loaded service), not its wait for the verify step in progress (see :meth:`observe`);
     ``draft_prefill_ms_per_token``, what
-    opening a draft session costs per token of the context it prefills. Seeded from the services'
-    start-up measurements (GetInfo), kept fresh from live rounds by :meth:`observe` and from the
-    draft's prefills by :meth:`observe_draft_prefill`."""
+    opening a draft session costs per token of the context it prefills; ``propose_call_ms``, the
+    round trip of a Propose a round asks for, beyond the draft service's own time (gRPC, the
+    streams' threads): a round that takes its proposal drafted ahead does not pay it. Seeded from
+    the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
+    rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
@@ -157,6 +159,7 @@ class StepCosts:
     weight: float = 0.1
     batched_ms: dict[int, float] = field(default_factory=dict)
     draft_prefill_ms_per_token: float = 0.0
+    propose_call_ms: float = 0.0
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(
@@ -184,21 +187,26 @@ class StepCosts:
 
     def draft_wait_ms(self, drafted: int, verify_ms: float, hit_probability: float | None = None) -> float:
         """The round's expected wait for a model drafter's proposal of ``drafted`` forwarded tokens.
-        Not drafted ahead (``hit_probability`` None): the ``drafted`` forwards. Drafted ahead
+        Not drafted ahead (``hit_probability`` None): the call's round trip (``propose_call_ms``)
+        and the ``drafted`` forwards. Drafted ahead
         (:class:`coordinator.speculation.draft_side.DraftAhead`): while the target verifies one
         round, the draft drafts the next one's proposal, ``drafted`` + 1 forwards (its guess of the
         bonus token first), so every round waits for what of them outlasts the verify call, and a
         round whose proposal was not drafted ahead on its branch (probability 1 -
-        ``hit_probability``) also for a proposal of its own. On a 2-core CPU with the llama.cpp draft
-        on one core (13 ms a forward) and the target on the other (a 9-token verify 83 ms), K = 8
-        waited 67 ms a round for its proposals and K = 4 19 ms, and K = 4 was the faster (2.37x
-        plain decoding against 2.25x, 5 prompts): priced at K times the wait per token, linear in
-        K, they looked alike."""
+        ``hit_probability``) also for a proposal of its own, round trip included. On a 2-core CPU
+        with the llama.cpp draft on one core (13 ms a forward) and the target on the other (a
+        9-token verify 83 ms), K = 8 waited 67 ms a round for its proposals and K = 4 19 ms, and
+        K = 4 was the faster (2.37x plain decoding against 2.25x, 5 prompts): priced at K times the
+        wait per token, linear in K, they looked alike. The round trip unpriced, a drafter whose
+        forwards cost nothing (a model-free one) looked exactly as cheap as plain decode beside a
+        verify step whose cost does not grow with K (a near-free model): any acceptance estimate
+        above 0 then kept it drafting, every draft rejected (so failed a clean-clone run of the
+        suite's fallback test)."""
         drafting = drafted * self.draft_ms_per_token
         if hit_probability is None:
-            return drafting
+            return self.propose_call_ms + drafting
         outlasting = max(0.0, drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
-        return outlasting + (1.0 - hit_probability) * drafting
+        return outlasting + (1.0 - hit_probability) * (self.propose_call_ms + drafting)
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
@@ -266,10 +274,12 @@ class StepCosts:
         a cost learnt only from the kind that runs left the other at its seed; counted that way,
         plain decode was priced at 10-70x its step while the draft was closed, and every request
         opened its draft at its second round (16 requests at once after prompts of up to 926
-        tokens, 2 CPU cores). The Propose call's own gRPC time (1-2 ms on a CPU) is then in every
-        round's overhead. The wait for the step is priced nowhere: it is the service running other
-        sequences' work (their prefill chunks, under a burst), which their steps count (W), not
-        time the batch loses. Priced as a cost of every round, the 300-600 ms waits of a burst's
+        tokens, 2 CPU cores). The Propose call's round trip beyond the draft's time (1-2 ms on a
+        CPU) is the exception, kept apart (``propose_call_ms``): only a round that asks for a
+        proposal pays it, and each such round (a probe after plain rounds too) measures it. The
+        wait for the step is priced nowhere: it is the service running other sequences' work
+        (their prefill chunks, under a burst), which their steps count (W), not time the batch
+        loses. Priced as a cost of every round, the 300-600 ms waits of a burst's
         prefill made a round's fixed part so large that a request opened its draft at its first
         token with 15 others running (16 requests on 2 CPU cores).
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
@@ -295,7 +305,9 @@ class StepCosts:
                 self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
-        overhead = record.wall_ms - record.draft_ms - verify_ms - record.queue_ms
+        if draft_call and record.propose_call_ms > 0:
+            self.propose_call_ms = ema(self.propose_call_ms, record.propose_call_ms, self.weight)
+        overhead = record.wall_ms - record.draft_ms - record.propose_call_ms - verify_ms - record.queue_ms
         self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
         self._line = None
 

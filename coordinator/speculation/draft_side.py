@@ -143,8 +143,9 @@ class DraftProposal:
     failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
     branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
     draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both
-    ways, and the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
-    a hit, drafted during the previous round: a miss waits for both)."""
+    ways, the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
+    a hit, drafted during the previous round: a miss waits for both) and that call's round trip
+    beyond them (``call_ms``: gRPC, the streams' threads; 0 when the round asked for none)."""
 
     response: draft_pb2.ProposeResponse | None
     wait_ms: float
@@ -153,6 +154,7 @@ class DraftProposal:
     branch: str = ""
     num_branches: int = 0
     compute_ms: float = 0.0
+    call_ms: float = 0.0
 
 
 class DraftSession:
@@ -326,9 +328,12 @@ class DraftSession:
         response = taken.response
         wait_ms = ms_since(start)  # the wait for the Propose drafting ahead
         if response is None and self.available():
+            asked = time.perf_counter()
             response, request_bytes = await self._proposal(k)
             taken.wire_bytes += request_bytes
-            taken.compute_ms = response.compute_ms if response else 0.0
+            if response is not None:
+                taken.compute_ms = response.compute_ms
+                taken.call_ms = max(0.0, ms_since(asked) - response.compute_ms)
             wait_ms += taken.compute_ms
         elif response is None:
             self.open()  # this round is a plain one while the draft opens

@@ -282,6 +282,7 @@ class RequestRounds:
             drafted.num_branches,
             drafted.compute_ms,
             step.num_prefill_tokens,
+            drafted.call_ms,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
