@@ -366,6 +366,8 @@ def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
     # a round that took its proposal drafted ahead asked for none: it teaches no round trip
     costs.observe(dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0), draft_call=True, draft_ahead=True)
     assert costs.propose_call_ms == 0.75
+    # one learnt under a load that has gone is priced at most the overhead every round teaches
+    assert dataclasses.replace(costs, propose_call_ms=50.0).call_ms() == pytest.approx(costs.overhead_ms)
 
 
 def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():

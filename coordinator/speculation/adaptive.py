@@ -204,9 +204,19 @@ class StepCosts:
         suite's fallback test)."""
         drafting = drafted * self.draft_ms_per_token
         if hit_probability is None:
-            return self.propose_call_ms + drafting
+            return self.call_ms() + drafting
         outlasting = max(0.0, drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
-        return outlasting + (1.0 - hit_probability) * (self.propose_call_ms + drafting)
+        return outlasting + (1.0 - hit_probability) * (self.call_ms() + drafting)
+
+    def call_ms(self) -> float:
+        """A Propose's round trip as priced: ``propose_call_ms``, at most ``overhead_ms`` (the rest
+        of every round, the Verify call's own round trip in it). Learnt only from rounds that ask,
+        a round trip measured under load lingered after it: a Propose to a draft at niceness 19 on
+        a loaded CPU waits for the draft's gRPC threads too, and requests alone after a burst of
+        32 (2 CPU cores), drafting ahead so that few of their rounds asked, still priced it at that
+        and drafted one token a round instead of 4-7 (1.4x plain decode against 2.4x). The
+        overhead is learnt from every round, so it follows the load down."""
+        return max(0.0, min(self.propose_call_ms, self.overhead_ms))
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
