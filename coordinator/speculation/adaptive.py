@@ -214,8 +214,8 @@ class StepCosts:
         a round trip measured under load lingered after it: a Propose to a draft at niceness 19 on
         a loaded CPU waits for the draft's gRPC threads too, and requests alone after a burst of
         32 (2 CPU cores), drafting ahead so that few of their rounds asked, still priced it at that
-        and drafted one token a round instead of 4-7 (1.4x plain decode against 2.4x). The
-        overhead is learnt from every round, so it follows the load down."""
+        and drafted about one token a round instead of 5-6 (1.39x the pipeline at K = 0 against
+        2.24x). The overhead is learnt from every round, so it follows the load down."""
         return max(0.0, min(self.propose_call_ms, self.overhead_ms))
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
