@@ -315,7 +315,7 @@ class StepCosts:
                 self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
-        if draft_call and record.propose_call_ms > 0:
+        if record.propose_call_ms > 0:  # a round that asked the draft for a proposal
             self.propose_call_ms = ema(self.propose_call_ms, record.propose_call_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.propose_call_ms - verify_ms - record.queue_ms
         self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
