@@ -364,18 +364,21 @@ def from_redis(url: str, read):
 
 def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny_models):
     """An adaptive request's acceptance estimates reach Redis, where every coordinator replica
-    warm-starts its sessions from."""
+    warm-starts its sessions from: the n-gram lookup's, which its rounds measure whichever
+    proposer they use, and the self-draft's where the request used it. Whether it does is adaptive
+    K's call, not this test's: here the self-draft, as slow as the target on the same core, pays
+    only in probes, and the test hook's held Prefills price opening it at about a second, which can
+    put every probe off (``AdaptiveK._opening_share``; seen once in a clean-clone suite run)."""
     request = requests()["adaptive"]
     request.request_id, request.max_new_tokens = "adaptive-estimates", 400
     completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
-    metrics = completion.metrics
-    usage = {name: (use.num_rounds, use.num_accepted_draft_tokens) for name, use in metrics.drafter_usage.items()}
-    assert metrics.adaptive and metrics.num_accepted_draft_tokens > 0, f"rounds, accepted by drafter: {usage}"
+    usage = {name: use.num_rounds for name, use in completion.metrics.drafter_usage.items()}
+    assert completion.metrics.adaptive, f"rounds by drafter: {usage}"
+    expected = {"ngram/1", "ngram/2", "ngram/3"} | ({"transformers"} if usage.get("transformers") else set())
+    target = str(tiny_models.target_dir)
     deadline = time.monotonic() + 10
-    while "transformers" not in (
-        priors := from_redis(redis_server.url, lambda store: store.load_priors(str(tiny_models.target_dir)))
-    ):
-        assert time.monotonic() < deadline, f"no estimates for the transformers drafter in Redis: {priors}"
+    while not expected <= (priors := from_redis(redis_server.url, lambda store: store.load_priors(target))).keys():
+        assert time.monotonic() < deadline, f"estimates missing from Redis ({usage} rounds by drafter): {priors}"
         time.sleep(0.1)
-    assert {"ngram/1", "ngram/2", "ngram/3"} <= priors.keys()
-    assert min(priors["transformers"][:2]) > 0.8  # a self-draft: its first positions always pass
+    if "transformers" in expected:
+        assert min(priors["transformers"][:2]) > 0.8  # a self-draft: its first positions always pass
