@@ -10,6 +10,7 @@ from opentelemetry import trace
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from draft_service.settings import DraftSettings
+from specdec import host_memory
 from specdec.delay_hook import parse_delays
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
@@ -227,6 +228,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     """Loads the drafters (unless given) and starts the server."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
+    host_memory.keep_freed_memory()
     drafters = drafters if drafters is not None else load_drafters(settings)
     metrics = ServiceMetrics()
     for name, drafter in drafters.items():

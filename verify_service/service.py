@@ -5,6 +5,7 @@ import time
 import torch
 from opentelemetry import trace
 
+from specdec import host_memory
 from specdec.delay_hook import parse_delays
 from specdec.engine import StepStats
 from specdec.errors import grpc_errors
@@ -162,6 +163,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     """Loads the target (unless given) and starts the server."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
+    host_memory.keep_freed_memory()
     metrics = ServiceMetrics()
     limits = EngineLimits(
         settings.max_num_seqs,
