@@ -20,7 +20,7 @@ def page_faults_of_a_buffer() -> int:
 
 @glibc
 def test_a_freed_large_buffer_is_reused_without_page_faults(monkeypatch):
-    for name in host_memory.OPERATOR_SETTINGS:
+    for name in (*host_memory.OPERATOR_SETTINGS, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     assert host_memory.keep_freed_memory()
     page_faults_of_a_buffer()  # the heap grows once
@@ -29,7 +29,18 @@ def test_a_freed_large_buffer_is_reused_without_page_faults(monkeypatch):
 
 
 @glibc
-@pytest.mark.parametrize("name", host_memory.OPERATOR_SETTINGS)
-def test_the_operators_malloc_settings_stand(monkeypatch, name):
-    monkeypatch.setenv(name, "glibc.malloc.mmap_threshold=65536" if name == "GLIBC_TUNABLES" else "65536")
+@pytest.mark.parametrize(
+    "name, value",
+    [*((name, "65536") for name in host_memory.OPERATOR_SETTINGS), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")],
+)
+def test_the_operators_malloc_settings_stand(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
     assert not host_memory.keep_freed_memory()
+
+
+@glibc
+def test_tunables_of_other_glibc_parts_do_not_count_as_malloc_settings(monkeypatch):
+    for name in host_memory.OPERATOR_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+    assert host_memory.keep_freed_memory()
