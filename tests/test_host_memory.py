@@ -10,6 +10,14 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is
 BUFFER_BYTES = 64 << 20  # above glibc's largest automatic mmap threshold (32 MB): mapped afresh by default
 
 
+@pytest.fixture
+def untuned(monkeypatch):
+    """An environment without the operator's malloc settings."""
+    for name in (*host_memory.OPERATOR_SETTINGS, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
 def page_faults_of_a_buffer() -> int:
     """Minor page faults of allocating, writing and freeing a BUFFER_BYTES buffer."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -19,9 +27,7 @@ def page_faults_of_a_buffer() -> int:
 
 
 @glibc
-def test_a_freed_large_buffer_is_reused_without_page_faults(monkeypatch):
-    for name in (*host_memory.OPERATOR_SETTINGS, "GLIBC_TUNABLES"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_freed_large_buffer_is_reused_without_page_faults(untuned):
     assert host_memory.keep_freed_memory()
     page_faults_of_a_buffer()  # the heap grows once
     pages = BUFFER_BYTES // resource.getpagesize()
@@ -39,8 +45,6 @@ def test_the_operators_malloc_settings_stand(monkeypatch, name, value):
 
 
 @glibc
-def test_tunables_of_other_glibc_parts_do_not_count_as_malloc_settings(monkeypatch):
-    for name in host_memory.OPERATOR_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+def test_tunables_of_other_glibc_parts_do_not_count_as_malloc_settings(untuned):
+    untuned.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
     assert host_memory.keep_freed_memory()
