@@ -37,6 +37,13 @@ def grpc_options(
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", receive)]
 
 
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None):
+    """A server's options: :func:`grpc_options`, and its port its own. gRPC servers set
+    SO_REUSEPORT by default, so a second server on a port in use bound it too and took a share of
+    its connections, silently; without it, the second fails to start (:func:`_add_port`)."""
+    return [*grpc_options(max_message_bytes, max_receive_bytes), ("grpc.so_reuseport", 0)]
+
+
 GRPC_OPTIONS = grpc_options()  # for clients that do not know the server's setting: its default
 SHUTDOWN_GRACE_S = 10.0
 
@@ -58,8 +65,16 @@ def server_credentials(settings) -> grpc.ServerCredentials | None:
 
 
 def _add_port(server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds ``host:port`` (port 0: any free one); returns the port. Raises OSError when the port
+    is in use or the host is not an address of this machine."""
     address = f"{host}:{port}"
-    return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as err:  # grpcio's "Failed to bind to address ..."
+        raise OSError(
+            f"cannot listen on {address}: another process holds the port, or {host} is not an address of "
+            "this machine; choose another --port or --host"
+        ) from err
 
 
 def start_server(
@@ -83,7 +98,7 @@ def start_server(
         interceptors.append(DelayCalls(rpc_delays_s))
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers),
-        options=grpc_options(max_message_bytes),
+        options=server_options(max_message_bytes),
         interceptors=interceptors,
     )
     names = register(server)
@@ -138,7 +153,7 @@ async def start_aio_server(
 ) -> tuple[grpc.aio.Server, int]:
     """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given."""
     server = grpc.aio.server(
-        options=grpc_options(max_message_bytes, max_receive_bytes), interceptors=[AioRejectUndecodable()]
+        options=server_options(max_message_bytes, max_receive_bytes), interceptors=[AioRejectUndecodable()]
     )
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)

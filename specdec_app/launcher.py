@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,11 +25,25 @@ from specdec_app.local_ca import LocalCertificates
 log = logging.getLogger(__name__)
 
 
+_handed_out: set[int] = set()  # every port free_port returned in this process
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on localhost right now and that no earlier call in this process
+    returned. The kernel may give a port it just released again, and the processes given ports are
+    started only later: a test fleet once got the same port for a coordinator and its draft
+    service, both bound it (gRPC's default SO_REUSEPORT), and the coordinator's draft calls went
+    half to the other coordinator ("Method not found"). Servers now refuse a port in use
+    (:func:`specdec.server.server_options`), so such a collision fails to start instead."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
