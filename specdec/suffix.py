@@ -58,6 +58,7 @@ class ProposalLimits:
 
 
 ROOT = 0  # the node of every tree's empty string
+UNKNOWN = -1  # a node's most frequent child not known: none yet, or to be found again
 
 
 class SuffixTree:
@@ -75,6 +76,14 @@ class SuffixTree:
     made 528,000 tracked objects, and every full collection took 130 ms, under a burst stalling the
     coordinator's event loop and every request's rounds with it (py-spy put the time at the node
     allocations).
+
+    Each node also keeps the sum of its children's counts and the token of its most frequent
+    child, updated as counts change (a removal that lowers the most frequent child's count leaves
+    it to be found again at the next proposal), so a proposal's step costs O(1), not a scan of the
+    node's children: the shared cache's nodes of one-token strings have hundreds of them, and its
+    scans took about 100 us a round (SmolLM2's tokenizer, Spec-Bench prompts, a full cache), most
+    of what the suffix lookup cost the coordinator. Among equally frequent children, either may be
+    proposed.
     """
 
     def __init__(self, max_depth: int):
@@ -85,6 +94,8 @@ class SuffixTree:
         self.num_tokens = 0
         self._children: list[dict[int, int]] = [{}]  # by node: its children by token
         self._counts: list[int] = [0]  # by node: its string's occurrences
+        self._totals: list[int] = [0]  # by node: the sum of its children's counts
+        self._best: list[int] = [UNKNOWN]  # by node: the token of its most frequent child
         self._free: list[int] = []  # removed nodes, reused
         self._open: dict[Hashable, list[int]] = {}
 
@@ -108,13 +119,17 @@ class SuffixTree:
     def _append(self, open_nodes: list[int], token: int) -> list[int]:
         # open_nodes[i] is the node of the sequence's suffix of length i (0: the root); each
         # suffix grows by ``token``, and those that reach max_depth close.
+        counts, best = self._counts, self._best
         grown = []
         for node in open_nodes:
             children = self._children[node]
             child = children.get(token)
             if child is None:
                 child = children[token] = self._new_node()
-            self._counts[child] += 1
+            counts[child] += 1
+            self._totals[node] += 1
+            if len(children) == 1 or (best[node] != UNKNOWN and counts[child] > counts[children[best[node]]]):
+                best[node] = token
             grown.append(child)
         return [ROOT, *grown[: self.max_depth - 1]]
 
@@ -123,6 +138,8 @@ class SuffixTree:
             return self._free.pop()
         self._children.append({})
         self._counts.append(0)
+        self._totals.append(0)
+        self._best.append(UNKNOWN)
         return len(self._counts) - 1
 
     def remove(self, key: Hashable) -> None:
@@ -135,6 +152,9 @@ class SuffixTree:
             for token in tokens[start : start + self.max_depth]:
                 child = self._children[node][token]
                 self._counts[child] -= 1
+                self._totals[node] -= 1
+                if self._best[node] == token:  # another child may be the most frequent now
+                    self._best[node] = UNKNOWN
                 if self._counts[child] == 0:  # nothing else passes through it, nor below it
                     del self._children[node][token]
                     self._free_below(child)
@@ -147,7 +167,7 @@ class SuffixTree:
         while below:
             node = below.pop()
             below.extend(self._children[node].values())
-            self._children[node], self._counts[node] = {}, 0
+            self._children[node], self._counts[node], self._totals[node], self._best[node] = {}, 0, 0, UNKNOWN
             self._free.append(node)
 
     def matches(self, context: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -190,13 +210,16 @@ class SuffixTree:
         confidence = 1.0
         children = self._children[node]
         while len(tokens) < limit and children:
-            total = sum(counts[child] for child in children.values())
-            token, node = max(children.items(), key=lambda item: counts[item[1]])
-            confidence *= counts[node] / total
+            token = self._best[node]
+            if token == UNKNOWN:
+                token = self._best[node] = max(children, key=lambda t: counts[children[t]])
+            child = children[token]
+            confidence *= counts[child] / self._totals[node]
             if confidence < min_token_prob:
                 break
             tokens.append(token)
             probs.append(confidence)
+            node = child
             children = self._children[node]
         return tokens, probs
 

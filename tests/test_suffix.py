@@ -146,6 +146,28 @@ def test_incremental_updates_and_removal_equal_a_fresh_build():
     assert shape(incremental) == shape(fresh) and len(incremental._counts) == num_nodes
 
 
+def test_each_node_keeps_its_childrens_total_and_most_frequent_child():
+    """What a proposal reads instead of scanning children, after appends and removals alike."""
+    rng = random.Random(2)
+    tree = SuffixTree(6)
+    for step in range(300):
+        key = rng.randrange(8)
+        if key in tree.sequences and rng.random() < 0.3:
+            tree.remove(key)
+        else:
+            tree.extend(key, [rng.randrange(4) for _ in range(rng.randrange(1, 6))])
+        if step % 10:
+            continue
+        for node in range(len(tree._counts)):
+            children = tree.children(node)
+            assert tree._totals[node] == sum(tree.count(child) for child in children.values())
+            if children:  # a proposal from this node takes a most frequent child, at its share
+                tokens, probs = tree._most_frequent_path(node, 1, 0.0)
+                most = max(tree.count(child) for child in children.values())
+                assert tree.count(children[tokens[0]]) == most
+                assert probs == [pytest.approx(most / tree._totals[node])]
+
+
 def test_the_tree_is_no_work_for_the_garbage_collector():
     """Its nodes are entries of lists, their children dicts of ints: nothing a cyclic garbage
     collection has to visit, however many nodes (see :class:`specdec.suffix.SuffixTree`)."""
