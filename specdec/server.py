@@ -37,7 +37,9 @@ def grpc_options(
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", receive)]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None):
+def server_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """A server's options: :func:`grpc_options`, and its port its own. gRPC servers set
     SO_REUSEPORT by default, so a second server on a port in use bound it too and took a share of
     its connections, silently; without it, the second fails to start (:func:`_add_port`)."""
