@@ -26,7 +26,6 @@ draft's forwards of the branch, the verify's extra tokens).
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,6 +35,7 @@ from specdec.batching import SequenceStep
 from specdec.model_files import resolve_model
 from specdec.models import load_causal_lm
 from specdec_app.bench.questions import generate_request, load_questions
+from specdec_app.cli import SPEC_BENCH
 
 THRESHOLDS = (0.05, 0.1, 0.2, 0.5, float("inf"))  # logit margins below which a round branches
 
@@ -53,7 +53,7 @@ class Output:
 def outputs(limit: int, max_new_tokens: int) -> list[Output]:
     """The target's greedy outputs on the first ``limit`` prompts of each category, with the
     draft's choices after the target's tokens."""
-    questions = load_questions(Path("../shared/benchmarks/spec_bench/question.jsonl"), limit=limit)
+    questions = load_questions(SPEC_BENCH, limit=limit)
     target, tokenizer = load_causal_lm("smollm2", dtype="float32")
     draft = LlamaCppLM(requantized(resolve_model("smollm2").gguf_path, "q8_0"), n_ctx=4096, max_num_seqs=1)
     found = []
@@ -83,6 +83,17 @@ def outputs(limit: int, max_new_tokens: int) -> list[Output]:
     return found
 
 
+def first_choices_passing(output: Output, start: int, limit: int) -> int:
+    """How many positions from ``start`` on (at most ``limit``) the draft's first choice is the
+    target's token."""
+    passed = 0
+    while passed < limit and start + passed < len(output.tokens):
+        if output.choices[start + passed][0] != output.tokens[start + passed]:
+            break
+        passed += 1
+    return passed
+
+
 def replay(output: Output, k: int, threshold: float) -> tuple[int, int, int, int, int]:
     """(rounds, tokens committed by chains, by chains with one branch, rounds that branched, the
     branches' tokens: the second choice and its continuation to the round's depth)."""
@@ -90,9 +101,7 @@ def replay(output: Output, k: int, threshold: float) -> tuple[int, int, int, int
     rounds = chain = tree = branched = extra = 0
     start = 0
     while start < len(tokens):
-        passed = 0
-        while passed < k and start + passed < len(tokens) and choices[start + passed][0] == tokens[start + passed]:
-            passed += 1
+        passed = first_choices_passing(output, start, k)
         committed = with_branch = passed + 1
         known = range(start, min(start + passed + 1, start + k, len(tokens)))
         branch = next((i for i in known if margins[i] < threshold), None)
@@ -100,13 +109,7 @@ def replay(output: Output, k: int, threshold: float) -> tuple[int, int, int, int
             branched, extra = branched + 1, extra + k - (branch - start)
             rejected = start + passed
             if branch == rejected and passed < k and choices[branch][1] == tokens[branch]:
-                more = 0
-                while (
-                    passed + 1 + more < k
-                    and branch + 1 + more < len(tokens)
-                    and choices[branch + 1 + more][0] == tokens[branch + 1 + more]
-                ):
-                    more += 1
+                more = first_choices_passing(output, branch + 1, k - passed - 1)
                 with_branch = passed + 1 + more + 1
         rounds, chain, tree = rounds + 1, chain + committed, tree + with_branch
         start += committed
