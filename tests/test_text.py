@@ -1,7 +1,9 @@
 """The coordinator's incremental detokenizer (:mod:`coordinator.api.text`): stop strings and
 multi-byte text, on SmolLM2's tokenizer."""
 
-from coordinator.api.text import IncrementalDetokenizer
+import random
+
+from coordinator.api.text import IncrementalDetokenizer, StopMatcher
 
 
 def test_stop_string_cuts_text_and_holds_back_a_possible_prefix(smollm2_tokenizer):
@@ -27,3 +29,32 @@ def test_detokenizer_reassembles_multibyte_text(smollm2_tokenizer):
         pieces.append(text.take_delta())
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + text.take_delta(final=True) == source
+
+
+def test_stop_matcher_finds_the_first_completed_stop_string_across_pieces():
+    matcher = StopMatcher(["abc", "b", ""])
+    assert matcher.feed("xa") is None and matcher.held_back() == 1
+    assert matcher.feed("bc") == 0  # "b" completes first (before "abc" would): the text is cut before it
+    overlapping = StopMatcher(["aab"])
+    assert overlapping.feed("aaa") is None and overlapping.held_back() == 2
+    assert overlapping.feed("ab") == -1  # "aaaab": the match starts at 2, one before this piece
+
+
+def test_stop_matcher_matches_like_str_find_on_random_text():
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choices("ab", k=rng.randint(0, 12)))
+        matcher, fed, cut = StopMatcher(stops), "", None
+        for piece in (text[i : i + 2] for i in range(0, len(text), 2)):
+            found = matcher.feed(piece)
+            if found is not None:
+                cut = len(fed) + found
+                break
+            fed += piece
+        first_end = min((text.find(s) + len(s) for s in stops if s in text), default=None)
+        if first_end is None:
+            assert cut is None
+        else:
+            completing = [text.find(s, 0) for s in stops if s in text and text.find(s) + len(s) == first_end]
+            assert cut == min(completing), (stops, text)

@@ -4,6 +4,12 @@ Tokens are decoded a few at a time from a sliding window (the offsets technique 
 text-generation-inference and vLLM), so a multi-byte character split across tokens is emitted
 only once complete, and SentencePiece leading spaces survive. Text that might be the start of a
 stop string is held back until it is known not to be one.
+
+Stop strings are matched as the text grows, one character at a time, by one Knuth-Morris-Pratt
+automaton per stop string (Knuth, Morris & Pratt 1977): a token costs time linear in its own text
+times the number of stop strings, whatever the length of the text before it, and the automata's
+states are the held-back lengths. The coordinator bounds the stop strings' number and length
+(``max_stop_strings``, ``max_stop_string_bytes``) before a request runs.
 """
 
 from collections.abc import Sequence
@@ -12,10 +18,60 @@ from collections.abc import Sequence
 _CONTEXT_TOKENS = 5
 
 
+def _failure_function(pattern: str) -> list[int]:
+    """KMP's failure function: entry i is the length of the longest proper prefix of
+    ``pattern[: i + 1]`` that is also its suffix."""
+    failure = [0] * len(pattern)
+    matched = 0
+    for i in range(1, len(pattern)):
+        while matched and pattern[i] != pattern[matched]:
+            matched = failure[matched - 1]
+        if pattern[i] == pattern[matched]:
+            matched += 1
+        failure[i] = matched
+    return failure
+
+
+class StopMatcher:
+    """Finds the first stop string in a text fed piece by piece. For each stop string it keeps
+    the length of the longest suffix of the text fed so far that is a prefix of it (its KMP
+    state), which is also how much text must be held back for it."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self._failure = [_failure_function(s) for s in self.stop]
+        self._matched = [0] * len(self.stop)
+
+    def feed(self, text: str) -> int | None:
+        """Feeds ``text``; returns the number of its characters that come before the first stop
+        string completed in it (the stop string that completes first, the longest of those
+        completing at the same character), or None when none completes. Feed nothing after a
+        match."""
+        for end, char in enumerate(text, start=1):
+            starts = [end - len(s) for i, s in enumerate(self.stop) if self._advance(char, i)]
+            if starts:
+                return min(starts)
+        return None
+
+    def _advance(self, char: str, i: int) -> bool:
+        """Moves stop string ``i``'s automaton over ``char``; True when the string is complete."""
+        pattern, failure, matched = self.stop[i], self._failure[i], self._matched[i]
+        while matched and char != pattern[matched]:
+            matched = failure[matched - 1]
+        if char == pattern[matched]:
+            matched += 1
+        self._matched[i] = matched
+        return matched == len(pattern)
+
+    def held_back(self) -> int:
+        """Characters at the end of the text fed so far that may be the start of a stop string."""
+        return max(self._matched, default=0)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str]):
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = StopMatcher(stop)
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.num_context = len(self.ids)
         self.prefix_offset = 0
@@ -34,13 +90,13 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        self.text += full[len(prefix) :]
+        new = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        cut = self.stop.feed(new)
+        if cut is not None:
+            self.text = (self.text + new)[: len(self.text) + cut]
             return True
+        self.text += new
         return False
 
     @property
@@ -50,13 +106,9 @@ class IncrementalDetokenizer:
         nothing), which count once a later token completes it."""
         return self.read_offset - self.num_context
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        return max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
-
     def take_delta(self, final: bool = False) -> str:
         """Text not yet returned, minus anything that may still turn into a stop string."""
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = len(self.text) if final else len(self.text) - self.stop.held_back()
         delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
