@@ -265,6 +265,16 @@ class CoordinatorSettings(ServiceSettings):
         return self
 
     @model_validator(mode="after")
+    def _api_keys_or_insecure(self):  # after _read_api_key_file, which adds the file's keys
+        self.require_authentication(
+            bool(self.api_keys),
+            "no API keys (--api-key / SPECDEC_COORDINATOR_API_KEYS, or --api-key-file)",
+            "set keys",
+            "callers without an API key",
+        )
+        return self
+
+    @model_validator(mode="after")
     def _client_tls_files(self):
         """Fails the start on unusable client TLS files, naming the setting."""
         if (self.internal_tls_cert_file or self.internal_tls_key_file) and not self.internal_tls_ca_file:

@@ -48,6 +48,14 @@ class ServiceSettings(BaseSettings):
         description="PEM CA bundle a client's certificate must be signed by (mutual TLS: a client without "
         "one is refused); needs tls_cert_file; empty: no client certificate asked for. Re-read when it changes.",
     )
+    insecure: bool = Field(
+        False,
+        description="Start without authenticating callers, which a service otherwise refuses to do: the draft "
+        "and verify services then serve callers without a client certificate (no tls_client_ca_file: no mutual "
+        "TLS), the coordinator callers without an API key (no api_keys and no keys in api_key_file; keys that are "
+        "given are required all the same). Set by specdec up, demo and bench (on draft and verify without --tls, "
+        "on the coordinator without keys) and by the local Kubernetes overlay; see docs/security.md.",
+    )
 
     @model_validator(mode="after")
     def _tls_files(self):
@@ -58,6 +66,16 @@ class ServiceSettings(BaseSettings):
             raise TLSFileError("tls_cert_file and tls_key_file: set both to serve TLS (tls_client_ca_file needs them)")
         server_ssl_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         return self
+
+    def require_authentication(self, authenticated: bool, missing: str, fix: str, callers: str) -> None:
+        """Fails the start (ValueError) when callers are not ``authenticated`` and ``insecure`` is
+        off, with a message naming what is ``missing``, how to ``fix`` it and the opt-out, which
+        serves ``callers``."""
+        if not (authenticated or self.insecure):
+            variable = f"{self.model_config.get('env_prefix', 'SPECDEC_')}INSECURE"
+            raise ValueError(
+                f"{missing} and not --insecure: {fix}, or start with --insecure ({variable}=true) to serve {callers}"
+            )
 
 
 RESERVED_WORKERS = 8  # handler threads beyond one per session: GetInfo, Release, health calls, Step streams
@@ -117,6 +135,17 @@ class SessionServiceSettings(ServiceSettings):
                 f"({self.max_num_speculative_tokens + 1}): a verify of the largest K could not fit one step; raise "
                 "max_num_batched_tokens or lower max_num_speculative_tokens"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _mutual_tls_or_insecure(self):
+        self.require_authentication(
+            bool(self.tls_client_ca_file),
+            "no mutual TLS (tls_client_ca_file)",
+            "set --tls-cert-file, --tls-key-file and --tls-client-ca-file (the CA of the coordinator's client "
+            "certificate)",
+            "callers without a client certificate",
+        )
         return self
 
     @field_validator("debug_rpc_delay_ms")

@@ -10,10 +10,12 @@ from typing import Annotated, Any
 
 import grpc
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from specdec.settings import ServiceSettings, parse_settings
+from specdec_app.launcher import configured_api_key
 
 app = typer.Typer(help="Speculative decoding as a distributed gRPC service.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
@@ -39,7 +41,19 @@ def _run_service(ctx: typer.Context, service: str) -> None:
     else:
         from coordinator.service import main
         from coordinator.settings import CoordinatorSettings as settings_cls
-    settings = parse_settings(settings_cls, ctx.args, prog=f"specdec serve {service}")
+    try:
+        settings = parse_settings(settings_cls, ctx.args, prog=f"specdec serve {service}")
+    except ValidationError as err:  # bad settings: what to change, without a traceback
+        for error in err.errors():
+            where = ".".join(map(str, error["loc"]))
+            message = error["msg"].removeprefix("Value error, ")
+            stderr.print(
+                f"error: specdec serve {service}: {where + ': ' if where else ''}{message}",
+                style="red",
+                markup=False,
+                soft_wrap=True,
+            )
+        raise typer.Exit(2) from None
     configure_tracing(service)
     configure_logging(service, settings.log_level, settings.log_format)
     main(settings)
@@ -61,6 +75,15 @@ def draft(ctx: typer.Context) -> None:
 def coordinator(ctx: typer.Context) -> None:
     """The coordinator (public Generate API). `specdec serve coordinator --help` lists every setting."""
     _run_service(ctx, "coordinator")
+
+
+def _insecure_note(cluster, service: str) -> str:
+    """What ``service``, started with --insecure, lets in (for the banner of `specdec up` and `demo`)."""
+    if service == "coordinator":
+        return (
+            f"the coordinator at {cluster.address(service)} serves callers without an API key (SPECDEC_API_KEYS: keys)"
+        )
+    return f"the {service} service at {cluster.address(service)} takes calls without a client certificate (--tls: mTLS)"
 
 
 def _cluster(
@@ -105,20 +128,15 @@ def _cluster(
             f"  specdec generate --coordinator {cluster.address('coordinator')} --tls-ca {tls.ca_file} 'Hi'",
             soft_wrap=True,
         )
-    if _keys_required():
+    if "coordinator" not in cluster.insecure:
         stderr.print(
             "  API keys are set (SPECDEC_API_KEYS or the coordinator's key settings): clients send "
             "`Authorization: Bearer <key>` (gRPC: `authorization` metadata; specdec generate --api-key)",
             soft_wrap=True,
         )
+    for service in cluster.insecure:
+        stderr.print(f"  [yellow]insecure (--insecure):[/yellow] {_insecure_note(cluster, service)}", soft_wrap=True)
     return cluster
-
-
-def _keys_required() -> bool:
-    try:
-        return configured_api_key() is not None
-    except ValueError:  # an unreadable key file: the coordinator says so in its log
-        return False
 
 
 @app.command()
@@ -425,16 +443,6 @@ def generate(
         top_logprobs=top_logprobs,
     )
     _stream_to_stdout(coordinator, request, as_json, resumable=True, api_key=api_key, credentials=credentials)
-
-
-def configured_api_key() -> str | None:
-    """The first API key a coordinator started from this environment requires (its
-    ``SPECDEC_API_KEYS``, ``SPECDEC_COORDINATOR_API_KEYS`` or ``SPECDEC_COORDINATOR_API_KEY_FILE``);
-    None when it requires none."""
-    from coordinator.settings import CoordinatorSettings
-
-    keys = CoordinatorSettings().api_keys
-    return keys[0] if keys else None
 
 
 @app.command()

@@ -1,6 +1,7 @@
 """Starts the verify, draft and coordinator services as separate OS processes on this machine
 and waits until each reports SERVING on the standard gRPC health service (``specdec up``); with
-certificates (:mod:`specdec_app.local_ca`), mutual TLS between them and TLS on the public APIs.
+certificates (:mod:`specdec_app.local_ca`), mutual TLS between them and TLS on the public APIs,
+and ``--insecure`` where a service would otherwise refuse to start (:attr:`LocalCluster.insecure`).
 :class:`Supervisor` then restarts a service that exits, while the others keep serving."""
 
 import logging
@@ -70,6 +71,25 @@ def service_env(service: str) -> dict[str, str]:
     """The variables of :data:`SERVICE_ENV` that ``service`` gets: those this process's
     environment does not set."""
     return {name: value for name, value in SERVICE_ENV.get(service, {}).items() if name not in os.environ}
+
+
+def configured_api_key() -> str | None:
+    """The first API key a coordinator started from this environment requires (its
+    ``SPECDEC_API_KEYS``, ``SPECDEC_COORDINATOR_API_KEYS`` or ``SPECDEC_COORDINATOR_API_KEY_FILE``);
+    None when it requires none. Raises ValueError when the key file cannot be read."""
+    from coordinator.settings import CoordinatorSettings
+
+    keys = CoordinatorSettings(insecure=True).api_keys  # insecure: read the keys, even none
+    return keys[0] if keys else None
+
+
+def coordinator_has_keys() -> bool:
+    """Whether a coordinator started from this environment requires API keys; also True when its
+    key file cannot be read: that coordinator refuses to start, saying why."""
+    try:
+        return configured_api_key() is not None
+    except ValueError:
+        return True
 
 
 @dataclass
@@ -172,7 +192,8 @@ class LocalCluster:
     coordinator's HTTP API (0: off); ``cpus`` the CPUs a service is pinned to (absent: all); with
     ``log_dir`` each service logs to ``<log_dir>/<service>.log`` instead of this terminal; with
     ``tls`` the draft and verify services take only the coordinator's client certificate, and the
-    coordinator serves its public APIs over TLS (every certificate signed by ``tls.ca_file``)."""
+    coordinator serves its public APIs over TLS (every certificate signed by ``tls.ca_file``).
+    Services that would otherwise refuse to start get ``--insecure`` (:attr:`insecure`)."""
 
     coordinator_port: int = 50051
     draft_port: int = 50052
@@ -203,6 +224,14 @@ class LocalCluster:
         scheme = "https" if self.tls else "http"
         return f"{scheme}://{self.host}:{self.http_port}/v1" if self.http_port else None
 
+    @property
+    def insecure(self) -> list[str]:
+        """The services started with ``--insecure``, each of which refuses to start without it
+        here: the draft and verify services without ``tls`` (no mutual TLS), the coordinator when
+        this environment gives it no API key."""
+        internal = [] if self.tls else ["draft", "verify"]
+        return internal if coordinator_has_keys() else ["coordinator", *internal]
+
     def tls_args(self, service: str) -> list[str]:
         """The TLS flags ``service`` starts with (none without ``tls``)."""
         if self.tls is None:
@@ -220,22 +249,23 @@ class LocalCluster:
             ]
         return [*args, "--tls-client-ca-file", str(self.tls.ca_file)]
 
-    def start(self, service: str) -> None:
-        """Starts (or restarts) one service process."""
+    def service_process(self, service: str) -> ServiceProcess:
+        """``service`` as :meth:`start` runs it, not started."""
         args = (
             ["--draft-address", self.address("draft"), "--verify-addresses", self.address("verify")]
             if service == "coordinator"
             else []
         )
+        security = [*self.tls_args(service), *(["--insecure"] if service in self.insecure else [])]
         credentials = None
         if self.tls:
             tls = self.tls
             credentials = channel_credentials(str(tls.ca_file), str(tls.client_cert_file), str(tls.client_key_file))
-        self.services[service] = ServiceProcess(
+        return ServiceProcess(
             service,
             getattr(self, f"{service}_port"),
             self.host,
-            [*args, *self.tls_args(service), *self.extra_args.get(service, [])],
+            [*args, *security, *self.extra_args.get(service, [])],
             self.metrics_ports.get(service, 0),
             self.log_dir / f"{service}.log" if self.log_dir else None,
             env=service_env(service),
@@ -243,6 +273,10 @@ class LocalCluster:
             cpus=self.cpus.get(service, frozenset()),
             credentials=credentials,
         )
+
+    def start(self, service: str) -> None:
+        """Starts (or restarts) one service process."""
+        self.services[service] = self.service_process(service)
         self.services[service].start()
 
     def start_all(self, timeout_s: float = 600.0) -> None:

@@ -26,6 +26,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The services the tests start (in this process, or as children, which inherit this) serve callers
+# without an API key or a client certificate, which they otherwise refuse to start for (the
+# --insecure setting); tests/test_secure_default.py clears these to check that refusal.
+INSECURE_VARIABLES = ("SPECDEC_COORDINATOR_INSECURE", "SPECDEC_DRAFT_INSECURE", "SPECDEC_VERIFY_INSECURE")
+os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
 torch.set_num_threads(2)
 
 from coordinator.api.client import Completion, generate  # noqa: E402
@@ -288,21 +293,34 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
 
 
 class RedisServer:
-    """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty."""
+    """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty.
+    ``args``: more of its flags (a manifest's); ``password``: the one they set (``--requirepass``)."""
 
-    def __init__(self):
+    def __init__(self, args: tuple[str, ...] = (), password: str | None = None):
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
         self.port = free_port()
+        self.args, self.password = args, password
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [
+                "redis-server",
+                *self.args,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
             stdout=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = self.client()
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -317,7 +335,7 @@ class RedisServer:
         self.process.wait()
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(port=self.port, password=self.password)
 
 
 @pytest.fixture(scope="session")
