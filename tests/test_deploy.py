@@ -2,11 +2,14 @@
 every overlay rendered with `kubectl kustomize`, validated against the Kubernetes schemas, then
 checkov and hadolint. The other tests check what the rendered manifests promise the services:
 setting names they read, probe ports, the coordinator's HTTP port and API keys Secret, which
-ports the NetworkPolicies admit, shutdown timing, GPU placement, where models come from.
+services are insecure (the local overlays only), the gpu overlay's mutual TLS and Redis password
+(with a real redis-server), which ports the NetworkPolicies admit, shutdown timing, GPU
+placement, where models come from.
 test_dockerfile_copies_survive_dockerignore checks the images' build context without a build.
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,11 +17,14 @@ from pathlib import Path
 
 import pathspec
 import pytest
+import redis
 import yaml
+from pydantic import ValidationError
 
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
 from specdec.server import SHUTDOWN_GRACE_S
+from tests.conftest import RedisServer
 from verify_service.settings import VerifySettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,17 +57,22 @@ def test_check_script():
     assert result.returncode == 0, f"deploy/check.sh failed:\n{result.stdout}\n{result.stderr}"
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def overlay(request):
-    """(name, {(kind, name): resource}) of one rendered overlay."""
+def render(name: str) -> dict:
+    """{(kind, name): resource} of the rendered overlay ``name``."""
     rendered = subprocess.run(
-        [require_kubectl(), "kustomize", str(ROOT / "deploy/k8s/overlays" / request.param)],
+        [require_kubectl(), "kustomize", str(ROOT / "deploy/k8s/overlays" / name)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
-    return request.param, {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request):
+    """(name, {(kind, name): resource}) of one rendered overlay."""
+    return request.param, render(request.param)
 
 
 def services(resources):
@@ -97,8 +108,18 @@ def test_settings_names_exist(overlay):
         assert key.startswith("FETCH_") or key in known, f"models ConfigMap: {key} is no setting"
 
 
+def env_values(container: dict) -> dict:
+    """{name: value} of the container's env entries (None for one from a Secret or ConfigMap)."""
+    return {var["name"]: var.get("value") for var in container.get("env", [])}
+
+
 def serves_tls(service: str, container: dict) -> bool:
-    return any(var["name"] == env_name(service, "tls_cert_file") for var in container.get("env", []))
+    return env_name(service, "tls_cert_file") in env_values(container)
+
+
+def insecure(service: str, container: dict) -> bool:
+    """Whether the container sets its service's opt-out of authenticating callers."""
+    return env_values(container).get(env_name(service, "insecure"), "false").lower() == "true"
 
 
 def test_probes_and_ports(overlay):
@@ -176,11 +197,13 @@ def test_network_policy_ports_exist(overlay):
                     )
 
 
-def test_api_keys_from_optional_secret(overlay):
+def test_api_keys_from_the_secret(overlay):
     """The coordinator reads its API keys from a file (SPECDEC_COORDINATOR_API_KEY_FILE) that an
-    init container writes from the optional Secret specdec-api-keys (key `keys`): the keys when
-    the Secret is there, none (open APIs) when it is not, a failed pod when it lacks `keys`. Runs
-    that init container's script against temporary folders, then the coordinator's settings."""
+    init container writes from the Secret specdec-api-keys (key `keys`). The Secret is required (the
+    pod waits for it) except where the coordinator is insecure (the local overlays): there it is
+    optional, and without it the file holds no keys. A Secret without `keys` fails the pod. Runs
+    that init container's script against temporary folders, then the coordinator's settings as the
+    manifest sets them: with no key, a coordinator that is not insecure refuses to start."""
     _, resources = overlay
     assert not [name for kind, name in resources if kind == "Secret"], "keys are never committed"
     pod, container = coordinator(resources)
@@ -193,10 +216,11 @@ def test_api_keys_from_optional_secret(overlay):
     (init,) = [c for c in pod["initContainers"] if any(m["name"] == mount["name"] for m in c["volumeMounts"])]
     (secret_mount,) = [m for m in init["volumeMounts"] if "secret" in volumes[m["name"]]]
     assert secret_mount["readOnly"]
+    open_ = insecure("coordinator", container)
     assert volumes[secret_mount["name"]]["secret"] == {
         "secretName": "specdec-api-keys",
-        "optional": True,
         "defaultMode": 0o440,
+        **({"optional": True} if open_ else {}),
     }
     (written,) = [m for m in init["volumeMounts"] if m["name"] == mount["name"]]
     assert init["command"] == ["sh", "-c"]
@@ -212,16 +236,108 @@ def test_api_keys_from_optional_secret(overlay):
         result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
         return result, tmp / "keys" / key_file[len(mount["mountPath"]) + 1 :]
 
+    def keys(path: Path) -> list[str]:
+        """The keys of a coordinator started as the manifest says, on the key file at ``path``."""
+        return CoordinatorSettings(api_key_file=str(path), insecure=open_).api_keys
+
     with tempfile.TemporaryDirectory() as work:
-        result, path = run({})  # no Secret: a file of no keys
-        assert result.returncode == 0, result.stderr
-        assert CoordinatorSettings(api_key_file=str(path)).api_keys == []
         result, path = run({"keys": "key-one\n# a comment\n\nkey-two\n"})
         assert result.returncode == 0, result.stderr
-        assert CoordinatorSettings(api_key_file=str(path)).api_keys == ["key-one", "key-two"]
+        assert keys(path) == ["key-one", "key-two"]
         assert path.stat().st_mode & 0o077 == 0
+        for secret in ({"keys": "# none yet\n"}, {}) if open_ else ({"keys": "# none yet\n"},):
+            result, path = run(secret)  # no key in the Secret, or (optional) no Secret: a file of no keys
+            assert result.returncode == 0, result.stderr
+            if open_:
+                assert keys(path) == []
+            else:
+                with pytest.raises(ValidationError, match="no API keys"):
+                    keys(path)
         result, path = run({"key": "key-one\n"})  # misnamed key: fail, never run open
         assert result.returncode != 0 and "no key named keys" in result.stderr and not path.exists()
+
+
+# The services each overlay starts with their opt-out of authenticating callers; any other overlay, none.
+INSECURE = {"local": {"coordinator", "draft", "verify"}, "local-tls": {"coordinator"}}
+
+
+def test_only_the_local_overlays_are_insecure(overlay):
+    """SPECDEC_<SERVICE>_INSECURE is set where a service would otherwise refuse to start, and only
+    in the local overlays: on the draft and verify services exactly where they have no mutual TLS
+    (the local overlay), on the coordinator in local and local-tls (where its API keys Secret is
+    optional); never in a ConfigMap (every service reads those)."""
+    name, resources = overlay
+    for (kind, config), doc in resources.items():
+        if kind == "ConfigMap":
+            assert not [key for key in doc["data"] if key.endswith("_INSECURE")], f"ConfigMap {config}"
+    opted_out = {service for service, _, container in services(resources) if insecure(service, container)}
+    assert opted_out == INSECURE.get(name, set())
+    for service, _, container in services(resources):
+        if service != "coordinator":
+            mutual_tls = env_name(service, "tls_client_ca_file") in env_values(container)
+            assert (service in opted_out) != mutual_tls, f"{name}: {service}"
+
+
+def test_gpu_overlay_is_secure_by_default():
+    """The gpu overlay: mutual TLS between every service, the coordinator's API keys from a
+    required Secret, Redis's password from a Secret whose `url` the coordinator connects with, and
+    the Redis NetworkPolicy admitting coordinators only."""
+    resources = render("gpu")
+    containers = {service: container for service, _, container in services(resources)}
+    for service in ("draft", "verify"):
+        assert env_name(service, "tls_client_ca_file") in env_values(containers[service]), service
+    for field in ("internal_tls_ca_file", "internal_tls_cert_file", "tls_cert_file"):
+        assert env_name("coordinator", field) in env_values(containers["coordinator"])
+    pod, _ = coordinator(resources)
+    (keys_secret,) = [
+        v["secret"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "specdec-api-keys"
+    ]
+    assert not keys_secret.get("optional", False)
+    redis_url = {var["name"]: var for var in containers["coordinator"]["env"]}["SPECDEC_REDIS_URL"]
+    assert redis_url == {
+        "name": "SPECDEC_REDIS_URL",
+        "valueFrom": {"secretKeyRef": {"name": "specdec-redis", "key": "url"}},
+    }
+    password_variable, secret = redis_password(resources)
+    assert secret == {"name": "specdec-redis", "key": "password"}, password_variable
+    policy = resources[("NetworkPolicy", "specdec-redis")]["spec"]
+    assert admitted_from(policy, "redis") == [
+        [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "specdec-coordinator"}}}]
+    ]
+
+
+def redis_password(resources) -> tuple[str, dict]:
+    """(the variable Redis's --requirepass argument takes its value from, the secretKeyRef of that variable)."""
+    (container,) = resources[("Deployment", "specdec-redis")]["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    variable = args[args.index("--requirepass") + 1].removeprefix("$(").removesuffix(")")
+    (secret,) = [var["valueFrom"]["secretKeyRef"] for var in container["env"] if var["name"] == variable]
+    return variable, secret
+
+
+def test_redis_runs_with_the_gpu_overlays_password():
+    """redis-server started with the gpu overlay's arguments and environment, as the kubelet
+    substitutes them: its readiness probe gets NOAUTH without the password and PONG with it, and
+    a client with a URL made as docs/deployment.md makes the Secret's `url` gets in."""
+    resources = render("gpu")
+    variable, _ = redis_password(resources)
+    (container,) = resources[("Deployment", "specdec-redis")]["spec"]["template"]["spec"]["containers"]
+    password = "0123456789abcdef"
+    server = RedisServer(tuple(arg.replace(f"$({variable})", password) for arg in container["args"][1:]), password)
+    probe = container["readinessProbe"]["exec"]["command"]
+
+    def ping(env: dict) -> str:
+        """The readiness probe's output, in a container environment ``env``."""
+        command = [probe[0], "-p", str(server.port), *probe[1:]]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    server.start()
+    try:
+        assert ping(dict(os.environ)).startswith("NOAUTH")
+        assert ping({**os.environ, variable: password}) == "PONG"
+        assert redis.Redis.from_url(f"redis://:{password}@127.0.0.1:{server.port}/0").ping()
+    finally:
+        server.kill()
 
 
 def test_tls_files_come_from_secrets(overlay):
