@@ -7,6 +7,7 @@ round (attributes: :func:`coordinator.observability.tracing.round_attributes`), 
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -19,11 +20,11 @@ from opentelemetry import trace
 
 from coordinator.api import choices
 from coordinator.api import request as request_validation
-from coordinator.api.auth import ApiKeys, AuthenticatedCoordinator
-from coordinator.api.http_api import HttpServer, create_app
-from coordinator.api.output import StreamOutput
+from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
+from coordinator.api.auth import ApiKeys, Caller, peer_host
+from coordinator.api.http_api import HttpServer, HttpTimeouts, create_app
+from coordinator.api.output import StreamOutput, written
 from coordinator.api.request import LOOKUPS, ResolvedRequest
-from coordinator.api.stream_limit import StreamLimit, peer_host
 from coordinator.observability.metrics import MetricsRecorder
 from coordinator.observability.prometheus import CoordinatorMetrics
 from coordinator.observability.tracing import request_attributes, round_attributes
@@ -39,6 +40,7 @@ from coordinator.request_store.store import (
     RequestStore,
     StoredRequest,
     StoreUnavailable,
+    store_id,
 )
 from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
@@ -105,21 +107,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.suffix_cache = SuffixCache(
             max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
         )
-        self.streams = StreamLimit(settings.max_streams_per_client, keyed=bool(settings.api_keys))
+        self.keys = ApiKeys(settings.api_keys)
+        self.client_limit = ClientLimit(store, settings.max_streams_per_client)
+        self.queue = FairQueue(
+            settings.max_queued_requests, settings.queue_timeout_s, metrics.num_requests_waiting, metrics.queue_time
+        )
         self.draft_service = DraftService(clients, settings.draft_retry_s)
         self._num_running = 0  # requests in progress (each choice of a request with n > 1 counts)
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
-    async def Generate(self, request, context):
+    async def Generate(self, request, context) -> None:
+        """The gRPC call: the caller's key checked, then :meth:`serve`; each message written within
+        ``stream_stall_timeout_s`` or the stream is cut (its request cancelled: sessions released)."""
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
-        client = self.streams.client(authorization, peer_host(context.peer()))
         try:
-            streams = self.streams.run(client, self.responses(request), self.num_choices(request))
-            async with contextlib.aclosing(streams) as responses:
+            caller = self.keys.caller(authorization, peer_host(context.peer()))
+            async with contextlib.aclosing(self.serve(request, caller)) as responses:
                 async for response in responses:
-                    yield response
+                    await written(context.write(response), self.settings.stream_stall_timeout_s)
         except SpecdecError as err:
+            if isinstance(err, Overloaded):
+                context.set_trailing_metadata((("retry-after", err.retry_after),))
             await context.abort(err.code, str(err))
+
+    def serve(
+        self, request: coordinator_pb2.GenerateRequest, caller: Caller
+    ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """The messages of one request of ``caller``, admitted (:mod:`coordinator.api.admission`):
+        counted against the caller's running requests until it ends (Overloaded at the first step
+        beyond them), and queued while the verify service is full. Both APIs call it."""
+        return self.client_limit.run(caller.client, self.responses(request, caller), self.num_choices(request))
 
     def num_choices(self, request: coordinator_pb2.GenerateRequest) -> int:
         """The request's n, or 1 when it is out of range (:meth:`responses` then refuses it)."""
@@ -129,10 +146,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return 1
 
     async def responses(
-        self, request: coordinator_pb2.GenerateRequest
+        self, request: coordinator_pb2.GenerateRequest, caller: Caller
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
-        """The messages of one request, the path of the gRPC Generate call and of the HTTP API
-        (:mod:`coordinator.api.http_api`): with n > 1 its choices' interleaved
+        """The messages of one request of ``caller``: with n > 1 its choices' interleaved
         (:mod:`coordinator.api.choices`), each message naming its choice in ``index``, the first
         of each choice carrying its request id. Raises SpecdecError; closing it early cancels the
         request."""
@@ -143,10 +159,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             requests = choices.choice_requests(request, request.request_id or uuid.uuid4().hex, self.settings.max_n)
             self._num_running += len(requests)
             if len(requests) == 1:
-                stream = self._generate(requests[0], 0)
+                stream = self._generate(requests[0], 0, caller)
             else:
                 prefilled = asyncio.Event()  # choice 0's prefill: the other choices start after it
-                streams = [self._generate(r, i, prefilled if i == 0 else None) for i, r in enumerate(requests)]
+                streams = [self._generate(r, i, caller, prefilled if i == 0 else None) for i, r in enumerate(requests)]
                 stream = choices.interleave(streams, prefilled)
             async with contextlib.aclosing(stream):
                 async for response in stream:
@@ -166,8 +182,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         verify_info, draft_info = await asyncio.gather(
             self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_service.info()
         )
-        resolved = request_validation.resolve(
-            request, self.settings, self.tokenizer, self.fingerprint, verify_info, draft_info
+        resolved = await asyncio.to_thread(  # tokenizing and grammar compiling: off the event loop
+            request_validation.resolve,
+            request,
+            self.settings,
+            self.tokenizer,
+            self.fingerprint,
+            verify_info,
+            draft_info,
         )
         policy = None
         if resolved.adaptive:
@@ -204,13 +226,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
         return SuffixIndex(self.suffix_cache, len(resolved.prompt_ids))
 
-    async def _stored(self, request, request_id: str) -> StoredRequest | None:
-        """The stored request a resume continues (None for a new request). Raises NOT_FOUND,
-        INVALID_ARGUMENT (see :mod:`coordinator.request_store.resume`), UNAVAILABLE when a resume cannot reach
-        the request store."""
+    async def _stored(self, request, owner: str) -> StoredRequest | None:
+        """The stored request a resume continues (None for a new request), looked up among
+        ``owner``'s: another key's request of the same id is not found, as an id never used.
+        Raises NOT_FOUND, INVALID_ARGUMENT (see :mod:`coordinator.request_store.resume`),
+        UNAVAILABLE when a resume cannot reach the request store."""
         if not request.HasField("resume_from"):
             return None
-        stored = await self.store.load(request_id)
+        request_id = request.request_id
+        stored = await self.store.load(store_id(owner, request_id))
         if stored is None:
             raise NotFound(
                 f"request {request_id!r} is not in the request store (never started, or its last write was "
@@ -220,24 +244,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return stored
 
     async def _generate(
-        self, request, index: int, prefilled: asyncio.Event | None = None
+        self, request, index: int, caller: Caller, prefilled: asyncio.Event | None = None
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """One choice of a request, ``request`` its own (:func:`coordinator.api.choices.choice_requests`)
         and ``index`` its number (a resumed choice keeps its stored one): opens it (or replays a
         finished one), streams what its rounds commit, every message with the index and the first
         with the request id, and closes it: its sessions released and its outcome stored, whether
         it finished, failed or was cancelled. ``prefilled`` is set once its sessions are prefilled."""
-        stored = await self._stored(request, request.request_id)
+        stored = await self._stored(request, caller.owner)
         index = index if stored is None else stored.choice
         if stored is not None and stored.status == FINISHED:
-            response = self._replay_finished(stored, request.resume_from)
+            response = await self._replay_finished(stored, request.resume_from)
             response.index, response.request_id = index, request.request_id
             yield response
             return
-        running = await self._open(request, stored, index)
+        running = await self._open(request, stored, index, caller.owner)
         outcome, first = CANCELLED, True
         try:
-            async for response in self._stream(running, prefilled):
+            async for response in self._stream(running, caller.client, prefilled):
                 response.index = index
                 if first:
                     response.request_id, first = request.request_id, False
@@ -249,11 +273,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finally:
             self._close(running, outcome)
 
-    async def _open(self, request, stored: StoredRequest | None, index: int) -> RunningRequest:
-        """Validates a new request (choice ``index`` of its request) or a resumed ``stored`` one,
-        writes its record to the store and makes its rounds' state. Raises what :meth:`_resolve`
-        raises, FAILED_PRECONDITION for a resume on another target, ALREADY_EXISTS for a new
-        request whose id is taken."""
+    async def _open(self, request, stored: StoredRequest | None, index: int, owner: str) -> RunningRequest:
+        """Validates a new request of ``owner`` (choice ``index`` of its request) or a resumed
+        ``stored`` one, writes its record to the store and makes its rounds' state. Raises what
+        :meth:`_resolve` raises, FAILED_PRECONDITION for a resume on another target,
+        ALREADY_EXISTS for a new request whose id the owner already uses."""
         request_id = request.request_id
         resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
         resuming = stored is not None
@@ -265,7 +289,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             original.ClearField("request_id")
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
             original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
-            stored = StoredRequest(request_id, original, verify_info.model, verify_info.vocab_fingerprint, choice=index)
+            stored = StoredRequest(
+                request_id, original, verify_info.model, verify_info.vocab_fingerprint, choice=index, owner=owner
+            )
         resumed, resumed_logprobs, left_behind = list(stored.generated), list(stored.logprobs), dict(stored.sessions)
         stored.generated, stored.logprobs, stored.status = [], [], RUNNING
         journal = RequestJournal(self.store, stored)
@@ -308,11 +334,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
 
     async def _stream(
-        self, running: RunningRequest, prefilled: asyncio.Event | None = None
+        self, running: RunningRequest, client: str, prefilled: asyncio.Event | None = None
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The request's messages: the resumed tokens first, then the prefill (``prefilled`` set
-        after it) and one message per round, each round's tokens (and log-probabilities) stored
-        before the client has them."""
+        after it; while every verify replica is full the request waits in the fair queue, as one
+        of ``client``'s) and one message per round, each round's tokens (and log-probabilities)
+        stored before the client has them."""
         rounds, output = running.rounds, running.output
         kept = output.add(running.resumed, running.resumed_logprobs)
         if running.left_behind is not None:
@@ -323,7 +350,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield caught_up
         if not output.finish:  # the first token comes from the target's prefill
             with tracer.start_as_current_span("prefill"):
-                first, first_logprobs = await rounds.prefill(running.policy)
+                admit = functools.partial(self.queue.run, client)
+                first, first_logprobs = await rounds.prefill(running.policy, admit)
             running.metrics.prefill_ms = ms_since(running.metrics.start)
             if prefilled is not None:
                 prefilled.set()
@@ -360,12 +388,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _close(self, running: RunningRequest, outcome: str) -> None:
         """Releases the request's sessions and stores its outcome, in the background."""
         rounds = running.rounds
-        self._background.run(rounds.release())
+        self._background.run(self._release(rounds))
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
         self.metrics.observe_faults(rounds.draft.failures, rounds.verify.rebuilds)
         if running.policy:
             self.adaptive.remember(running.policy)
             self._background.run(self._save_priors(running.target))
+
+    def close(self) -> None:
+        """Stops the admission's background tasks (lease renewals, the queue's retries)."""
+        self.client_limit.close()
+        self.queue.close()
+
+    async def _release(self, rounds: RequestRounds) -> None:
+        """Releases a request's sessions; then a request waiting for room may try again."""
+        try:
+            await rounds.release()
+        finally:
+            self.queue.room()
 
     def _request_metrics(self, running: RunningRequest) -> coordinator_pb2.RequestMetrics:
         """The final message's metrics (also the Prometheus request histograms and span attributes)."""
@@ -388,10 +428,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             request_span.set_attributes(request_attributes(final))
         return final
 
-    def _replay_finished(self, stored: StoredRequest, resume_from: int) -> coordinator_pb2.GenerateResponse:
+    async def _replay_finished(self, stored: StoredRequest, resume_from: int) -> coordinator_pb2.GenerateResponse:
         """The rest of a finished request from the store: its tokens after ``resume_from``, their
         text, its finish reason and metrics."""
-        prompt = request_validation.prompt_ids(stored.request, self.tokenizer)
+        prompt = await asyncio.to_thread(request_validation.prompt_ids, stored.request, self.tokenizer)
         output = StreamOutput(self.tokenizer, prompt, stored.request.stop, (), len(stored.generated), resume_from)
         output.add(stored.generated, stored.logprobs)
         output.finish = stored.finish_reason
@@ -438,11 +478,8 @@ async def serve(
         store = MemoryStore(settings.request_ttl_s)
     servicer = CoordinatorServicer(settings, tokenizer, clients, metrics, store)
 
-    keys = ApiKeys(settings.api_keys)
-    public = AuthenticatedCoordinator(servicer, keys) if keys else servicer
-
     def register(server):
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(public, server)
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
         return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
     http = None
@@ -451,8 +488,11 @@ async def serve(
         if settings.tls_cert_file:
             files = (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
             ssl_context = ReloadingSSLContext(*files)
-        app = create_app(servicer, keys, settings.served_model_name, settings.max_request_bytes)
-        http = HttpServer(app, settings.host, settings.http_port, ssl_context)
+        app = create_app(servicer, settings.served_model_name, settings.max_request_bytes)
+        timeouts = HttpTimeouts(
+            settings.http_header_timeout_s, settings.http_keep_alive_timeout_s, settings.http_max_connections
+        )
+        http = HttpServer(app, settings.host, settings.http_port, ssl_context, timeouts)
         await http.start()
         scheme = "https" if ssl_context else "http"
         log.info("serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, settings.http_port)
@@ -482,6 +522,7 @@ async def serve(
         await server.wait_for_termination()
     finally:
         await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
+        servicer.close()
         await clients.close()
         await store.close()
         metrics.close()

@@ -39,11 +39,58 @@ class CoordinatorSettings(ServiceSettings):
         "(health checks stay open); none = no authentication.",
     )
     max_streams_per_client: int = Field(
-        64,
+        32,
         ge=0,
-        description="Requests one client may run at once: gRPC Generate streams and HTTP completions "
-        "(streamed or not) together, a client being its API key when keys are set, else its IP address; one more "
-        "gets RESOURCE_EXHAUSTED (HTTP 429); 0 = no limit.",
+        description="Requests one client may run at once on every coordinator replica together (counted in "
+        "the request store: Redis when redis_url is set, else this coordinator alone): gRPC Generate streams and "
+        "HTTP completions (streamed or not), each choice of a request with n > 1 counted, a client being its API "
+        "key when keys are set, else its IP address; one more gets RESOURCE_EXHAUSTED (HTTP 429 with Retry-After); "
+        "0 = no limit. The default is half a verify service's default max_sessions, so one client cannot take "
+        "every session.",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=0,
+        description="Requests that may wait at this coordinator for room on the verify service (every replica "
+        "refused them for being full), served round-robin across clients; one more gets RESOURCE_EXHAUSTED (HTTP "
+        "429 with Retry-After). 0 = no queue: a full verify service refuses at once.",
+    )
+    queue_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest a request waits in that queue before it gets RESOURCE_EXHAUSTED (HTTP 429), seconds.",
+    )
+    stream_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A streamed response whose client reads nothing for this long (its messages back up in "
+        "the connection's flow-control window) is cut and its request cancelled, releasing its sessions, seconds.",
+    )
+    max_stop_strings: int = Field(
+        16,
+        ge=0,
+        description="Most stop strings a request may give (OpenAI allows 4); more gets INVALID_ARGUMENT (HTTP 400).",
+    )
+    max_stop_string_bytes: int = Field(
+        256,
+        ge=1,
+        description="Longest stop string a request may give, UTF-8 bytes; a longer one gets INVALID_ARGUMENT "
+        "(HTTP 400). Text that may begin one is held back from the stream, up to this much.",
+    )
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="An HTTP connection must send a request's whole header within this long of opening (or of "
+        "the previous response's end) or it is closed, seconds: slow senders cannot hold connections.",
+    )
+    http_keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle keep-alive HTTP connection is closed after this long, seconds."
+    )
+    http_max_connections: int = Field(
+        1024,
+        ge=1,
+        description="HTTP connections (and requests in progress) the HTTP API serves at once; a request past it "
+        "gets 503 (uvicorn's limit_concurrency).",
     )
     max_n: int = Field(
         8,

@@ -7,6 +7,8 @@ import asyncio
 import http.client
 import json
 import signal
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -392,6 +394,102 @@ def test_malformed_bodies_and_paths(api):
     assert status == 400 and got["error"]["message"] == "prompt: Field required"
     status, got = call(api, "GET", "/v1/nothing")
     assert status == 404 and got["error"]["message"]
+
+
+def test_token_id_prompts_give_the_same_tokens_as_the_texts_ids(api, tiny_pipeline):
+    prompt = "Once upon a time"
+    ids = tiny_pipeline.target.tokenizer(prompt).input_ids
+    expected = api.client().completions.create(model=api.model, prompt=prompt, max_tokens=16, temperature=0)
+    for form in (ids, [ids]):
+        got = api.client().completions.create(model=api.model, prompt=form, max_tokens=16, temperature=0)
+        assert got.choices[0].text == expected.choices[0].text
+        assert got.usage.prompt_tokens == expected.usage.prompt_tokens == len(ids)
+    by_grpc = grpc_completion(
+        api.grpc_address, KEY, token_ids=coordinator_pb2.PromptTokenIds(ids=ids), max_new_tokens=16, temperature=0
+    )
+    assert by_grpc.text == expected.choices[0].text
+    vocab = tiny_pipeline.target.vocab_size
+    for bad, word in (([1, vocab], f"token_ids holds {vocab}"), ([1, 2**40], "32-bit"), ([], "one prompt per")):
+        status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": bad, "max_tokens": 2})
+        assert status == 400 and got["error"]["param"] == "prompt" and word in got["error"]["message"], got
+    status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": [ids, ids]})
+    assert status == 400 and "one prompt per request" in got["error"]["message"]
+
+
+def test_json_nested_too_deep_is_a_400(api):
+    deep = b'{"model": "m", "prompt": "hi", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, got = call(api, "POST", "/v1/completions", raw=deep)
+    assert status == 400 and got["error"]["code"] == "invalid_json", got
+    assert "nested too deeply" in got["error"]["message"]
+
+
+def test_stop_strings_over_the_limits_are_refused_at_once_and_stall_nobody(api):
+    """A 1 MB stop string or 10,000 of them: 400 naming the setting within 100 ms, while /health
+    answers within 100 ms and a concurrent stream's tokens keep coming at their pace."""
+    gaps: list[float] = []
+
+    def read_stream() -> None:
+        stream = api.client().chat.completions.create(
+            model=api.model,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "num_speculative_tokens": 0},
+        )
+        last = time.perf_counter()
+        for _ in stream:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    time.sleep(0.2)
+    for stop, setting in (
+        ("x" * 1_000_000, "max_stop_string_bytes"),
+        ([f"s{i}" for i in range(10_000)], "max_stop_strings"),
+    ):
+        started = time.perf_counter()
+        status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": "hi", "stop": stop})
+        assert time.perf_counter() - started < 0.1 and status == 400, got
+        assert got["error"]["param"] == "stop" and setting.replace("_", "-") in got["error"]["message"], got
+        started = time.perf_counter()
+        assert call(api, "GET", "/health", key=None)[0] == 200 and time.perf_counter() - started < 0.1
+    reader.join(60)
+    assert gaps and max(gaps) < 1.0, max(gaps)
+
+
+def test_the_key_is_checked_before_the_body_is_read(api):
+    """An 8 MiB body without a key is refused from its headers: the server answers 401 though the
+    body never comes."""
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=5)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(8 * 1024 * 1024))
+        connection.endheaders()  # and no body
+        response = connection.getresponse()
+        assert response.status == 401 and "missing API key" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+
+
+def test_slow_headers_are_cut(tiny_pipeline, tiny_models):
+    coordinator = CoordinatorThread(
+        coordinator_settings(tiny_pipeline, tiny_models, http_port=free_port(), http_header_timeout_s=0.5)
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", coordinator.http_port), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the header's end never comes
+            started = time.monotonic()
+            assert slow.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - started < 5
+        with socket.create_connection(("127.0.0.1", coordinator.http_port), timeout=10) as prompt:
+            prompt.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert prompt.recv(1024).startswith(b"HTTP/1.1 200")
+    finally:
+        coordinator.stop()
 
 
 def test_harmless_fields_are_accepted(api):

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
+from coordinator.api.auth import peer_host
 from coordinator.api.client import generate, generate_choices, stream
-from coordinator.api.stream_limit import peer_host
 from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft

@@ -14,7 +14,8 @@ from coordinator.request_store.resume import check_resume
 from coordinator.request_store.store import RUNNING, RedisStore, StoredRequest
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import FailedPrecondition
-from specdec.v1 import common_pb2, coordinator_pb2
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CoordinatorThread
 
 
@@ -136,3 +137,63 @@ def test_a_record_without_every_tokens_logprobs_is_not_resumed():
     stored = StoredRequest("x", original, "t", "f", generated=[1, 2], logprobs=[common_pb2.TokenLogprobs()])
     with pytest.raises(FailedPrecondition, match="the log-probabilities of 1: send it again without resume_from"):
         check_resume(coordinator_pb2.GenerateRequest(request_id="x", resume_from=0), stored)
+
+
+def test_a_request_belongs_to_the_key_that_started_it(tiny_pipeline, tiny_models, redis_server):
+    """Key B resuming key A's running request id gets NOT_FOUND worded as for an id never used, and
+    A's stream goes on untouched (identical tokens, no session rebuilt); B may use the same id for
+    a request of its own; with Redis, so over every coordinator."""
+    settings = CoordinatorSettings(
+        port=0,
+        draft_address=tiny_pipeline.draft_address,
+        verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+        redis_url=redis_server.url,
+        api_keys=["ka", "kb"],
+    )
+    one, two = CoordinatorThread(settings), CoordinatorThread(settings)
+    first, second = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
+    secret = coordinator_pb2.GenerateRequest(
+        text="My bank PIN is 4821. Repeat my PIN back to me.", max_new_tokens=256, ignore_eos=True, temperature=0
+    )
+    # A reads its first message, then nothing while B tries: a 1 KiB window keeps A's request running
+    window = [*GRPC_OPTIONS, ("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    channel = grpc.insecure_channel(first, options=window)
+    try:
+        expected = generate(first, secret, timeout_s=60, api_key="ka")
+        owner = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+            request_of(secret, request_id="secret-42"), timeout=60, metadata=[("authorization", "Bearer ka")]
+        )
+        received = Completion()
+        received.add(next(owner))
+        for where in (first, second):
+            for request_id in ("secret-42", "never-used"):
+                with pytest.raises(grpc.RpcError) as caught:
+                    resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=0)
+                    generate(where, resume, timeout_s=60, api_key="kb")
+                assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+                assert caught.value.details() == (
+                    f"request {request_id!r} is not in the request store (never started, or its last write was more "
+                    "than 3600 s ago): send it again without resume_from"
+                )
+        for response in owner:
+            received.add(response)
+        assert received.token_ids == expected.token_ids and received.metrics.num_verify_rebuilds == 0
+        theirs = generate(second, request_of(secret, text="Hello.", request_id="secret-42"), timeout_s=60, api_key="kb")
+        assert theirs.token_ids != expected.token_ids  # a fresh request of B's, under the same id
+        replayed = generate(
+            second, coordinator_pb2.GenerateRequest(request_id="secret-42", resume_from=0), timeout_s=60, api_key="ka"
+        )
+        assert replayed.token_ids == expected.token_ids  # A's own, still
+    finally:
+        channel.close()
+        one.stop()
+        two.stop()
+
+
+def request_of(base: coordinator_pb2.GenerateRequest, **fields) -> coordinator_pb2.GenerateRequest:
+    copy = coordinator_pb2.GenerateRequest()
+    copy.CopyFrom(base)
+    for name, value in fields.items():
+        setattr(copy, name, value)
+    return copy

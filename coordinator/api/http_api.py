@@ -6,9 +6,18 @@ would send (:mod:`coordinator.api.openai_schema`) and run it through
 :meth:`CoordinatorServicer.responses`, the path of the gRPC ``Generate`` call: the same validation,
 round loop, request store, metrics and traces, and the same error messages. Streamed responses are
 server-sent events ending in ``data: [DONE]``. A client that disconnects cancels its request, streamed
-or not (both sessions released, as for a cancelled gRPC stream). ``GET /v1/models`` lists the target and its
+or not (both sessions released, as for a cancelled gRPC stream), and so does one that reads nothing of its
+stream for ``stream_stall_timeout_s``. ``GET /v1/models`` lists the target and its
 ``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI
 document, ``GET /openapi.json`` (what schema fuzzers and client generators read).
+
+Work is bounded before it is done: the API key is checked before the body is read
+(:class:`coordinator.api.auth.ApiKeyMiddleware`), the body's size as it is read
+(:mod:`coordinator.api.body_limit`), a connection's request header must arrive within
+``http_header_timeout_s`` (:class:`HeaderTimeoutProtocol`), idle keep-alive connections close
+after ``http_keep_alive_timeout_s``, and at most ``http_max_connections`` connections are served
+(503 beyond, uvicorn's ``limit_concurrency``). JSON nested too deep to parse is a 400 (FastAPI's), in
+OpenAI's error shape.
 """
 
 import asyncio
@@ -18,16 +27,18 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from coordinator.api.auth import ApiKeys
+from coordinator.api.auth import ApiKeyMiddleware
 from coordinator.api.body_limit import BodyLimit
 from coordinator.api.client import FINISH_REASONS, Completion
 from coordinator.api.logprobs import RequestLogprobs
@@ -40,6 +51,7 @@ from coordinator.api.openai_schema import (
     specdec_metrics,
     usage,
 )
+from coordinator.api.output import StreamStalled, written
 from coordinator.api.request import prompt_ids
 from specdec.errors import SpecdecError
 from specdec.server import SHUTDOWN_GRACE_S
@@ -48,6 +60,8 @@ from specdec.v1 import coordinator_pb2, verify_pb2
 
 tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
+# FastAPI's detail when parsing a body fails other than as invalid JSON (nesting past the parser's depth)
+UNPARSED = "There was an error parsing the body"
 
 
 class ModelNames:
@@ -98,14 +112,24 @@ class _Steps:
 
 class _EventStream(StreamingResponse):
     """Server-sent events that close their source when the response ends, however it ends: when
-    the client disconnects mid-stream the request is cancelled and its sessions released."""
+    the client disconnects mid-stream, or reads nothing for ``stall_timeout_s`` seconds, the
+    request is cancelled and its sessions released."""
 
     media_type = "text/event-stream"
     body_iterator: AsyncGenerator[str, None]  # the events of :func:`_events`
 
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str], stall_timeout_s: float):
+        super().__init__(events, headers=headers)
+        self.stall_timeout_s = stall_timeout_s
+
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded(message) -> None:
+            await written(send(message), self.stall_timeout_s)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
+        except StreamStalled:
+            pass  # the response stays unfinished: uvicorn closes the connection
         finally:
             await self.body_iterator.aclose()
 
@@ -157,24 +181,24 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
-    """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`); request
-    bodies over ``max_body_bytes`` get 413 (:mod:`coordinator.api.body_limit`)."""
+def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
+    """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`, whose
+    ``keys`` it takes); request bodies over ``max_body_bytes`` get 413
+    (:mod:`coordinator.api.body_limit`)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(
         BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
     )
+    # added last, so it runs first: a call without a key is answered before its body is read
+    app.add_middleware(ApiKeyMiddleware, keys=servicer.keys, answer=lambda err: _error(ApiError.from_specdec(err)))
     models = ModelNames(servicer.replicas.info, served_model_names)
     started = int(time.time())
-
-    async def authorized(authorization: str | None = Header(None)) -> None:
-        keys.check(authorization)  # raises Unauthenticated: 401
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def list_models() -> dict:
         names = await models.names()
         data = [
@@ -183,11 +207,11 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
         ]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         return await _complete(body, http, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         return await _complete(body, http, chat=False)
 
@@ -195,9 +219,8 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
         await models.check(body.model)
         request = body.generate_request()
         request.request_id = uuid.uuid4().hex  # the response's id (with n > 1 the choices' ids add ":<i>")
-        client = servicer.streams.client(http.headers.get("authorization"), http.client.host if http.client else "")
-        responses = servicer.streams.run(client, servicer.responses(request), servicer.num_choices(request))
-        steps = _Steps(responses, _server_span(http))
+        caller = servicer.keys.caller(http.headers.get("authorization"), http.client.host if http.client else "")
+        steps = _Steps(servicer.serve(request, caller), _server_span(http))
         shape = ResponseShape(chat, request.request_id, body.model)
         logprobs = RequestLogprobs(request, servicer.tokenizer, chat) if request.logprobs else None
         disconnect = _Disconnect(http)
@@ -210,10 +233,10 @@ def create_app(servicer, keys: ApiKeys, served_model_names: list[str], max_body_
                 options = body.stream_options or StreamOptions()
                 prompt_tokens = None
                 if options.include_usage and options.continuous_usage_stats:
-                    prompt_tokens = len(prompt_ids(request, servicer.tokenizer))
+                    prompt_tokens = len(await asyncio.to_thread(prompt_ids, request, servicer.tokenizer))
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
                 events = _events(steps, first, shape, logprobs, options.include_usage, prompt_tokens)
-                return _EventStream(events, headers=headers)
+                return _EventStream(events, headers, servicer.settings.stream_stall_timeout_s)
             completions = await disconnect.unless(_rest(steps, first))
         except SpecdecError as err:
             await steps.close()
@@ -304,7 +327,9 @@ async def _events(
 
 
 def _error(err: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = err.retry_after
     return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
 
 
@@ -343,12 +368,57 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
         message = str(err.detail)
+        if err.status_code == 400 and message == UNPARSED:  # FastAPI's answer to any other parse failure
+            message = "the request body could not be parsed (JSON nested too deeply?): send one flat JSON object"
+            return _error(ApiError(400, message, None, "invalid_json"))
         if err.status_code in (404, 405):
             message = (
                 f"{message}: {request.method} {request.url.path}; this server serves POST /v1/chat/completions, "
                 "POST /v1/completions, GET /v1/models and GET /health"
             )
         return _error(ApiError(err.status_code, message, None, None))
+
+
+@dataclass(frozen=True)
+class HttpTimeouts:
+    """The HTTP server's bounds on its clients: seconds for a request's header to arrive
+    (``header_s``) and for an idle keep-alive connection to stay open (``keep_alive_s``); the most
+    connections served at once (``max_connections``, 503 beyond)."""
+
+    header_s: float = 10.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 1024
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its default) with a deadline on each request's header: a
+    connection that has not sent a whole request header ``header_timeout_s`` seconds after it
+    opened, or after its previous response ended, is closed, so a client sending its header
+    slowly (slowloris) cannot hold connections. uvicorn has no such setting; its keep-alive
+    timeout only covers a connection that sends nothing at all after a response."""
+
+    header_timeout_s = 10.0  # set per server by :class:`HttpServer` (uvicorn builds the protocol itself)
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._header_deadline.cancel()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _header_too_slow(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -363,7 +433,14 @@ class HttpServer:
     connections to new certificate files), else plaintext. The port is bound at construction, so a
     taken port fails the coordinator's start with OSError."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, ssl_context: ReloadingSSLContext | None = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        ssl_context: ReloadingSSLContext | None = None,
+        timeouts: HttpTimeouts = HttpTimeouts(),
+    ):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self.socket = socket.create_server((host, port), family=family)
@@ -373,10 +450,14 @@ class HttpServer:
                 f"cannot serve HTTP on {host}:{port} ({err.strerror}): choose another "
                 "--http-port, or 0 to turn the HTTP API off",
             ) from None
+        protocol = type("HeaderTimeout", (HeaderTimeoutProtocol,), {"header_timeout_s": timeouts.header_s})
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            http=protocol,
+            timeout_keep_alive=timeouts.keep_alive_s,  # type: ignore[arg-type]  # seconds, a float works
+            limit_concurrency=timeouts.max_connections,
             log_config=None,
             lifespan="off",
             access_log=False,

@@ -47,6 +47,8 @@ _PARAMS = [
     ("max_new_tokens", "max_tokens"),
     ("prompt (", "max_tokens"),
     ("prompt", "prompt"),
+    ("token_ids", "prompt"),
+    ("stop", "stop"),
     ("temperature", "temperature"),
     ("top_p", "top_p"),
     ("top_k", "top_k"),
@@ -70,9 +72,17 @@ _SAME_VALUE = {"top_logprobs"}
 class ApiError(Exception):
     """An error answered in OpenAI's shape with HTTP status ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, the Retry-After header of a 429
 
     @classmethod
     def from_specdec(cls, err: SpecdecError, params: dict[str, str] | None = None) -> "ApiError":
@@ -86,7 +96,8 @@ class ApiError(Exception):
             if param in _SAME_VALUE and message.startswith(f"{param} is "):
                 message = renamed + message[len(param) :]
             param = renamed
-        return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower())
+        retry_after = getattr(err, "retry_after", None)  # an Overloaded's (coordinator.api.admission)
+        return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower(), retry_after)
 
     def to_json(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
@@ -391,10 +402,11 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    """``logprobs``: the number of most likely tokens listed at each position (GenerateRequest's
-    top_logprobs, with logprobs on)."""
+    """``prompt``: text, or token ids (a list of ints), or a list of one of either (OpenAI's batch
+    form; more than one prompt per request is refused). ``logprobs``: the number of most likely
+    tokens listed at each position (GenerateRequest's top_logprobs, with logprobs on)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
 
     def logprobs_fields(self) -> tuple[bool | None, int | None]:
@@ -403,14 +415,24 @@ class CompletionRequest(_Request):
     def params(self) -> dict[str, str]:
         return super().params() | {"top_logprobs": "logprobs"}
 
+    def _one_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return prompt  # type: ignore[return-value]  # a list of ints: pydantic checked every item
+        if len(prompt) != 1:
+            raise invalid("prompt", f"prompt is a list of {len(prompt)} prompts: give one prompt per request")
+        return prompt[0]  # type: ignore[return-value]
+
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
         request = super().generate_request()
-        prompt = self.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise invalid("prompt", f"prompt is a list of {len(prompt)} strings: give one prompt per request")
-            prompt = prompt[0]
-        request.text, request.raw_prompt = prompt, True  # a completion continues the text as it is
+        prompt = self._one_prompt()
+        if isinstance(prompt, str):
+            request.text, request.raw_prompt = prompt, True  # a completion continues the text as it is
+            return request
+        try:
+            request.token_ids.ids.extend(prompt)
+        except ValueError:  # outside int32: no token id
+            raise invalid("prompt", f"prompt holds {max(prompt, key=abs)}: token ids are 32-bit integers") from None
         return request
 
 

@@ -1,12 +1,32 @@
 """The output side of one Generate stream: the generated token ids, their log-probabilities when
 asked for, their text, the stop conditions, and the part of it the client has not received yet."""
 
-from collections.abc import Iterable, Sequence
+import asyncio
+from collections.abc import Awaitable, Iterable, Sequence
 
 from coordinator.api.text import IncrementalDetokenizer
+from specdec.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
+
+
+class StreamStalled(Unavailable):
+    """The client read nothing of its stream for the coordinator's ``stream_stall_timeout_s``."""
+
+
+async def written(write: Awaitable[None], stall_timeout_s: float) -> None:
+    """Awaits ``write``, the sending of a message to a client (a gRPC ``context.write``, an ASGI
+    ``send``), which waits while the connection's flow-control window is full: the client reads
+    nothing. Raises StreamStalled after ``stall_timeout_s`` seconds; the caller then cuts the
+    stream, which cancels its request and releases its sessions."""
+    try:
+        await asyncio.wait_for(write, stall_timeout_s)
+    except TimeoutError:
+        raise StreamStalled(
+            f"the client read nothing for {stall_timeout_s:g} s (stream_stall_timeout_s): the stream was cut "
+            "and its request cancelled"
+        ) from None
 
 
 class StreamOutput:

@@ -57,9 +57,16 @@ def _field(request, name: str, default):
 
 
 def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]:
-    """Tokenizes the prompt: through the chat template (one user message for ``text``) with the
-    generation prompt added, or verbatim when ``raw_prompt`` is set. Raises InvalidArgument."""
+    """The prompt's token ids: ``token_ids`` as they are; else tokenized, through the chat template
+    (one user message for ``text``) with the generation prompt added, or verbatim when
+    ``raw_prompt`` is set. Raises InvalidArgument."""
     kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        if request.raw_prompt:
+            raise InvalidArgument("raw_prompt applies to a text prompt, not to token ids (used as they are)")
+        if not request.token_ids.ids:
+            raise InvalidArgument("prompt is empty: give token_ids at least one token id")
+        return list(request.token_ids.ids)
     if kind == "chat":
         if request.raw_prompt:
             raise InvalidArgument("raw_prompt applies to a text prompt, not to chat messages")
@@ -74,6 +81,50 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]
     return list(ids["input_ids"])
 
 
+@functools.cache
+def _longest_token_bytes(tokenizer) -> int | None:
+    """The UTF-8 length of the tokenizer's longest token string, at least the bytes of text any one
+    token stands for (a byte-level token's string spells each byte in one character of 1 or 2
+    bytes). None when the tokenizer normalizes text first: a normalizer may shorten it, and then
+    the text's bytes bound nothing."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    return max(len(token.encode()) for token in tokenizer.get_vocab())
+
+
+def check_prompt_bytes(request: coordinator_pb2.GenerateRequest, tokenizer, window: int) -> None:
+    """Refuses, before any tokenizing, a text prompt too long in bytes to fit the context window
+    of ``window`` tokens whatever its tokens: each token stands for at most the longest token's
+    bytes, so it has at least bytes / that many tokens. Raises InvalidArgument."""
+    longest = _longest_token_bytes(tokenizer)
+    if longest is None or request.WhichOneof("prompt") == "token_ids":
+        return
+    contents = [request.text] if request.WhichOneof("prompt") != "chat" else [m.content for m in request.chat.messages]
+    num_bytes = sum(len(content.encode()) for content in contents)
+    if -(-num_bytes // longest) >= window:
+        raise InvalidArgument(
+            f"prompt has {num_bytes} bytes, at least {-(-num_bytes // longest)} tokens; the target's context "
+            f"window is {window}: shorten the prompt"
+        )
+
+
+def check_stop(request: coordinator_pb2.GenerateRequest, max_stop_strings: int, max_stop_string_bytes: int) -> None:
+    """Raises InvalidArgument for more stop strings than ``max_stop_strings`` or one longer than
+    ``max_stop_string_bytes`` UTF-8 bytes."""
+    if len(request.stop) > max_stop_strings:
+        raise InvalidArgument(
+            f"stop has {len(request.stop)} strings: at most {max_stop_strings} are allowed (the coordinator's "
+            "--max-stop-strings)"
+        )
+    longest = max((len(s.encode()) for s in request.stop), default=0)
+    if longest > max_stop_string_bytes:
+        raise InvalidArgument(
+            f"stop has a string of {longest} bytes: each may have at most {max_stop_string_bytes} (the "
+            "coordinator's --max-stop-string-bytes)"
+        )
+
+
 def resolve(
     request: coordinator_pb2.GenerateRequest,
     settings: CoordinatorSettings,
@@ -83,7 +134,10 @@ def resolve(
     draft_info: draft_pb2.DraftServiceGetInfoResponse | None,
 ) -> ResolvedRequest:
     """Checks every field and fills in defaults. ``draft_info`` None: the draft service's drafters
-    are unknown (it was never reached), and the request runs without it.
+    are unknown (it was never reached), and the request runs without it. Tokenizes the prompt and
+    compiles its grammar: CPU work that grows with the request, bounded by the checks before it
+    (stop strings, the prompt's bytes against the context window); the coordinator runs it off its
+    event loop.
 
     Raises:
         InvalidArgument: a field out of range (the message names it and the allowed range).
@@ -95,8 +149,13 @@ def resolve(
             f"the coordinator's tokenizer ({settings.tokenizer}) differs from the target's "
             f"({verify_info.model}): start the coordinator with --tokenizer {verify_info.model}"
         )
-    ids = prompt_ids(request, tokenizer)
     window = verify_info.max_context_length
+    check_stop(request, settings.max_stop_strings, settings.max_stop_string_bytes)
+    check_prompt_bytes(request, tokenizer, window)
+    ids = prompt_ids(request, tokenizer)
+    bad = next((i for i in ids if not 0 <= i < verify_info.vocab_size), None)
+    if bad is not None:  # only token_ids can hold one
+        raise InvalidArgument(f"token_ids holds {bad}: token ids lie in [0, {verify_info.vocab_size - 1}]")
     if len(ids) >= window:
         raise InvalidArgument(
             f"prompt has {len(ids)} tokens; the target's context window is {window}: shorten the prompt"

@@ -57,6 +57,17 @@ class CoordinatorMetrics(ServiceMetrics):
         self.num_requests_running = Gauge(
             "specdec_num_requests_running", "Generate streams in progress.", registry=self.registry
         )
+        self.num_requests_waiting = Gauge(
+            "specdec_num_requests_waiting",
+            "Requests waiting at this coordinator for room on the verify service (every replica was full), "
+            "as vLLM's num_requests_waiting.",
+            registry=self.registry,
+        )
+        self.queue_time = histogram(
+            "specdec_request_queue_time_seconds",
+            "Per request that waited for room on the verify service: from its first refusal to its admission.",
+            REQUEST_BUCKETS,
+        )
         self.num_drafts = counter(
             "specdec_spec_decode_num_drafts", "Speculative rounds: a non-empty proposal verified.", ("drafter",)
         )

@@ -4,8 +4,13 @@ estimates per (drafter, target) that warm-start adaptive K on every replica.
 
 :class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set, :class:`MemoryStore` in
 the process otherwise (single-machine use: a resume must then reach the same coordinator). Both
-keep a request ``ttl_s`` seconds after its last write. Layout in Redis (the hash tag keeps a
-request's keys in one cluster slot):
+keep a request ``ttl_s`` seconds after its last write.
+
+A request belongs to the API key that started it: its record is stored under the key's owner hash
+and its id, ``<owner>/<id>`` (:func:`store_id`; the id alone when the coordinator has no keys), so
+another key's request with the same id is another record, and a key can neither load nor
+overwrite a record of another key's. Layout in Redis (the hash tag keeps a request's keys in one
+cluster slot; ``<id>`` is the store id):
 
     specdec:request:{<id>}           hash: request (GenerateRequest bytes, seed filled in), target,
                                      vocab_fingerprint, status, finish_reason, metrics
@@ -18,6 +23,8 @@ request's keys in one cluster slot):
                                      GenerateResponse carrying only them (appending such bytes
                                      appends to the list: protobuf merges repeated fields)
     specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
+    specdec:running:{<client>}     sorted set: the client's running requests' leases -> their
+                                   expiry (unix ms), see :meth:`RequestStore.acquire_leases`
 
 A RedisStore that fails (unreachable, or slower than ``timeout_s``) raises
 :class:`StoreUnavailable` after logging it and counting it in ``errors`` (a Prometheus counter
@@ -54,6 +61,12 @@ class StoreUnavailable(Unavailable):
     """The request store could not be reached."""
 
 
+def store_id(owner: str, request_id: str) -> str:
+    """The id a request is stored under: ``<owner>/<request_id>``, or ``request_id`` without an
+    owner (a coordinator without API keys). Request ids hold no ``/``."""
+    return f"{owner}/{request_id}" if owner else request_id
+
+
 @dataclass
 class StoredRequest:
     """One request as the store keeps it. ``request`` is the GenerateRequest as the client sent
@@ -62,7 +75,9 @@ class StoredRequest:
     and ``metrics`` are set once ``status`` is FINISHED; ``sessions`` the ids of the sessions a
     running request holds, by service (``draft``, ``verify``), so that a resume on another
     coordinator can release those its dead coordinator left behind; ``choice``: the request's
-    index among the choices of a request with n > 1 (:mod:`coordinator.api.choices`)."""
+    index among the choices of a request with n > 1 (:mod:`coordinator.api.choices`); ``owner``:
+    the owner hash of the API key that started it (:func:`coordinator.api.auth.owner_hash`; empty
+    without keys)."""
 
     request_id: str
     request: coordinator_pb2.GenerateRequest
@@ -77,6 +92,11 @@ class StoredRequest:
     sessions: dict[str, str] = field(default_factory=dict)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     choice: int = 0
+    owner: str = ""
+
+    @property
+    def store_id(self) -> str:
+        return store_id(self.owner, self.request_id)
 
     def header(self) -> dict[FieldT, EncodableT]:
         """Every field but the tokens, as Redis hash fields."""
@@ -95,9 +115,11 @@ class StoredRequest:
 
     @classmethod
     def from_redis(
-        cls, request_id: str, header: dict[bytes, bytes], tokens: bytes | None, logprobs: bytes | None
+        cls, stored_as: str, header: dict[bytes, bytes], tokens: bytes | None, logprobs: bytes | None
     ) -> "StoredRequest":
+        """The record stored under the store id ``stored_as``."""
         fields = {key.decode(): value for key, value in header.items()}
+        owner, _, request_id = stored_as.rpartition("/")
         return cls(
             request_id,
             coordinator_pb2.GenerateRequest.FromString(fields["request"]),
@@ -112,6 +134,7 @@ class StoredRequest:
             json.loads(fields.get("sessions", b"{}")),
             list(coordinator_pb2.GenerateResponse.FromString(logprobs or b"").logprobs),
             int(fields.get("choice", b"0")),
+            owner,
         )
 
 
@@ -138,18 +161,20 @@ class RequestStore(abc.ABC):
     @abc.abstractmethod
     async def append(
         self,
-        request_id: str,
+        stored_as: str,
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
     ) -> int:
-        """Appends generated tokens (and their ``logprobs``, when given) to a stored record (and
-        replaces its ``sessions``, unless None); returns how many tokens it holds now, or 0 when
+        """Appends generated tokens (and their ``logprobs``, when given) to the record under the
+        store id ``stored_as`` (:attr:`StoredRequest.store_id`) (and replaces its ``sessions``,
+        unless None); returns how many tokens it holds now, or 0 when
         the record was missing (the store lost it): then :meth:`put` it again."""
 
     @abc.abstractmethod
-    async def load(self, request_id: str) -> StoredRequest | None:
-        """The stored record, or None (never stored, or expired)."""
+    async def load(self, stored_as: str) -> StoredRequest | None:
+        """The record under the store id ``stored_as`` (:func:`store_id`), or None (never stored,
+        or expired)."""
 
     @abc.abstractmethod
     async def load_priors(self, target: str) -> dict[str, list[float]]:
@@ -158,6 +183,20 @@ class RequestStore(abc.ABC):
     @abc.abstractmethod
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
         """Replaces the rates of the drafters in ``priors`` for ``target``."""
+
+    @abc.abstractmethod
+    async def acquire_leases(self, client: str, leases: list[str], limit: int, ttl_s: float) -> int | None:
+        """Takes ``leases`` (new ids) for ``client``'s running requests, each living ``ttl_s``
+        seconds unless renewed, if the client then holds at most ``limit``; returns None when
+        taken, else the number it holds (nothing taken). Atomic across coordinators."""
+
+    @abc.abstractmethod
+    async def renew_leases(self, leases: dict[str, list[str]], ttl_s: float) -> None:
+        """Gives the leases of each client (client -> lease ids) ``ttl_s`` more seconds from now."""
+
+    @abc.abstractmethod
+    async def release_leases(self, client: str, leases: list[str]) -> None:
+        """Gives ``client``'s ``leases`` back."""
 
     async def close(self) -> None:  # noqa: B027 (a no-op unless there is a connection: MemoryStore has none)
         """Closes the connection, if any."""
@@ -170,14 +209,15 @@ class MemoryStore(RequestStore):
         super().__init__(ttl_s)
         self._requests: dict[str, tuple[StoredRequest, float]] = {}  # id -> (record, expiry)
         self._priors: dict[str, dict[str, list[float]]] = {}
+        self._leases: dict[str, dict[str, float]] = {}  # client -> lease id -> expiry (time.monotonic())
 
-    def _live(self, request_id: str) -> StoredRequest | None:
+    def _live(self, stored_as: str) -> StoredRequest | None:
         """The record, unless expired (an O(1) look-up: it runs every round)."""
-        entry = self._requests.get(request_id)
+        entry = self._requests.get(stored_as)
         return entry[0] if entry and entry[1] > time.monotonic() else None
 
     async def create(self, record: StoredRequest) -> bool:
-        if self._live(record.request_id) is not None:
+        if self._live(record.store_id) is not None:
             return False
         await self.put(record)
         return True
@@ -186,16 +226,16 @@ class MemoryStore(RequestStore):
         now = time.monotonic()  # expired records go here, at a request's start and end
         for expired in [rid for rid, (_, expiry) in self._requests.items() if expiry <= now]:
             del self._requests[expired]
-        self._requests[record.request_id] = (copy.deepcopy(record), now + self.ttl_s)
+        self._requests[record.store_id] = (copy.deepcopy(record), now + self.ttl_s)
 
     async def append(
         self,
-        request_id: str,
+        stored_as: str,
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
     ) -> int:
-        record = self._live(request_id)
+        record = self._live(stored_as)
         if record is None:
             return 0
         record.generated.extend(tokens)
@@ -203,11 +243,11 @@ class MemoryStore(RequestStore):
         if sessions is not None:
             record.sessions = dict(sessions)
         record.updated_at = time.time()
-        self._requests[request_id] = (record, time.monotonic() + self.ttl_s)
+        self._requests[stored_as] = (record, time.monotonic() + self.ttl_s)
         return len(record.generated)
 
-    async def load(self, request_id: str) -> StoredRequest | None:
-        record = self._live(request_id)
+    async def load(self, stored_as: str) -> StoredRequest | None:
+        record = self._live(stored_as)
         return copy.deepcopy(record) if record else None
 
     async def load_priors(self, target: str) -> dict[str, list[float]]:
@@ -215,6 +255,40 @@ class MemoryStore(RequestStore):
 
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
         self._priors.setdefault(target, {}).update(copy.deepcopy(priors))
+
+    async def acquire_leases(self, client: str, leases: list[str], limit: int, ttl_s: float) -> int | None:
+        now = time.monotonic()
+        held = {lease: expiry for lease, expiry in self._leases.get(client, {}).items() if expiry > now}
+        if len(held) + len(leases) > limit:
+            return len(held)
+        self._leases[client] = held | dict.fromkeys(leases, now + ttl_s)
+        return None
+
+    async def renew_leases(self, leases: dict[str, list[str]], ttl_s: float) -> None:
+        expiry = time.monotonic() + ttl_s
+        for client, ids in leases.items():
+            held = self._leases.get(client, {})
+            held.update((lease, expiry) for lease in ids if lease in held)
+
+    async def release_leases(self, client: str, leases: list[str]) -> None:
+        held = self._leases.get(client, {})
+        for lease in leases:
+            held.pop(lease, None)
+        if not held:
+            self._leases.pop(client, None)
+
+
+# Takes ARGV[4:] as leases of the client whose sorted set (lease -> expiry, unix ms) is KEYS[1], unless
+# that would take it past ARGV[2]; ARGV[1] is now and ARGV[3] the new leases' expiry (unix ms).
+# Returns -1 when taken, else the leases it holds.
+_ACQUIRE_LEASES = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local held = redis.call('ZCARD', KEYS[1])
+if held + #ARGV - 3 > tonumber(ARGV[2]) then return held end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
+redis.call('PEXPIREAT', KEYS[1], ARGV[3])
+return -1
+"""
 
 
 def _without_password(url: str) -> str:
@@ -226,7 +300,9 @@ def _without_password(url: str) -> str:
 
 
 # The store operations: the `operation` label of specdec_session_store_errors_total.
-Operation = Literal["create", "put", "append", "load", "load_priors", "save_priors"]
+Operation = Literal[
+    "create", "put", "append", "load", "load_priors", "save_priors", "acquire_leases", "renew_leases", "release_leases"
+]
 
 
 class RedisStore(RequestStore):
@@ -247,6 +323,7 @@ class RedisStore(RequestStore):
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1), **ssl
         )
         self.url = _without_password(url)  # logged and in error messages
+        self._acquire_leases = self.redis.register_script(_ACQUIRE_LEASES)
         self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
         # every operation's series exported at 0 from the start: a panel shows "no errors" rather
@@ -275,12 +352,12 @@ class RedisStore(RequestStore):
             raise StoreUnavailable(f"the request store at {self.url} failed: {err!r}") from None
 
     @staticmethod
-    def _keys(request_id: str) -> tuple[str, str, str]:
-        header = f"specdec:request:{{{request_id}}}"
+    def _keys(stored_as: str) -> tuple[str, str, str]:
+        header = f"specdec:request:{{{stored_as}}}"
         return header, f"{header}:tokens", f"{header}:logprobs"
 
     async def create(self, record: StoredRequest) -> bool:
-        header, _, _ = self._keys(record.request_id)
+        header, _, _ = self._keys(record.store_id)
 
         async def claim():
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -294,7 +371,7 @@ class RedisStore(RequestStore):
         return bool(claimed)
 
     async def put(self, record: StoredRequest) -> None:
-        header, tokens, logprobs = self._keys(record.request_id)
+        header, tokens, logprobs = self._keys(record.store_id)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -313,12 +390,12 @@ class RedisStore(RequestStore):
 
     async def append(
         self,
-        request_id: str,
+        stored_as: str,
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
     ) -> int:
-        header, token_key, logprobs_key = self._keys(request_id)
+        header, token_key, logprobs_key = self._keys(stored_as)
         fields: dict[FieldT, EncodableT] = {"updated_at": time.time()}
         if sessions is not None:
             fields["sessions"] = json.dumps(sessions)
@@ -337,8 +414,8 @@ class RedisStore(RequestStore):
         length, _, num_fields, *_ = await self._run("append", call)
         return length // TOKEN_DTYPE.itemsize if num_fields > len(fields) else 0  # only these fields: the rest lost
 
-    async def load(self, request_id: str) -> StoredRequest | None:
-        header, tokens, logprobs = self._keys(request_id)
+    async def load(self, stored_as: str) -> StoredRequest | None:
+        header, tokens, logprobs = self._keys(stored_as)
 
         async def call():
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -350,7 +427,7 @@ class RedisStore(RequestStore):
         fields, token_bytes, stored_logprobs = await self._run("load", call)
         if not fields.get(b"request"):
             return None
-        return StoredRequest.from_redis(request_id, fields, token_bytes, stored_logprobs)
+        return StoredRequest.from_redis(stored_as, fields, token_bytes, stored_logprobs)
 
     async def load_priors(self, target: str) -> dict[str, list[float]]:
         fields = await self._run("load_priors", lambda: self.redis.hgetall(f"specdec:acceptance:{target}"))
@@ -359,6 +436,33 @@ class RedisStore(RequestStore):
     async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
         mapping: dict[FieldT, EncodableT] = {source: json.dumps(rates) for source, rates in priors.items()}
         await self._run("save_priors", lambda: self.redis.hset(f"specdec:acceptance:{target}", mapping=mapping))
+
+    @staticmethod
+    def _leases_key(client: str) -> str:
+        return f"specdec:running:{{{client}}}"
+
+    async def acquire_leases(self, client: str, leases: list[str], limit: int, ttl_s: float) -> int | None:
+        now_ms = int(time.time() * 1000)
+        args: list[str | int] = [now_ms, limit, now_ms + int(ttl_s * 1000), *leases]
+        held = await self._run(
+            "acquire_leases", lambda: self._acquire_leases(keys=[self._leases_key(client)], args=args)
+        )
+        return None if held < 0 else int(held)
+
+    async def renew_leases(self, leases: dict[str, list[str]], ttl_s: float) -> None:
+        expiry_ms = int((time.time() + ttl_s) * 1000)
+
+        async def call():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for client, ids in leases.items():
+                    pipe.zadd(self._leases_key(client), dict.fromkeys(ids, expiry_ms), xx=True)
+                    pipe.pexpireat(self._leases_key(client), expiry_ms)
+                await pipe.execute()
+
+        await self._run("renew_leases", call)
+
+    async def release_leases(self, client: str, leases: list[str]) -> None:
+        await self._run("release_leases", lambda: self.redis.zrem(self._leases_key(client), *leases))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -423,7 +527,7 @@ class RequestJournal:
             if self._stored is not None:
                 new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
                 held = await self.store.append(
-                    record.request_id, record.generated[self._stored :], sessions, new_logprobs
+                    record.store_id, record.generated[self._stored :], sessions, new_logprobs
                 )
                 if held == len(record.generated):
                     self._stored = held

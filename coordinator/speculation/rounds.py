@@ -58,6 +58,11 @@ from specdec.v1 import common_pb2, verify_pb2
 log = logging.getLogger(__name__)
 RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
 INDEX_CHUNK = 64  # prompt tokens the lookups index between two turns of the event loop (about 1 ms)
+# Runs a verify session's opening (the function that makes the call) until it is let in
+Admit = Callable[
+    [Callable[[], Awaitable[verify_pb2.VerifyServicePrefillResponse]]],
+    Awaitable[verify_pb2.VerifyServicePrefillResponse],
+]
 
 
 class RequestRounds:
@@ -125,14 +130,18 @@ class RequestRounds:
         self._generation += 1
         return f"{self.session_prefix}.{service}{self._generation}"
 
-    async def prefill(self, policy: AdaptiveK | None = None) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
+    async def prefill(
+        self, policy: AdaptiveK | None = None, admit: Admit | None = None
+    ) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         """Opens the session on a verify replica, which also decodes the request's first token in
         the forward of the prompt's last chunk, as plain decoding does; returns that token,
         appended to the committed log, and its log-probabilities as :meth:`step` does (none when
         the log holds generated tokens already: a resumed request goes on with rounds where its
         first run's rounds went on, so that a seed gives the same tokens). Raises UNAVAILABLE or
         RESOURCE_EXHAUSTED when no replica takes it; waits for a replica to answer up to
-        ``failover_timeout_s`` (the only one may be restarting).
+        ``failover_timeout_s`` (the only one may be restarting). ``admit(open)`` runs the opening
+        (``open()``, retried while every replica is full: the coordinator's fair queue,
+        :class:`coordinator.api.admission.FairQueue`); None: once.
 
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
@@ -157,8 +166,12 @@ class RequestRounds:
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
         indexing = asyncio.ensure_future(self._index_lookups(list(self.committed)))
+
+        def open_verify() -> Awaitable[verify_pb2.VerifyServicePrefillResponse]:
+            return self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
+
         try:
-            response = await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
+            response = await (admit(open_verify) if admit else open_verify())
         finally:
             await indexing
         first = [response.next_token_id] if decode else []

@@ -1,0 +1,320 @@
+"""Admission (:mod:`coordinator.api.admission`): the per-client limit over every coordinator sharing
+a request store, the fair queue of requests waiting for room on a full verify service, and
+streams whose clients stop reading; the algorithms alone first, then through real coordinators,
+services and Redis."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
+from coordinator.api.client import generate
+from coordinator.request_store.store import MemoryStore, RedisStore
+from coordinator.settings import CoordinatorSettings
+from specdec.errors import ResourceExhausted
+from specdec.models import load_causal_lm
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import CoordinatorThread, RedisServer, plain_greedy
+from verify_service.service import build as build_verify
+from verify_service.settings import VerifySettings
+from verify_service.target import Target
+
+KEYS = ["key-a", "key-b"]
+
+
+def fair_queue(max_queued: int = 16, timeout_s: float = 5.0, retry_s: float = 0.02) -> FairQueue:
+    registry = CollectorRegistry()
+    return FairQueue(
+        max_queued,
+        timeout_s,
+        Gauge("waiting", "", registry=registry),
+        Histogram("wait", "", registry=registry),
+        retry_s=retry_s,
+    )
+
+
+class Room:
+    """A verify service with ``free`` sessions: an attempt takes one or is refused at once."""
+
+    def __init__(self, free: int):
+        self.free, self.order = free, []
+
+    def attempt(self, name: str):
+        async def run():
+            if self.free <= 0:
+                raise ResourceExhausted("every replica is full")
+            self.free -= 1
+            self.order.append(name)
+            return name
+
+        return run
+
+
+def test_waiting_requests_get_in_round_robin_by_client():
+    async def scenario():
+        queue, room = fair_queue(), Room(free=0)
+        requests = [("a", f"a{i}") for i in range(4)] + [("b", f"b{i}") for i in range(2)]
+        tasks = []
+        for client, name in requests:
+            tasks.append(asyncio.ensure_future(queue.run(client, room.attempt(name))))
+            await asyncio.sleep(0.001)  # they arrive in this order
+        assert len(queue) == 6
+        for _ in range(6):  # room for one more at a time
+            room.free += 1
+            queue.room()
+            await asyncio.sleep(0.06)
+        await asyncio.gather(*tasks)
+        return room.order, len(queue)
+
+    order, left = asyncio.run(scenario())
+    assert order == ["a0", "b0", "a1", "b1", "a2", "a3"] and left == 0
+
+
+def test_nobody_takes_room_ahead_of_those_waiting():
+    async def scenario():
+        queue, room = fair_queue(), Room(free=0)
+        waiting = asyncio.ensure_future(queue.run("a", room.attempt("waiting")))
+        await asyncio.sleep(0.01)
+        room.free = 1  # room appears, and a new request arrives before the retry
+        newcomer = asyncio.ensure_future(queue.run("b", room.attempt("newcomer")))
+        await asyncio.sleep(0.1)
+        room.free += 1
+        await asyncio.gather(waiting, newcomer)
+        return room.order
+
+    assert asyncio.run(scenario()) == ["waiting", "newcomer"]
+
+
+def test_queue_bounds_refuse_with_the_setting():
+    async def scenario():
+        queue, room = fair_queue(max_queued=1, timeout_s=0.2), Room(free=0)
+        first = asyncio.ensure_future(queue.run("a", room.attempt("first")))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="max_queued_requests") as full:
+            await queue.run("b", room.attempt("second"))
+        with pytest.raises(Overloaded, match="queue_timeout_s") as late:
+            await first
+        return full.value, late.value, len(queue)
+
+    full, late, left = asyncio.run(scenario())
+    assert full.retry_after == "1" and late.retry_after >= "1" and left == 0
+
+
+def test_a_cancelled_waiter_leaves_the_queue():
+    async def scenario():
+        queue, room = fair_queue(), Room(free=0)
+        task = asyncio.ensure_future(queue.run("a", room.attempt("gone")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return len(queue)
+
+    assert asyncio.run(scenario()) == 0
+
+
+def stores(redis_server: RedisServer | None):
+    if redis_server is None:
+        store = MemoryStore(60)
+        return store, store  # one coordinator's store: both limits share it
+    errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
+    return RedisStore(redis_server.url, 60, errors), RedisStore(redis_server.url, 60, errors)
+
+
+async def drain(limit: ClientLimit, client: str, n: int = 1, hold: asyncio.Event | None = None) -> None:
+    async def responses():
+        yield "token"
+        if hold is not None:
+            await hold.wait()
+
+    async for _ in limit.run(client, responses(), n):
+        pass
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_client_limit_counts_over_every_coordinator_of_a_store(backend, request):
+    redis_server = request.getfixturevalue("redis_server") if backend == "redis" else None
+
+    async def scenario():
+        first_store, second_store = stores(redis_server)
+        one, two = ClientLimit(first_store, 3), ClientLimit(second_store, 3)
+        client = f"key {backend}-a"
+        hold = asyncio.Event()
+        running = [
+            asyncio.ensure_future(drain(one, client, 2, hold)),
+            asyncio.ensure_future(drain(two, client, hold=hold)),
+        ]
+        await asyncio.sleep(0.1)
+        with pytest.raises(Overloaded, match="already runs 3 requests and asks for 1 more") as refused:
+            await drain(two, client)
+        await drain(two, f"key {backend}-b")  # another client
+        hold.set()
+        await asyncio.gather(*running)
+        await drain(one, client, 3)  # the leases came back
+        one.close(), two.close()
+        return refused.value
+
+    assert "max_streams_per_client" in str(asyncio.run(scenario()))
+
+
+def test_a_dead_coordinators_leases_expire(redis_server):
+    async def scenario():
+        first_store, second_store = stores(redis_server)
+        dead = ClientLimit(first_store, 1, lease_ttl_s=0.3)
+        await first_store.acquire_leases("key gone", ["lease"], 1, 0.3)  # held by a coordinator that died
+        alive = ClientLimit(second_store, 1)
+        with pytest.raises(Overloaded):
+            await drain(alive, "key gone")
+        await asyncio.sleep(0.4)
+        await drain(alive, "key gone")
+        dead.close(), alive.close()
+
+    asyncio.run(scenario())
+
+
+def test_leases_are_renewed_while_a_request_runs(redis_server):
+    async def scenario():
+        first_store, second_store = stores(redis_server)
+        one, two = ClientLimit(first_store, 1, lease_ttl_s=0.3), ClientLimit(second_store, 1, lease_ttl_s=0.3)
+        hold = asyncio.Event()
+        running = asyncio.ensure_future(drain(one, "key long", 1, hold))
+        await asyncio.sleep(0.8)  # past the lease's life: renewed meanwhile
+        with pytest.raises(Overloaded):
+            await drain(two, "key long")
+        hold.set()
+        await running
+        one.close(), two.close()
+
+    asyncio.run(scenario())
+
+
+# --- through real coordinators and services ------------------------------------------------------
+
+
+def coordinator(tiny_models, verify_address: str, draft_address: str, **fields) -> CoordinatorThread:
+    return CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=draft_address,
+            verify_addresses=[verify_address],
+            tokenizer=str(tiny_models.target_dir),
+            api_keys=KEYS,
+            max_new_tokens_limit=256,
+            **fields,
+        )
+    )
+
+
+def stalled_stream(address: str, request, api_key: str):
+    """A Generate stream whose client reads its first message and then nothing: a channel that
+    lets the server send little ahead (a 1 KiB window, no growth)."""
+    options = [*GRPC_OPTIONS, ("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    channel = grpc.insecure_channel(address, options=options)
+    call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+        request, timeout=60, metadata=[("authorization", f"Bearer {api_key}")]
+    )
+    assert next(call).token_ids
+    return channel, call
+
+
+def test_a_client_over_its_share_on_two_coordinators_leaves_room_for_others(tiny_pipeline, tiny_models, redis_server):
+    """Key A opens more streams than its share across two coordinators and stops reading: its
+    extra request gets RESOURCE_EXHAUSTED naming the setting, key B still gets its tokens, and A's
+    stalled streams are cut and their sessions released after the stall bound."""
+    fields = dict(redis_url=redis_server.url, max_streams_per_client=3, stream_stall_timeout_s=2.0)
+    pipeline = tiny_pipeline
+    one = coordinator(tiny_models, pipeline.verify_address, pipeline.draft_address, **fields)
+    two = coordinator(tiny_models, pipeline.verify_address, pipeline.draft_address, **fields)
+    long = coordinator_pb2.GenerateRequest(
+        text="Tell me everything.", max_new_tokens=256, ignore_eos=True, num_speculative_tokens=0
+    )
+    held = []
+    try:
+        for port in (one.port, one.port, two.port):
+            held.append(stalled_stream(f"127.0.0.1:{port}", long, KEYS[0]))
+        assert len(pipeline.verify.servicer.sessions) == 3
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(f"127.0.0.1:{two.port}", long, timeout_s=60, api_key=KEYS[0])
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_streams_per_client" in caught.value.details()
+        short = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=8, ignore_eos=True)
+        for port in (one.port, two.port):
+            assert len(generate(f"127.0.0.1:{port}", short, timeout_s=60, api_key=KEYS[1]).token_ids) == 8
+        deadline = time.monotonic() + 15
+        while len(pipeline.verify.servicer.sessions):  # cut after 2 s of no reading
+            assert time.monotonic() < deadline, "the stalled streams kept their sessions"
+            time.sleep(0.1)
+        assert len(generate(f"127.0.0.1:{one.port}", short, timeout_s=60, api_key=KEYS[0]).token_ids) == 8
+        for _, call in held:  # each was cut short, not finished
+            with pytest.raises(grpc.RpcError) as cut:
+                received = sum(len(response.token_ids) for response in call)
+                pytest.fail(f"the stream ended normally after {received} more tokens")
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "stream_stall_timeout_s" in cut.value.details()
+    finally:
+        for channel, call in held:
+            call.cancel()
+            channel.close()
+        one.stop()
+        two.stop()
+
+
+@pytest.fixture(scope="module")
+def small_verify(tiny_models):
+    """A verify service of the tiny target with room for two sessions."""
+    model, tokenizer = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
+    target = Target(model, tokenizer, str(tiny_models.target_dir), max_num_speculative_tokens=16)
+    target.measure_costs()
+    service = build_verify(VerifySettings(port=0, max_sessions=2), target=target)
+    yield f"127.0.0.1:{service.port}"
+    service.stop(0)
+
+
+def test_a_full_verify_service_queues_requests_fairly(tiny_pipeline, tiny_models, small_verify, plain_target_model):
+    """Two sessions of room, key A sends six requests and key B two just after: nobody gets
+    RESOURCE_EXHAUSTED, every output equals plain decoding, and B's requests get in between A's
+    rather than after all of them."""
+    thread = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
+    address = f"127.0.0.1:{thread.port}"
+    finished: list[str] = []
+    outputs: dict[str, list[int]] = {}
+    errors: list[Exception] = []
+
+    def run(name: str, key: str, prompt: str) -> None:
+        request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=48, ignore_eos=True, temperature=0)
+        try:
+            outputs[name] = generate(address, request, timeout_s=120, api_key=key).token_ids
+            finished.append(name)
+        except grpc.RpcError as err:
+            errors.append(err)
+
+    prompts = {f"a{i}": f"Story number {i}." for i in range(6)} | {f"b{i}": f"Poem number {i}." for i in range(2)}
+    threads = []
+    try:
+        for name, prompt in prompts.items():
+            threads.append(threading.Thread(target=run, args=(name, KEYS[name[0] == "b"], prompt)))
+            threads[-1].start()
+            time.sleep(0.05)
+        for worker in threads:
+            worker.join(180)
+    finally:
+        thread.stop()
+    assert not errors, errors
+    assert max(finished.index("b0"), finished.index("b1")) < finished.index("a5"), finished
+    tokenizer = tiny_pipeline.target.tokenizer
+    for name, prompt in prompts.items():
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        assert outputs[name] == plain_greedy(plain_target_model, list(ids), 48), name
