@@ -122,7 +122,8 @@ REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 WARM_UP_TOKENS = 16
 REQUEST_TIMEOUT_S = 1800.0
-DEFAULT_SERVICE_LIMIT = 64  # the services' max_sessions and the coordinator's max_streams_per_client by default
+DEFAULT_MAX_SESSIONS = 64  # the draft and verify services' max_sessions by default
+DEFAULT_STREAMS_PER_CLIENT = 32  # the coordinator's max_streams_per_client by default
 # On CPU, continuous batching sizes its KV cache from the machine's RAM (90% of what its own process
 # does not hold: it cannot see the pipeline's services): 12 GiB resident at N=16 with SmolLM2 on a
 # 23 GiB machine, against 4.7 GiB and the same tokens/s with 0.2. 0.25 still holds 32 requests of
@@ -810,23 +811,21 @@ def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     prefill at the target's priority stalled its steps), and the coordinator told so
     (``draft_shares_target_cores``: adaptive K prices the draft's forwards as the round's wait, not
     as hidden behind the verify, and so, under load, stops probing a draft that could not win); the
-    coordinator's streams per client and
-    both services' sessions for :func:`max_in_flight` requests where that is above their default
-    (64; sessions twice that plus 8, as a finished request's sessions are released while the
-    client's next one opens); then ``config.service_env`` (the ceiling's)."""
+    coordinator's streams per client (the bench's clients are one client to it) and both services'
+    sessions for :func:`max_in_flight` requests where that is above their defaults (32 and 64;
+    sessions twice that plus 8, as a finished request's sessions are released while the client's
+    next one opens); then ``config.service_env`` (the ceiling's)."""
     in_flight = max_in_flight(config)
     settings = {
         "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency)),
         "SPECDEC_DRAFT_NICE": "19",
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
     }
-    if in_flight > DEFAULT_SERVICE_LIMIT:
+    if in_flight > DEFAULT_STREAMS_PER_CLIENT:
+        settings["SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT"] = str(in_flight)
+    if in_flight > DEFAULT_MAX_SESSIONS:
         sessions = str(2 * in_flight + 8)
-        settings |= {
-            "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": str(in_flight),
-            "SPECDEC_VERIFY_MAX_SESSIONS": sessions,
-            "SPECDEC_DRAFT_MAX_SESSIONS": sessions,
-        }
+        settings |= {"SPECDEC_VERIFY_MAX_SESSIONS": sessions, "SPECDEC_DRAFT_MAX_SESSIONS": sessions}
     return settings | config.service_env
 
 
