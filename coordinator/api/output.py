@@ -21,7 +21,8 @@ async def written(write: Awaitable[None], stall_timeout_s: float) -> None:
     nothing. Raises StreamStalled after ``stall_timeout_s`` seconds; the caller then cuts the
     stream, which cancels its request and releases its sessions."""
     try:
-        await asyncio.wait_for(write, stall_timeout_s)
+        async with asyncio.timeout(stall_timeout_s):  # a timer, no task per message (unlike wait_for)
+            await write
     except TimeoutError:
         raise StreamStalled(
             f"the client read nothing for {stall_timeout_s:g} s (stream_stall_timeout_s): the stream was cut "
