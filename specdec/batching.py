@@ -10,6 +10,10 @@ A sequence's cached length only changes by appending in :meth:`BatchedLM.forward
 :meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy) and, for
 a new sequence, by :meth:`BatchedLM.attach_prefix` (prefix caching: the KV of a context's beginning
 that the store already holds, see docs/architecture.md#prefix-caching).
+
+A store with a memory budget (:class:`specdec.ragged_lm.RaggedLM`) admits a new sequence by the
+bytes its context needs (:meth:`BatchedLM.admit`) and may *preempt* a sequence to give a running
+one room to grow (its KV dropped; :meth:`BatchedLM.lost` says why; vLLM's recompute preemption).
 """
 
 import abc
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specdec.kv_budget import KVUsage
 
 
 @dataclass
@@ -85,3 +91,19 @@ class BatchedLM(abc.ABC):
     def prefix_cache_tokens(self) -> int:
         """Tokens the prefix cache keeps for sequences that are gone (what its bound limits)."""
         return 0
+
+    def admit(self, seq_id: int, length: int) -> None:  # noqa: B027 (a no-op for a store allocated up front)
+        """Before a new sequence's prefill (after :meth:`attach_prefix`): reserves the KV of its first
+        ``length`` positions, or raises :class:`specdec.errors.ResourceExhausted` saying what to
+        change when the store's memory budget cannot hold them with room left for the running
+        sequences to grow."""
+
+    def lost(self, seq_id: int) -> str | None:
+        """Why the sequence's KV was dropped (preempted to give another room), None while it holds
+        it; a lost sequence runs no more steps and waits to be freed."""
+        return None
+
+    def kv_usage(self) -> KVUsage | None:
+        """The KV blocks used and free within the store's budget, for the metrics (None: a store
+        without a budget of blocks)."""
+        return None

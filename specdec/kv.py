@@ -20,6 +20,11 @@ model's KV store the longest prefix of its context that the store holds already
 prefills only the rest; every reconcile tells the store which cached positions are committed for
 good (all but the last committed token: never rolled back), which it may then share.
 
+Admission (docs/architecture.md#kv-memory-a-budget-in-bytes): then, before any of its work runs, the
+store admits the sequence by the KV its whole committed context takes, or refuses it with
+RESOURCE_EXHAUSTED (:meth:`SequenceKV.admit`); a sequence the store preempted later says why
+(:meth:`SequenceKV.lost`).
+
 Traced (OpenTelemetry spans, no-ops with tracing off): ``prefill`` (:func:`prefill`, with the
 tokens found in the prefix cache) and every ``rollback`` that drops cached positions; the engine
 adds the ``forward`` spans.
@@ -60,6 +65,15 @@ class SequenceKV:
         self.cached_tokens = list(committed[:found])
         self._agreed = self.num_cached_tokens = found
         return found
+
+    def admit(self, length: int) -> None:
+        """Reserves the KV of ``length`` positions in the store (:meth:`specdec.batching.BatchedLM.admit`).
+        Raises ResourceExhausted when its budget cannot hold them."""
+        self.lm.admit(self.seq_id, length)
+
+    def lost(self) -> str | None:
+        """Why the store preempted this sequence's KV, None while it holds it."""
+        return self.lm.lost(self.seq_id)
 
     def rollback(self, length: int) -> None:
         """Drops the KV of every position at or after ``length`` (a length change in the store)."""
@@ -152,7 +166,8 @@ def prefill(
     work: Work | None = None,
 ) -> StepStats | None:
     """Prefills the new sequence ``kv_cache`` with ``committed``, in a ``prefill`` span: what the
-    model's prefix cache holds of it is attached, and ``work`` runs the rest through ``engine``
+    model's prefix cache holds of it is attached, the KV of all of it admitted (raises
+    ResourceExhausted when the store's budget cannot hold it), and ``work`` runs the rest through ``engine``
     (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.Engine.run`). By default
     ``work`` is a :class:`PrefillWork`, which caches every committed token but the last (by the
     rule of the module docstring) and runs only when the cache lacks some of them; the verify
@@ -164,6 +179,7 @@ def prefill(
         span.set_attribute("specdec.num_cached_tokens", found)
         if kv_cache.lm.prefix_caching:
             engine.metrics.observe_prefix_cache(len(committed), found)
+        kv_cache.admit(len(committed))  # the last token's too: the first decode step caches it
         if work is None:
             if found >= len(committed) - 1:
                 return None

@@ -115,8 +115,20 @@ class PrefixCache:
         """Evicts the least recently released unreferenced block and returns it (now free).
         Raises KeyError when there is none (see :attr:`num_evictable`)."""
         block, cached = self._evictable.popitem(last=False)
-        del self._by_key[cached.key], self._by_block[block]
+        self._forget(cached)
         return block
+
+    def evict_from(self, first_block: int) -> list[int]:
+        """Evicts every unreferenced block whose id is ``first_block`` or more (the pool is
+        shrinking below it); returns them. A referenced block is not touched: the caller checks
+        that no live sequence holds one there."""
+        gone = [block for block in self._evictable if block >= first_block]
+        for block in gone:
+            self._forget(self._evictable.pop(block))
+        return gone
+
+    def _forget(self, cached: _Cached) -> None:
+        del self._by_key[cached.key], self._by_block[cached.block]
 
     @property
     def num_evictable(self) -> int:

@@ -11,12 +11,38 @@ per layer and group of sequences of similar context. The indices and masks that 
 once per step (:class:`_StepLayout`), so no Python runs per sequence per layer.
 
 The KV store (paged, as vLLM's PagedAttention, Kwon et al. 2023): one pool per model, a tensor
-``[layers, 2 (key, value), rows, kv_heads, head_dim]`` of the model's dtype, cut into blocks of
+``[2 (key, value), rows, kv_heads, head_dim]`` of the model's dtype per layer, cut into blocks of
 :data:`BLOCK_SIZE` rows. A sequence is a list of blocks (its block table) and a length; it grows by
 taking free blocks, so nothing copies when a sequence grows, and rollback
-(:meth:`RaggedLM.truncate`) only lowers the length. The pool starts at ``num_blocks`` blocks and
-doubles when every block is taken (one copy at each new high-water mark of all sequences' tokens; it never shrinks);
-a GPU port sizes it from its memory budget once, as vLLM does.
+(:meth:`RaggedLM.truncate`) only lowers the length.
+
+Memory, by bytes (docs/architecture.md#kv-memory-a-budget-in-bytes; the budget and its automatic
+default: :mod:`specdec.kv_budget`):
+
+- *Budget*: the pool holds at most ``kv_cache_max_bytes`` (whole blocks). It starts at
+  ``num_blocks`` blocks and doubles when every block is taken, up to the budget and never past
+  it; a layer at a time, so growing holds one layer's copy beyond the pool, not a second pool,
+  and the old layers' memory is handed back at once (as after a shrink, below).
+- *Admission* (:meth:`RaggedLM.admit`, before a prefill runs): a new sequence is promised the
+  blocks its context needs when they can be had within the budget (free blocks, evictable
+  prefix-cache blocks, room to grow, less the blocks promised to other sequences still
+  prefilling) with a watermark (1% of the budget, at least one block, as vLLM's block manager)
+  left for the running sequences to grow into; else RESOURCE_EXHAUSTED, before any work runs,
+  saying whether the context could ever fit.
+- *Preemption* (vLLM's recompute preemption, in :meth:`RaggedLM.forward`): when a step cannot
+  have the blocks a sequence's new tokens need, the most recently admitted sequence that holds
+  any (it may be the one asking) is preempted: its KV is dropped, its step (if in this one) does
+  not run, and :meth:`RaggedLM.lost` says why, so the engine fails its calls (NOT_FOUND; a
+  prefill, RESOURCE_EXHAUSTED) and the service drops its session, which the coordinator rebuilds
+  from its committed log. The other sequences of the step run.
+- *Shrink*: after sequences are freed or preempted, the pool halves, down to its first size,
+  while every block a live sequence holds, and the blocks promised, fit in its first quarter (so
+  the halved pool is at most half used and does not grow back at the next block); the prefix
+  cache's blocks in the upper half are evicted, and the freed memory is handed back (glibc's
+  ``malloc_trim`` on a CPU, where the services keep freed memory otherwise, see
+  :mod:`specdec.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). No
+  compaction: a block held high in the pool by a long sequence keeps the pool at its size until
+  that sequence is freed. Never during a forward (a free() then leaves it to the forward's end).
 
 Prefix caching (:mod:`specdec.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
 blocks full of committed tokens are registered as they fill (:meth:`RaggedLM.commit`), and a new
@@ -25,7 +51,7 @@ sequence whose context begins with the same tokens takes those blocks into its b
 blocks stay in the pool, evictable, up to ``prefix_cache_max_tokens`` tokens. A sequence that
 needs a block takes a free one, else evicts the least recently released cached block, and only
 when none is left does the pool double: the cache lives in blocks no sequence uses and never makes
-the pool grow.
+the pool grow, nor refuses or preempts a sequence.
 
 Attention, the choice (measured on CPU, torch 2.13, 2 threads): a sequence's queries are padded to
 the group's longest, its keys gathered from its blocks and padded to the group's longest context,
@@ -64,7 +90,11 @@ heads than query heads); sliding-window layers (a ``sliding_window`` argument or
 attention module) get their window in the mask.
 """
 
+import ctypes
+import functools
 import heapq
+import logging
+import platform
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,11 +104,15 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specdec.batching import BatchedLM, SequenceStep
+from specdec.errors import ResourceExhausted
+from specdec.kv_budget import SETTING, KVUsage, automatic_budget, watermark_blocks
 from specdec.prefix_cache import ROOT, PrefixCache
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "specdec_ragged"
 BLOCK_SIZE = 16  # KV rows (token positions) per block
-NUM_BLOCKS = 64  # blocks in a new pool (1024 positions), doubled when all are taken
+NUM_BLOCKS = 64  # blocks in a new pool (1024 positions), doubled when all are taken (up to the budget)
 MAX_PADDED_QUERIES = 16  # a sequence with more new tokens than this attends in a group of its own
 MAX_CONTEXT_RATIO = 2.0  # longest / shortest context of the sequences one padded SDPA attends together
 
@@ -86,13 +120,27 @@ MAX_CONTEXT_RATIO = 2.0  # longest / shortest context of the sequences one padde
 @dataclass
 class _Sequence:
     """One sequence in the pool: its block table (block ids, in position order), cached length,
-    the tokens at its cached positions, and the prefix cache's nodes of its first blocks (those
-    registered or found there: committed, shared, never written)."""
+    the tokens at its cached positions, the prefix cache's nodes of its first blocks (those
+    registered or found there: committed, shared, never written), the blocks it was promised at
+    admission (its whole table, taken as its prefill's steps run) and, once preempted, why (it
+    then holds nothing until it is freed)."""
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
+    promised: int = 0
+    lost: str | None = None
+
+    @property
+    def outstanding(self) -> int:
+        """Blocks promised and not taken yet."""
+        return max(0, self.promised - len(self.blocks))
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether preempting it would give blocks (or promises) back."""
+        return self.lost is None and bool(self.blocks or self.promised)
 
 
 class _Group:
@@ -165,12 +213,13 @@ class _StepLayout:
     """Everything the attention of one step needs, built once per step (:func:`_layout`) and passed
     to the attention function through the model's ``**kwargs``.
 
-    ``pool``: the KV store (see the module docstring); ``write_rows``: ``[T]`` int64, the pool rows
-    the step's new keys and values go to; ``groups``: the padded SDPAs; ``out_rows``: ``[T]`` int64,
-    for each token of the step its row in the groups' outputs concatenated (None: the same rows).
+    ``pool``: the KV store, one tensor per layer (see the module docstring); ``write_rows``:
+    ``[T]`` int64, the pool rows the step's new keys and values go to; ``groups``: the padded SDPAs;
+    ``out_rows``: ``[T]`` int64, for each token of the step its row in the groups' outputs
+    concatenated (None: the same rows).
     """
 
-    pool: torch.Tensor
+    pool: list[torch.Tensor]
     write_rows: torch.Tensor
     groups: list[_Group]
     out_rows: torch.Tensor | None
@@ -220,16 +269,17 @@ def _padded_groups(sequences: list[_Sequence], counts: list[int]) -> list[list[i
     return groups
 
 
-def _layout(pool: torch.Tensor, sequences: list[_Sequence], counts: list[int]) -> _StepLayout:
+def _layout(pool: list[torch.Tensor], sequences: list[_Sequence], counts: list[int]) -> _StepLayout:
     """The step's layout for ``sequences`` (cached lengths before the step) bringing ``counts``
     new tokens each, in that order in the flattened step."""
+    device = pool[0].device
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     members = _padded_groups(sequences, counts)
     members += [[i] for i, n in enumerate(counts) if n > MAX_PADDED_QUERIES]
     groups, out_rows, base = [], [0] * sum(counts), 0
     for group in members:
         groups.append(
-            _group([sequences[i] for i in group], [counts[i] for i in group], [offsets[i] for i in group], pool.device)
+            _group([sequences[i] for i in group], [counts[i] for i in group], [offsets[i] for i in group], device)
         )
         width = max(counts[i] for i in group)
         for b, i in enumerate(group):
@@ -244,9 +294,9 @@ def _layout(pool: torch.Tensor, sequences: list[_Sequence], counts: list[int]) -
     in_order = base == len(out_rows) and out_rows == list(range(base))  # no padding, nothing reordered
     return _StepLayout(
         pool,
-        torch.tensor(write_rows, device=pool.device),
+        torch.tensor(write_rows, device=device),
         groups,
-        None if in_order else torch.tensor(out_rows, device=pool.device),
+        None if in_order else torch.tensor(out_rows, device=device),
     )
 
 
@@ -275,34 +325,56 @@ class RaggedLM(BatchedLM):
     plain forward no longer works). ``num_blocks``: the pool's first size in blocks of
     :data:`BLOCK_SIZE` positions. ``prefix_cache_max_tokens``: None leaves prefix caching off;
     else the most tokens the prefix cache keeps for freed sequences (rounded down to whole
-    blocks; 0 still shares blocks between live sequences). The number of sequences is bounded by
-    the service's session limit, their lengths by the context window."""
+    blocks; 0 still shares blocks between live sequences). ``kv_cache_max_bytes``: the pool's
+    budget in bytes (0: :func:`specdec.kv_budget.automatic_budget`); ``name`` names the store in
+    refusals ("verify service"). The number of sequences is bounded by the service's session
+    limit, their lengths by the context window and the budget.
 
-    def __init__(self, model, num_blocks: int = NUM_BLOCKS, prefix_cache_max_tokens: int | None = None):
+    Raises ValueError when the budget holds less than one block."""
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int = NUM_BLOCKS,
+        prefix_cache_max_tokens: int | None = None,
+        kv_cache_max_bytes: int = 0,
+        name: str = "KV store",
+    ):
         model.set_attn_implementation(ATTENTION)
         self.model = model
+        self.name = name
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        self._pool = torch.zeros(  # zeros: padding reads rows no step wrote, and 0 x NaN would be NaN
-            config.num_hidden_layers,
-            2,
-            num_blocks * BLOCK_SIZE,
-            config.num_key_value_heads,
-            head_dim,
-            dtype=dtype,
-            device=model.device,
-        )
-        self.bytes_per_token = self._pool[:, :, 0].numel() * self._pool.element_size()
-        self._free = list(range(num_blocks))  # a heap: the lowest free block first, so the pool stays compact
-        self._sequences: dict[int, _Sequence] = {}
+        dtype, device = next(model.parameters()).dtype, model.device
+        self.bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype.itemsize
+        self.block_bytes = self.bytes_per_token * BLOCK_SIZE
+        self.kv_cache_max_bytes = kv_cache_max_bytes or automatic_budget(_free_device_bytes(device))
+        self.max_blocks = self.kv_cache_max_bytes // self.block_bytes
+        if self.max_blocks < 1:
+            raise ValueError(
+                f"{SETTING} ({self.kv_cache_max_bytes} bytes) holds no KV block of the {name} ({BLOCK_SIZE} tokens, "
+                f"{self.block_bytes} bytes): raise it"
+            )
+        self.watermark = watermark_blocks(self.max_blocks)
+        self._first_blocks = min(num_blocks, self.max_blocks)
+        rows = self._first_blocks * BLOCK_SIZE
+        self._pool = [  # zeros: padding reads rows no step wrote, and 0 x NaN would be NaN
+            torch.zeros(2, rows, config.num_key_value_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self._free = list(range(self._first_blocks))  # a heap: the lowest free block first, so the pool stays compact
+        self._sequences: dict[int, _Sequence] = {}  # in admission (allocation) order: the last is preempted first
         self._next_id = 0
         self._cache = None
         if prefix_cache_max_tokens is not None:
             self._cache = PrefixCache(BLOCK_SIZE, prefix_cache_max_tokens // BLOCK_SIZE)
         self.prefix_caching = self._cache is not None
-        # guards _sequences, _free and _cache against free() and attach_prefix() from other threads
+        self.num_preemptions = 0
+        self._stepping = False  # a forward is running: the pool must not shrink under it
+        self._shrink_due = False  # blocks came back since the last look at shrinking
+        # guards _sequences, _free, _cache and the pool against free(), admit() and attach_prefix()
+        # from other threads
         self._lock = threading.Lock()
 
     def allocate(self) -> int:
@@ -316,6 +388,7 @@ class RaggedLM(BatchedLM):
             sequence = self._sequences.pop(seq_id, None)
             if sequence is not None:
                 self._release(sequence)
+                self._shrink()
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Raises ValueError below the sequence's shared blocks (its committed positions)."""
@@ -346,6 +419,47 @@ class RaggedLM(BatchedLM):
             sequence.tokens = list(token_ids[: sequence.length])
         return sequence.length
 
+    def admit(self, seq_id: int, length: int) -> None:
+        """Promises the new sequence the blocks of ``length`` positions (see the module docstring).
+        Raises ResourceExhausted, naming ``kv_cache_max_bytes``, when they cannot be had now with the
+        watermark left free, or can never be."""
+        with self._lock:
+            sequence = self._sequences[seq_id]
+            if sequence.lost is not None:  # preempted for the blocks its prefix holds, before it was admitted
+                raise ResourceExhausted(sequence.lost)
+            total = -(-length // BLOCK_SIZE)
+            budget = f"the KV budget of the {self.name} ({SETTING} = {self.kv_cache_max_bytes} bytes)"
+            if total + self.watermark > self.max_blocks:
+                raise ResourceExhausted(
+                    f"a context of {length} tokens needs {total} KV blocks of {BLOCK_SIZE} tokens and {self.watermark} "
+                    f"kept free beside them: more than {budget} can ever hold; raise --kv-cache-max-bytes to at least "
+                    f"{(total + self.watermark) * self.block_bytes} bytes, or shorten the prompt"
+                )
+            needed, available = total - len(sequence.blocks), self._available()
+            if needed + self.watermark > available:
+                raise ResourceExhausted(
+                    f"{budget} is full: a context of {length} tokens needs {needed} more blocks of {BLOCK_SIZE} "
+                    f"tokens, {max(0, available - self.watermark)} are free beyond the {self.watermark} kept for the "
+                    "running sessions to grow; retry later, or raise --kv-cache-max-bytes or lower max_sessions"
+                )
+            sequence.promised = total
+
+    def lost(self, seq_id: int) -> str | None:
+        """Why the sequence was preempted, None while it holds its KV (or is unknown)."""
+        sequence = self._sequences.get(seq_id)
+        return None if sequence is None else sequence.lost
+
+    def kv_usage(self) -> KVUsage:
+        with self._lock:
+            return KVUsage(
+                self.block_bytes,
+                self.max_blocks,
+                self._pool_blocks(),
+                self._used_blocks(),
+                self._evictable(),
+                self.num_preemptions,
+            )
+
     def commit(self, seq_id: int, length: int) -> None:
         """Registers the sequence's blocks that ``length`` committed tokens fill (see the module
         docstring); called by the engine thread, between steps."""
@@ -364,17 +478,35 @@ class RaggedLM(BatchedLM):
         return self._cache.num_evictable * BLOCK_SIZE if self._cache is not None else 0
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        """As :meth:`specdec.batching.BatchedLM.forward`; a sequence freed or preempted (here, to
+        give another room, see the module docstring) does not run, and its logits are zeros."""
         counts = [len(step.token_ids) for step in steps]
-        with self._lock:  # a sequence freed after its step was scheduled runs on a scratch sequence
-            sequences = [self._sequences.get(step.seq_id) or _Sequence() for step in steps]
-            for sequence, count in zip(sequences, counts, strict=True):
-                self._reserve(sequence, sequence.length + count)
-            layout = _layout(self._pool, sequences, counts)  # before a free() can take blocks back
+        with self._lock:
+            self._stepping = True
+            found = [self._sequences.get(step.seq_id) for step in steps]
+            for sequence, count in zip(found, counts, strict=True):
+                if sequence is not None and sequence.lost is None:
+                    self._make_room(sequence, sequence.length + count)
+            runs = [i for i, sequence in enumerate(found) if sequence is not None and sequence.lost is None]
+            sequences = [s for s in found if s is not None and s.lost is None]
+            layout = _layout(self._pool, sequences, [counts[i] for i in runs]) if runs else None
+        try:
+            logits = self._run([steps[i] for i in runs], sequences, layout) if layout else []
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._shrink()
+        ran = dict(zip(runs, logits, strict=True))
+        return [ran.get(i, torch.zeros(step.num_logits, self.vocab_size)) for i, step in enumerate(steps)]
+
+    def _run(self, steps: list[SequenceStep], sequences: list[_Sequence], layout: _StepLayout) -> list[torch.Tensor]:
+        """The model's forward over ``steps`` of ``sequences`` (their blocks reserved), appending their tokens."""
+        counts = [len(step.token_ids) for step in steps]
         tokens = [t for step in steps for t in step.token_ids]
         positions = [p for s, count in zip(sequences, counts, strict=True) for p in range(s.length, s.length + count)]
         ends = [sum(counts[: i + 1]) for i in range(len(counts))]
         keep = [e - step.num_logits + i for step, e in zip(steps, ends, strict=True) for i in range(step.num_logits)]
-        device = self._pool.device
+        device = self._pool[0].device
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([tokens], device=device),
@@ -383,18 +515,59 @@ class RaggedLM(BatchedLM):
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 ragged=layout,
             )
-        with self._lock:
+        with self._lock:  # a sequence freed during the step gave its blocks back already
             for step, sequence, count in zip(steps, sequences, counts, strict=True):
                 sequence.length += count
                 sequence.tokens += step.token_ids
-                if self._sequences.get(step.seq_id) is not sequence:  # scratch, or freed during the step
-                    self._release(sequence)
         logits = out.logits[0].float().cpu()
         return list(logits.split([step.num_logits for step in steps]))
 
+    # --- blocks (holding the lock) -------------------------------------------------------
+
+    def _pool_blocks(self) -> int:
+        return self._pool[0].shape[1] // BLOCK_SIZE
+
+    def _evictable(self) -> int:
+        return self._cache.num_evictable if self._cache is not None else 0
+
+    def _used_blocks(self) -> int:
+        """Blocks live sequences hold, or were promised and have not taken yet."""
+        promised = sum(s.outstanding for s in self._sequences.values())
+        return self._pool_blocks() - len(self._free) - self._evictable() + promised
+
+    def _available(self) -> int:
+        """Blocks a sequence could still take within the budget: free ones, evictable cached ones
+        and room to grow, less those promised to sequences still prefilling."""
+        return self.max_blocks - self._used_blocks()
+
+    def _make_room(self, sequence: _Sequence, length: int) -> None:
+        """Gives ``sequence`` the blocks of ``length`` positions, preempting the most recently
+        admitted sequences that hold any until they fit (``sequence`` itself, when it is its turn:
+        it then takes nothing)."""
+        while -(-length // BLOCK_SIZE) - len(sequence.blocks) > self._available() + sequence.outstanding:
+            victim = next((s for s in reversed(self._sequences.values()) if s.holds_kv), sequence)
+            self._preempt(victim)
+            if victim is sequence:
+                return
+        self._reserve(sequence, length)
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Drops the sequence's KV (vLLM's recompute preemption: it is computed again from the
+        committed log when its session is rebuilt)."""
+        sequence.lost = (
+            f"preempted: the KV budget of the {self.name} ({SETTING} = {self.kv_cache_max_bytes} bytes) was full "
+            "when a running session needed room to grow, and this session was the most recently admitted; prefill "
+            "it again (the coordinator rebuilds it from its committed log), or raise --kv-cache-max-bytes or lower "
+            "max_sessions"
+        )
+        self._release(sequence)
+        sequence.length, sequence.tokens, sequence.promised = 0, [], 0
+        self.num_preemptions += 1
+        log.warning("%s: a sequence preempted, the KV budget (%d bytes) being full", self.name, self.kv_cache_max_bytes)
+
     def _reserve(self, sequence: _Sequence, length: int) -> None:
         """Gives ``sequence`` blocks for ``length`` positions: free ones, else the prefix cache's
-        least recently released, else the pool grows."""
+        least recently released, else the pool grows (the caller made sure one of them can)."""
         for _ in range(-(-length // BLOCK_SIZE) - len(sequence.blocks)):
             if not self._free and self._cache is not None and self._cache.num_evictable:
                 heapq.heappush(self._free, self._cache.evict())
@@ -412,12 +585,56 @@ class RaggedLM(BatchedLM):
             for block in self._cache.trim():
                 heapq.heappush(self._free, block)
         sequence.blocks, sequence.nodes = [], []
+        self._shrink_due = True
 
     def _grow(self) -> None:
-        """Doubles the pool (the one copy of cached KV, at a new high-water mark of all sequences)."""
-        rows = self._pool.shape[2]
-        grown = self._pool.new_zeros(*self._pool.shape[:2], 2 * rows, *self._pool.shape[3:])
-        grown[:, :, :rows] = self._pool
-        self._pool = grown
-        for block in range(rows // BLOCK_SIZE, 2 * rows // BLOCK_SIZE):
+        """Doubles the pool, up to the budget (one copy of the cached KV, a layer at a time), and
+        hands the old layers' memory back, so that it does not stay resident beside the new pool."""
+        blocks = self._pool_blocks()
+        grown = min(2 * blocks, self.max_blocks)
+        for i, layer in enumerate(self._pool):
+            bigger = layer.new_zeros(2, grown * BLOCK_SIZE, *layer.shape[2:])
+            bigger[:, : blocks * BLOCK_SIZE] = layer
+            self._pool[i] = bigger
+        del layer, bigger
+        _give_back_memory(self._pool[0].device)
+        for block in range(blocks, grown):
             heapq.heappush(self._free, block)
+
+    def _shrink(self) -> None:
+        """Halves the pool while the rule of the module docstring allows, and hands the memory back."""
+        if self._stepping or not self._shrink_due:
+            return
+        self._shrink_due = False
+        blocks = self._pool_blocks()
+        top = max((b + 1 for s in self._sequences.values() for b in s.blocks), default=0)
+        used, size = self._used_blocks(), blocks
+        while size > self._first_blocks and 4 * max(top, used) <= size:
+            size = max(size // 2, self._first_blocks)
+        if size == blocks:
+            return
+        if self._cache is not None:
+            self._cache.evict_from(size)
+        self._free = [block for block in self._free if block < size]
+        heapq.heapify(self._free)
+        for i, layer in enumerate(self._pool):
+            self._pool[i] = layer[:, : size * BLOCK_SIZE].clone()
+        _give_back_memory(self._pool[0].device)
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    """A GPU's free memory in bytes (None on a CPU)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
+
+
+def _give_back_memory(device: torch.device) -> None:
+    """Returns freed memory to the system: the CUDA caching allocator's, or glibc's heap."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif (libc := _libc()) is not None:
+        libc.malloc_trim(0)

@@ -5,17 +5,22 @@ of new tokens and context),
 rollback then append, a freed sequence's blocks reused, a pool that grows from two blocks, grouped
 query attention (the tiny Llama has 4 query and 2 KV heads) and a sliding window. With prefix
 caching: a sequence that starts from cached blocks, blocks shared by live sequences and never
-written, reference counts after free, eviction under the bound and before the pool grows."""
+written, reference counts after free, eviction under the bound and before the pool grows. Within a
+KV budget: the pool grows up to it and never past it, a context is admitted by the blocks it needs
+with room left to grow, a sequence that cannot grow preempts the most recently admitted one (the
+others' logits unchanged), and the pool shrinks back as sequences end."""
 
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from specdec.batching import SequenceStep
+from specdec.errors import ResourceExhausted
 from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _padded_groups, _Sequence
 from tests.conftest import tiny_llama
 
 VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK_SIZE  # the tiny Llama's: layers x (key, value) x KV heads x head_dim x float32
 
 
 def reference_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -31,9 +36,11 @@ def random_tokens(count: int, generator: torch.Generator) -> list[int]:
 class Checked:
     """A RaggedLM next to its reference model, with every sequence's tokens kept to compare."""
 
-    def __init__(self, build, num_blocks: int = 2, prefix_cache_max_tokens: int | None = None):
+    def __init__(
+        self, build, num_blocks: int = 2, prefix_cache_max_tokens: int | None = None, kv_cache_max_bytes: int = 0
+    ):
         self.reference = build()
-        self.lm = RaggedLM(build(), num_blocks=num_blocks, prefix_cache_max_tokens=prefix_cache_max_tokens)
+        self.lm = RaggedLM(build(), num_blocks, prefix_cache_max_tokens, kv_cache_max_bytes)
         self.tokens: dict[int, list[int]] = {}
 
     def allocate(self) -> int:
@@ -84,7 +91,7 @@ def test_ragged_steps_equal_each_sequence_alone(checked):
         checked.step({seq: random_tokens(sizes[(i + round_) % 4], generator) for i, seq in enumerate(batch)})
         for seq in batch[::2]:  # rejected drafts: a length change
             checked.truncate(seq, max(1, len(checked.tokens[seq]) - 2))
-    assert checked.lm._pool.shape[2] > 2 * BLOCK_SIZE  # the pool grew while sequences kept their blocks
+    assert checked.lm.kv_usage().pool > 2  # the pool grew while sequences kept their blocks
 
 
 def test_sequences_attend_with_those_of_their_width_and_context():
@@ -165,8 +172,8 @@ def test_rows_no_step_wrote_are_zeros(checked):
     seq = checked.allocate()
     checked.step({seq: random_tokens(3 * BLOCK_SIZE, generator)})  # grows the pool from two blocks
     used = sum(len(s.blocks) for s in checked.lm._sequences.values()) * BLOCK_SIZE
-    assert checked.lm._pool.shape[2] > used
-    assert not checked.lm._pool[:, :, used:].any()
+    assert checked.lm.kv_usage().pool * BLOCK_SIZE > used
+    assert not any(layer[:, used:].any() for layer in checked.lm._pool)
 
 
 def cached(num_blocks: int = 2, max_tokens: int = 1024) -> Checked:
@@ -198,7 +205,7 @@ def test_shared_blocks_are_never_written():
     sharer, found = checked.attach(context)
     shared_rows = checked.lm._sequences[owner].blocks[:2]
     assert checked.lm._sequences[sharer].blocks == shared_rows and found == 2 * BLOCK_SIZE
-    before = checked.lm._pool.clone()
+    before = [layer.clone() for layer in checked.lm._pool]
     checked.truncate(owner, 2 * BLOCK_SIZE)  # rollback to the committed length
     checked.step({owner: random_tokens(BLOCK_SIZE + 2, generator), sharer: random_tokens(5, generator)})
     checked.step({sharer: random_tokens(1, generator), owner: random_tokens(2, generator)})
@@ -206,7 +213,7 @@ def test_shared_blocks_are_never_written():
     third = checked.allocate()
     checked.step({third: random_tokens(6 * BLOCK_SIZE, generator), sharer: random_tokens(2, generator)})
     rows = torch.tensor([b * BLOCK_SIZE + i for b in shared_rows for i in range(BLOCK_SIZE)])
-    assert torch.equal(checked.lm._pool[:, :, rows], before[:, :, rows])
+    assert all(torch.equal(now[:, rows], then[:, rows]) for now, then in zip(checked.lm._pool, before, strict=True))
     with pytest.raises(ValueError, match="committed"):
         checked.lm.truncate(sharer, 2 * BLOCK_SIZE - 1)  # below the shared, committed blocks
 
@@ -237,9 +244,94 @@ def test_cached_blocks_are_evicted_before_the_pool_grows():
     assert checked.lm.prefix_cache_tokens() == 4 * BLOCK_SIZE
     other = checked.allocate()
     checked.step({other: random_tokens(3 * BLOCK_SIZE, generator)})  # three blocks: all free ones are cached
-    assert checked.lm._pool.shape[2] == 4 * BLOCK_SIZE  # no growth: three cached blocks evicted instead
+    assert checked.lm.kv_usage().pool == 4  # no growth: three cached blocks evicted instead
     assert checked.lm.prefix_cache_tokens() == BLOCK_SIZE  # the first block, evicted last
     again, found = checked.attach(context)
     assert found == BLOCK_SIZE
     checked.step({again: context[found:]})  # the pool grows now: every block is held
-    assert checked.lm._pool.shape[2] > 4 * BLOCK_SIZE
+    assert checked.lm.kv_usage().pool > 4
+
+
+def budgeted(blocks: int, max_tokens: int | None = None) -> Checked:
+    """A pool of two blocks at first, within a budget of ``blocks`` blocks."""
+    return Checked(lambda: tiny_llama(seed=0, vocab_size=VOCAB), 2, max_tokens, kv_cache_max_bytes=blocks * BLOCK_BYTES)
+
+
+def pool_bytes(lm: RaggedLM) -> int:
+    return sum(layer.numel() * layer.element_size() for layer in lm._pool)
+
+
+def test_the_pool_grows_up_to_its_budget_and_never_past_it():
+    """Two blocks, doubled to four, then to the budget's five (not eight); a sixth block is had by
+    preempting a sequence, not by growing."""
+    checked, generator = budgeted(5), torch.Generator().manual_seed(11)
+    assert checked.lm.block_bytes == BLOCK_BYTES
+    first, second = checked.allocate(), checked.allocate()
+    checked.step({first: random_tokens(3 * BLOCK_SIZE, generator)})
+    assert checked.lm.kv_usage().pool == 4
+    checked.step({second: random_tokens(2 * BLOCK_SIZE, generator)})
+    assert (
+        checked.lm.kv_usage().pool == 5 and pool_bytes(checked.lm) == 5 * BLOCK_BYTES == checked.lm.kv_cache_max_bytes
+    )
+    checked.step({first: random_tokens(1, generator)})  # its fourth block: the second sequence is preempted
+    assert pool_bytes(checked.lm) == 5 * BLOCK_BYTES
+    assert "kv_cache_max_bytes = 40960 bytes" in checked.lm.lost(second)
+    assert checked.lm.kv_usage().num_preemptions == 1 and checked.lm.lost(first) is None
+
+
+def test_a_context_is_admitted_by_the_blocks_it_needs_with_room_left_to_grow():
+    checked = budgeted(8)  # the watermark: one block
+    first, second = checked.allocate(), checked.allocate()
+    checked.lm.admit(first, 6 * BLOCK_SIZE + 1)  # seven blocks and the watermark: the whole budget
+    assert checked.lm.kv_usage().used == 7  # promised, while the pool holds two
+    full = r"kv_cache_max_bytes = 65536 bytes\) is full: a context of 5 tokens needs 1 more blocks of 16 tokens, 0 "
+    with pytest.raises(ResourceExhausted, match=full):
+        checked.lm.admit(second, 5)
+    never = r"more than the KV budget .* can ever hold; raise --kv-cache-max-bytes to at least 73728 bytes"
+    with pytest.raises(ResourceExhausted, match=never):
+        checked.lm.admit(second, 8 * BLOCK_SIZE)
+    checked.step({first: random_tokens(6 * BLOCK_SIZE + 1, generator=torch.Generator().manual_seed(12))})
+    assert checked.lm.kv_usage().used == 7  # taken as promised
+    checked.lm.free(first)
+    checked.lm.admit(second, 5)
+
+
+def test_a_sequence_that_cannot_grow_preempts_the_most_recently_admitted():
+    """Three sequences fill a budget of six blocks. The oldest grows: the newest is preempted. The
+    second asks for more than is left: being the newest that holds any KV now, it is preempted
+    itself, and its step does not run. The oldest's logits stay those of transformers' forward."""
+    checked, generator = budgeted(6), torch.Generator().manual_seed(13)
+    oldest, middle, newest = checked.allocate(), checked.allocate(), checked.allocate()
+    checked.step({seq: random_tokens(2 * BLOCK_SIZE, generator) for seq in (oldest, middle, newest)})
+    checked.step({oldest: random_tokens(1, generator)})
+    assert checked.lm.lost(newest) and checked.lm.lost(middle) is None and checked.lm.cache_bytes(newest) == 0
+    steps = [SequenceStep(middle, random_tokens(3 * BLOCK_SIZE, generator), 1), SequenceStep(oldest, [5], 1)]
+    skipped, logits = checked.lm.forward(steps)
+    checked.tokens[oldest].append(5)
+    assert torch.allclose(logits, reference_logits(checked.reference, checked.tokens[oldest])[-1:], atol=1e-4)
+    assert checked.lm.lost(middle) and not skipped.any() and checked.lm.lost(oldest) is None
+    assert checked.lm.kv_usage().num_preemptions == 2
+    checked.step({oldest: random_tokens(2 * BLOCK_SIZE, generator)})  # the preempted sequences' blocks serve it
+
+
+def test_the_pool_shrinks_back_as_sequences_end():
+    """A long sequence grows the pool to 16 blocks; once it is freed, the pool halves to 4, the
+    short sequence's two blocks in its first half, and the prefix cache keeps only what lies there;
+    once every sequence is freed, it is back at its first two blocks."""
+    checked, generator = budgeted(64, max_tokens=4 * BLOCK_SIZE), torch.Generator().manual_seed(14)
+    short, long = checked.allocate(), checked.allocate()
+    checked.step({short: random_tokens(BLOCK_SIZE + 1, generator)})
+    context = random_tokens(14 * BLOCK_SIZE, generator)
+    checked.step({long: context})
+    checked.commit_all(long)
+    assert checked.lm.kv_usage().pool == 16
+    checked.lm.free(long)  # its first four blocks stay cached, two of them in the upper half
+    assert checked.lm.kv_usage().pool == 4 and pool_bytes(checked.lm) == 4 * BLOCK_BYTES
+    assert checked.lm.prefix_cache_tokens() == 2 * BLOCK_SIZE
+    again, found = checked.attach(context)
+    assert found == 2 * BLOCK_SIZE
+    checked.step({again: context[found:], short: random_tokens(2, generator)})  # grows again, logits right
+    checked.lm.free(again)
+    checked.lm.free(short)
+    assert checked.lm.kv_usage().pool == 2 and pool_bytes(checked.lm) == 2 * BLOCK_BYTES
+    assert checked.lm.prefix_cache_tokens() == 0
