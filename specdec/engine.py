@@ -31,6 +31,19 @@ streams, :mod:`specdec.step_stream`): the profile of the verify service under 64
 its GIL time in handing calls to pool threads and waking them (docs/architecture.md). The engine
 itself drops a queued call whose deadline passed or whose caller went away.
 
+KV memory (docs/architecture.md#kv-memory-a-budget-in-bytes): a model's KV store may preempt a
+sequence to give another room (:meth:`specdec.batching.BatchedLM.lost`); its calls, queued or in
+the step, then fail: NOT_FOUND (the session is gone: prefill it again), or RESOURCE_EXHAUSTED for
+a prefill (refused, as at admission). The step's other calls go on.
+
+A call's failure fails that call: its work's ``next_step`` or ``finish_step`` raising, its kind's
+acceptance pass, the step's forward (every call in that step). The loop itself failing (its
+scheduling or bookkeeping: a bug) is fatal: it is logged at CRITICAL with its traceback, every
+queued call fails with UNAVAILABLE, later ones at once, and the handler given to
+:meth:`Engine.watch` is called (the service reports NOT_SERVING and exits, so that its supervisor
+restarts it: :class:`specdec.server.Liveness`), rather than the daemon thread dying
+unseen while the service still reports SERVING.
+
 Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
 they open (acceptance, rollback) sit under that call's span, and each step adds a ``forward`` span
 there (attributes: the call's ``specdec.num_tokens``, the step's ``specdec.batch_size`` and
@@ -50,7 +63,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from specdec.batching import BatchedLM, SequenceStep
-from specdec.errors import Unavailable
+from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.prom import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -102,6 +115,8 @@ class Work(abc.ABC):
 
 # Called once with a call's outcome: (work.result, its StepStats, None), or (None, StepStats, the error).
 Done = Callable[[object, "StepStats", BaseException | None], None]
+# Called once if an engine's loop dies: (what died, for the log: "the verify engine loop"; the error).
+Fatal = Callable[[str, BaseException], None]
 
 
 @dataclass(eq=False)  # compared by identity: entries are looked up in the queue
@@ -164,6 +179,9 @@ class Engine:
         self._step_s = 0.0  # the last step's forward time
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._stop_reason = f"the {name} engine is stopping: retry on another replica"
+        self._died: BaseException | None = None  # what killed the loop
+        self._on_fatal: Fatal | None = None
 
     def submit(
         self,
@@ -177,9 +195,11 @@ class Engine:
         context current here, with ``work.result`` and
         its :class:`StepStats`, or with the error: Unavailable when the call was not started before
         ``timeout_s`` seconds passed (None: no deadline) or ``abandoned()`` turned True (checked
-        before each step), or the engine stopped; what the work's steps raise (the whole step
-        fails: every call in it gets the error). ``done`` must not block: it runs on the engine's
-        thread (an error it raises is logged, and the loop goes on)."""
+        before each step), or the engine stopped or its loop died; NotFound (ResourceExhausted for
+        a prefill) when the model's KV store preempted the work's sequence; what the work's steps
+        raise (a failed forward fails the whole step: every call in it gets the error). ``done``
+        must not block: it runs on the engine's thread (an error it raises is logged, and the loop
+        goes on)."""
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         entry = _Entry(work, done, deadline, abandoned)
         with self._cond:
@@ -189,7 +209,7 @@ class Engine:
                 self._queue.append(entry)
                 self._wake_for(work.seq_id)
         if stopped:
-            done(None, entry.stats, Unavailable(f"the {self.name} engine is stopping: retry on another replica"))
+            done(None, entry.stats, Unavailable(self._stop_reason))
 
     def run(self, work: Work, timeout_s: float | None = None, on_wait: Callable[[], bool] | None = None):
         """:meth:`submit`, waiting for the outcome: returns ``(work.result, StepStats)`` or raises
@@ -223,6 +243,14 @@ class Engine:
         elif len(self._queue) <= 1:
             self._cond.notify()
 
+    def watch(self, on_fatal: Fatal) -> None:
+        """Has ``on_fatal(what, error)`` called if the loop dies (see the module docstring); at
+        once when it died already."""
+        with self._cond:
+            self._on_fatal, died = on_fatal, self._died
+        if died is not None:
+            on_fatal(f"the {self.name} engine loop", died)
+
     def stop(self) -> None:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
         with self._cond:
@@ -236,8 +264,29 @@ class Engine:
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+            self._thread = threading.Thread(target=self._serve, name=f"{self.name}-engine", daemon=True)
             self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # the loop itself failed: fatal (see the module docstring)
+            self._die(err)
+
+    def _die(self, err: BaseException) -> None:
+        log.critical(
+            "the %s engine loop died: its calls fail with UNAVAILABLE and the service must be restarted",
+            self.name,
+            exc_info=err,
+        )
+        with self._cond:
+            self._stopped, self._died, on_fatal = True, err, self._on_fatal
+            self._stop_reason = f"the {self.name} engine loop died ({err!r}): the service is restarting; retry later"
+            queued, self._queue = self._queue, []
+        for entry in queued:
+            self._hand(entry, Unavailable(self._stop_reason))
+        if on_fatal is not None:
+            on_fatal(f"the {self.name} engine loop", err)
 
     def _loop(self) -> None:
         while True:
@@ -249,9 +298,11 @@ class Engine:
                 self._wait_for_previous()
                 given_up = self._drop_given_up()
                 running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
-                batch = self._schedule(alone=running == 1)
+                batch, failed = self._schedule(alone=running == 1)
             for entry in given_up:
                 self._hand(entry, self._late_error())
+            for entry, err in failed:
+                self._hand(entry, err)
             if batch:
                 self._step(batch, running)
 
@@ -289,24 +340,48 @@ class Engine:
             self._cond.wait(remaining)
         self._awaited = set()
 
-    def _schedule(self, alone: bool) -> list[tuple[_Entry, SequenceStep]]:
+    def _schedule(self, alone: bool) -> tuple[list[tuple[_Entry, SequenceStep]], list[tuple[_Entry, Exception]]]:
         """This step's entries and their steps: decoding work first, then prefill chunks, in
         arrival order, within the limits (``alone``, the queue's only sequence and no other served
-        in the last two steps: ``max_num_batched_tokens_alone``)."""
+        in the last two steps: ``max_num_batched_tokens_alone``); and the calls that fail instead,
+        taken out of the queue (holding the condition) with their errors: a preempted sequence's,
+        and those whose work's ``next_step`` raised."""
         batch: list[tuple[_Entry, SequenceStep]] = []
+        failed: list[tuple[_Entry, Exception]] = []
         budget, seqs = self.max_num_batched_tokens_alone if alone else self.max_num_batched_tokens, set()
         for prefill in (False, True):
             for entry in self._queue:
                 work = entry.work
-                if work.is_prefill != prefill or work.seq_id in seqs or len(batch) >= self.max_num_seqs or budget <= 0:
+                if work.is_prefill != prefill:
                     continue
-                step = entry.call(work.next_step, budget)
+                error: Exception | None = self._lost(work)
+                if error is None:
+                    if work.seq_id in seqs or len(batch) >= self.max_num_seqs or budget <= 0:
+                        continue
+                    try:
+                        step = entry.call(work.next_step, budget)
+                    except Exception as err:  # this call's failure: the others go on
+                        error = err
+                if error is not None:
+                    failed.append((entry, error))
+                    continue
                 if len(step.token_ids) > budget and batch:
                     continue  # does not fit this step's budget: the next one
                 batch.append((entry, step))
                 seqs.add(work.seq_id)
                 budget -= len(step.token_ids)
-        return batch
+        if failed:
+            gone = set(map(id, (entry for entry, _ in failed)))
+            self._queue = [entry for entry in self._queue if id(entry) not in gone]
+        return batch, failed
+
+    def _lost(self, work: Work) -> SpecdecError | None:
+        """The error of a call whose sequence the model's KV store preempted (None: not preempted):
+        RESOURCE_EXHAUSTED for a prefill (its session never opened), else NOT_FOUND."""
+        reason = self.lm.lost(work.seq_id)
+        if reason is None:
+            return None
+        return ResourceExhausted(reason) if work.is_prefill else NotFound(reason)
 
     def _step(self, batch: list[tuple[_Entry, SequenceStep]], running: int) -> None:
         start, start_ns = time.perf_counter(), time.time_ns()
@@ -327,7 +402,7 @@ class Engine:
         num_tokens = sum(len(step.token_ids) for step in steps)
         num_prefill_tokens = sum(len(step.token_ids) for entry, step in batch if entry.work.is_prefill)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
-        failed = self._accept(batch, logits)
+        failed = self._accept(batch, logits)  # and the calls of sequences preempted in the step
         outcomes: list[tuple[_Entry, Exception | None]] = []
         for i, ((entry, step), rows) in enumerate(zip(batch, logits, strict=True)):
             entry.stats.num_seqs, entry.stats.num_tokens, entry.stats.step_ms = len(batch), num_tokens, step_ms
@@ -355,12 +430,17 @@ class Engine:
         self._finish(outcomes)
 
     def _accept(self, batch: list[tuple[_Entry, SequenceStep]], logits: list[torch.Tensor]) -> dict[int, Exception]:
-        """Runs :meth:`Work.accept` once per kind of work in the step; returns the batch indices of
-        the entries whose kind's pass failed, with the error (they fail, the others go on)."""
+        """Runs :meth:`Work.accept` once per kind of work in the step, over the calls whose
+        sequence the step did not preempt; returns the batch indices of the entries that fail,
+        with the error: those preempted (:meth:`_lost`), and those whose kind's pass failed (the
+        others go on)."""
+        failed: dict[int, Exception] = {}
         kinds: dict[type[Work], list[int]] = {}
         for i, (entry, _) in enumerate(batch):
-            kinds.setdefault(type(entry.work), []).append(i)
-        failed: dict[int, Exception] = {}
+            if (lost := self._lost(entry.work)) is not None:
+                failed[i] = lost
+            else:
+                kinds.setdefault(type(entry.work), []).append(i)
         for kind, indices in kinds.items():
             try:
                 kind.accept([batch[i][0].work for i in indices], [logits[i] for i in indices])

@@ -2,8 +2,9 @@
 (max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
 leftover budget, a sequence alone prefilling in larger chunks, a decode that does not fit waiting
 for the next step, the per-step acceptance pass (one call per kind of work, its failure failing
-only that kind's calls), the wait for the last step's sequences, and a caller's callback that
-raises."""
+only that kind's calls), the wait for the last step's sequences, a caller's callback that
+raises, a work whose next step raises, the calls of a sequence the KV store preempted (queued or in
+the step), and a loop that dies (its fatal handler called, its calls failed)."""
 
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 
 from specdec.batching import BatchedLM, SequenceStep
 from specdec.engine import Engine, StepStats, Work
+from specdec.errors import NotFound, ResourceExhausted, Unavailable
 from specdec.kv import PrefillWork, SequenceKV
 
 VOCAB = 4
@@ -30,6 +32,11 @@ class RecordingLM(BatchedLM):
         self.steps: list[list[tuple[int, int]]] = []
         self.gate = threading.Event()
         self._next = 0
+        self.preempted: dict[int, str] = {}  # sequences as a KV store's preemption leaves them
+        self.preempt_in_step: dict[int, int] = {}  # preempt the second during the step holding the first
+
+    def lost(self, seq_id: int) -> str | None:
+        return self.preempted.get(seq_id)
 
     def allocate(self) -> int:
         self._next += 1
@@ -47,6 +54,9 @@ class RecordingLM(BatchedLM):
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
         assert self.gate.wait(10)
         self.steps.append([(step.seq_id, len(step.token_ids)) for step in steps])
+        for step in steps:
+            if (victim := self.preempt_in_step.get(step.seq_id)) is not None:
+                self.preempted[victim] = "preempted: the KV budget was full"
         return [torch.zeros(step.num_logits, VOCAB) for step in steps]
 
 
@@ -246,3 +256,68 @@ def test_a_step_waits_for_its_last_sequences_a_share_of_its_time(share, together
     assert lm.steps[:2] == [[(0, 1)], [(1, 1), (2, 1)]]
     assert (lm.steps[2] == [(1, 1), (2, 1)]) == together
     engine.stop()
+
+
+class Unschedulable(Decode):
+    """A work whose next step raises (a bug in it, say)."""
+
+    def next_step(self, budget: int) -> SequenceStep:
+        raise ValueError("no step")
+
+
+def test_a_work_whose_next_step_raises_fails_alone(lm):
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64)
+    broken, decoded = run_behind_a_blocker(engine, [Unschedulable(10, 1), Decode(11, 1)])
+    assert isinstance(broken.error, ValueError) and decoded.error is None
+    assert lm.steps[1:] == [[(11, 1)]]
+    engine.run(Decode(12, 1), timeout_s=10)  # the loop serves on
+    engine.stop()
+
+
+class PrefillChunk(Decode):
+    is_prefill = True
+
+
+def test_the_calls_of_a_preempted_sequence_fail_and_the_others_run(lm):
+    """A queued call of a sequence the KV store preempted fails before any step (NOT_FOUND; a
+    prefill: RESOURCE_EXHAUSTED, it never opened); one preempted during its step fails after it,
+    without its acceptance pass or its finish; the step's other calls go on."""
+    Accepted.passes, Accepted.fail = [], False
+    lm.preempted = {10: "preempted: the KV budget was full", 11: "preempted: the KV budget was full"}
+    lm.preempt_in_step = {13: 14}  # 13's step needs room: 14 is preempted while in the same step
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64)
+    queued, prefill, running, in_step = run_behind_a_blocker(
+        engine, [Decode(10, 1), PrefillChunk(11, 4), Accepted(13, 2), Accepted(14, 2)]
+    )
+    assert isinstance(queued.error, NotFound) and "KV budget was full" in str(queued.error)
+    assert isinstance(prefill.error, ResourceExhausted)
+    assert lm.steps[1:] == [[(13, 2), (14, 2)]]
+    assert running.error is None and running.result == torch.Size([2, VOCAB])
+    assert isinstance(in_step.error, NotFound) and in_step.result is None
+    assert Accepted.passes == [[13]]
+    engine.stop()
+
+
+def test_a_loop_that_dies_fails_its_calls_and_calls_the_fatal_handler(lm, monkeypatch, caplog):
+    """Its scheduling raises (a bug): the queued call fails with UNAVAILABLE, the handler hears what
+    died and why, the traceback is logged at CRITICAL, and a later call fails at once."""
+    lm.gate.set()
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64, name="verify")
+    engine.run(Decode(10, 1), timeout_s=10)
+    deaths: list[tuple[str, BaseException]] = []
+    engine.watch(lambda what, err: deaths.append((what, err)))
+
+    def broken_schedule(alone: bool):
+        raise RuntimeError("a bug in the scheduler")
+
+    monkeypatch.setattr(engine, "_schedule", broken_schedule)
+    with pytest.raises(Unavailable, match="the verify engine loop died"):
+        engine.run(Decode(11, 1), timeout_s=10)
+    assert [(what, str(err)) for what, err in deaths] == [("the verify engine loop", "a bug in the scheduler")]
+    critical = [record for record in caplog.records if record.levelname == "CRITICAL"]
+    assert critical and critical[0].exc_info is not None and "broken_schedule" in caplog.text
+    with pytest.raises(Unavailable, match="died"):
+        engine.run(Decode(12, 1), timeout_s=10)
+    late: list[str] = []
+    engine.watch(lambda what, err: late.append(what))  # a handler set after the death hears of it at once
+    assert late == ["the verify engine loop"]
