@@ -1,4 +1,5 @@
-"""Per-session state on a service: bounded in number, evicted when idle, used one call at a time."""
+"""Per-session state on a service: bounded in number, evicted when idle, dropped when its KV was
+preempted, used one call at a time."""
 
 import contextlib
 import logging
@@ -43,11 +44,15 @@ class SessionRegistry(Generic[S]):
     Args:
         max_sessions: open sessions allowed at once; one more gets RESOURCE_EXHAUSTED.
         idle_timeout_s: a session unused this long (seconds) is released by :meth:`evict_idle`.
+        lost: why a session is lost (its KV preempted by the model's store, see
+            :meth:`specdec.kv.SequenceKV.lost`), None while it is not; a lost session is released
+            by its next call, which fails with NOT_FOUND, or by :meth:`release_lost`.
     """
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, lost: Callable[[S], str | None] | None = None):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.lost = lost or (lambda session: None)
         self._entries: dict[str, _Entry[S]] = {}
         self._released_unknown: OrderedDict[str, bool] = OrderedDict()  # released before they were open
         self._opening: set[str] = set()  # sessions whose Prefill (the factory) is running
@@ -77,6 +82,7 @@ class SessionRegistry(Generic[S]):
         if not session_id:
             raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")
         self.evict_idle()
+        self.release_lost()
         with self._lock:
             if session_id in self._entries or session_id in self._opening:
                 raise AlreadyExists(f"session {session_id!r} already exists: release it first")
@@ -112,7 +118,8 @@ class SessionRegistry(Generic[S]):
     def acquire(self, session_id: str) -> tuple[S, Callable[[], None]]:
         """The session and the function that gives its lock back, held until then: a call served
         on another thread (an engine's, :meth:`specdec.engine.Engine.submit`) gives it back there.
-        Waits while another call holds it. Raises NotFound for an unknown id."""
+        Waits while another call holds it. Raises NotFound for an unknown id, and for a lost one
+        (which it releases)."""
         with self._lock:
             entry = self._entries.get(session_id)
         if entry is None:
@@ -122,6 +129,10 @@ class SessionRegistry(Generic[S]):
             )
         entry.lock.acquire()
         entry.last_used = time.monotonic()
+        if (reason := self.lost(entry.session)) is not None:
+            self._drop(session_id, entry)
+            entry.lock.release()
+            raise NotFound(f"session {session_id!r} {reason}")
 
         def release() -> None:
             entry.last_used = time.monotonic()
@@ -144,6 +155,26 @@ class SessionRegistry(Generic[S]):
             entry.session.close()
         return True
 
+    def release_lost(self) -> list[str]:
+        """Releases the lost sessions no call holds; returns their ids."""
+        with self._lock:
+            lost = [
+                (sid, e) for sid, e in self._entries.items() if not e.lock.locked() and self.lost(e.session) is not None
+            ]
+        for sid, entry in lost:
+            with entry.lock:
+                self._drop(sid, entry)
+        return [sid for sid, _ in lost]
+
+    def _drop(self, session_id: str, entry: _Entry[S]) -> None:
+        """Removes a lost session (its lock held by the caller) and closes it, unless a call that
+        held its lock did already."""
+        with self._lock:
+            if self._entries.get(session_id) is not entry:
+                return
+            del self._entries[session_id]
+        entry.session.close()
+
     def evict_idle(self) -> list[str]:
         """Releases sessions idle longer than the timeout; returns their ids."""
         deadline = time.monotonic() - self.idle_timeout_s
@@ -155,14 +186,24 @@ class SessionRegistry(Generic[S]):
             log.info("evicted %d idle sessions", len(evicted))
         return evicted
 
-    def start_janitor(self, interval_s: float) -> threading.Event:
-        """Evicts idle sessions every ``interval_s`` seconds in a daemon thread until the
-        returned event is set."""
+    def start_janitor(
+        self, interval_s: float, on_fatal: Callable[[str, BaseException], None] | None = None
+    ) -> threading.Event:
+        """Evicts idle sessions and releases lost ones every ``interval_s`` seconds in a daemon
+        thread until the returned event is set. Should it fail, it logs why at CRITICAL (with the
+        traceback) and calls ``on_fatal(what, error)``: the service must not go on without it,
+        reporting SERVING while its abandoned sessions pile up to ``max_sessions``."""
         stop = threading.Event()
 
         def loop() -> None:
-            while not stop.wait(interval_s):
-                self.evict_idle()
+            try:
+                while not stop.wait(interval_s):
+                    self.evict_idle()
+                    self.release_lost()
+            except BaseException as err:
+                log.critical("the idle-session janitor died: idle sessions are no longer released", exc_info=err)
+                if on_fatal is not None:
+                    on_fatal("the idle-session janitor", err)
 
         threading.Thread(target=loop, name="session-janitor", daemon=True).start()
         return stop

@@ -4,12 +4,13 @@ import threading
 
 import pytest
 
-from specdec.errors import AlreadyExists, ResourceExhausted
+from specdec.errors import AlreadyExists, NotFound, ResourceExhausted
 from specdec.sessions import SessionRegistry
 
 
 class _Closable:
     closed = False
+    lost: str | None = None  # set: its KV was preempted
 
     def close(self) -> None:
         self.closed = True
@@ -64,3 +65,41 @@ def test_other_sessions_are_used_while_one_prefills():
     finish.set()
     opener.join(10)
     assert len(sessions) == 2
+
+
+def lost(session: _Closable) -> str | None:
+    return session.lost
+
+
+def test_a_lost_session_fails_its_next_call_with_not_found_and_is_released():
+    """Its KV was preempted: the next call gets NOT_FOUND with the reason and the session is gone
+    (closed, its slot free); a lost session no call comes for is released by the sweep that runs at
+    every open, so that it does not hold a slot until it is idle long enough to be evicted."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60, lost=lost)
+    called, left = _Closable(), _Closable()
+    sessions.open("called", lambda: called)
+    sessions.open("left", lambda: left)
+    called.lost = left.lost = "preempted: the KV budget is full"
+    with pytest.raises(NotFound, match="session 'called' preempted: the KV budget is full"):
+        sessions.acquire("called")
+    assert called.closed and len(sessions) == 1
+    sessions.open("new", _Closable)  # the sweep released the other lost session: room for this one
+    assert left.closed and len(sessions) == 1
+
+
+def test_a_janitor_that_dies_says_so(caplog):
+    """The janitor's loop raising is logged at CRITICAL with its traceback and handed to its fatal
+    handler (the service then reports NOT_SERVING and exits: tests/test_liveness.py)."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    died = threading.Event()
+    deaths: list[str] = []
+
+    def evict_idle() -> list[str]:
+        raise RuntimeError("a bug in the janitor")
+
+    sessions.evict_idle = evict_idle  # type: ignore[method-assign]
+    stop = sessions.start_janitor(0.01, lambda what, err: (deaths.append(f"{what}: {err}"), died.set()))
+    assert died.wait(10)
+    stop.set()
+    assert deaths == ["the idle-session janitor: a bug in the janitor"]
+    assert any(r.levelname == "CRITICAL" and r.exc_info for r in caplog.records)
