@@ -1,12 +1,16 @@
 """gRPC server plumbing shared by the three services: message limits, INVALID_ARGUMENT for
 requests that do not parse (:mod:`specdec.decoding`), the standard health service, server
-reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.tls`) and
-graceful shutdown on SIGTERM / SIGINT."""
+reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.tls`), a bound
+on the calls in progress (``maximum_concurrent_rpcs``: one more fails at once with
+RESOURCE_EXHAUSTED, gRPC's own behaviour, instead of queueing without bound), graceful shutdown on
+SIGTERM / SIGINT, and, for the draft and verify services, NOT_SERVING and an exit with
+:data:`EXIT_FATAL` when a thread they depend on dies (:class:`Liveness`)."""
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +52,11 @@ def server_options(
 
 GRPC_OPTIONS = grpc_options()  # for clients that do not know the server's setting: its default
 SHUTDOWN_GRACE_S = 10.0
+# Calls a draft or verify service takes beyond its max_workers handler threads, waiting for one:
+# health checks and Releases (quick) wait for a thread rather than fail while every thread is busy.
+QUEUED_RPCS = 16
+EXIT_FATAL = 70  # a service's exit code when a thread it depends on died (BSD's EX_SOFTWARE)
+FATAL_GRACE_S = 1.0  # in-flight calls' time to finish before such a service exits
 
 
 def _serving_health(server, service_names: list[str], servicer_cls=health.HealthServicer):
@@ -87,14 +96,34 @@ def start_server(
     credentials: grpc.ServerCredentials | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     rpc_delays_s: dict[str, float] | None = None,
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
     ``register`` adds the servicers and returns their full service names; ``credentials`` (see
     :func:`server_credentials`): TLS, None for plaintext; ``rpc_delays_s``: the fault tests' hook
-    (:mod:`specdec.delay_hook`). Returns the started server and its bound port (useful when
+    (:mod:`specdec.delay_hook`); ``maximum_concurrent_rpcs``: calls in progress at most (served
+    by the ``max_workers`` handler threads or waiting for one; None: no bound), one more fails at
+    once with RESOURCE_EXHAUSTED. Returns the started server and its bound port (useful when
     ``port`` is 0). Every service reports SERVING.
     """
+    server, bound, _ = _start_server(
+        register, host, port, max_workers, credentials, max_message_bytes, rpc_delays_s, maximum_concurrent_rpcs
+    )
+    return server, bound
+
+
+def _start_server(
+    register: Callable[[grpc.Server], list[str]],
+    host: str,
+    port: int,
+    max_workers: int,
+    credentials: grpc.ServerCredentials | None,
+    max_message_bytes: int,
+    rpc_delays_s: dict[str, float] | None,
+    maximum_concurrent_rpcs: int | None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """:func:`start_server`, returning its health servicer too."""
     interceptors: list[grpc.ServerInterceptor] = [RejectUndecodable()]
     if rpc_delays_s:
         interceptors.append(DelayCalls(rpc_delays_s))
@@ -102,6 +131,7 @@ def start_server(
         ThreadPoolExecutor(max_workers=max_workers),
         options=server_options(max_message_bytes),
         interceptors=interceptors,
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     names = register(server)
     health_servicer = _serving_health(server, names)
@@ -110,21 +140,54 @@ def start_server(
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d (%s)", ", ".join(names), host, bound, "TLS" if credentials else "plaintext")
-    return server, bound
+    return server, bound, health_servicer
 
 
 class _Servicer(Protocol):
     metrics: ServiceMetrics
 
 
+class _Watched(Protocol):
+    """A thread the service cannot go on without: an engine loop (:meth:`specdec.engine.Engine.watch`)."""
+
+    def watch(self, on_fatal: Callable[[str, BaseException], None]) -> None: ...
+
+
+class Liveness:
+    """Whether a draft or verify service may go on. A thread it depends on (an engine loop, the
+    idle-session janitor) that dies calls :meth:`fatal`: the service then reports NOT_SERVING on
+    the gRPC health service (a kubelet's probe, ``specdec up``'s readiness check) and its process
+    exits with :data:`EXIT_FATAL` (:meth:`RunningService.serve_until_signal`), so that its
+    supervisor (``specdec up``, the kubelet) restarts it; the coordinator meanwhile rebuilds its
+    sessions from the committed logs (verify) or goes on without the draft."""
+
+    def __init__(self, health_servicer: health.HealthServicer):
+        self._health = health_servicer
+        self.failed = threading.Event()
+        self.failure = ""  # what died, once it did
+
+    def fatal(self, what: str, err: BaseException) -> None:
+        """``what`` ("the verify engine loop") died of ``err`` (its traceback logged by its thread)."""
+        log.critical(
+            "%s died (%r): the service reports NOT_SERVING and exits with code %d, for its supervisor to restart it",
+            what,
+            err,
+            EXIT_FATAL,
+        )
+        self.failure = f"{what} died: {err!r}"
+        self._health.enter_graceful_shutdown()
+        self.failed.set()
+
+
 @dataclass
 class RunningService:
-    """A started draft or verify service: its server, bound port, servicer and janitor."""
+    """A started draft or verify service: its server, bound port, servicer, janitor and liveness."""
 
     server: grpc.Server
     port: int
     servicer: _Servicer  # the DraftServicer or VerifyServicer
     janitor: threading.Event
+    liveness: Liveness
 
     def stop(self, grace_s: float | None = None) -> None:
         self.janitor.set()
@@ -133,7 +196,9 @@ class RunningService:
 
     def serve_until_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT, then stops accepting calls and lets in-flight ones
-        finish (up to SHUTDOWN_GRACE_S seconds)."""
+        finish (up to SHUTDOWN_GRACE_S seconds). Should a thread the service depends on die
+        (:class:`Liveness`), stops within FATAL_GRACE_S instead and ends the process with
+        EXIT_FATAL (``os._exit``: a handler thread left waiting on a dead engine must not keep it)."""
 
         def on_signal(signum, _frame):
             log.info("signal %d: shutting down", signum)
@@ -142,7 +207,13 @@ class RunningService:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        self.server.wait_for_termination()
+        while self.server.wait_for_termination(timeout=0.5):  # True: still serving
+            if self.liveness.failed.is_set():
+                self.janitor.set()
+                self.server.stop(FATAL_GRACE_S).wait()
+                log.critical("exiting with code %d: %s", EXIT_FATAL, self.liveness.failure)
+                logging.shutdown()
+                os._exit(EXIT_FATAL)
 
 
 async def start_aio_server(
@@ -152,10 +223,15 @@ async def start_aio_server(
     credentials: grpc.ServerCredentials | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_receive_bytes: int | None = None,
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given."""
+    """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given;
+    ``maximum_concurrent_rpcs`` calls in progress at most (streams included; None: no bound), one
+    more fails at once with RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(
-        options=server_options(max_message_bytes, max_receive_bytes), interceptors=[AioRejectUndecodable()]
+        options=server_options(max_message_bytes, max_receive_bytes),
+        interceptors=[AioRejectUndecodable()],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
@@ -167,22 +243,32 @@ async def start_aio_server(
     return server, bound
 
 
-def start_service(servicer, add_to_server, service_name: str, sessions, settings) -> RunningService:
+def service_max_concurrent_rpcs(max_workers: int) -> int:
+    """A draft or verify service's ``maximum_concurrent_rpcs``: its handler threads
+    (``max_workers``: a thread per session and a few for GetInfo, Release, health checks and Step
+    streams) and :data:`QUEUED_RPCS` calls waiting for one; past that, RESOURCE_EXHAUSTED at once."""
+    return max_workers + QUEUED_RPCS
+
+
+def start_service(
+    servicer, add_to_server, service_name: str, sessions, settings, engines: Iterable[_Watched] = ()
+) -> RunningService:
     """Starts a session-holding service (draft or verify), its idle-session janitor and its
-    Prometheus endpoint.
+    Prometheus endpoint, and watches its ``engines`` and janitor (:class:`Liveness`).
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
     full name reflection and health report; ``sessions`` the servicer's
     :class:`specdec.sessions.SessionRegistry`, exported by ``servicer.metrics`` (a
     :class:`specdec.prom.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
-    :class:`specdec.settings.SessionServiceSettings`.
+    :class:`specdec.settings.SessionServiceSettings` (its ``max_workers`` also bounds the calls in
+    progress: :func:`service_max_concurrent_rpcs`).
     """
 
     def register(server):
         add_to_server(servicer, server)
         return [service_name]
 
-    server, port = start_server(
+    server, port, health_servicer = _start_server(
         register,
         settings.host,
         settings.port,
@@ -190,8 +276,12 @@ def start_service(servicer, add_to_server, service_name: str, sessions, settings
         server_credentials(settings),
         settings.max_message_bytes,
         parse_delays(settings.debug_rpc_delay_ms),
+        service_max_concurrent_rpcs(settings.max_workers),
     )
-    janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10))
+    liveness = Liveness(health_servicer)
+    janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10), liveness.fatal)
+    for engine in engines:
+        engine.watch(liveness.fatal)
     servicer.metrics.track_sessions(sessions)
     servicer.metrics.serve(settings.host, settings.metrics_port)
-    return RunningService(server, port, servicer, janitor)
+    return RunningService(server, port, servicer, janitor, liveness)

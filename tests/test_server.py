@@ -1,13 +1,15 @@
-"""specdec/server.py: a server's port is its own (the services' calls themselves: the service and
-end-to-end tests)."""
+"""specdec/server.py: a server's port is its own, and calls past its bound on calls in progress
+fail at once with RESOURCE_EXHAUSTED (the services' calls themselves: the service and end-to-end
+tests; a service whose engine loop dies: tests/test_liveness.py)."""
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from specdec.server import start_aio_server, start_server
+from specdec.server import QUEUED_RPCS, service_max_concurrent_rpcs, start_aio_server, start_server
 
 
 def no_services(server) -> list[str]:
@@ -31,3 +33,80 @@ def test_a_second_server_on_a_port_in_use_fails_to_start():
             other.add_insecure_port(f"127.0.0.1:{port}")
     finally:
         first.stop(None)
+
+
+WAIT = "/test.Blocking/Wait"
+
+
+def blocking_service(handler):
+    """A register function adding one unary method, ``WAIT``, served by ``handler``."""
+
+    def register(server) -> list[str]:
+        method = grpc.unary_unary_rpc_method_handler(handler)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Blocking", {"Wait": method})])
+        return []
+
+    return register
+
+
+def refused_past(
+    channel: grpc.Channel, held: int, in_handler: threading.Semaphore, wanted: int
+) -> tuple[grpc.RpcError, list[grpc.Future]]:
+    """Starts ``held`` calls that stay in progress (``wanted`` of them reach the handler, which
+    releases ``in_handler``), then one more; returns its error and the calls held."""
+    wait = channel.unary_unary(WAIT)
+    pending = [wait.future(b"", timeout=20) for _ in range(held)]
+    for _ in range(wanted):
+        assert in_handler.acquire(timeout=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        wait(b"", timeout=5)
+    return refused.value, pending
+
+
+def test_calls_past_the_bound_fail_at_once_with_resource_exhausted():
+    """One handler thread and a bound of two: the first call runs, the second waits for the thread,
+    the third is refused at once; then the first two finish. The draft and verify services' bound:
+    their handler threads and QUEUED_RPCS."""
+    release, in_handler = threading.Event(), threading.Semaphore(0)
+
+    def handler(request, context):
+        in_handler.release()
+        release.wait(20)
+        return b""
+
+    server, port = start_server(blocking_service(handler), "127.0.0.1", 0, max_workers=1, maximum_concurrent_rpcs=2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            error, pending = refused_past(channel, 2, in_handler, 1)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            release.set()
+            assert [call.result() for call in pending] == [b"", b""]
+    finally:
+        server.stop(None)
+    assert service_max_concurrent_rpcs(24) == 24 + QUEUED_RPCS
+
+
+def test_the_coordinators_server_bounds_its_calls_too():
+    """The asyncio server (the coordinator's): past maximum_concurrent_rpcs, RESOURCE_EXHAUSTED at once."""
+    in_handler = threading.Semaphore(0)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    release = asyncio.Event()
+
+    async def handler(request, context):
+        in_handler.release()
+        await release.wait()
+        return b""
+
+    server, port = asyncio.run_coroutine_threadsafe(
+        start_aio_server(blocking_service(handler), "127.0.0.1", 0, maximum_concurrent_rpcs=2), loop
+    ).result(10)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            error, pending = refused_past(channel, 2, in_handler, 2)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            loop.call_soon_threadsafe(release.set)
+            assert [call.result() for call in pending] == [b"", b""]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
