@@ -8,7 +8,7 @@ import time
 import torch
 from opentelemetry import trace
 
-from draft_service.drafters.base import Drafter, DraftSession, Proposal
+from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
 from draft_service.settings import DraftSettings
 from specdec import host_memory
 from specdec.delay_hook import parse_delays
@@ -64,6 +64,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.max_num_seqs,
                 settings.max_num_batched_tokens,
                 settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
+                settings.kv_cache_max_bytes,
             )
         else:
             raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
@@ -231,10 +232,15 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     host_memory.keep_freed_memory()
     drafters = drafters if drafters is not None else load_drafters(settings)
     metrics = ServiceMetrics()
+    engines = []
     for name, drafter in drafters.items():
         if drafter.engine is not None:
-            drafter.engine.metrics = metrics.engine_metrics(name, drafter.engine.lm.prefix_cache_tokens)
-    sessions: SessionRegistry[DraftSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
+            lm = drafter.engine.lm
+            drafter.engine.metrics = metrics.engine_metrics(name, lm.prefix_cache_tokens, lm.kv_usage)
+            engines.append(drafter.engine)
+    sessions: SessionRegistry[DraftSession] = SessionRegistry(
+        settings.max_sessions, settings.session_idle_timeout_s, lost=_lost
+    )
     servicer = DraftServicer(
         drafters,
         settings.default_drafter,
@@ -245,7 +251,14 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
         settings.grammar_aware_drafting,
     )
     servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
-    return start_service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings)
+    return start_service(
+        servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings, engines
+    )
+
+
+def _lost(session: DraftSession) -> str | None:
+    """Why a model drafter's session lost its KV (preempted by the transformers drafter's budget)."""
+    return session.kv_cache.lost() if isinstance(session, ModelDraftSession) else None
 
 
 def main(settings: DraftSettings) -> None:

@@ -67,6 +67,18 @@ class DraftSettings(SessionServiceSettings):
         "uses and never makes the KV pool grow (0: only sessions open at once share). The llama-cpp drafter "
         "keeps freed sessions' sequences instead, up to llama_cpp_max_num_seqs.",
     )
+    kv_cache_max_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV cache budget of the transformers drafter, bytes: its paged KV pool grows up to it and never "
+        "past it; a Prefill whose context's KV it cannot hold (1% kept free for the running sessions to grow) gets "
+        "RESOURCE_EXHAUSTED, a running session that cannot grow preempts the most recently admitted one (its next "
+        "Propose gets NOT_FOUND: the coordinator prefills it again or goes on without the draft), and the pool "
+        "shrinks back as sessions end. 0 = automatic: 0.9 of the GPU memory free after the model loads, or on a CPU "
+        "0.4 of the memory available then (MemAvailable, or a cgroup's limit if lower). The llama-cpp drafter has "
+        "none: llama.cpp allocates llama_cpp_n_ctx x llama_cpp_max_num_seqs tokens of KV up front (x its bytes per "
+        "token: layers x 2 x KV heads x head size x 2 bytes, f16; SmolLM2: 4096 x 16 x 23 KB = 1.5 GB).",
+    )
     transformers_model: str = Field(
         DEFAULT_MODEL, description="Hugging Face id, folder or .gguf for the transformers drafter."
     )

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from specdec.kv_budget import KVUsage
 from specdec.sessions import SessionRegistry
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
@@ -35,10 +36,51 @@ class EngineMetrics:
     def observe_prefix_cache(self, num_queried: int, num_hit: int) -> None: ...
 
 
+class _KVCache(Collector):
+    """The KV stores' budget, usage and preemptions (label ``engine``), read from each engine's
+    model (:meth:`specdec.batching.BatchedLM.kv_usage`) at every scrape; names as vLLM's
+    (``kv_cache_usage_perc``, ``num_preemptions_total``)."""
+
+    def __init__(self) -> None:
+        self.usages: dict[str, Callable[[], KVUsage | None]] = {}
+
+    def collect(self):
+        usage = GaugeMetricFamily(
+            "specdec_kv_cache_usage_perc",
+            "Share of the KV budget (--kv-cache-max-bytes) held by open sessions, 0 to 1.",
+            labels=["engine"],
+        )
+        blocks = GaugeMetricFamily(
+            "specdec_kv_cache_blocks",
+            "KV blocks (16 tokens each) of the budget: total, used (held by open sessions or promised to one "
+            "prefilling), free (total - used; the prefix cache's blocks count as free: evictable).",
+            labels=["engine", "state"],
+        )
+        pool = GaugeMetricFamily(
+            "specdec_kv_cache_pool_bytes",
+            "Bytes the KV pool has allocated now (grows up to the budget, shrinks back as sessions end).",
+            labels=["engine"],
+        )
+        preemptions = CounterMetricFamily(
+            "specdec_num_preemptions",
+            "Sessions preempted (KV dropped, rebuilt by the coordinator) to give a running one room in a full budget.",
+            labels=["engine"],
+        )
+        for engine, read in self.usages.items():
+            if (kv := read()) is None:
+                continue
+            usage.add_metric([engine], kv.usage_perc)
+            for state, value in (("total", kv.budget), ("used", kv.used), ("free", kv.budget - kv.used)):
+                blocks.add_metric([engine, state], value)
+            pool.add_metric([engine], kv.pool * kv.block_bytes)
+            preemptions.add_metric([engine], kv.num_preemptions)
+        yield from (usage, blocks, pool, preemptions)
+
+
 class _EngineFamilies:
     """The metrics of a service's engine loops (label ``engine``): step and queue histograms,
-    prefix-cache counters and size, registered by the first engine that asks (so the coordinator,
-    which has none, exports none)."""
+    prefix-cache counters and size, KV budget and preemptions, registered by the first engine that
+    asks (so the coordinator, which has none, exports none)."""
 
     def __init__(self, registry: CollectorRegistry):
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -78,6 +120,8 @@ class _EngineFamilies:
             ["engine"],
             registry=registry,
         )
+        self.kv_cache = _KVCache()
+        registry.register(self.kv_cache)
 
 
 class _EngineView(EngineMetrics):
@@ -135,12 +179,20 @@ class ServiceMetrics:
         self._engines: _EngineFamilies | None = None
         self._http: WSGIServer | None = None
 
-    def engine_metrics(self, engine: str, prefix_cache_tokens: Callable[[], int]) -> EngineMetrics:
+    def engine_metrics(
+        self,
+        engine: str,
+        prefix_cache_tokens: Callable[[], int],
+        kv_usage: Callable[[], KVUsage | None] = lambda: None,
+    ) -> EngineMetrics:
         """The metrics of the engine named ``engine`` (its label value); ``prefix_cache_tokens``
-        (its model's :meth:`specdec.batching.BatchedLM.prefix_cache_tokens`) is read at every scrape."""
+        and ``kv_usage`` (its model's :meth:`specdec.batching.BatchedLM.prefix_cache_tokens` and
+        :meth:`specdec.batching.BatchedLM.kv_usage`; None: no KV budget metrics) are read at every
+        scrape."""
         if self._engines is None:
             self._engines = _EngineFamilies(self.registry)
         self._engines.prefix_cache_tokens.labels(engine).set_function(prefix_cache_tokens)
+        self._engines.kv_cache.usages[engine] = kv_usage
         return _EngineView(self._engines, engine)
 
     def track_sessions(self, sessions: SessionRegistry) -> None:

@@ -180,12 +180,17 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         limits,
         settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
         settings.pack_linear_weights,
+        settings.kv_cache_max_bytes,
     )
-    target.engine.metrics = metrics.engine_metrics("verify", target.lm.prefix_cache_tokens)
-    sessions: SessionRegistry[TargetSession] = SessionRegistry(settings.max_sessions, settings.session_idle_timeout_s)
+    target.engine.metrics = metrics.engine_metrics("verify", target.lm.prefix_cache_tokens, target.lm.kv_usage)
+    sessions: SessionRegistry[TargetSession] = SessionRegistry(
+        settings.max_sessions, settings.session_idle_timeout_s, lost=TargetSession.lost
+    )
     servicer = VerifyServicer(target, sessions, metrics, settings.max_workers)
     servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
-    return start_service(servicer, verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE, sessions, settings)
+    return start_service(
+        servicer, verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE, sessions, settings, [target.engine]
+    )
 
 
 def main(settings: VerifySettings) -> None:

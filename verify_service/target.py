@@ -8,6 +8,11 @@ the batched logits, each sequence's draws seeded by (request seed, committed len
 request's output does not depend on what else was in its batch beyond floating-point rounding
 (invariant *batch independence*, docs/architecture.md#invariants).
 
+KV memory is admitted by bytes within ``kv_cache_max_bytes`` (:mod:`specdec.kv_budget`): a Prefill
+the budget cannot hold is refused with RESOURCE_EXHAUSTED before it runs, and a session preempted
+to give a running one room to grow fails its next calls with NOT_FOUND
+(docs/architecture.md#kv-memory-a-budget-in-bytes).
+
 Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test
 and ``rollback`` (see :mod:`specdec.kv`).
 """
@@ -25,14 +30,15 @@ from specdec.acceptance import greedy_accept, rejection_sample
 from specdec.batching import SequenceStep
 from specdec.cpu_linear import pack_linears
 from specdec.engine import Engine, StepStats, Work
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.grammar import GrammarMatcher
 from specdec.kv import SequenceKV, prefill
+from specdec.kv_budget import SETTING
 from specdec.logits_processors import process
 from specdec.logprobs import committed_logprobs
 from specdec.models import context_window, load_causal_lm
 from specdec.prefix_cache import DEFAULT_MAX_TOKENS
-from specdec.ragged_lm import RaggedLM
+from specdec.ragged_lm import BLOCK_SIZE, RaggedLM
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.sampling_params import SamplingParams
 from specdec.structured_output import UNLIMITED, grammar_tokenizer
@@ -41,6 +47,7 @@ from specdec.v1 import common_pb2
 from specdec.vocab import check_token_ids, tokenizer_fingerprint
 
 tracer = trace.get_tracer(__name__)
+MEASURE_CONTEXT = 64  # tokens of context of the start-up measurements (Target.measure_costs)
 
 
 @dataclass
@@ -60,7 +67,9 @@ class EngineLimits:
 class Target:
     """A loaded target model, its KV store and engine loop (whose ``metrics`` the service sets),
     shared by all sessions of the verify service. ``prefix_cache_max_tokens``: the KV store's
-    prefix cache (:class:`specdec.ragged_lm.RaggedLM`; None: off)."""
+    prefix cache (:class:`specdec.ragged_lm.RaggedLM`; None: off); ``kv_cache_max_bytes``: its
+    budget (0: automatic, :mod:`specdec.kv_budget`). Raises ValueError, naming the setting, for a
+    budget that cannot hold the start-up measurement's sequence (:meth:`measure_costs`)."""
 
     def __init__(
         self,
@@ -70,6 +79,7 @@ class Target:
         max_num_speculative_tokens: int,
         limits: EngineLimits | None = None,
         prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        kv_cache_max_bytes: int = 0,
     ):
         limits = limits or EngineLimits()
         if limits.max_num_batched_tokens < max_num_speculative_tokens + 1:
@@ -87,7 +97,20 @@ class Target:
         self.max_num_speculative_tokens = max_num_speculative_tokens
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.lm = RaggedLM(model, prefix_cache_max_tokens=prefix_cache_max_tokens)
+        self.lm = RaggedLM(
+            model,
+            prefix_cache_max_tokens=prefix_cache_max_tokens,
+            kv_cache_max_bytes=kv_cache_max_bytes,
+            name="verify service",
+        )
+        smallest = MEASURE_CONTEXT + max_num_speculative_tokens + 1  # a verify of the largest K after the context
+        if -(-smallest // BLOCK_SIZE) + self.lm.watermark > self.lm.max_blocks:
+            raise ValueError(
+                f"{SETTING} ({self.lm.kv_cache_max_bytes} bytes) cannot hold the start-up measurement's sequence of "
+                f"{smallest} tokens ({MEASURE_CONTEXT} of context and a verify of max_num_speculative_tokens + 1) "
+                f"with its watermark: raise --kv-cache-max-bytes to at least "
+                f"{(-(-smallest // BLOCK_SIZE) + self.lm.watermark) * self.lm.block_bytes} bytes"
+            )
         self.engine = Engine(
             self.lm,
             limits.max_num_seqs,
@@ -110,6 +133,7 @@ class Target:
         limits: EngineLimits | None = None,
         prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
         pack_linear_weights: bool = True,
+        kv_cache_max_bytes: int = 0,
     ) -> "Target":
         """Loads ``spec`` (see :func:`specdec.models.load_causal_lm`), with its linear layers on
         oneDNN on a CPU unless ``pack_linear_weights`` is False (:mod:`specdec.cpu_linear`), and
@@ -117,17 +141,17 @@ class Target:
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         if pack_linear_weights:
             pack_linears(model)
-        target = cls(model, tokenizer, spec, max_k, limits, prefix_cache_max_tokens)
+        target = cls(model, tokenizer, spec, max_k, limits, prefix_cache_max_tokens, kv_cache_max_bytes)
         target.measure_costs()
         target.grammar_tokenizer  # noqa: B018 (built now: building it holds the GIL for about 0.4 s)
         return target
 
-    def measure_costs(self, context_len: int = 64) -> None:
+    def measure_costs(self, context_len: int = MEASURE_CONTEXT) -> None:
         """Measures, in ms (the fastest of 3 after ``context_len`` tokens), for the coordinator's
         choice of K: ``verify_ms[K]``, a verify round with K draft tokens alone in its step (K = 0:
         a plain decode step), and ``step_costs``, decode steps of 1, 2, 4, ... sequences up to
-        ``max_num_seqs``. It also warms the model up, so the first request does not pay for lazy
-        initialisation."""
+        ``max_num_seqs``, or as many as the KV budget admits. It also warms the model up, so the
+        first request does not pay for lazy initialisation."""
         context = [i % self.vocab_size for i in range(context_len)]
         with tracer.start_as_current_span("measure_costs"):
             sessions = [self.new_session(context, SamplingParams())]
@@ -140,7 +164,11 @@ class Target:
             self.step_costs = [(1, 1, self.verify_ms[0])]
             num_seqs = 2
             while num_seqs <= self.limits.max_num_seqs:
-                sessions += [self.new_session(context, SamplingParams()) for _ in range(num_seqs - len(sessions))]
+                try:
+                    while len(sessions) < num_seqs:
+                        sessions.append(self.new_session(context, SamplingParams()))
+                except ResourceExhausted:  # a small KV budget: measured up to the batches it holds
+                    break
                 self.step_costs.append(
                     (num_seqs, num_seqs, min_ms(lambda sessions=sessions: self._decode_all(sessions)))
                 )
@@ -475,6 +503,10 @@ class TargetSession:
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.cache_bytes()
+
+    def lost(self) -> str | None:
+        """Why the session's KV was preempted (its calls then fail with NOT_FOUND), None while it holds it."""
+        return self.kv_cache.lost()
 
     def close(self) -> None:
         self.target.engine.forget(self.kv_cache.seq_id)

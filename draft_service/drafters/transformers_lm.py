@@ -1,6 +1,6 @@
 """A transformers causal LM as the draft (for example Qwen2.5-0.5B drafting for Qwen2.5-7B),
-batched like the target: its sessions share one KV store (:class:`specdec.ragged_lm.RaggedLM`) and
-one engine loop."""
+batched like the target: its sessions share one KV store (:class:`specdec.ragged_lm.RaggedLM`, within
+its budget of ``kv_cache_max_bytes``) and one engine loop."""
 
 from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
 from specdec.engine import Engine
@@ -14,8 +14,9 @@ from specdec.vocab import tokenizer_fingerprint
 
 class TransformersDrafter(Drafter):
     """``max_num_seqs`` proposals share a step at most, of ``max_num_batched_tokens`` new tokens
-    (prefill chunks fill what proposals leave); ``prefix_cache_max_tokens`` as
-    :class:`specdec.ragged_lm.RaggedLM`'s (None: prefix caching off)."""
+    (prefill chunks fill what proposals leave); ``prefix_cache_max_tokens`` and
+    ``kv_cache_max_bytes`` as :class:`specdec.ragged_lm.RaggedLM`'s (None: prefix caching off; 0:
+    the automatic budget)."""
 
     name = "transformers"
     engine: Engine  # a model drafter always has one
@@ -28,11 +29,17 @@ class TransformersDrafter(Drafter):
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        kv_cache_max_bytes: int = 0,
     ):
         self.model = model_name
         self.vocab_fingerprint = tokenizer_fingerprint(tokenizer)
         self.window = context_window(model)
-        self.lm = RaggedLM(model, prefix_cache_max_tokens=prefix_cache_max_tokens)
+        self.lm = RaggedLM(
+            model,
+            prefix_cache_max_tokens=prefix_cache_max_tokens,
+            kv_cache_max_bytes=kv_cache_max_bytes,
+            name="draft service's transformers drafter",
+        )
         self.engine = Engine(self.lm, max_num_seqs, max_num_batched_tokens, name=self.name)
         eos = model.generation_config.eos_token_id
         self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [eos] if isinstance(eos, int) else eos or [])
@@ -45,9 +52,12 @@ class TransformersDrafter(Drafter):
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         prefix_cache_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        kv_cache_max_bytes: int = 0,
     ) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, spec, max_num_seqs, max_num_batched_tokens, prefix_cache_max_tokens)
+        return cls(
+            model, tokenizer, spec, max_num_seqs, max_num_batched_tokens, prefix_cache_max_tokens, kv_cache_max_bytes
+        )
 
     def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
         return ModelDraftSession(sampling, SequenceKV(self.lm), self.window, self.engine, self.vocabulary)
