@@ -3,8 +3,10 @@ services' SPECDEC_* variables) the draft service is killed with SIGKILL while a 
 The request completes with the token ids of plain decoding, the launcher restarts the service,
 and the next request speculates again. (A request waiting for the restart of the only verify
 replica, in every phase: the fault matrix in tests/test_faults.py; the launcher restarts every
-service alike.) The restart policy (backoff, limit per minute) is tested directly on processes
-that exit at once."""
+service alike.) The verify service's engine loop dies (injected from outside production code:
+tests/fault_injection/sitecustomize.py): the service logs why at CRITICAL, exits with code 70, the
+launcher restarts it, and the request in flight completes as plain decoding. The restart policy
+(backoff, limit per minute) is tested directly on processes that exit at once."""
 
 import os
 import re
@@ -13,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from coordinator.api.client import generate
+from specdec.server import EXIT_FATAL
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from tests.conftest import SUMMARY, speculates_again, stream_with_fault
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.multiprocess
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the ships she guided home."
 MAX_NEW, FAULT_AFTER = 200, 12
+FAULT_INJECTION = Path(__file__).parent / "fault_injection"  # its sitecustomize.py kills an engine loop on demand
 
 
 class Output:
@@ -50,11 +55,19 @@ class Output:
 
 
 @pytest.fixture(scope="module")
-def specdec_up(tiny_models):
+def engine_fault_file(tmp_path_factory) -> Path:
+    """Created, it makes the verify engine's loop die (see tests/fault_injection/sitecustomize.py)."""
+    return tmp_path_factory.mktemp("fault") / "kill-verify-engine"
+
+
+@pytest.fixture(scope="module")
+def specdec_up(tiny_models, engine_fault_file):
     """``specdec up`` on free ports with the tiny target as the verify model and as its own
-    draft (every draft passes, so lost speculation shows)."""
+    draft (every draft passes, so lost speculation shows), the engine fault injection armed."""
     env = {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_INJECTION), os.environ.get("PYTHONPATH")])),
+        "SPECDEC_TEST_ENGINE_FAULT_FILE": str(engine_fault_file),
         "SPECDEC_VERIFY_MODEL": str(tiny_models.target_dir),
         "SPECDEC_VERIFY_NUM_THREADS": "1",
         "SPECDEC_DRAFT_DRAFTERS": "transformers",
@@ -133,6 +146,21 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up):
     )
 
     assert speculates_again(address, request(4), plain.token_ids), "no request after the restart accepted a draft token"
+
+
+def test_a_service_whose_engine_loop_dies_exits_and_is_restarted(specdec_up, engine_fault_file):
+    process, output, address = specdec_up
+    plain = generate(address, request(0), timeout_s=180)
+    killed_pid = pid_of(output, "verify", 0)
+    engine_fault_file.touch()  # the verify engine's next scheduling pass raises
+    completion = generate(address, request(4), timeout_s=180)  # its session rebuilt on the restarted service
+    assert completion.token_ids == plain.token_ids
+    output.wait_for(r"CRITICAL.*the verify engine loop died")
+    output.wait_for(r"RuntimeError: injected by tests/fault_injection")  # the traceback
+    output.wait_for(rf"verify service exited \(exit code {EXIT_FATAL}\)")
+    assert pid_of(output, "verify", 1) != killed_pid
+    output.wait_for(r"verify service SERVING again")
+    assert not engine_fault_file.exists() and process.poll() is None
 
 
 class ExitsAtOnce(ServiceProcess):
