@@ -503,6 +503,7 @@ async def serve(
         server_credentials(settings),
         settings.max_message_bytes,
         settings.max_request_bytes,
+        settings.max_concurrent_rpcs or None,
     )
     metrics.serve(settings.host, settings.metrics_port)
     stopping = BackgroundTasks()

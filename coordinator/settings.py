@@ -48,6 +48,13 @@ class CoordinatorSettings(ServiceSettings):
         "0 = no limit. The default is half a verify service's default max_sessions, so one client cannot take "
         "every session.",
     )
+    max_concurrent_rpcs: int = Field(
+        1024,
+        ge=0,
+        description="Calls the coordinator's gRPC server serves at once (Generate streams, health checks); one "
+        "more gets RESOURCE_EXHAUSTED at once (gRPC's maximum_concurrent_rpcs) instead of queueing without "
+        "bound; 0 = no limit. The HTTP API's connections are bounded by http_max_connections.",
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,

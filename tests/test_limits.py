@@ -193,3 +193,18 @@ def test_client_limit_counts_per_api_key(keyed):
 )
 def test_peer_host(peer, host):
     assert peer_host(peer) == host
+
+
+def test_calls_past_the_coordinators_concurrent_rpcs_are_refused_at_once(tiny_pipeline, tiny_models):
+    thread = coordinator(tiny_pipeline, tiny_models, max_concurrent_rpcs=1)
+    address = f"127.0.0.1:{thread.port}"
+    try:
+        running = stream(address, LONG, timeout_s=60)
+        assert next(running).token_ids
+        started = time.monotonic()
+        err = grpc_error(address, SHORT)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 5
+        running.close()
+        assert len(eventually(lambda: generate(address, SHORT, timeout_s=60)).token_ids) == 2
+    finally:
+        thread.stop()
