@@ -1,0 +1,220 @@
+"""Tries the many-tenant abuse cases against `specdec up`'s stack with the default models (the three
+services as processes, API keys ka and kb) and prints what each got (docs/security.md#tenants):
+
+1. key kb resumes, and reuses, the request id of key ka's request;
+2. a chat completion with one 1 MB stop string, and one with 10,000 stop strings, while /health is
+   probed every 20 ms;
+3. key ka opens 40 streams at once (its limit: 32) while key kb asks for a completion;
+4. a gRPC stream whose client stops reading (the coordinator started with a 5 s stall bound);
+5. an 8 MiB body without a key, sent as headers only; a request header that never ends;
+6. a token-id prompt against the same text; JSON nested 100,000 deep.
+
+    .venv/bin/python scripts/abuse_check.py
+"""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+
+from coordinator.api.client import generate
+from specdec.model_files import DEFAULT_MODEL, load_tokenizer
+from specdec.server import GRPC_OPTIONS
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec_app.launcher import LocalCluster, free_port
+
+KEYS = ("ka", "kb")
+STALL_S = 5.0
+
+
+def post(port: int, path: str, body: bytes, key: str | None) -> tuple[int, dict, dict]:
+    """Status, JSON body (the first event of a stream) and headers of one POST."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        connection.request("POST", path, body, headers)
+        response = connection.getresponse()
+        streamed = response.getheader("content-type", "").startswith("text/event-stream")
+        raw = response.fp.readline() if streamed else response.read()
+        try:
+            body = json.loads(raw.removeprefix(b"data: "))
+        except json.JSONDecodeError:
+            body = {"error": {"message": f"not JSON: {raw[:200]!r}"}}
+        return response.status, body, dict(response.getheaders())
+    finally:
+        connection.close()
+
+
+def chat(message: str, **fields) -> bytes:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": message}], "max_tokens": 8} | fields
+    return json.dumps(body).encode()
+
+
+class HealthProbe:
+    """GET /health every 20 ms in a thread; the slowest answer while it ran, seconds."""
+
+    def __init__(self, port: int):
+        self.port, self.slowest, self.running = port, 0.0, True
+        self.thread = threading.Thread(target=self._probe, daemon=True)
+        self.thread.start()
+
+    def _probe(self) -> None:
+        while self.running:
+            started = time.perf_counter()
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=60).read()
+            self.slowest = max(self.slowest, time.perf_counter() - started)
+            time.sleep(0.02)
+
+    def stop(self) -> float:
+        self.running = False
+        self.thread.join()
+        return self.slowest
+
+
+def tenants(grpc_address: str) -> None:
+    secret = coordinator_pb2.GenerateRequest(
+        text="My bank PIN is 4821. Repeat my PIN back to me.", max_new_tokens=32, request_id="secret-42"
+    )
+    owner = generate(grpc_address, secret, timeout_s=300, api_key="ka")
+    try:
+        resume = coordinator_pb2.GenerateRequest(request_id="secret-42", resume_from=0)
+        leaked = generate(grpc_address, resume, timeout_s=300, api_key="kb")
+        print(f"1. kb resumes ka's secret-42: got {len(leaked.token_ids)} tokens: LEAK")
+    except grpc.RpcError as err:
+        print(f"1. kb resumes ka's secret-42: {err.code().name}: {err.details()}")
+    mine = coordinator_pb2.GenerateRequest(text="Hello.", max_new_tokens=8, request_id="secret-42")
+    theirs = generate(grpc_address, mine, timeout_s=300, api_key="kb")
+    again = generate(grpc_address, coordinator_pb2.GenerateRequest(request_id="secret-42", resume_from=0), 300, "ka")
+    print(
+        f"   kb starts its own secret-42: {len(theirs.token_ids)} tokens; ka resumes its own: "
+        f"{'identical' if again.token_ids == owner.token_ids else 'DIFFERENT'} ({len(again.token_ids)} tokens)"
+    )
+
+
+def stop_strings(http_port: int) -> None:
+    for name, stop in (
+        ("one 1 MB stop string", ["x" * 1_000_000]),
+        ("10,000 stop strings", [f"s{i}" for i in range(10_000)]),
+    ):
+        probe = HealthProbe(http_port)
+        started = time.perf_counter()
+        status, body, _ = post(http_port, "/v1/chat/completions", chat("Hi", stop=stop), "ka")
+        took = time.perf_counter() - started
+        time.sleep(0.1)
+        print(
+            f"2. {name}: {status} in {took * 1000:.0f} ms ({body.get('error', {}).get('message', '')[:90]}); "
+            f"slowest /health meanwhile {probe.stop() * 1000:.0f} ms"
+        )
+
+
+def one_key_many_streams(http_port: int) -> None:
+    def stream(_: int) -> tuple[int, str | None]:
+        status, body, headers = post(http_port, "/v1/chat/completions", chat("Count to ten.", stream=True), "ka")
+        if status not in (200, 429) or "not JSON" in str(body):
+            print(f"   unexpected: {status} {body}")
+        return status, headers.get("retry-after")
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        streams = pool.map(stream, range(40))
+        time.sleep(1.0)
+        started = time.perf_counter()
+        status, _, _ = post(http_port, "/v1/chat/completions", chat("Say hi."), "kb")
+        other = f"{status} in {time.perf_counter() - started:.1f} s"
+        results = list(streams)
+    refused = [retry for status, retry in results if status == 429]
+    print(
+        f"3. ka opens 40 streams: {sum(s == 200 for s, _ in results)} got 200, {len(refused)} got 429 "
+        f"(Retry-After {sorted(set(refused))}); kb meanwhile: {other}"
+    )
+
+
+def sessions(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec_num_sessions "))
+
+
+def stalled_stream(grpc_address: str, verify_metrics_port: int) -> None:
+    options = [*GRPC_OPTIONS, ("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    request = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=1024, ignore_eos=True)
+    with grpc.insecure_channel(grpc_address, options=options) as channel:
+        call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+            request, timeout=600, metadata=[("authorization", "Bearer ka")]
+        )
+        next(call)
+        started = time.monotonic()
+        held = sessions(verify_metrics_port)
+        while sessions(verify_metrics_port) and time.monotonic() - started < 120:
+            time.sleep(0.2)
+        released = time.monotonic() - started
+        try:
+            received = sum(len(r.token_ids) for r in call)
+            ending = f"ended normally after {received} more tokens"
+        except grpc.RpcError as err:
+            ending = f"{err.code().name}: {err.details()}"
+    print(f"4. a stream nobody reads: {held:.0f} verify session(s) held, released after {released:.1f} s; {ending}")
+
+
+def before_the_body(http_port: int) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+    started = time.perf_counter()
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(8 * 1024 * 1024))
+    connection.endheaders()
+    response = connection.getresponse()
+    took_ms = (time.perf_counter() - started) * 1000
+    print(f"5. 8 MiB body without a key, headers only: {response.status} in {took_ms:.0f} ms")
+    connection.close()
+    with socket.create_connection(("127.0.0.1", http_port), timeout=60) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.perf_counter()
+        outcome = "closed" if slow.recv(1024) == b"" else "answered"
+        print(f"   a header that never ends: {outcome} after {time.perf_counter() - started:.1f} s")
+
+
+def prompts(http_port: int) -> None:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    text = "The capital of France is"
+    body = {"model": "smollm2", "max_tokens": 16, "temperature": 0}
+    _, by_text, _ = post(http_port, "/v1/completions", json.dumps(body | {"prompt": text}).encode(), "ka")
+    ids = tokenizer(text).input_ids
+    _, by_ids, _ = post(http_port, "/v1/completions", json.dumps(body | {"prompt": ids}).encode(), "ka")
+    same = by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    print(f"6. token-id prompt ({len(ids)} ids): {'same text as' if same else 'DIFFERS from'} the text prompt's")
+    deep = b'{"model": "smollm2", "prompt": "hi", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body, _ = post(http_port, "/v1/completions", deep, "ka")
+    print(f"   JSON nested 100,000 deep: {status} ({body['error']['message']})")
+
+
+def main() -> None:
+    os.environ["SPECDEC_API_KEYS"] = ",".join(KEYS)
+    metrics_port = free_port()
+    cluster = LocalCluster(
+        coordinator_port=free_port(),
+        draft_port=free_port(),
+        verify_port=free_port(),
+        http_port=free_port(),
+        metrics_ports={"verify": metrics_port},
+        extra_args={"coordinator": ["--stream-stall-timeout-s", str(STALL_S)]},
+    )
+    cluster.start_all()
+    try:
+        grpc_address = cluster.address("coordinator")
+        tenants(grpc_address)
+        stop_strings(cluster.http_port)
+        one_key_many_streams(cluster.http_port)
+        stalled_stream(grpc_address, metrics_port)
+        before_the_body(cluster.http_port)
+        prompts(cluster.http_port)
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
