@@ -544,7 +544,10 @@ class RaggedLM(BatchedLM):
         """Gives ``sequence`` the blocks of ``length`` positions, preempting the most recently
         admitted sequences that hold any until they fit (``sequence`` itself, when it is its turn:
         it then takes nothing)."""
-        while -(-length // BLOCK_SIZE) - len(sequence.blocks) > self._available() + sequence.outstanding:
+        needed = -(-length // BLOCK_SIZE) - len(sequence.blocks)
+        if needed <= 0:  # most steps: the new tokens fit the last block (and no sum over the sequences)
+            return
+        while needed > self._available() + sequence.outstanding:
             victim = next((s for s in reversed(self._sequences.values()) if s.holds_kv), sequence)
             self._preempt(victim)
             if victim is sequence:
