@@ -116,9 +116,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._num_running = 0  # requests in progress (each choice of a request with n > 1 counts)
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
-    async def Generate(self, request, context) -> None:
+    async def Generate(self, request, context) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The gRPC call: the caller's key checked, then :meth:`serve`; each message written within
-        ``stream_stall_timeout_s`` or the stream is cut (its request cancelled: sessions released)."""
+        ``stream_stall_timeout_s`` or the stream is cut (its request cancelled: sessions released).
+        An async generator, as interceptors (OpenTelemetry's) expect of a streaming handler, that
+        yields nothing: it writes each message itself (``context.write``), so that a write can be
+        bounded."""
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
         try:
             caller = self.keys.caller(authorization, peer_host(context.peer()))
@@ -129,6 +132,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if isinstance(err, Overloaded):
                 context.set_trailing_metadata((("retry-after", err.retry_after),))
             await context.abort(err.code, str(err))
+        return
+        yield
 
     def serve(
         self, request: coordinator_pb2.GenerateRequest, caller: Caller

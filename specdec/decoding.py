@@ -8,8 +8,6 @@ is wrong with it; a request stream (the Step streams) that sends one ends with I
 The asyncio server's streaming requests (server reflection) are left to gRPC.
 """
 
-import inspect
-
 import grpc
 from google.protobuf.message import DecodeError
 
@@ -77,7 +75,7 @@ class AioRejectUndecodable(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if not _parses(handler):
             return handler
-        if handler.response_streaming and inspect.isasyncgenfunction(handler.unary_stream):
+        if handler.response_streaming:
             method = handler.unary_stream
 
             async def stream_behavior(request, context):
@@ -87,15 +85,6 @@ class AioRejectUndecodable(grpc.aio.ServerInterceptor):
                     yield response
 
             replaced = {"unary_stream": stream_behavior}
-        elif handler.response_streaming:  # a handler that streams with context.write
-            method = handler.unary_stream
-
-            async def write_behavior(request, context):
-                if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                await method(request, context)
-
-            replaced = {"unary_stream": write_behavior}
         else:
             method = handler.unary_unary
 
