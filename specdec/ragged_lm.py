@@ -110,6 +110,13 @@ from specdec.prefix_cache import ROOT, PrefixCache
 
 log = logging.getLogger(__name__)
 
+
+class OverBudget(ResourceExhausted):
+    """A context longer than the whole KV budget can ever hold (not only now): the verify service
+    answers it FAILED_PRECONDITION, so that nobody waits for room that cannot come; to the draft
+    service it is RESOURCE_EXHAUSTED, and the request goes on without the draft."""
+
+
 ATTENTION = "specdec_ragged"
 BLOCK_SIZE = 16  # KV rows (token positions) per block
 NUM_BLOCKS = 64  # blocks in a new pool (1024 positions), doubled when all are taken (up to the budget)
@@ -422,7 +429,7 @@ class RaggedLM(BatchedLM):
     def admit(self, seq_id: int, length: int) -> None:
         """Promises the new sequence the blocks of ``length`` positions (see the module docstring).
         Raises ResourceExhausted, naming ``kv_cache_max_bytes``, when they cannot be had now with the
-        watermark left free, or can never be."""
+        watermark left free; OverBudget when they can never be."""
         with self._lock:
             sequence = self._sequences[seq_id]
             if sequence.lost is not None:  # preempted for the blocks its prefix holds, before it was admitted
@@ -430,7 +437,7 @@ class RaggedLM(BatchedLM):
             total = -(-length // BLOCK_SIZE)
             budget = f"the KV budget of the {self.name} ({SETTING} = {self.kv_cache_max_bytes} bytes)"
             if total + self.watermark > self.max_blocks:
-                raise ResourceExhausted(
+                raise OverBudget(
                     f"a context of {length} tokens needs {total} KV blocks of {BLOCK_SIZE} tokens and {self.watermark} "
                     f"kept free beside them: more than {budget} can ever hold; raise --kv-cache-max-bytes to at least "
                     f"{(total + self.watermark) * self.block_bytes} bytes, or shorten the prompt"

@@ -7,6 +7,7 @@ preemptions counted in the services' Prometheus metrics. The KV store itself (bu
 admission, preemption, shrink): tests/test_ragged_lm.py."""
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -70,7 +71,7 @@ def test_a_prefill_the_budget_cannot_hold_is_refused_and_the_others_are_served(t
             stub = verify_pb2_grpc.VerifyServiceStub(channel)
             with pytest.raises(grpc.RpcError) as never:
                 prefill(stub, "too long", 12 * BLOCK_SIZE)
-            assert never.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert never.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # waiting would not help
             assert "can ever hold; raise --kv-cache-max-bytes to at least 106496 bytes" in never.value.details()
             prefill(stub, "long", 7 * BLOCK_SIZE - 2)  # its decodes fit its blocks: nothing grows
             prefill(stub, "short one", 4 * BLOCK_SIZE - 2)
@@ -144,3 +145,15 @@ def test_preempted_sessions_are_rebuilt_and_outputs_stay_plain(
         assert registry.get_sample_value("specdec_num_preemptions_total", {"engine": engine}) >= 1, engine
         total = registry.get_sample_value("specdec_kv_cache_blocks", {"engine": engine, "state": "total"})
         assert total == (12 if engine == "verify" else 10)
+
+
+def test_a_prompt_no_budget_can_hold_fails_at_once_rather_than_queueing(small_budget_pipeline):
+    """The verify service answers a context its whole budget can never hold FAILED_PRECONDITION:
+    the coordinator's fair queue waits only for room that can come."""
+    address, verify, _ = small_budget_pipeline
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(address, coordinator_pb2.GenerateRequest(text="word " * 400, max_new_tokens=4), timeout_s=60)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "raise --kv-cache-max-bytes" in caught.value.details() and time.monotonic() - started < 10
+    assert not len(verify.servicer.sessions)

@@ -8,8 +8,9 @@ from opentelemetry import trace
 from specdec import host_memory
 from specdec.delay_hook import parse_delays
 from specdec.engine import StepStats
-from specdec.errors import grpc_errors
+from specdec.errors import FailedPrecondition, grpc_errors
 from specdec.prom import ServiceMetrics
+from specdec.ragged_lm import OverBudget
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
 from specdec.sessions import SessionRegistry
@@ -80,13 +81,16 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         start = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
         abandoned = lambda: not context.is_active()  # noqa: E731
-        session = self.sessions.open(
-            request.session_id,
-            lambda: self.target.new_session(
-                request.token_ids, sampling, context.time_remaining(), abandoned, request.decode
-            ),
-            abandoned=abandoned,
-        )
+        try:
+            session = self.sessions.open(
+                request.session_id,
+                lambda: self.target.new_session(
+                    request.token_ids, sampling, context.time_remaining(), abandoned, request.decode
+                ),
+                abandoned=abandoned,
+            )
+        except OverBudget as err:  # waiting for room would not help
+            raise FailedPrecondition(str(err)) from None
         response = verify_pb2.VerifyServicePrefillResponse(
             compute_ms=ms_since(start), num_cached_tokens=session.kv_cache.num_cached_tokens
         )

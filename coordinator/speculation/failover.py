@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.speculation.upstream import ServiceClients
-from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, verify_pb2
 
@@ -94,8 +94,9 @@ class VerifySession:
     ) -> verify_pb2.VerifyServicePrefillResponse:
         """Prefills the committed log on a replica, the healthy ones first, passing over the
         replicas every RETRY_INTERVAL_S until ``deadline`` (time.monotonic()). A pass on which every
-        replica refused for being full ends the wait unless ``wait_while_full`` (a rebuild
-        mid-request waits for room; a new request is told to back off). ``decode``: the replica
+        replica refused for being full (or, FAILED_PRECONDITION, for a KV budget that can never hold
+        the context) ends the wait unless ``wait_while_full`` (a rebuild mid-request waits for room;
+        a new request is told to back off, and waits in the coordinator's fair queue). ``decode``: the replica
         also decodes the token after the log (the response's ``next_token_id``, committed on the
         session but not yet in ``committed``: the caller appends it). Raises the last replica's
         UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. A Prefill that failed unanswered
@@ -110,7 +111,7 @@ class VerifySession:
             for replica in self.replicas.order():
                 try:
                     response = await self.clients.prefill_verify(replica, request)
-                except ResourceExhausted as err:
+                except (ResourceExhausted, FailedPrecondition) as err:  # full now; or its KV budget too small ever
                     error: SpecdecError = err
                     continue
                 except Unavailable as err:
