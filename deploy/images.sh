@@ -54,6 +54,10 @@ base_images() {
     echo "== $PYTHON_IMAGE:$PYTHON_TAG" >&2
     podman build --quiet -f deploy/docker/Dockerfile.python-debian -t "$PYTHON_IMAGE:$PYTHON_TAG" deploy/docker >/dev/null
   fi
+  if ! podman image exists "$REDIS_IMAGE"; then
+    echo "== $REDIS_IMAGE" >&2
+    podman build --quiet -f deploy/docker/Dockerfile.redis-debian -t "$REDIS_IMAGE" deploy/docker >/dev/null
+  fi
 }
 
 # A hash of every file the build reads (tracked or not, as they are on disk now).
