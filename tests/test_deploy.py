@@ -197,6 +197,60 @@ def test_network_policy_ports_exist(overlay):
                     )
 
 
+# The coordinator's settings that list each service's replicas: host:port entries, a host being a
+# DNS name that stands for every address it resolves to.
+REPLICA_ADDRESSES = {"draft": "draft_addresses", "verify": "verify_addresses"}
+
+
+def mounted_secret(pod: dict, container: dict, path: str) -> str:
+    """The name of the Secret whose volume ``container`` mounts where the file ``path`` lies."""
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume["secret"]["secretName"]
+
+
+def test_coordinator_reaches_every_replica_through_a_headless_service(overlay):
+    """The coordinator names the draft and the verify replicas by one Service each, headless
+    (clusterIP None: the name resolves to every ready pod's address, where a virtual IP would
+    hold each gRPC connection to one pod; pods not ready left out), on the pods' gRPC port (a
+    headless Service maps no port). With TLS the certificate of the service's Secret names the
+    host as the coordinator has it: the server name it checks every replica's certificate against."""
+    _, resources = overlay
+    _, container = coordinator(resources)
+    env = env_values(container)
+    assert env_name("coordinator", "draft_address") not in env, (
+        f"{env_name('coordinator', 'draft_addresses')} replaces it"
+    )
+    certificates = {
+        doc["spec"]["secretName"]: doc["spec"] for (kind, _), doc in resources.items() if kind == "Certificate"
+    }
+    deployed = {service: (pod, server) for service, pod, server in services(resources)}
+    for service, field in REPLICA_ADDRESSES.items():
+        variable = env_name("coordinator", field)
+        (address,) = env[variable].split(",")
+        host, port = address.rsplit(":", 1)
+        name = host.split(".")[0]  # the Service's name, alone or qualified (NAME.NAMESPACE.svc...)
+        assert ("Service", name) in resources, f"{variable}: {host} is no Service of this overlay"
+        spec = resources[("Service", name)]["spec"]
+        assert spec.get("clusterIP") == "None" and spec.get("publishNotReadyAddresses") is False, (
+            f"{name}: not headless"
+        )
+        pod, server = deployed[service]
+        owners = [
+            n
+            for (kind, n), doc in resources.items()
+            if kind == "Deployment"
+            and selects({"matchLabels": spec["selector"]}, doc["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert owners == [f"specdec-{service}"], f"Service {name} selects {owners}"
+        assert {"name": "grpc", "containerPort": int(port)} in server["ports"], (
+            f"{variable}: {port} is not the pods' gRPC port"
+        )
+        if serves_tls(service, server) and certificates:
+            secret = mounted_secret(pod, server, env_values(server)[env_name(service, "tls_cert_file")])
+            assert host in certificates[secret]["dnsNames"], f"the certificate in {secret} does not name {host}"
+
+
 def test_api_keys_from_the_secret(overlay):
     """The coordinator reads its API keys from a file (SPECDEC_COORDINATOR_API_KEY_FILE) that an
     init container writes from the Secret specdec-api-keys (key `keys`). The Secret is required (the
