@@ -23,6 +23,8 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule-v1.json",
     ("cert-manager.io/v1", "Certificate"): SCHEMAS / "certificate-v1.json",
     ("cert-manager.io/v1", "Issuer"): SCHEMAS / "issuer-v1.json",
+    # converted from KEDA's CRD by crd_to_json_schema.py (the source is in the file's description)
+    ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "scaledobject-v1alpha1.json",
 }
 
 

@@ -9,13 +9,16 @@ test_dockerfile_copies_survive_dockerignore checks the images' build context wit
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import jsonschema
 import pathspec
+import promql_parser
 import pytest
 import redis
 import yaml
@@ -25,6 +28,7 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
 from specdec.server import SHUTDOWN_GRACE_S
 from tests.conftest import RedisServer
+from tests.test_dashboard import exported_sample_names, metric_names
 from verify_service.settings import VerifySettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -466,6 +470,91 @@ def test_gpu_placement(overlay):
     assert shm["emptyDir"]["medium"] == "Memory"
     hpa = resources[("HorizontalPodAutoscaler", "specdec-coordinator")]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "specdec-coordinator" and hpa["minReplicas"] >= 2
+    for service in ("draft", "verify"):
+        spread = {c["topologyKey"]: c for c in pods[service].get("topologySpreadConstraints", [])}
+        by_node = spread.get("kubernetes.io/hostname")
+        assert by_node, f"{service}: no spread over nodes"
+        assert by_node["labelSelector"] == {"matchLabels": {"app.kubernetes.io/name": f"specdec-{service}"}}
+        assert by_node["whenUnsatisfiable"] == "DoNotSchedule" and by_node["maxSkew"] == 1, service
+
+
+# The trigger metadata KEDA's Prometheus scaler reads (v2.20.2: pkg/scalers/prometheus_scaler.go, and
+# authModes from pkg/scalers/authentication); it ignores any other key, so a misspelt one does nothing.
+PROMETHEUS_TRIGGER_KEYS = {
+    "serverAddress", "query", "threshold", "activationThreshold", "queryParameters", "namespace", "customHeaders",
+    "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout", "identityOwner", "authModes",
+}  # fmt: skip
+SCALED_OBJECT_SCHEMA = ROOT / "deploy/schemas/scaledobject-v1alpha1.json"
+
+
+def selectors(expr: str) -> list[tuple[str, dict]]:
+    """(metric name, {label: value} of its equality matchers) of every vector selector in ``expr``."""
+    found = []
+
+    def visit(node) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            equal = [m for m in node.matchers.matchers if m.op == promql_parser.MatchOp.Equal]
+            found.append((node.name, {m.name: m.value for m in equal}))
+
+    promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
+    return found
+
+
+def test_scaled_objects(overlay):
+    """KEDA's ScaledObjects (the autoscaling component; the gpu overlay has one for the draft and one
+    for the verify service): each scales a Deployment of the overlay that no other autoscaler
+    does, which starts at the minimum (min <= max: the CRD's CEL rule, which the JSON schema cannot
+    hold); each trigger is a Prometheus query with the metadata KEDA reads, a positive threshold,
+    and selectors of metrics the services export, in the ScaledObject's namespace, from a job (the
+    ServiceMonitor names jobs after Services) of this overlay."""
+    name, resources = overlay
+    scaled = {
+        doc["spec"]["scaleTargetRef"]["name"]: doc for (kind, _), doc in resources.items() if kind == "ScaledObject"
+    }
+    if name == "gpu":
+        assert sorted(scaled) == ["specdec-draft", "specdec-verify"]
+    hpa_targets = [
+        doc["spec"]["scaleTargetRef"]["name"]
+        for (kind, _), doc in resources.items()
+        if kind == "HorizontalPodAutoscaler"
+    ]
+    exported = exported_sample_names()
+    jobs = {n for kind, n in resources if kind == "Service"}
+    for target, doc in scaled.items():
+        spec, namespace = doc["spec"], doc["metadata"]["namespace"]
+        assert spec["scaleTargetRef"].get("kind", "Deployment") == "Deployment" and target not in hpa_targets, target
+        deployment = resources[("Deployment", target)]["spec"]
+        assert deployment["replicas"] == spec["minReplicaCount"] <= spec["maxReplicaCount"], target
+        assert spec["minReplicaCount"] <= spec["fallback"]["replicas"] <= spec["maxReplicaCount"], target
+        for trigger in spec["triggers"]:
+            where, metadata = f"{target} trigger {trigger.get('name')}", trigger["metadata"]
+            assert trigger["type"] == "prometheus", where
+            assert {"serverAddress", "query", "threshold"} <= set(metadata) <= PROMETHEUS_TRIGGER_KEYS, where
+            assert float(metadata["threshold"]) > 0, where
+            names = metric_names(metadata["query"])
+            assert names and names <= exported, f"{where}: {sorted(names - exported)} are not exported"
+            for metric, labels in selectors(metadata["query"]):
+                assert labels.get("namespace") == namespace, f"{where}: {metric} not in namespace {namespace}"
+                assert labels.get("job") in jobs, f"{where}: {metric}'s job {labels.get('job')} is no Service here"
+
+
+def test_scaled_object_schema_is_strict():
+    """The schema deploy/validate.py checks ScaledObjects against (converted from KEDA's CRD) fails
+    an unknown field and a trigger's non-string metadata, as the API server would."""
+    schema = json.loads(SCALED_OBJECT_SCHEMA.read_text())
+    valid = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": "x"},
+        "spec": {"scaleTargetRef": {"name": "x"}, "triggers": [{"type": "prometheus", "metadata": {"threshold": "1"}}]},
+    }
+    jsonschema.validate(valid, schema, cls=jsonschema.Draft202012Validator)
+    for invalid in (
+        {**valid, "spec": {**valid["spec"], "minReplicas": 1}},
+        {**valid, "spec": {**valid["spec"], "triggers": [{"type": "prometheus", "metadata": {"threshold": 1}}]}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(invalid, schema, cls=jsonschema.Draft202012Validator)
 
 
 def dockerignore() -> pathspec.PathSpec:
