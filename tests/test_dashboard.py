@@ -22,11 +22,14 @@ SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucke
 
 
 def service_metrics() -> list[ServiceMetrics]:
-    """The coordinator's metrics and a session service's (draft, verify)."""
+    """The coordinator's metrics (its per-replica placement metrics included) and a session
+    service's (draft, verify)."""
+    coordinator = CoordinatorMetrics()
+    coordinator.track_placements({})
     session_service = ServiceMetrics()
     session_service.track_sessions(SessionRegistry(1, 60.0))
     session_service.engine_metrics("verify", lambda: 0)
-    return [CoordinatorMetrics(), session_service]
+    return [coordinator, session_service]
 
 
 def exported_sample_names() -> set[str]:
@@ -114,5 +117,15 @@ def test_every_query_names_exported_metrics():
         "specdec_num_batched_tokens_sum",
         "specdec_queue_time_seconds_bucket",
         "specdec_num_speculative_tokens_by_load_sum",
+        # each draft and verify replica: placements, prefix-cache hits at placement, waiting calls,
+        # sessions, KV usage per pod, and the coordinators' queue (what the autoscaling triggers read)
+        "specdec_placements_total",
+        "specdec_placement_cached_tokens_total",
+        "specdec_replica_num_calls_waiting",
+        "specdec_replica_num_sessions",
+        "specdec_num_calls_waiting",
+        "specdec_kv_cache_usage_perc",
+        "specdec_num_requests_waiting",
+        "specdec_request_queue_time_seconds_count",
     ):
         assert name in used, f"no panel shows {name}"
