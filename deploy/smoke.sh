@@ -5,7 +5,9 @@
 # it as containers with `podman kube play`, waits for each service's readiness probe, checks a
 # gRPC Generate and an HTTP chat completion against plain decoding, kills the draft container and
 # checks that requests go on and speculate again, tears everything down (deploy/smoke.py has the
-# details). Its last line is the summary: cold start to SERVING per service and the image size.
+# details). The draft and verify services run as two pods each (--replicas N to change), named to
+# the coordinator one by one: podman has no DNS for a headless Service. Its last lines say what it
+# could not run and sum up: cold start to SERVING per pod, the image size, sessions per replica.
 # Not part of the test suite (a first run builds for about 15 minutes on 2 cores); run it before
 # resolving any change to deploy/. Needs root, kubectl and the project's .venv (scripts/setup.sh).
 set -euo pipefail
@@ -16,4 +18,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export CONTAINERS_CONF="$PWD/deploy/podman/containers.conf"
 read -r image redis_image < <(deploy/images.sh | tail -1)
-exec .venv/bin/python deploy/smoke.py "$image" "$redis_image"
+exec .venv/bin/python deploy/smoke.py "$image" "$redis_image" "$@"  # e.g. --replicas 1
