@@ -172,6 +172,8 @@ class Engine:
         self.metrics = metrics or EngineMetrics()
         self.name = name
         self._queue: list[_Entry] = []
+        self._num_waiting = 0  # queued calls no step has started (written holding the condition)
+        self._num_running = 0  # the running sequences when the loop last counted them (idem)
         self._cond = threading.Condition()
         self._recent: list[set[int]] = [set(), set()]  # sequences whose work finished in the last two steps
         self._awaited: set[int] = set()  # recent sequences whose next call the loop waits for
@@ -207,6 +209,7 @@ class Engine:
             if not stopped:
                 self._ensure_thread()
                 self._queue.append(entry)
+                self._num_waiting += 1
                 self._wake_for(work.seq_id)
         if stopped:
             done(None, entry.stats, Unavailable(self._stop_reason))
@@ -230,7 +233,20 @@ class Engine:
         with self._cond:
             for recent in self._recent:
                 recent.discard(seq_id)
+            self._count_running()
             self._wake_for(seq_id)
+
+    def num_waiting_calls(self) -> int:
+        """Calls queued that no step has started yet (those a step runs, or ran a part of, are not
+        counted). A counter kept as calls come and go: reading it takes no lock and costs O(1), so a
+        service can report it with every message (:mod:`specdec.service_load`)."""
+        return self._num_waiting
+
+    def num_running_seqs(self) -> int:
+        """Running sequences as :class:`StepStats` counts them (served in the last two steps or
+        queued), as the loop last counted them: before each step, and when a session closes. O(1),
+        no lock."""
+        return self._num_running
 
     def _wake_for(self, seq_id: int) -> None:
         """Wakes the loop (holding the condition) when it waits for this sequence's call, the last
@@ -255,7 +271,7 @@ class Engine:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
         with self._cond:
             self._stopped = True
-            queued, self._queue = self._queue, []
+            queued, self._queue, self._num_waiting = self._queue, [], 0
             self._cond.notify_all()
         for entry in queued:
             entry.done(None, entry.stats, Unavailable(f"the {self.name} engine stopped"))
@@ -282,7 +298,7 @@ class Engine:
         with self._cond:
             self._stopped, self._died, on_fatal = True, err, self._on_fatal
             self._stop_reason = f"the {self.name} engine loop died ({err!r}): the service is restarting; retry later"
-            queued, self._queue = self._queue, []
+            queued, self._queue, self._num_waiting = self._queue, [], 0
         for entry in queued:
             self._hand(entry, Unavailable(self._stop_reason))
         if on_fatal is not None:
@@ -297,8 +313,9 @@ class Engine:
                     return
                 self._wait_for_previous()
                 given_up = self._drop_given_up()
-                running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
+                running = self._count_running()
                 batch, failed = self._schedule(alone=running == 1)
+                self._num_waiting -= sum(not entry.started for entry, _ in (*batch, *failed))
             for entry in given_up:
                 self._hand(entry, self._late_error())
             for entry, err in failed:
@@ -314,7 +331,14 @@ class Engine:
         if given_up:
             dropped = set(map(id, given_up))
             self._queue = [entry for entry in self._queue if id(entry) not in dropped]
+            self._num_waiting -= len(given_up)
         return given_up
+
+    def _count_running(self) -> int:
+        """Counts the running sequences (holding the condition): those served in the last two steps
+        or queued; kept for :meth:`num_running_seqs`."""
+        self._num_running = len(self._recent[0] | self._recent[1] | {e.work.seq_id for e in self._queue})
+        return self._num_running
 
     def _late_error(self) -> Unavailable:
         return Unavailable(

@@ -62,6 +62,11 @@ class SessionRegistry(Generic[S]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def num_in_use(self) -> int:
+        """Sessions that count against ``max_sessions``: those open and those being opened (their
+        Prefill running). Two ``len`` calls, no lock: a service reports it with every message."""
+        return len(self._entries) + len(self._opening)
+
     def kv_cache_bytes(self) -> int:
         """Bytes the KV caches of the open sessions hold (read without waiting for their locks)."""
         with self._lock:

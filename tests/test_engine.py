@@ -321,3 +321,41 @@ def test_a_loop_that_dies_fails_its_calls_and_calls_the_fatal_handler(lm, monkey
     late: list[str] = []
     engine.watch(lambda what, err: late.append(what))  # a handler set after the death hears of it at once
     assert late == ["the verify engine loop"]
+
+
+def test_the_calls_waiting_and_the_running_sequences_are_counted_as_they_come_and_go(lm):
+    """Behind a step in progress, three calls wait; one gives up at its deadline, the other two run
+    a step each (one sequence a step): each answer sees the count of the calls still waiting, and
+    the running sequences as its StepStats has them; closing the sessions empties the count."""
+    engine = Engine(lm, max_num_seqs=1, max_num_batched_tokens=64)
+    blocker = threading.Thread(target=engine.run, args=(Decode(0, 1),), daemon=True)
+    blocker.start()
+    while not engine._queue or not engine._queue[0].started:  # the blocker's step has begun
+        time.sleep(0.001)
+    assert engine.num_waiting_calls() == 0  # a call in its step no longer waits
+    seen: dict[int, tuple] = {}
+    answered = threading.Semaphore(0)
+
+    def done(seq_id: int):
+        def record(result, stats: StepStats, error) -> None:
+            seen[seq_id] = (engine.num_waiting_calls(), engine.num_running_seqs(), stats.num_running_seqs, error)
+            answered.release()
+
+        return record
+
+    engine.submit(Decode(10, 1), done(10))
+    engine.submit(Decode(11, 1), done(11), timeout_s=0.05)
+    engine.submit(Decode(12, 1), done(12))
+    assert engine.num_waiting_calls() == 3
+    time.sleep(0.1)  # past 11's deadline
+    lm.gate.set()
+    for _ in range(3):
+        assert answered.acquire(timeout=10)
+    blocker.join(10)
+    assert isinstance(seen[11][3], Unavailable) and seen[11][0] == 1  # dropped, 10 in its step, 12 waiting
+    assert seen[10] == (1, 3, 3, None)  # 12 waits; running: 0 (last step), 10 and 12 (queued)
+    assert seen[12] == (0, 3, 3, None)  # running: 10 and 0 (the last two steps), 12
+    for seq_id in (0, 10, 12):
+        engine.forget(seq_id)
+    assert (engine.num_waiting_calls(), engine.num_running_seqs()) == (0, 0)
+    engine.stop()
