@@ -41,11 +41,11 @@ CGROUP_FILES = (
 
 @dataclass(frozen=True)
 class KVUsage:
-    """A KV store's blocks (of ``block_bytes`` bytes each) at one moment: ``budget`` the most the
-    pool may hold (``kv_cache_max_bytes`` in whole blocks), ``pool`` those allocated now, ``used``
-    those held by live sequences (or promised to one admitted and still prefilling), ``cached``
-    those the prefix cache keeps for sequences that are gone (evictable: free for the budget's
-    purposes); ``num_preemptions`` the sequences preempted since start."""
+    """A KV store's blocks (of ``block_bytes`` bytes and ``block_size`` tokens each) at one moment:
+    ``budget`` the most the pool may hold (``kv_cache_max_bytes`` in whole blocks), ``pool`` those
+    allocated now, ``used`` those held by live sequences (or promised to one admitted and still
+    prefilling), ``cached`` those the prefix cache keeps for sequences that are gone (evictable:
+    free for the budget's purposes); ``num_preemptions`` the sequences preempted since start."""
 
     block_bytes: int
     budget: int
@@ -53,11 +53,19 @@ class KVUsage:
     used: int
     cached: int
     num_preemptions: int
+    block_size: int
 
     @property
     def usage_perc(self) -> float:
         """Used blocks as a fraction of the budget, 0 to 1 (vLLM's ``kv_cache_usage_perc``)."""
         return self.used / self.budget
+
+    @property
+    def free(self) -> int:
+        """Blocks a new sequence could take now: free ones, the prefix cache's evictable ones and
+        room for the pool to grow, less those promised (budget - used; admission keeps a watermark
+        of them for the running sequences, :func:`watermark_blocks`)."""
+        return self.budget - self.used
 
 
 def watermark_blocks(budget_blocks: int) -> int:

@@ -124,7 +124,7 @@ MAX_PADDED_QUERIES = 16  # a sequence with more new tokens than this attends in 
 MAX_CONTEXT_RATIO = 2.0  # longest / shortest context of the sequences one padded SDPA attends together
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: kept in a set (RaggedLM._prefilling)
 class _Sequence:
     """One sequence in the pool: its block table (block ids, in position order), cached length,
     the tokens at its cached positions, the prefix cache's nodes of its first blocks (those
@@ -372,6 +372,9 @@ class RaggedLM(BatchedLM):
         ]
         self._free = list(range(self._first_blocks))  # a heap: the lowest free block first, so the pool stays compact
         self._sequences: dict[int, _Sequence] = {}  # in admission (allocation) order: the last is preempted first
+        # the sequences with blocks promised and not taken yet (still prefilling): those the budget's
+        # arithmetic sums over, so that it costs no sum over every sequence
+        self._prefilling: set[_Sequence] = set()
         self._next_id = 0
         self._cache = None
         if prefix_cache_max_tokens is not None:
@@ -394,6 +397,7 @@ class RaggedLM(BatchedLM):
         with self._lock:
             sequence = self._sequences.pop(seq_id, None)
             if sequence is not None:
+                self._prefilling.discard(sequence)
                 self._release(sequence)
                 self._shrink()
 
@@ -450,6 +454,8 @@ class RaggedLM(BatchedLM):
                     "running sessions to grow; retry later, or raise --kv-cache-max-bytes or lower max_sessions"
                 )
             sequence.promised = total
+            if sequence.outstanding:
+                self._prefilling.add(sequence)
 
     def lost(self, seq_id: int) -> str | None:
         """Why the sequence was preempted, None while it holds its KV (or is unknown)."""
@@ -457,6 +463,7 @@ class RaggedLM(BatchedLM):
         return None if sequence is None else sequence.lost
 
     def kv_usage(self) -> KVUsage:
+        """O(sequences still prefilling) under the store's lock: cheap enough for every message."""
         with self._lock:
             return KVUsage(
                 self.block_bytes,
@@ -465,6 +472,7 @@ class RaggedLM(BatchedLM):
                 self._used_blocks(),
                 self._evictable(),
                 self.num_preemptions,
+                BLOCK_SIZE,
             )
 
     def commit(self, seq_id: int, length: int) -> None:
@@ -539,7 +547,7 @@ class RaggedLM(BatchedLM):
 
     def _used_blocks(self) -> int:
         """Blocks live sequences hold, or were promised and have not taken yet."""
-        promised = sum(s.outstanding for s in self._sequences.values())
+        promised = sum(s.outstanding for s in self._prefilling)
         return self._pool_blocks() - len(self._free) - self._evictable() + promised
 
     def _available(self) -> int:
@@ -570,6 +578,7 @@ class RaggedLM(BatchedLM):
             "it again (the coordinator rebuilds it from its committed log), or raise --kv-cache-max-bytes or lower "
             "max_sessions"
         )
+        self._prefilling.discard(sequence)
         self._release(sequence)
         sequence.length, sequence.tokens, sequence.promised = 0, [], 0
         self.num_preemptions += 1
@@ -584,6 +593,8 @@ class RaggedLM(BatchedLM):
             if not self._free:
                 self._grow()
             sequence.blocks.append(heapq.heappop(self._free))
+        if not sequence.outstanding:
+            self._prefilling.discard(sequence)
 
     def _release(self, sequence: _Sequence) -> None:
         """Gives a sequence's blocks back: its own to the free blocks, its registered ones to the
