@@ -16,6 +16,7 @@ from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
+from specdec.service_load import service_load
 from specdec.sessions import SessionRegistry
 from specdec.step_stream import Reply, StepCalls, wait_for_reply
 from specdec.timing import ms_since
@@ -96,6 +97,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if default_drafter not in drafters:
             raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
         self.drafters = drafters
+        # by drafter name: the engine loops of the model drafters (one per model)
+        self.engines = {name: d.engine for name, d in drafters.items() if d.engine is not None}
         self.default_drafter = default_drafter
         self.sessions = sessions
         self.max_k = max_k
@@ -113,6 +116,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 for name, d in self.drafters.items()
             ],
             default_drafter=self.default_drafter,
+            load=service_load(self.sessions, self.engines.values()),
         )
 
     def _drafter(self, name: str) -> Drafter:
@@ -153,7 +157,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Step(self, request_iterator, context):
         for results in self.step_calls.serve(request_iterator, context):
-            yield draft_pb2.DraftStepResponse(results=results)
+            yield draft_pb2.DraftStepResponse(results=results, load=service_load(self.sessions, self.engines.values()))
 
     def _propose(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
         """Starts a Propose (a :data:`specdec.step_stream.Starter`): a model drafter's proposal
@@ -232,12 +236,6 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
     host_memory.keep_freed_memory()
     drafters = drafters if drafters is not None else load_drafters(settings)
     metrics = ServiceMetrics()
-    engines = []
-    for name, drafter in drafters.items():
-        if drafter.engine is not None:
-            lm = drafter.engine.lm
-            drafter.engine.metrics = metrics.engine_metrics(name, lm.prefix_cache_tokens, lm.kv_usage)
-            engines.append(drafter.engine)
     sessions: SessionRegistry[DraftSession] = SessionRegistry(
         settings.max_sessions, settings.session_idle_timeout_s, lost=_lost
     )
@@ -251,8 +249,16 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
         settings.grammar_aware_drafting,
     )
     servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
+    for name, engine in servicer.engines.items():
+        lm = engine.lm
+        engine.metrics = metrics.engine_metrics(name, lm.prefix_cache_tokens, lm.kv_usage, engine.num_waiting_calls)
     return start_service(
-        servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE, sessions, settings, engines
+        servicer,
+        draft_pb2_grpc.add_DraftServiceServicer_to_server,
+        SERVICE,
+        sessions,
+        settings,
+        servicer.engines.values(),
     )
 
 

@@ -70,7 +70,7 @@ class _KVCache(Collector):
             if (kv := read()) is None:
                 continue
             usage.add_metric([engine], kv.usage_perc)
-            for state, value in (("total", kv.budget), ("used", kv.used), ("free", kv.budget - kv.used)):
+            for state, value in (("total", kv.budget), ("used", kv.used), ("free", kv.free)):
                 blocks.add_metric([engine, state], value)
             pool.add_metric([engine], kv.pool * kv.block_bytes)
             preemptions.add_metric([engine], kv.num_preemptions)
@@ -78,9 +78,9 @@ class _KVCache(Collector):
 
 
 class _EngineFamilies:
-    """The metrics of a service's engine loops (label ``engine``): step and queue histograms,
-    prefix-cache counters and size, KV budget and preemptions, registered by the first engine that
-    asks (so the coordinator, which has none, exports none)."""
+    """The metrics of a service's engine loops (label ``engine``): step and queue histograms, the
+    calls waiting, prefix-cache counters and size, KV budget and preemptions, registered by the
+    first engine that asks (so the coordinator, which has none, exports none)."""
 
     def __init__(self, registry: CollectorRegistry):
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -101,6 +101,12 @@ class _EngineFamilies:
             "specdec_queue_time_seconds",
             "Per call: time in the engine's queue before its first step began.",
             QUEUE_BUCKETS,
+        )
+        self.calls_waiting = Gauge(
+            "specdec_num_calls_waiting",
+            "Calls queued in the engine that no step has started yet (its queue: what to scale the service on).",
+            ["engine"],
+            registry=registry,
         )
         self.prefix_cache_queries = Counter(
             "specdec_prefix_cache_queries",
@@ -184,14 +190,18 @@ class ServiceMetrics:
         engine: str,
         prefix_cache_tokens: Callable[[], int],
         kv_usage: Callable[[], KVUsage | None] = lambda: None,
+        calls_waiting: Callable[[], int] | None = None,
     ) -> EngineMetrics:
         """The metrics of the engine named ``engine`` (its label value); ``prefix_cache_tokens``
         and ``kv_usage`` (its model's :meth:`specdec.batching.BatchedLM.prefix_cache_tokens` and
-        :meth:`specdec.batching.BatchedLM.kv_usage`; None: no KV budget metrics) are read at every
-        scrape."""
+        :meth:`specdec.batching.BatchedLM.kv_usage`; None: no KV budget metrics), and
+        ``calls_waiting`` (the engine's :meth:`specdec.engine.Engine.num_waiting_calls`; None: not
+        exported) are read at every scrape."""
         if self._engines is None:
             self._engines = _EngineFamilies(self.registry)
         self._engines.prefix_cache_tokens.labels(engine).set_function(prefix_cache_tokens)
+        if calls_waiting is not None:
+            self._engines.calls_waiting.labels(engine).set_function(calls_waiting)
         self._engines.kv_cache.usages[engine] = kv_usage
         return _EngineView(self._engines, engine)
 

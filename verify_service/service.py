@@ -13,6 +13,7 @@ from specdec.prom import ServiceMetrics
 from specdec.ragged_lm import OverBudget
 from specdec.sampling_params import SamplingParams
 from specdec.server import RunningService, start_service
+from specdec.service_load import service_load
 from specdec.sessions import SessionRegistry
 from specdec.step_stream import Reply, StepCalls, wait_for_reply
 from specdec.timing import ms_since
@@ -74,6 +75,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             step_costs=[common_pb2.StepCost(num_tokens=n, num_seqs=b, ms=ms) for n, b, ms in t.step_costs],
             max_num_seqs=t.limits.max_num_seqs,
             max_num_batched_tokens=t.limits.max_num_batched_tokens,
+            load=service_load(self.sessions, [t.engine]),
         )
 
     @grpc_errors
@@ -112,7 +114,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     def Step(self, request_iterator, context):
         for results in self.step_calls.serve(request_iterator, context):
-            yield verify_pb2.VerifyStepResponse(results=results)
+            yield verify_pb2.VerifyStepResponse(results=results, load=service_load(self.sessions, [self.target.engine]))
 
     def _verify(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
         """Starts a Verify (a :data:`specdec.step_stream.Starter`): replies from the engine's thread."""
@@ -186,7 +188,9 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.pack_linear_weights,
         settings.kv_cache_max_bytes,
     )
-    target.engine.metrics = metrics.engine_metrics("verify", target.lm.prefix_cache_tokens, target.lm.kv_usage)
+    target.engine.metrics = metrics.engine_metrics(
+        "verify", target.lm.prefix_cache_tokens, target.lm.kv_usage, target.engine.num_waiting_calls
+    )
     sessions: SessionRegistry[TargetSession] = SessionRegistry(
         settings.max_sessions, settings.session_idle_timeout_s, lost=TargetSession.lost
     )
