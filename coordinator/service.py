@@ -46,8 +46,9 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.placement import Placement
 from coordinator.speculation.rounds import RequestRounds
-from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
+from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
 from specdec.background import BackgroundTasks
 from specdec.errors import AlreadyExists, NotFound, SpecdecError
 from specdec.model_files import load_tokenizer
@@ -426,6 +427,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             num_verify_rebuilds=rounds.verify.rebuilds,
             num_cached_prompt_tokens=rounds.verify.num_cached_tokens,
             num_draft_cached_prompt_tokens=rounds.draft.num_cached_tokens or 0,
+            verify_replicas=rounds.verify.used,
+            draft_replicas=rounds.draft.used,
         )
         self.metrics.observe_request(final)
         request_span = trace.get_current_span()
@@ -457,8 +460,12 @@ async def serve(
     SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
+    placements: dict[Service, Placement] = {
+        "draft": Placement(settings.placement),
+        "verify": Placement(settings.placement),
+    }
     clients = ServiceClients(
-        settings.draft_address,
+        settings.draft_addresses,
         settings.verify_addresses,
         settings.rpc_timeout_s,
         settings.prefill_timeout_s,
@@ -467,8 +474,13 @@ async def serve(
         propose_deadline=ProposeDeadline(
             settings.propose_timeout_floor_s, settings.propose_timeout_factor, settings.rpc_timeout_s
         ),
+        placements=placements,
+        nameservers=settings.dns_nameservers,
+        refresh_s=settings.discovery_refresh_s,
     )
+    await clients.start()
     metrics = CoordinatorMetrics()
+    metrics.track_placements(placements)
     store: RequestStore
     if settings.redis_url:
         store = RedisStore(

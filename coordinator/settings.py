@@ -1,5 +1,6 @@
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -123,11 +124,39 @@ class CoordinatorSettings(ServiceSettings):
         description="A file of further API keys, one per line (blank lines and # comments skipped); a file that "
         "cannot be read stops the coordinator's start.",
     )
-    draft_address: str = Field("127.0.0.1:50052", description="host:port of the draft service.")
+    draft_addresses: CommaSeparated = Field(
+        [],
+        description="host:port of every draft replica (a draft pool), comma-separated; a host may be a DNS name, "
+        "which stands for every address it resolves to (a Kubernetes headless Service: every ready pod), resolved "
+        "again every discovery_refresh_s. A session opens on the replica placement chooses and moves to another "
+        "when its replica fails. Empty: draft_address.",
+    )
+    draft_address: str = Field(
+        "127.0.0.1:50052", description="host:port of the draft service when it is one replica (see draft_addresses)."
+    )
     verify_addresses: CommaSeparated = Field(
         ["127.0.0.1:50053"],
-        description="host:port of every verify replica, comma-separated; a session that "
-        "loses its replica is rebuilt on another.",
+        description="host:port of every verify replica, comma-separated; a host may be a DNS name, as in "
+        "draft_addresses. A session opens on the replica placement chooses and is rebuilt on another when its "
+        "replica fails or is no longer found.",
+    )
+    placement: Literal["prefix-load", "round-robin"] = Field(
+        "prefix-load",
+        description="How a new session's replica is chosen (draft and verify): prefix-load, the replica that "
+        "holds most of the prompt in its prefix cache unless it is a share busier than the others, else the least "
+        "loaded (load from the replicas' reports and the round trip of their calls; docs/architecture.md#placement); "
+        "round-robin, one after the other.",
+    )
+    discovery_refresh_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often the DNS names in draft_addresses and verify_addresses are resolved again (also "
+        "within a second after a replica fails to answer), seconds.",
+    )
+    dns_nameservers: CommaSeparated = Field(
+        [],
+        description="host:port of DNS servers to resolve the replicas' names with (A and AAAA queries); empty: the "
+        "operating system's resolver (/etc/hosts, and the search domains of /etc/resolv.conf, as a pod's).",
     )
     tokenizer: str = Field(
         DEFAULT_MODEL,
@@ -343,6 +372,15 @@ class CoordinatorSettings(ServiceSettings):
             names = (f"{prefix}ca_file", f"{prefix}cert_file", f"{prefix}key_file")
             ca_file, cert_file, key_file = (getattr(self, name) for name in names)
             check_client_files(ca_file, cert_file, key_file, names)
+        return self
+
+    @model_validator(mode="after")
+    def _draft_replicas(self):
+        """Fills draft_addresses from draft_address; refuses both set (which one would win?)."""
+        if self.draft_addresses and "draft_address" in self.model_fields_set:
+            raise ValueError("draft_addresses and draft_address are both set: give every replica in draft_addresses")
+        if not self.draft_addresses:
+            self.draft_addresses = [self.draft_address]
         return self
 
     @model_validator(mode="after")

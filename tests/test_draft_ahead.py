@@ -138,7 +138,7 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     tokens and the rounds' draft-ahead outcomes (a hit's branch after a colon, and ``+asked``
     where the round asked the draft for a proposal of its own: the draft service's time for it
     is in the round's record)."""
-    clients = ServiceClients(pipeline.draft_address, [pipeline.verify_address], 60, 60)
+    clients = ServiceClients([pipeline.draft_address], [pipeline.verify_address], 60, 60)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
     rounds = RequestRounds(
         DraftService(clients),

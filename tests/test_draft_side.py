@@ -28,7 +28,7 @@ def request(k: int = 3, drafter: str = "transformers", adaptive: bool = False, t
 def clients_of(pipeline, draft_address: str | None = None) -> ServiceClients:
     deadline = ProposeDeadline(floor_s=0.25, factor=3, ceiling_s=30)
     address = draft_address or pipeline.draft_address
-    return ServiceClients(address, [pipeline.verify_address], 30, 30, propose_deadline=deadline)
+    return ServiceClients([address], [pipeline.verify_address], 30, 30, propose_deadline=deadline)
 
 
 def session_of(
@@ -106,7 +106,7 @@ def test_a_lost_session_is_prefilled_again_under_a_new_id(tiny_pipeline):
             session.open()
             await asyncio.sleep(0.5)
             session.check_prefill()
-            await service.release(session.session_id)  # the service lost it (restart, idle eviction)
+            await service.release(session.replica, session.session_id)  # the service lost it (restart, idle eviction)
             proposal = await session.proposal(3, round_number=1, start=0.0)
             assert len(proposal.response.token_ids) == 3 and session.session_id == "lost.d2"
             assert session.failures == 0
@@ -150,7 +150,7 @@ def test_the_last_draft_info_stands_in_while_the_service_is_down(tiny_pipeline):
         try:
             info = await service.info()
             assert service.is_model_drafter("transformers") and not service.is_model_drafter("ngram")
-            service.mark_down()  # a call just found it unreachable
+            service.mark_down(tiny_pipeline.draft_address)  # a call just found it unreachable
             assert await service.info() is info
         finally:
             await clients.close()
@@ -194,15 +194,15 @@ def test_a_late_answer_clears_the_down_mark(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
         clients.propose_deadline.observe(0.05, 3)  # learnt while the draft was fast
-        service = DraftService(clients, down_s=30.0)
+        service, replica = DraftService(clients, down_s=30.0), f"127.0.0.1:{draft.port}"
         try:
-            await service.prefill(draft_pb2.DraftServicePrefillRequest(session_id="late", token_ids=PROMPT))
+            await service.prefill(replica, draft_pb2.DraftServicePrefillRequest(session_id="late", token_ids=PROMPT))
             with pytest.raises(Unavailable, match="deadline"):
-                await service.propose(draft_pb2.ProposeRequest(session_id="late", num_speculative_tokens=3))
+                await service.propose(replica, draft_pb2.ProposeRequest(session_id="late", num_speculative_tokens=3))
             assert service.down()
             await asyncio.sleep(0.8)  # the late answer arrives
             assert not service.down()
-            await service.release("late")
+            await service.release(replica, "late")
         finally:
             await clients.close()
 

@@ -122,7 +122,7 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
     ids, expected = next(iter(references.values()))
 
     async def run() -> tuple[list[int], list]:
-        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
+        clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 4, "transformers", adaptive=False)
         try:
             return await run_rounds(
@@ -190,7 +190,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         return generated
 
     async def run_all():
-        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
+        clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         try:
             return [await run(clients, ids) for ids, _ in references.values()]
         finally:

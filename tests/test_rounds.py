@@ -32,7 +32,7 @@ def test_the_prompt_is_indexed_a_chunk_at_a_time_between_other_requests_work():
         return {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt))}
 
     async def index_beside_other_work() -> tuple[dict, int]:
-        clients = ServiceClients("127.0.0.1:9", ["127.0.0.1:9"], 1, 1)  # never called
+        clients = ServiceClients(["127.0.0.1:9"], ["127.0.0.1:9"], 1, 1)  # never called
         rounds = RequestRounds(
             DraftService(clients), VerifyReplicas(clients), "index", request, list(prompt), lookups()
         )
@@ -66,7 +66,7 @@ def test_the_first_tokens_decision_on_the_draft_counts_the_coordinators_running_
     )
 
     async def opened_at_once(running: int) -> bool:
-        clients = ServiceClients(tiny_pipeline.draft_address, [tiny_pipeline.verify_address], 60, 60)
+        clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         policy = AdaptiveState().policy(drafter, target, k_max=4, lookups={})
         rounds = RequestRounds(
             DraftService(clients),

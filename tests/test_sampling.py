@@ -206,7 +206,7 @@ def pipeline_runs(services: SmallVocab, params: SamplingParams, seeds) -> list[t
     """:func:`pipeline_tokens` for every seed, CONCURRENT_SESSIONS requests at a time."""
 
     async def run_all():
-        clients = ServiceClients(services.draft_address, [services.verify_address], 60, 60)
+        clients = ServiceClients([services.draft_address], [services.verify_address], 60, 60)
         limit = asyncio.Semaphore(CONCURRENT_SESSIONS)
 
         async def one(i: int, seed: int):

@@ -236,10 +236,10 @@ def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, t
     tls = reloading_channel_credentials(pki["ca"], cert, key, names)
 
     async def run() -> None:
-        clients = ServiceClients(tls_pipeline["draft"], [tls_pipeline["verify"]], 10, 10, tls=tls)
+        clients = ServiceClients([tls_pipeline["draft"]], [tls_pipeline["verify"]], 10, 10, tls=tls)
         replicas = VerifyReplicas(clients)
         try:
-            assert (await clients.draft_info()).drafters
+            assert (await clients.draft_info(tls_pipeline["draft"])).drafters
             files.leaf(trustme.CA().issue_cert("specdec-coordinator"), "coordinator")
             with pytest.raises(Unavailable):
                 await replicas.info()

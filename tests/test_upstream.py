@@ -50,17 +50,17 @@ def test_a_propose_answered_late_teaches_the_deadline(tiny_pipeline):
     async def run():
         deadline = ProposeDeadline(floor_s=0.25, factor=1.5, ceiling_s=30)
         deadline.observe(0.05, 3)  # learnt while the draft was fast
-        clients = ServiceClients(
-            f"127.0.0.1:{draft.port}", [tiny_pipeline.verify_address], 30, 30, propose_deadline=deadline
-        )
+        address = f"127.0.0.1:{draft.port}"
+        clients = ServiceClients([address], [tiny_pipeline.verify_address], 30, 30, propose_deadline=deadline)
         try:
-            await clients.prefill_draft(draft_pb2.DraftServicePrefillRequest(session_id="s", token_ids=[1, 2, 1, 2]))
+            prefill = draft_pb2.DraftServicePrefillRequest(session_id="s", token_ids=[1, 2, 1, 2])
+            await clients.prefill_draft(address, prefill)
             request = draft_pb2.ProposeRequest(session_id="s", num_speculative_tokens=3)
             with pytest.raises(Unavailable):
-                await clients.propose(request)
+                await clients.propose(address, request)
             await asyncio.sleep(0.8)  # its answer arrives meanwhile
             assert deadline.seconds(3) >= 1.5 * 0.6
-            assert (await clients.propose(request)).token_ids
+            assert (await clients.propose(address, request)).token_ids
         finally:
             await clients.close()
 

@@ -1,9 +1,15 @@
 """The coordinator's Prometheus metrics, fed from the same RoundRecords and RequestMetrics the
 request's own metrics are built from (names as vLLM's, see :mod:`specdec.prom`)."""
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from coordinator.observability.metrics import BONUS, MAIN, RECOVERED, RoundRecord
+from coordinator.speculation.placement import Placement
 from specdec.prom import ServiceMetrics
 from specdec.v1 import coordinator_pb2
 
@@ -39,6 +45,42 @@ ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 def load_band(batch_size: int) -> str:
     """The ``batch_size`` label of a round whose verify step held ``batch_size`` sequences."""
     return next((band for limit, band in LOAD_BANDS if batch_size <= limit), "33+")
+
+
+class _Placements(Collector):
+    """Per replica of the draft and the verify service (labels ``service``, ``replica``), read
+    from placement (:mod:`coordinator.speculation.placement`) at every scrape: the sessions placed
+    there, the prompt tokens they found in its prefix cache, and its last load report."""
+
+    def __init__(self, placements: Mapping[Any, Placement]):
+        self.placements = placements
+
+    def collect(self):
+        labels = ["service", "replica"]
+        placed = CounterMetricFamily(
+            "specdec_placements", "Sessions this coordinator opened on the replica.", labels=labels
+        )
+        cached = CounterMetricFamily(
+            "specdec_placement_cached_tokens",
+            "Prompt tokens the sessions opened on the replica found in its prefix cache (not computed again).",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            "specdec_replica_num_calls_waiting",
+            "Calls waiting in the replica's engine, as it last reported (with a Step reply or GetInfo).",
+            labels=labels,
+        )
+        sessions = GaugeMetricFamily(
+            "specdec_replica_num_sessions", "Open sessions on the replica, as it last reported.", labels=labels
+        )
+        for service, placement in self.placements.items():
+            for replica, state in placement.replicas():
+                placed.add_metric([service, replica], state.placed)
+                cached.add_metric([service, replica], state.cached_tokens)
+                if state.load is not None:
+                    waiting.add_metric([service, replica], state.load.num_waiting_calls)
+                    sessions.add_metric([service, replica], state.load.num_sessions)
+        yield from (placed, cached, waiting, sessions)
 
 
 class CoordinatorMetrics(ServiceMetrics):
@@ -163,6 +205,10 @@ class CoordinatorMetrics(ServiceMetrics):
         self.round_coordination_time = histogram(
             "specdec_round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
         )
+
+    def track_placements(self, placements: Mapping[Any, Placement]) -> None:
+        """Exports each replica's placements and last load (:class:`_Placements`)."""
+        self.registry.register(_Placements(placements))
 
     def observe_round(self, record: RoundRecord, num_committed: int) -> None:
         """Counts one round that streamed ``num_committed`` tokens."""

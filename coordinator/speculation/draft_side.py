@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.api.request import ResolvedRequest
@@ -38,39 +38,57 @@ log = logging.getLogger(__name__)
 
 
 class DraftService:
-    """The draft service of ``clients`` as every request of a coordinator sees it: down for
-    ``down_s`` seconds after a call failed to answer (unreachable, or past its deadline)."""
+    """The draft service's replicas (a draft pool, shared by every coordinator) as every request of
+    a coordinator sees them: a replica whose call failed to answer (unreachable, or past its
+    deadline) is down for ``down_s`` seconds (no session opens there meanwhile, and its sessions
+    move to another, see :class:`DraftSession`) unless a late answer shows it alive first; the
+    last GetInfo stands in while every replica is down. Replicas are named by their ``host:port``;
+    which one a session opens on is placement's choice (:mod:`coordinator.speculation.placement`)."""
 
     def __init__(self, clients: ServiceClients, down_s: float = 2.0):
         self.clients, self.down_s = clients, down_s
-        self._down_until = 0.0
+        self.placement = clients.placements["draft"]
+        self._down_until: dict[str, float] = {}
         self._info: draft_pb2.DraftServiceGetInfoResponse | None = None
 
-    def down(self) -> bool:
-        """Whether a draft call failed to answer in the last ``down_s`` seconds: requests then run
-        without the draft instead of waiting on it."""
-        return time.monotonic() < self._down_until
+    def down(self, replica: str | None = None) -> bool:
+        """Whether ``replica`` failed to answer in the last ``down_s`` seconds; without one,
+        whether every replica did (or none is found): requests then run without the draft instead
+        of waiting on it."""
+        now = time.monotonic()
+        if replica is not None:
+            return self._down_until.get(replica, 0.0) > now
+        return all(self._down_until.get(r, 0.0) > now for r in self.clients.draft_replicas.addresses)
 
-    def mark_down(self) -> None:
-        """Records that a call found the service unreachable or late."""
-        self._down_until = time.monotonic() + self.down_s
+    def mark_down(self, replica: str) -> None:
+        """Records that a call found ``replica`` unreachable or late."""
+        self._down_until[replica] = time.monotonic() + self.down_s
 
-    async def _marking_down(self, call: Awaitable):
+    def order(self, prompt: Sequence[int] = ()) -> list[str]:
+        """The replicas in the order to open a session over ``prompt`` on (placement's choice
+        first), those down last."""
+        replicas = self.clients.draft_replicas.addresses
+        return self.placement.rank(replicas, prompt, [r for r in replicas if self.down(r)])
+
+    async def _marking_down(self, replica: str, call: Awaitable):
         try:
             return await call
         except Unavailable:
-            self.mark_down()
+            self.mark_down(replica)
             raise
 
     async def info(self) -> draft_pb2.DraftServiceGetInfoResponse | None:
-        """The draft service's GetInfo; while it is down or does not answer, the last one seen
-        (None if none). Once one was seen, the draft gets the Propose deadline to answer (a hung
-        draft then delays a new request that long, once per ``down_s``)."""
+        """The GetInfo of the first replica that answers; while every one is down or none
+        answers, the last one seen (None if none). Once one was seen, a replica gets the Propose
+        deadline to answer (a hung draft then delays a new request that long, once per
+        ``down_s``)."""
         if self._info is not None and self.down():
             return self._info
         timeout = self.clients.propose_deadline.seconds(0) if self._info is not None else None
-        with contextlib.suppress(Unavailable):
-            self._info = await self._marking_down(self.clients.draft_info(timeout))
+        for replica in self.order():
+            with contextlib.suppress(Unavailable):
+                self._info = await self._marking_down(replica, self.clients.draft_info(replica, timeout))
+                break
         return self._info
 
     def is_model_drafter(self, name: str) -> bool:
@@ -78,26 +96,28 @@ class DraftService:
         drafter has none to hide), by the last GetInfo."""
         return self._info is not None and any(d.name == name and d.model for d in self._info.drafters)
 
-    async def prefill(self, request: draft_pb2.DraftServicePrefillRequest) -> draft_pb2.DraftServicePrefillResponse:
-        return await self._marking_down(self.clients.prefill_draft(request))
+    async def prefill(
+        self, replica: str, request: draft_pb2.DraftServicePrefillRequest
+    ) -> draft_pb2.DraftServicePrefillResponse:
+        return await self._marking_down(replica, self.clients.prefill_draft(replica, request))
 
     async def propose(
-        self, request: draft_pb2.ProposeRequest, on_late: Callable[[], None] | None = None
+        self, replica: str, request: draft_pb2.ProposeRequest, on_late: Callable[[], None] | None = None
     ) -> draft_pb2.ProposeResponse:
         """A Propose; a late answer to one that missed its deadline clears the down mark (the draft
         is alive, only slowed by load, and the deadline has just learnt its new round trip) and
         calls ``on_late()``."""
 
         def alive() -> None:
-            self._down_until = 0.0
+            self._down_until.pop(replica, None)
             if on_late is not None:
                 on_late()
 
-        return await self._marking_down(self.clients.propose(request, on_late=alive))
+        return await self._marking_down(replica, self.clients.propose(replica, request, on_late=alive))
 
-    async def release(self, session_id: str) -> None:
-        """A Release: background clean-up, so a failure does not mark the service down."""
-        await self.clients.release_draft(session_id)
+    async def release(self, replica: str, session_id: str) -> None:
+        """A Release: background clean-up, so a failure does not mark the replica down."""
+        await self.clients.release_draft(replica, session_id)
 
 
 @dataclass
@@ -192,6 +212,8 @@ class DraftSession:
         self.branches = branches if self.draft_ahead and request.sampling.greedy else 1
         self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
+        self.replica = ""  # the draft replica holding session_id
+        self.used: list[str] = []  # the replicas its sessions opened on, in order
         self.seen = 0  # length of the committed prefix the session has seen
         self.retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.failures = 0
@@ -214,11 +236,13 @@ class DraftSession:
 
     def available(self) -> bool:
         """Whether this round may ask the draft service: the session is open (prefilled) and the
-        draft has not failed recently, for this request or (unreachable, late) for any."""
-        return self.session_id is not None and not self._late and not self._failed_recently()
+        draft has not failed recently, for this request or (unreachable, late) its replica."""
+        return self.session_id is not None and not self._late and not self._failed_recently(self.replica)
 
-    def _failed_recently(self) -> bool:
-        return time.monotonic() < self.retry_at or self.service.down()
+    def _failed_recently(self, replica: str | None = None) -> bool:
+        """Whether this request's draft failed in the last ``retry_s``, or ``replica`` (without
+        one: every replica) failed to answer in the draft service's ``down_s``."""
+        return time.monotonic() < self.retry_at or self.service.down(replica)
 
     def open(self) -> None:
         """Starts the session's prefill in the background, unless the request uses no draft, the
@@ -262,7 +286,10 @@ class DraftSession:
     async def _open(self) -> tuple[int, float]:
         """Prefills a new session with the committed log; returns the tokens the draft computed and
         the Prefill's ms."""
-        session_id = self.new_session_id()
+        session_id, order = self.new_session_id(), self.service.order(self.committed)
+        if not order:
+            raise Unavailable("no draft replica found")
+        replica = order[0]  # a failure marks it down: the next try goes to another
         request = draft_pb2.DraftServicePrefillRequest(
             session_id=session_id,
             drafter=self.request.drafter,
@@ -270,12 +297,20 @@ class DraftSession:
             sampling=self.request.sampling.to_proto(),
         )
         seen, start = len(self.committed), time.perf_counter()  # rounds may commit more while the prefill runs
+        placement = self.service.placement
+        placement.opening(replica, self.committed[:seen])
         try:
-            response = await self.service.prefill(request)
-        except (asyncio.CancelledError, Unavailable):  # the draft service may open the session all the same
-            self._release(session_id)
+            response = await self.service.prefill(replica, request)
+        except BaseException as err:
+            placement.closed(replica)
+            if isinstance(err, asyncio.CancelledError | Unavailable):  # the replica may open the session all the same
+                self._release(replica, session_id)
             raise
-        self.session_id, self.seen = session_id, seen
+        if self.session_id is not None:  # replaces a session its replica lost
+            placement.closed(self.replica)
+        self.session_id, self.replica, self.seen = session_id, replica, seen
+        self.used.append(replica)
+        placement.opened(replica, response.num_cached_tokens)
         if self.num_cached_tokens is None:
             self.num_cached_tokens = response.num_cached_tokens
         return seen - response.num_cached_tokens, ms_since(start)
@@ -288,19 +323,24 @@ class DraftSession:
             return None
 
     def _failed(self, err: SpecdecError) -> None:
-        """Goes on without the draft until ``retry_s`` has passed. Raises ``err`` when it says the
-        request itself is wrong (INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+        """Goes on without the draft until ``retry_s`` has passed, or, when its replica did not
+        answer and another one is up, only until the next round, which opens a session there (a
+        draft pool: the session moves). Raises ``err`` when it says the request itself is wrong
+        (INVALID_ARGUMENT, FAILED_PRECONDITION)."""
         if isinstance(err, InvalidArgument | FailedPrecondition):
             raise err
         self.failures += 1
-        self.retry_at = time.monotonic() + self.retry_s
         self._late = isinstance(err, MissedDeadline) and self.session_id is not None
+        moves = isinstance(err, Unavailable) and not self._late and not self.service.down()
+        self.retry_at = time.monotonic() + (0.0 if moves else self.retry_s)  # another replica answers: at once
         log.warning(
             "draft session %s: %s; %s",
             self.session_id or "(opening)",
             err,
             f"plain decode until it answers late, or for {self.retry_s:g} s"
             if self._late
+            else "opening it on another draft replica"
+            if moves
             else f"plain decode until the draft is retried in {self.retry_s:g} s",
         )
         if not self._late:
@@ -365,7 +405,9 @@ class DraftSession:
             num_branches=self.branches,  # the draft keeps what branching the next draft-ahead needs
         )
         session_id, carried = self.session_id, len(self.committed)
-        response = await self.service.propose(request, on_late=lambda: self._answered_late(session_id, carried))
+        response = await self.service.propose(
+            self.replica, request, on_late=lambda: self._answered_late(session_id, carried)
+        )
         self.seen = carried
         return response, request.ByteSize() + response.ByteSize()
 
@@ -383,7 +425,7 @@ class DraftSession:
         session_id, carried = self.session_id, len(self.committed)
         self.seen = carried
         task = asyncio.ensure_future(
-            self.service.propose(request, on_late=lambda: self._answered_late(session_id, carried))
+            self.service.propose(self.replica, request, on_late=lambda: self._answered_late(session_id, carried))
         )
         self._ahead = DraftAhead(task, round_number, len(self.committed), predicted, request.ByteSize())
 
@@ -434,13 +476,16 @@ class DraftSession:
         self._release_open()
 
     def release_left_behind(self, session_id: str) -> None:
-        """Releases, in the background, a session another coordinator opened for this request."""
-        self._release(session_id)
+        """Releases, in the background, a session another coordinator opened for this request, on
+        every draft replica (it may be on any; Release of an id a replica lacks is a no-op)."""
+        for replica in self.service.clients.draft_replicas.addresses:
+            self._release(replica, session_id)
 
     def _release_open(self) -> None:
         if self.session_id is not None:
-            self._release(self.session_id)
+            self.service.placement.closed(self.replica)
+            self._release(self.replica, self.session_id)
         self.session_id = None
 
-    def _release(self, session_id: str) -> None:
-        self.in_background(lambda: self.service.release(session_id))
+    def _release(self, replica: str, session_id: str) -> None:
+        self.in_background(lambda: self.service.release(replica, session_id))

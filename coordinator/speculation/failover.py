@@ -1,22 +1,22 @@
 """Failover between verify replicas: a request's session on the verify service lives on one
 replica at a time, and is rebuilt on another from the coordinator's committed log when its
-replica fails or loses it.
+replica fails, loses it, or is gone from discovery.
 
 :class:`VerifyReplicas`, one per coordinator, keeps which replicas failed recently and the order
-to try them in. A call that finds its replica unreachable, past its deadline, or without the
-session (NOT_FOUND: restarted, or evicted as idle) marks the replica down (it is then tried last
-for ``down_s``, see :meth:`VerifyReplicas.order`), releases the
-old session in the background, prefills the committed log on a replica (the healthy ones first,
-round robin) under a new session id (so a late call to the old one cannot collide), and retries
-the call; passes over the replicas repeat every RETRY_INTERVAL_S until ``failover_timeout_s``
-has passed, and the request then fails with UNAVAILABLE. A retried call is exact: Verify and
-Decode depend only on the committed log and the per-position seed.
+to try them in: placement's (:mod:`coordinator.speculation.placement`: prefix affinity and load),
+those that failed in the last ``down_s`` last. A call that finds its replica unreachable, past its
+deadline, or without the session (NOT_FOUND: restarted, evicted as idle, preempted) marks the
+replica down, releases the old session in the background, prefills the committed log on a replica
+(in that order) under a new session id (so a late call to the old one cannot collide), and
+retries the call; passes over the replicas repeat every RETRY_INTERVAL_S until
+``failover_timeout_s`` has passed, and the request then fails with UNAVAILABLE. A retried call is
+exact: Verify and Decode depend only on the committed log and the per-position seed.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from coordinator.speculation.upstream import ServiceClients
 from specdec.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
@@ -29,30 +29,35 @@ RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none ca
 
 class VerifyReplicas:
     """The verify replicas of ``clients`` as every request of a coordinator sees them: a replica
-    that failed a call is tried last for ``down_s`` seconds."""
+    that failed a call is tried last for ``down_s`` seconds. Replicas are named by their
+    ``host:port``."""
 
     def __init__(self, clients: ServiceClients, down_s: float = 5.0):
         self.clients, self.down_s = clients, down_s
-        self._down_until = [0.0] * clients.num_verify_replicas
-        self._next = 0
+        self.placement = clients.placements["verify"]
+        self._down_until: dict[str, float] = {}
 
-    def order(self) -> list[int]:
-        """Every verify replica, round robin from one call to the next, those that failed in the
-        last ``down_s`` seconds last."""
-        n = len(self._down_until)
-        start, self._next = self._next, (self._next + 1) % n
-        order = [(start + i) % n for i in range(n)]
+    def order(self, prompt: Sequence[int] = ()) -> list[str]:
+        """Every verify replica discovery finds, in the order to try them for a session over
+        ``prompt`` (placement's choice first), those that failed in the last ``down_s`` seconds
+        last."""
         now = time.monotonic()
-        return sorted(order, key=lambda i: self._down_until[i] > now)
+        replicas = self.clients.verify_replicas.addresses
+        down = [r for r in replicas if self._down_until.get(r, 0.0) > now]
+        return self.placement.rank(replicas, prompt, down)
 
-    def mark_down(self, replica: int) -> None:
+    def mark_down(self, replica: str) -> None:
         """Records that a verify replica failed a call."""
         self._down_until[replica] = time.monotonic() + self.down_s
+
+    def none_found(self) -> Unavailable:
+        return Unavailable(f"no verify replica found at {', '.join(self.clients.verify_replicas.discovery.given)}")
 
     async def info(self, deadline: float | None = None) -> verify_pb2.VerifyServiceGetInfoResponse:
         """GetInfo of the first replica that answers, passing over the replicas every
         RETRY_INTERVAL_S until ``deadline`` (time.monotonic(); None: one pass). Raises the last
-        replica's error when none answered by then."""
+        replica's error when none answered by then (UNAVAILABLE when discovery finds none)."""
+        error: SpecdecError = self.none_found()
         while True:
             for replica in self.order():
                 try:
@@ -84,10 +89,11 @@ class VerifySession:
         self.committed, self.sampling = committed, sampling
         self.new_session_id, self.in_background = new_session_id, in_background
         self.failover_timeout_s = failover_timeout_s
-        self.replica = 0  # the verify replica holding session_id
+        self.replica = ""  # the verify replica holding session_id (its host:port)
         self.session_id = ""  # empty: not opened yet
         self.rebuilds = 0
         self.num_cached_tokens = 0  # found in the replica's prefix cache at the first Prefill
+        self.used: list[str] = []  # the replicas the request's sessions opened on, in order
 
     async def open(
         self, deadline: float, wait_while_full: bool = False, decode: bool = False
@@ -96,8 +102,8 @@ class VerifySession:
         replicas every RETRY_INTERVAL_S until ``deadline`` (time.monotonic()). A pass on which every
         replica refused for being full (or, FAILED_PRECONDITION, for a KV budget that can never hold
         the context) ends the wait unless ``wait_while_full`` (a rebuild mid-request waits for room;
-        a new request is told to back off, and waits in the coordinator's fair queue). ``decode``: the replica
-        also decodes the token after the log (the response's ``next_token_id``, committed on the
+        a new request is told to back off, and waits in the coordinator's fair queue). ``decode``: the
+        replica also decodes the token after the log (the response's ``next_token_id``, committed on the
         session but not yet in ``committed``: the caller appends it). Raises the last replica's
         UNAVAILABLE or RESOURCE_EXHAUSTED when none takes it. A Prefill that failed unanswered
         (unreachable, late) or was cancelled has its session id released: the replica may still
@@ -106,25 +112,33 @@ class VerifySession:
         request = verify_pb2.VerifyServicePrefillRequest(
             session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto(), decode=decode
         )
+        error: SpecdecError = self.replicas.none_found()
+        placement = self.replicas.placement
         while True:
-            unreachable = False
-            for replica in self.replicas.order():
+            unreachable = not self.clients.verify_replicas.addresses  # none found yet: discovery may find some
+            for replica in self.replicas.order(self.committed):
+                placement.opening(replica, self.committed)
                 try:
                     response = await self.clients.prefill_verify(replica, request)
                 except (ResourceExhausted, FailedPrecondition) as err:  # full now; or its KV budget too small ever
-                    error: SpecdecError = err
+                    placement.closed(replica)
+                    error = err
                     continue
                 except Unavailable as err:
+                    placement.closed(replica)
                     self.replicas.mark_down(replica)
                     self._release(replica, session_id)
                     error, unreachable = err, True
                     continue
                 except asyncio.CancelledError:
+                    placement.closed(replica)
                     self._release(replica, session_id)
                     raise
-                if not self.session_id:  # the first Prefill, not a rebuild
+                if not self.used:  # the first Prefill, not a rebuild
                     self.num_cached_tokens = response.num_cached_tokens
                 self.replica, self.session_id = replica, session_id
+                self.used.append(replica)
+                placement.opened(replica, response.num_cached_tokens)
                 return response
             if time.monotonic() >= deadline or not (unreachable or wait_while_full):
                 raise error
@@ -137,7 +151,7 @@ class VerifySession:
         failing over as the module docstring says. Returns the response and the protobuf bytes
         both ways."""
 
-        def send(replica: int, session_id: str):
+        def send(replica: str, session_id: str):
             request = verify_pb2.VerifyRequest(
                 session_id=session_id, draft_token_ids=proposal, draft_distributions=distributions
             )
@@ -148,13 +162,13 @@ class VerifySession:
     async def decode(self) -> tuple[verify_pb2.DecodeResponse, int]:
         """One plain decode step, failing over as :meth:`verify`; the response and its bytes."""
 
-        def send(replica: int, session_id: str):
+        def send(replica: str, session_id: str):
             request = verify_pb2.DecodeRequest(session_id=session_id)
             return request, self.clients.decode(replica, request)
 
         return await self._call(send)
 
-    async def _call(self, send: Callable[[int, str], tuple]) -> tuple:
+    async def _call(self, send: Callable[[str, str], tuple]) -> tuple:
         """``send(replica, session_id)`` gives a request and the awaitable of its call; retried on a
         rebuilt session until ``failover_timeout_s``."""
         deadline = None
@@ -175,13 +189,15 @@ class VerifySession:
     def release(self) -> None:
         """Releases the session in the background (nothing when none is open)."""
         if self.session_id:
+            self.replicas.placement.closed(self.replica)
             self._release(self.replica, self.session_id)
+            self.session_id = ""
 
     def release_everywhere(self, session_id: str) -> None:
         """Releases ``session_id`` on every replica in the background: a session another
         coordinator left behind may be on any (Release of an id a replica lacks is a no-op)."""
-        for replica in range(self.clients.num_verify_replicas):
+        for replica in self.clients.verify_replicas.addresses:
             self._release(replica, session_id)
 
-    def _release(self, replica: int, session_id: str) -> None:
+    def _release(self, replica: str, session_id: str) -> None:
         self.in_background(lambda: self.clients.release_verify(replica, session_id))

@@ -46,6 +46,8 @@ class StepStream:
         request_cls, call_cls: the stream's request message (with ``calls``) and call message
             (``header`` and a ``oneof call``), e.g. ``VerifyStepRequest`` and ``VerifyCall``.
         service: the full gRPC service name, for span names; ``where`` names the service in errors.
+        on_load: called with the service's load report (``common.ServiceLoad``) of every message
+            that carries one.
     """
 
     def __init__(
@@ -55,9 +57,10 @@ class StepStream:
         call_cls: type[Message],
         service: str,
         where: str,
+        on_load: Callable[[common_pb2.ServiceLoad], None] | None = None,
     ):
         self.open_stream, self.request_cls, self.call_cls = open_stream, request_cls, call_cls
-        self.service, self.where = service, where
+        self.service, self.where, self.on_load = service, where, on_load
         self._ids = itertools.count(1)
         self._open: _OpenStream | None = None
 
@@ -75,7 +78,7 @@ class StepStream:
             if span.is_recording():  # tracing on: the service's span joins this trace
                 propagate.inject(header.trace_context)
             if self._open is None or self._open.failed:
-                self._open = _OpenStream(self.open_stream(), self.request_cls, self.where)
+                self._open = _OpenStream(self.open_stream(), self.request_cls, self.where, self.on_load)
             call = self.call_cls(header=header, **{kind: request})
             result: Any = await self._open.send(call, timeout_s, on_late)
             outcome = result.WhichOneof("result")
@@ -93,8 +96,14 @@ class _OpenStream:
     """One opened stream: the calls waiting to go out, the calls in flight, and the tasks that
     write and read it."""
 
-    def __init__(self, stream: grpc.aio.StreamStreamCall, request_cls: type[Message], where: str):
-        self.stream, self.request_cls, self.where = stream, request_cls, where
+    def __init__(
+        self,
+        stream: grpc.aio.StreamStreamCall,
+        request_cls: type[Message],
+        where: str,
+        on_load: Callable[[common_pb2.ServiceLoad], None] | None,
+    ):
+        self.stream, self.request_cls, self.where, self.on_load = stream, request_cls, where, on_load
         self.failed = False
         self._outbox: list[Any] = []
         self._pending: dict[int, asyncio.Future] = {}
@@ -138,6 +147,8 @@ class _OpenStream:
         error: SpecdecError = Unavailable(f"{self.where} ended the Step stream: the service is stopping")
         try:
             async for message in self.stream:
+                if self.on_load is not None and message.HasField("load"):
+                    self.on_load(message.load)
                 for result in message.results:
                     future = self._pending.get(result.call_id)
                     if future is not None and not future.done():

@@ -1,0 +1,226 @@
+"""Placement: which replica of the draft or the verify service a new session opens on.
+
+A session lives on one replica for its life (its KV cache is there), so the choice is made once,
+when it opens (or is rebuilt after its replica failed), from what the coordinator knows of each
+replica:
+
+- **Prefix affinity.** Each replica's prefix cache holds the KV of what it prefilled recently; a
+  prompt that begins with that (a shared system prompt, a chat's earlier turns) skips computing
+  it there, and only there. The coordinator remembers, per replica, the block chains of the
+  prompts it placed there (blocks of :data:`BLOCK_SIZE` tokens, each named by the hash of the
+  whole prefix it ends, so a chain matches only from the start: the key the services' prefix
+  caches use), at most ``memory_blocks`` per replica, least recently placed forgotten first. A
+  prompt's match on a replica is its leading blocks found there. The services' own caches may
+  have evicted what this remembers, or hold what another coordinator placed: a guess, as SGLang's
+  cache-aware router's radix trees and llm-d's prefix scorer are, which only costs a prefill that
+  might have been skipped.
+- **Load.** A replica's load is its sessions (this coordinator's own there now, counted from the
+  moment a Prefill is sent so that a burst spreads before any report comes back, plus the other
+  coordinators' as its last report counted them) plus the calls waiting in its engine, as each
+  Step reply and GetInfo reports them (``common.ServiceLoad``), weighted by how slow its calls
+  have been (the round trip of its calls, an average over the recent ones, relative to the
+  fastest replica's): a slowed replica's sessions count more. A replica whose KV budget cannot
+  hold the prompt now is avoided. A report older than REPORT_TTL_S is not used: it comes from a
+  replica this coordinator no longer calls.
+
+The policy is SGLang's cache-aware routing: while the replicas are balanced, the one that holds
+the most of the prompt wins if that is at least ``min_match`` of it, else the least loaded; when
+they are not (the busiest's weighted load is more than ``balance_abs`` above the idlest's and more
+than ``balance_rel`` times it), the least loaded, whatever it holds. Ties go round robin. So a
+shared prefix keeps its requests together until its replica is clearly busier than the others,
+then they spill over, while prompts that share little (a chat template's default system prompt)
+spread by load alone. Between replicas whose weighted loads are within
+one session of the least (:data:`TIE`), the choice goes to the one rendezvous hashing (Thaler &
+Ravishankar 1998) ranks first for the prompt's first half, so that every coordinator, each with its
+own memory and a slightly different view of the load, sends a new shared prefix to the same
+replica, while a burst of different prompts still spreads within a session or two of even.
+``policy="round-robin"`` ignores both (the comparison the bench makes).
+Replicas marked down go last, in any policy, for failover to try them only when nothing else
+answers; replicas whose KV cannot hold the prompt go after those that can.
+"""
+
+import collections
+import hashlib
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from specdec.v1 import common_pb2
+
+BLOCK_SIZE = 16  # tokens per remembered block, as the services' KV blocks
+Policy = Literal["prefix-load", "round-robin"]
+POLICIES: tuple[Policy, ...] = ("prefix-load", "round-robin")
+LATENCY_WEIGHT = 0.2  # the weight of a new call's round trip in a replica's average
+TIE = 1.0  # weighted loads this close to the least are a tie, broken by rendezvous hashing
+# A load report older than this is not used (seconds): a replica reports with every Step message it
+# sends this coordinator, so an old one is from a replica this coordinator no longer calls, and says
+# nothing of its load now.
+REPORT_TTL_S = 1.0
+
+
+def block_chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The names of ``tokens``' whole leading blocks: entry i hashes blocks 0..i (so equal names
+    mean equal prefixes), 16 bytes each."""
+    chain, digest = [], hashlib.blake2b(digest_size=16)
+    for end in range(block_size, len(tokens) + 1, block_size):
+        digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[end - block_size : end]))
+        chain.append(digest.copy().digest())
+    return chain
+
+
+@dataclass
+class ReplicaState:
+    """What placement knows of one replica: its last load report, the sessions this coordinator
+    holds there, the recent round trip of its calls (ms, an average; 0: none yet), the block
+    chains placed there (an LRU); and, for the metrics, the sessions placed there and the prompt
+    tokens they found in its prefix cache, counted since it was found."""
+
+    load: common_pb2.ServiceLoad | None = None
+    load_at: float = 0.0  # time.monotonic() of the report
+    sessions_at_report: int = 0  # this coordinator's sessions there when the report came
+    sessions: int = 0
+    latency_ms: float = 0.0
+    blocks: collections.OrderedDict[bytes, None] = field(default_factory=collections.OrderedDict)
+    placed: int = 0
+    cached_tokens: int = 0
+
+    def matched_blocks(self, chain: list[bytes]) -> int:
+        """How many of ``chain``'s leading blocks were placed here (a chain's entries are placed
+        together, so the longest one found says it)."""
+        return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i] in self.blocks), 0)
+
+    def report(self) -> common_pb2.ServiceLoad | None:
+        """Its last load report, unless older than REPORT_TTL_S."""
+        return self.load if time.monotonic() - self.load_at <= REPORT_TTL_S else None
+
+    def base_load(self) -> int:
+        """Its sessions plus its waiting calls: this coordinator's own sessions now, and the
+        others' as its last report counted them (the report's sessions less this coordinator's
+        then, so that one of ours that ended since does not count)."""
+        report = self.report()
+        if report is None:
+            return self.sessions
+        others = max(0, report.num_sessions - self.sessions_at_report)
+        return self.sessions + others + report.num_waiting_calls
+
+    def has_room(self, num_blocks: int) -> bool:
+        """Whether its KV budget could take ``num_blocks`` blocks now, as far as its report says."""
+        report = self.report()
+        return report is None or not report.kv_blocks_total or report.kv_blocks_free >= num_blocks
+
+
+class Placement:
+    """The placement of one service's sessions (see the module docstring) over the replicas the
+    caller names at each choice (they come and go with discovery). ``memory_blocks``: blocks
+    remembered per replica; ``balance_abs`` (sessions), ``balance_rel`` and ``min_match`` as the
+    module docstring says.
+    One event loop uses it: no lock."""
+
+    def __init__(
+        self,
+        policy: Policy = "prefix-load",
+        memory_blocks: int = 4096,
+        balance_abs: float = 8.0,
+        balance_rel: float = 1.5,
+        min_match: float = 0.5,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"placement policy {policy!r}: choose among {', '.join(POLICIES)}")
+        self.policy, self.memory_blocks = policy, memory_blocks
+        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
+        self._replicas: dict[str, ReplicaState] = {}
+        self._turn = itertools.count()
+
+    def state(self, replica: str) -> ReplicaState:
+        return self._replicas.setdefault(replica, ReplicaState())
+
+    def replicas(self) -> list[tuple[str, ReplicaState]]:
+        """Every replica known, with its state (a copy of the list: safe to read from another
+        thread, as a Prometheus scrape does)."""
+        return list(self._replicas.items())
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drops what is known of every replica but ``keep`` (those discovery still finds)."""
+        kept = set(keep)
+        for gone in [r for r in self._replicas if r not in kept]:
+            del self._replicas[gone]
+
+    def rank(self, replicas: Sequence[str], prompt: Sequence[int], down: Iterable[str] = ()) -> list[str]:
+        """``replicas`` in the order to try them for a new session over ``prompt``: the choice
+        first, the rest by weighted load, those in ``down`` last."""
+        down = set(down)
+        if self.policy == "round-robin":
+            start = next(self._turn) % max(1, len(replicas))
+            rotated = [*replicas[start:], *replicas[:start]]
+            return [*(r for r in rotated if r not in down), *(r for r in rotated if r in down)]
+        chain = block_chain(prompt)
+        key = chain[(len(chain) - 1) // 2] if chain else bytes(8 * len(prompt))
+        by_hash = sorted(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
+        up = [r for r in by_hash if r not in down]
+        if len(up) < 2:
+            return [*up, *(r for r in by_hash if r in down)]
+        costs = self._costs(up)
+        room = [r for r in up if self.state(r).has_room(len(prompt) // BLOCK_SIZE + 1)] or up
+        ranked = sorted(up, key=lambda r: (r not in room, costs[r]))
+        idlest, busiest = min(costs[r] for r in room), max(costs[r] for r in room)
+        best = next(r for r in up if r in room and costs[r] <= idlest + TIE)  # the hash's first of the least loaded
+        balanced = busiest - idlest <= self.balance_abs or busiest <= self.balance_rel * idlest
+        if balanced:
+            matches = {r: self.state(r).matched_blocks(chain) for r in room}
+            held = max(room, key=lambda r: (matches[r], -costs[r]))
+            if matches[held] * BLOCK_SIZE >= self.min_match * len(prompt):
+                best = held
+        ranked.remove(best)
+        return [best, *ranked, *(r for r in by_hash if r in down)]
+
+    def _costs(self, replicas: list[str]) -> dict[str, float]:
+        """Each replica's load times its slowness (its calls' recent round trip over the fastest
+        replica's; 1 until both are known), plus one (the session to place): idle replicas tie
+        whatever their speed, and a slow one's load weighs more."""
+        latencies = [self.state(r).latency_ms for r in replicas if self.state(r).latency_ms > 0]
+        fastest = min(latencies, default=0.0)
+        costs = {}
+        for r in replicas:
+            state = self.state(r)
+            slowness = state.latency_ms / fastest if fastest and state.latency_ms else 1.0
+            costs[r] = state.base_load() * slowness + 1
+        return costs
+
+    def opening(self, replica: str, prompt: Sequence[int]) -> None:
+        """A session over ``prompt`` is being opened on ``replica`` (its Prefill sent): it counts
+        there from now on, so the next choices of a burst see it, and its blocks are remembered
+        there, so the burst's requests with the same prefix follow it. :meth:`closed` if the
+        Prefill fails, :meth:`opened` when it succeeds."""
+        state = self.state(replica)
+        state.sessions += 1
+        for name in block_chain(prompt):
+            state.blocks[name] = None
+            state.blocks.move_to_end(name)
+        while len(state.blocks) > self.memory_blocks:
+            state.blocks.popitem(last=False)
+
+    def opened(self, replica: str, cached_tokens: int) -> None:
+        """The session being opened on ``replica`` is open, ``cached_tokens`` of its prompt found
+        in the replica's prefix cache (the metrics' counts)."""
+        state = self.state(replica)
+        state.placed += 1
+        state.cached_tokens += cached_tokens
+
+    def closed(self, replica: str) -> None:
+        """A session this coordinator held on ``replica`` was released."""
+        state = self._replicas.get(replica)
+        if state is not None and state.sessions:
+            state.sessions -= 1
+
+    def observe(
+        self, replica: str, load: common_pb2.ServiceLoad | None = None, round_trip_ms: float | None = None
+    ) -> None:
+        """A call to ``replica`` answered: its load report, and the call's round trip (ms)."""
+        state = self.state(replica)
+        if load is not None:
+            state.load, state.load_at, state.sessions_at_report = load, time.monotonic(), state.sessions
+        if round_trip_ms is not None:
+            weight = LATENCY_WEIGHT if state.latency_ms else 1.0
+            state.latency_ms += weight * (round_trip_ms - state.latency_ms)

@@ -1,0 +1,117 @@
+"""The placement policy (:mod:`coordinator.speculation.placement`) on synthetic replicas: prompts in,
+replica choices out."""
+
+import random
+
+import pytest
+
+from coordinator.speculation.placement import BLOCK_SIZE, Placement, block_chain
+from specdec.v1 import common_pb2
+
+REPLICAS = ["10.0.0.1:50053", "10.0.0.2:50053", "10.0.0.3:50053"]
+
+
+def prompt(seed: int, length: int = 64, prefix: list[int] | None = None) -> list[int]:
+    rng = random.Random(seed)
+    return [*(prefix or []), *(rng.randrange(49152) for _ in range(length))]
+
+
+def place(placement: Placement, prompts, down=()) -> dict[str, int]:
+    counts = dict.fromkeys(REPLICAS, 0)
+    for tokens in prompts:
+        choice = placement.rank(REPLICAS, tokens, down)[0]
+        placement.opening(choice, tokens)
+        counts[choice] += 1
+    return counts
+
+
+def test_block_chains_name_prefixes():
+    a, b = prompt(1, 40), prompt(2, 40)
+    assert len(block_chain(a)) == 40 // BLOCK_SIZE
+    assert block_chain(a[:32] + b[:8])[:2] == block_chain(a)[:2]
+    assert block_chain(b[:16] + a[16:32])[1] != block_chain(a)[1]  # the same block after another one
+
+
+def test_sessions_without_a_shared_prefix_spread_evenly():
+    counts = place(Placement(), [prompt(i) for i in range(48)])
+    assert max(counts.values()) - min(counts.values()) <= 2, counts  # ties within a session go by hash
+
+
+def test_coordinators_with_their_own_memories_agree_on_a_new_prefix():
+    """Two coordinators, each seeing a replica one session busier than the other does, send the
+    first request of a new shared prompt to the same replica."""
+    one, two = Placement(), Placement()
+    one.opening(REPLICAS[0], prompt(1))
+    two.opening(REPLICAS[1], prompt(2))
+    for system in range(20):
+        tokens = prompt(7, 16, prompt(300 + system, 128))
+        assert one.rank(REPLICAS, tokens)[0] == two.rank(REPLICAS, tokens)[0]
+
+
+def test_a_shared_prefix_stays_on_one_replica_until_it_is_a_share_busier():
+    system = prompt(100, 256)
+    counts = place(Placement(), [prompt(i, 16, system) for i in range(12)])
+    assert max(counts.values()) == 9  # until it is 8 sessions and 1.5 times busier than another
+    placement = Placement()
+    place(placement, [prompt(i, 16, system) for i in range(4)])
+    held = next(r for r in REPLICAS if placement.state(r).sessions)
+    for r in REPLICAS:
+        for _ in range(placement.state(r).sessions):
+            placement.closed(r)
+    assert placement.rank(REPLICAS, prompt(99, 16, system))[0] == held  # remembered after its sessions ended
+
+
+def test_four_system_prompts_keep_to_their_replicas():
+    systems = [prompt(200 + s, 320) for s in range(4)]
+    placement = Placement()
+    homes: dict[int, set[str]] = {s: set() for s in range(4)}
+    for i in range(48):
+        tokens = prompt(i, 24, systems[i % 4])
+        choice = placement.rank(REPLICAS, tokens)[0]
+        placement.opening(choice, tokens)
+        homes[i % 4].add(choice)
+    assert sum(len(h) for h in homes.values()) <= 6  # each prompt on one replica, or two when it spilled
+
+
+def test_round_robin_ignores_prefixes_and_load():
+    system = prompt(100, 256)
+    assert place(Placement("round-robin"), [prompt(i, 16, system) for i in range(12)]) == dict.fromkeys(REPLICAS, 4)
+    with pytest.raises(ValueError, match="choose among prefix-load, round-robin"):
+        Placement("random")  # type: ignore[arg-type]
+
+
+def test_a_slow_replica_gets_fewer_sessions():
+    placement = Placement()
+    for replica, ms in zip(REPLICAS, (20.0, 20.0, 80.0), strict=True):
+        placement.observe(replica, round_trip_ms=ms)
+    counts = place(placement, [prompt(i) for i in range(48)])
+    assert counts[REPLICAS[2]] <= 16 / 2, counts
+
+
+def test_reported_load_and_full_kv_are_avoided():
+    placement = Placement()
+    placement.observe(REPLICAS[0], common_pb2.ServiceLoad(num_sessions=30, max_sessions=64))
+    full = common_pb2.ServiceLoad(num_sessions=0, max_sessions=64, kv_blocks_total=100, kv_blocks_free=2)
+    placement.observe(REPLICAS[1], full)
+    assert placement.rank(REPLICAS, prompt(1))[0] == REPLICAS[2]
+    assert placement.rank(REPLICAS, prompt(1), down=[REPLICAS[2]])[:2] == [REPLICAS[0], REPLICAS[1]]
+
+
+def test_down_replicas_go_last_and_unknown_ones_are_forgotten():
+    placement = Placement()
+    order = placement.rank(REPLICAS, prompt(1), down=[REPLICAS[0]])
+    assert order[-1] == REPLICAS[0] and set(order) == set(REPLICAS)
+    placement.opening(REPLICAS[0], prompt(1))
+    placement.forget(REPLICAS[1:])
+    assert placement.state(REPLICAS[0]).sessions == 0
+
+
+def test_a_report_counts_the_other_coordinators_sessions_not_ours_that_ended():
+    placement = Placement()
+    for _ in range(2):
+        placement.opening(REPLICAS[0], prompt(1))
+    placement.observe(REPLICAS[0], common_pb2.ServiceLoad(num_sessions=5, num_waiting_calls=1))
+    assert placement.state(REPLICAS[0]).base_load() == 2 + 3 + 1
+    placement.closed(REPLICAS[0])
+    placement.closed(REPLICAS[0])
+    assert placement.state(REPLICAS[0]).base_load() == 0 + 3 + 1  # ours ended since; the others' stay
