@@ -629,6 +629,16 @@ def bench(
             "(forced) proposals in report-structured.json, report-structured.md and structured.png.",
         ),
     ] = False,
+    replicas: Annotated[
+        bool,
+        typer.Option(
+            "--replicas",
+            help="Replicas mode: every service a process on a loopback address of its own, four scenarios (sessions "
+            "spread over 3 verify and 2 draft replicas, prefix affinity, a slowed replica, a killed draft replica) "
+            "against issue 47's targets, in report-replicas.json and report-replicas.md; takes --questions and --out "
+            "only.",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark plain decoding, transformers' prompt lookup and assisted generation, and the
     pipeline on the same Spec-Bench prompts (greedy, batch size 1), and write the reports.
@@ -644,7 +654,8 @@ def bench(
     pattern, method and N. With --ceiling: the same on a near-free model the bench writes, with
     pipeline/K=0, pipeline/K=4 self-drafted and transformers serve. With --structured: structured
     output (JSON schemas) at batch 1, see specdec_app.bench.structured. With --conversation:
-    prefix caching in the time to first token, see specdec_app.bench.conversation."""
+    prefix caching in the time to first token, see specdec_app.bench.conversation. With
+    --replicas: the services as replicas, see specdec_app.bench.replicas."""
     inputs: dict[str, Any] = {  # the fields of specdec_app.bench.run.BenchInputs, which both modes take
         "questions": questions,
         "out": out,
@@ -665,6 +676,15 @@ def bench(
         "arrivals": arrivals,
         "request_rate": request_rate,
     }
+    if replicas:
+        defaults = (10, 128, 0, "smollm2", "smollm2", "auto")
+        given = (limit, max_new_tokens, seed, target, draft_model, dtype)
+        others = (pipeline, hf_k, placement, categories, concurrency, conversation, drafter, structured, ceiling)
+        if given != defaults or any(others) or any(v is not None for v in load.values()):
+            stderr.print("[red]error: --replicas takes --questions and --out only (its scenarios fix the rest)[/red]")
+            raise typer.Exit(1)
+        _bench_replicas(inputs)
+        return
     if conversation is not None:
         if (
             pipeline
@@ -785,6 +805,16 @@ def _bench_conversation(inputs: dict[str, Any], conversation: str, drafter: str,
     print("\n".join([*requests_table(report, "summary"), "", *targets_table(report)]))
     _print_mismatches(report, "plain")
     stderr.print(f"reports written to {inputs['out']}/: {', '.join(report_files(conversation))}")
+
+
+def _bench_replicas(inputs: dict[str, Any]) -> None:
+    """``specdec bench --replicas``: see :mod:`specdec_app.bench.replicas`."""
+    from specdec_app.bench.replicas import REPORT_FILES, ReplicasConfig, run_replicas, targets_summary
+
+    config = ReplicasConfig(inputs["questions"], inputs["out"], inputs["command"])
+    report = _run_mode(lambda: run_replicas(config, stderr))
+    print("\n".join(targets_summary(report)))
+    stderr.print(f"reports written to {inputs['out']}/: {', '.join(REPORT_FILES)}")
 
 
 def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool) -> None:
