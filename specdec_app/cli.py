@@ -678,9 +678,9 @@ def bench(
     }
     if replicas:
         defaults = (10, 128, 0, "smollm2", "smollm2", "auto")
-        given = (limit, max_new_tokens, seed, target, draft_model, dtype)
+        prompt_and_model = (limit, max_new_tokens, seed, target, draft_model, dtype)
         others = (pipeline, hf_k, placement, categories, concurrency, conversation, drafter, structured, ceiling)
-        if given != defaults or any(others) or any(v is not None for v in load.values()):
+        if prompt_and_model != defaults or any(others) or any(v is not None for v in load.values()):
             stderr.print("[red]error: --replicas takes --questions and --out only (its scenarios fix the rest)[/red]")
             raise typer.Exit(1)
         _bench_replicas(inputs)

@@ -863,7 +863,7 @@ def _value(value: float | None, unit: str) -> str:
         return _cell(value, ".0f", " ms")
     if unit == "x":
         return _cell(value, ".2f", "x")
-    return _cell(value, "g")
+    return _cell(value, "d" if isinstance(value, int) else ".3f")
 
 
 def targets_table(section: dict) -> list[str]:
