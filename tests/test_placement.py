@@ -115,3 +115,25 @@ def test_a_report_counts_the_other_coordinators_sessions_not_ours_that_ended():
     placement.closed(REPLICAS[0])
     placement.closed(REPLICAS[0])
     assert placement.state(REPLICAS[0]).base_load() == 0 + 3 + 1  # ours ended since; the others' stay
+
+
+def test_an_old_round_trip_does_not_keep_a_replica_out(monkeypatch):
+    """A replica measured slow under a burst, then called no more: once its round trip is old it
+    weighs as the others, and gets sessions again."""
+    placement, now = Placement(), [100.0]
+    monkeypatch.setattr("coordinator.speculation.placement.time.monotonic", lambda: now[0])
+    placement.observe(REPLICAS[0], round_trip_ms=200.0)
+    for replica in REPLICAS[1:]:
+        placement.observe(replica, round_trip_ms=14.0)
+    assert placement.rank(REPLICAS, prompt(1))[0] != REPLICAS[0]
+    now[0] += 3.0
+    counts = place(placement, [prompt(i) for i in range(6)])
+    assert counts[REPLICAS[0]] == 2, counts
+
+
+def test_short_prompts_break_ties_by_their_own_text():
+    """Prompts of a few blocks all begin with the chat template's system prompt: the ties of
+    idle replicas still go to different replicas, by the whole prompt."""
+    template = prompt(500, 32)
+    firsts = {Placement().rank(REPLICAS, prompt(i, 10, template))[0] for i in range(12)}
+    assert firsts == set(REPLICAS)

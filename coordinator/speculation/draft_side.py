@@ -85,7 +85,7 @@ class DraftService:
         if self._info is not None and self.down():
             return self._info
         timeout = self.clients.propose_deadline.seconds(0) if self._info is not None else None
-        for replica in self.order():
+        for replica in sorted(self.clients.draft_replicas.addresses, key=self.down):  # a GetInfo places nothing
             with contextlib.suppress(Unavailable):
                 self._info = await self._marking_down(replica, self.clients.draft_info(replica, timeout))
                 break

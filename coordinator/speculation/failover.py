@@ -59,7 +59,9 @@ class VerifyReplicas:
         replica's error when none answered by then (UNAVAILABLE when discovery finds none)."""
         error: SpecdecError = self.none_found()
         while True:
-            for replica in self.order():
+            now = time.monotonic()  # not placement's order: a GetInfo places nothing
+            replicas = self.clients.verify_replicas.addresses
+            for replica in sorted(replicas, key=lambda r: self._down_until.get(r, 0.0) > now):
                 try:
                     return await self.clients.verify_info(replica)
                 except SpecdecError as err:  # another replica may answer

@@ -58,6 +58,14 @@ TIE = 1.0  # weighted loads this close to the least are a tie, broken by rendezv
 # sends this coordinator, so an old one is from a replica this coordinator no longer calls, and says
 # nothing of its load now.
 REPORT_TTL_S = 1.0
+# A replica's round trips are compared with the others' only while recent (seconds): an average from
+# calls made under other loads says little of its speed now, and one no call refreshes (a replica
+# weighed out of placement gets no calls) must not keep it out.
+LATENCY_TTL_S = 2.0
+# Prompts of at least this many blocks name their tie-breaking hash by the block at their middle
+# (a long shared prefix, a system prompt, is in it); shorter ones by their last (their own text,
+# not the chat template's default system prompt every short prompt begins with).
+HASH_MIDDLE_FROM_BLOCKS = 8
 
 
 def block_chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
@@ -68,6 +76,13 @@ def block_chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[byt
         digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[end - block_size : end]))
         chain.append(digest.copy().digest())
     return chain
+
+
+def _hash_key(chain: list[bytes], prompt: Sequence[int]) -> bytes:
+    """What rendezvous hashing ranks the replicas by for ``prompt`` (see HASH_MIDDLE_FROM_BLOCKS)."""
+    if len(chain) >= HASH_MIDDLE_FROM_BLOCKS:
+        return chain[(len(chain) - 1) // 2]
+    return block_chain(prompt, max(1, len(prompt)))[-1] if prompt else b""
 
 
 @dataclass
@@ -82,6 +97,7 @@ class ReplicaState:
     sessions_at_report: int = 0  # this coordinator's sessions there when the report came
     sessions: int = 0
     latency_ms: float = 0.0
+    latency_at: float = 0.0  # time.monotonic() of the last round trip
     blocks: collections.OrderedDict[bytes, None] = field(default_factory=collections.OrderedDict)
     placed: int = 0
     cached_tokens: int = 0
@@ -90,6 +106,10 @@ class ReplicaState:
         """How many of ``chain``'s leading blocks were placed here (a chain's entries are placed
         together, so the longest one found says it)."""
         return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i] in self.blocks), 0)
+
+    def recent_latency_ms(self) -> float:
+        """Its calls' average round trip, ms; 0 when none came in the last LATENCY_TTL_S."""
+        return self.latency_ms if time.monotonic() - self.latency_at <= LATENCY_TTL_S else 0.0
 
     def report(self) -> common_pb2.ServiceLoad | None:
         """Its last load report, unless older than REPORT_TTL_S."""
@@ -156,7 +176,7 @@ class Placement:
             rotated = [*replicas[start:], *replicas[:start]]
             return [*(r for r in rotated if r not in down), *(r for r in rotated if r in down)]
         chain = block_chain(prompt)
-        key = chain[(len(chain) - 1) // 2] if chain else bytes(8 * len(prompt))
+        key = _hash_key(chain, prompt)
         by_hash = sorted(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
         up = [r for r in by_hash if r not in down]
         if len(up) < 2:
@@ -179,12 +199,12 @@ class Placement:
         """Each replica's load times its slowness (its calls' recent round trip over the fastest
         replica's; 1 until both are known), plus one (the session to place): idle replicas tie
         whatever their speed, and a slow one's load weighs more."""
-        latencies = [self.state(r).latency_ms for r in replicas if self.state(r).latency_ms > 0]
-        fastest = min(latencies, default=0.0)
+        recent = {r: self.state(r).recent_latency_ms() for r in replicas}
+        fastest = min((ms for ms in recent.values() if ms), default=0.0)
         costs = {}
         for r in replicas:
             state = self.state(r)
-            slowness = state.latency_ms / fastest if fastest and state.latency_ms else 1.0
+            slowness = recent[r] / fastest if fastest and recent[r] else 1.0
             costs[r] = state.base_load() * slowness + 1
         return costs
 
@@ -222,5 +242,6 @@ class Placement:
         if load is not None:
             state.load, state.load_at, state.sessions_at_report = load, time.monotonic(), state.sessions
         if round_trip_ms is not None:
-            weight = LATENCY_WEIGHT if state.latency_ms else 1.0
+            weight = LATENCY_WEIGHT if state.recent_latency_ms() else 1.0
             state.latency_ms += weight * (round_trip_ms - state.latency_ms)
+            state.latency_at = time.monotonic()
