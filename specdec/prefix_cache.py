@@ -118,14 +118,10 @@ class PrefixCache:
         self._forget(cached)
         return block
 
-    def evict_from(self, first_block: int) -> list[int]:
-        """Evicts every unreferenced block whose id is ``first_block`` or more (the pool is
-        shrinking below it); returns them. A referenced block is not touched: the caller checks
-        that no live sequence holds one there."""
-        gone = [block for block in self._evictable if block >= first_block]
-        for block in gone:
-            self._forget(self._evictable.pop(block))
-        return gone
+    def top_block(self) -> int:
+        """One past the highest block the cache keeps (0 when it keeps none): a pool that shrinks
+        keeps it."""
+        return max(self._by_block, default=-1) + 1
 
     def _forget(self, cached: _Cached) -> None:
         del self._by_key[cached.key], self._by_block[cached.block]

@@ -36,13 +36,16 @@ default: :mod:`specdec.kv_budget`):
   prefill, RESOURCE_EXHAUSTED) and the service drops its session, which the coordinator rebuilds
   from its committed log. The other sequences of the step run.
 - *Shrink*: after sequences are freed or preempted, the pool halves, down to its first size,
-  while every block a live sequence holds, and the blocks promised, fit in its first quarter (so
-  the halved pool is at most half used and does not grow back at the next block); the prefix
-  cache's blocks in the upper half are evicted, and the freed memory is handed back (glibc's
+  while every block a live sequence holds, the blocks promised, and the prefix cache's blocks
+  fit in its first quarter (so the halved pool is at most half used and does not grow back at
+  the next block), and the freed memory is handed back (glibc's
   ``malloc_trim`` on a CPU, where the services keep freed memory otherwise, see
-  :mod:`specdec.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). No
-  compaction: a block held high in the pool by a long sequence keeps the pool at its size until
-  that sequence is freed. Never during a forward (a free() then leaves it to the forward's end).
+  :mod:`specdec.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). The prefix
+  cache keeps its blocks (up to ``prefix_cache_max_tokens``, the memory the operator gives it):
+  evicting them to shrink made a shared system prompt's next request prefill most of it again (its
+  blocks lay above the live sequences'). No compaction: a block held high in the pool by a long
+  sequence or the cache keeps the pool at its size until it is freed or evicted. Never during a
+  forward (a free() then leaves it to the forward's end).
 
 Prefix caching (:mod:`specdec.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
 blocks full of committed tokens are registered as they fill (:meth:`RaggedLM.commit`), and a new
@@ -629,13 +632,13 @@ class RaggedLM(BatchedLM):
         self._shrink_due = False
         blocks = self._pool_blocks()
         top = max((b + 1 for s in self._sequences.values() for b in s.blocks), default=0)
+        if self._cache is not None:
+            top = max(top, self._cache.top_block())
         used, size = self._used_blocks(), blocks
         while size > self._first_blocks and 4 * max(top, used) <= size:
             size = max(size // 2, self._first_blocks)
         if size == blocks:
             return
-        if self._cache is not None:
-            self._cache.evict_from(size)
         self._free = [block for block in self._free if block < size]
         heapq.heapify(self._free)
         for i, layer in enumerate(self._pool):
