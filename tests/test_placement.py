@@ -83,7 +83,7 @@ def test_round_robin_ignores_prefixes_and_load():
 def test_a_slow_replica_gets_fewer_sessions():
     placement = Placement()
     for replica, ms in zip(REPLICAS, (20.0, 20.0, 80.0), strict=True):
-        placement.observe(replica, round_trip_ms=ms)
+        placement.observe(replica, round_trip_ms=ms, compute_ms=14.0)  # the third held 60 ms before its compute
     counts = place(placement, [prompt(i) for i in range(48)])
     assert counts[REPLICAS[2]] <= 16 / 2, counts
 
@@ -111,10 +111,10 @@ def test_a_report_counts_the_other_coordinators_sessions_not_ours_that_ended():
     for _ in range(2):
         placement.opening(REPLICAS[0], prompt(1))
     placement.observe(REPLICAS[0], common_pb2.ServiceLoad(num_sessions=5, num_waiting_calls=1))
-    assert placement.state(REPLICAS[0]).base_load() == 2 + 3 + 1
+    assert placement.state(REPLICAS[0]).base_load() == 2 + 3
     placement.closed(REPLICAS[0])
     placement.closed(REPLICAS[0])
-    assert placement.state(REPLICAS[0]).base_load() == 0 + 3 + 1  # ours ended since; the others' stay
+    assert placement.state(REPLICAS[0]).base_load() == 0 + 3  # ours ended since; the others' stay
 
 
 def test_an_old_round_trip_does_not_keep_a_replica_out(monkeypatch):
@@ -122,9 +122,9 @@ def test_an_old_round_trip_does_not_keep_a_replica_out(monkeypatch):
     weighs as the others, and gets sessions again."""
     placement, now = Placement(), [100.0]
     monkeypatch.setattr("coordinator.speculation.placement.time.monotonic", lambda: now[0])
-    placement.observe(REPLICAS[0], round_trip_ms=200.0)
+    placement.observe(REPLICAS[0], round_trip_ms=200.0, compute_ms=10.0)
     for replica in REPLICAS[1:]:
-        placement.observe(replica, round_trip_ms=14.0)
+        placement.observe(replica, round_trip_ms=14.0, compute_ms=10.0)
     assert placement.rank(REPLICAS, prompt(1))[0] != REPLICAS[0]
     now[0] += 3.0
     counts = place(placement, [prompt(i) for i in range(6)])
@@ -137,3 +137,14 @@ def test_short_prompts_break_ties_by_their_own_text():
     template = prompt(500, 32)
     firsts = {Placement().rank(REPLICAS, prompt(i, 10, template))[0] for i in range(12)}
     assert firsts == set(REPLICAS)
+
+
+def test_a_replica_only_busier_now_is_weighed_by_its_load_alone():
+    """Its calls take longer because its steps are fuller, not because anything holds them: its
+    sessions count once, not twice."""
+    placement = Placement()
+    placement.observe(REPLICAS[0], round_trip_ms=210.0, compute_ms=200.0)
+    for replica in REPLICAS[1:]:
+        placement.observe(replica, round_trip_ms=24.0, compute_ms=14.0)
+    costs = placement._costs(REPLICAS)
+    assert max(costs.values()) == min(costs.values()) == 1.0

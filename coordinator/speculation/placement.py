@@ -16,10 +16,13 @@ replica:
   might have been skipped.
 - **Load.** A replica's load is its sessions (this coordinator's own there now, counted from the
   moment a Prefill is sent so that a burst spreads before any report comes back, plus the other
-  coordinators' as its last report counted them) plus the calls waiting in its engine, as each
-  Step reply and GetInfo reports them (``common.ServiceLoad``), weighted by how slow its calls
-  have been (the round trip of its calls, an average over the recent ones, relative to the
-  fastest replica's): a slowed replica's sessions count more. A replica whose KV budget cannot
+  coordinators' as its last report counted them: each message of its Step stream to this
+  coordinator reports them, ``common.ServiceLoad``), weighted by how slow its calls
+  are besides their compute: each call's round trip less the compute the replica reports for it
+  (the network between coordinator and replica, anything that holds the call before the engine),
+  an average over the recent calls, added to the replicas' common compute time and compared with
+  the fastest replica's. So a replica behind a slow link, or held up, weighs more, while one that
+  is only busier now (its compute longer) is weighed by its load alone, not twice. A replica whose KV budget cannot
   hold the prompt now is avoided. A report older than REPORT_TTL_S is not used: it comes from a
   replica this coordinator no longer calls.
 
@@ -42,6 +45,7 @@ answers; replicas whose KV cannot hold the prompt go after those that can.
 import collections
 import hashlib
 import itertools
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,15 +56,15 @@ from specdec.v1 import common_pb2
 BLOCK_SIZE = 16  # tokens per remembered block, as the services' KV blocks
 Policy = Literal["prefix-load", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("prefix-load", "round-robin")
-LATENCY_WEIGHT = 0.2  # the weight of a new call's round trip in a replica's average
+LATENCY_WEIGHT = 0.2  # the weight of a new call's overhead and compute in a replica's averages
 TIE = 1.0  # weighted loads this close to the least are a tie, broken by rendezvous hashing
 # A load report older than this is not used (seconds): a replica reports with every Step message it
 # sends this coordinator, so an old one is from a replica this coordinator no longer calls, and says
 # nothing of its load now.
 REPORT_TTL_S = 1.0
-# A replica's round trips are compared with the others' only while recent (seconds): an average from
-# calls made under other loads says little of its speed now, and one no call refreshes (a replica
-# weighed out of placement gets no calls) must not keep it out.
+# A replica's call times are compared with the others' only while recent (seconds): an average from
+# calls made long ago says little of it now, and one that no call refreshes (a replica weighed out of
+# placement gets no calls) must not keep it out.
 LATENCY_TTL_S = 2.0
 # Prompts of at least this many blocks name their tie-breaking hash by the block at their middle
 # (a long shared prefix, a system prompt, is in it); shorter ones by their last (their own text,
@@ -88,7 +92,7 @@ def _hash_key(chain: list[bytes], prompt: Sequence[int]) -> bytes:
 @dataclass
 class ReplicaState:
     """What placement knows of one replica: its last load report, the sessions this coordinator
-    holds there, the recent round trip of its calls (ms, an average; 0: none yet), the block
+    holds there, its calls' recent overhead and compute (ms, averages), the block
     chains placed there (an LRU); and, for the metrics, the sessions placed there and the prompt
     tokens they found in its prefix cache, counted since it was found."""
 
@@ -96,8 +100,9 @@ class ReplicaState:
     load_at: float = 0.0  # time.monotonic() of the report
     sessions_at_report: int = 0  # this coordinator's sessions there when the report came
     sessions: int = 0
-    latency_ms: float = 0.0
-    latency_at: float = 0.0  # time.monotonic() of the last round trip
+    overhead_ms: float = 0.0  # its calls' round trip less their compute, an average
+    compute_ms: float = 0.0  # its calls' compute, an average
+    latency_at: float = 0.0  # time.monotonic() of the last call measured
     blocks: collections.OrderedDict[bytes, None] = field(default_factory=collections.OrderedDict)
     placed: int = 0
     cached_tokens: int = 0
@@ -107,23 +112,23 @@ class ReplicaState:
         together, so the longest one found says it)."""
         return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i] in self.blocks), 0)
 
-    def recent_latency_ms(self) -> float:
-        """Its calls' average round trip, ms; 0 when none came in the last LATENCY_TTL_S."""
-        return self.latency_ms if time.monotonic() - self.latency_at <= LATENCY_TTL_S else 0.0
+    def recent(self) -> bool:
+        """Whether a call of it was measured in the last LATENCY_TTL_S."""
+        return time.monotonic() - self.latency_at <= LATENCY_TTL_S
 
     def report(self) -> common_pb2.ServiceLoad | None:
         """Its last load report, unless older than REPORT_TTL_S."""
         return self.load if time.monotonic() - self.load_at <= REPORT_TTL_S else None
 
     def base_load(self) -> int:
-        """Its sessions plus its waiting calls: this coordinator's own sessions now, and the
-        others' as its last report counted them (the report's sessions less this coordinator's
-        then, so that one of ours that ended since does not count)."""
+        """Its sessions: this coordinator's own now, and the others' as its last report counted
+        them (the report's sessions less this coordinator's then, so that one of ours that ended
+        since does not count). Not its waiting calls: a Step message reports them just after a
+        step took the queue in, a GetInfo at any moment, so the replica every request's GetInfo
+        asks looked busier than the others (the sessions it has would wait in a queue anyway)."""
         report = self.report()
-        if report is None:
-            return self.sessions
-        others = max(0, report.num_sessions - self.sessions_at_report)
-        return self.sessions + others + report.num_waiting_calls
+        others = max(0, report.num_sessions - self.sessions_at_report) if report is not None else 0
+        return self.sessions + others
 
     def has_room(self, num_blocks: int) -> bool:
         """Whether its KV budget could take ``num_blocks`` blocks now, as far as its report says."""
@@ -196,15 +201,19 @@ class Placement:
         return [best, *ranked, *(r for r in by_hash if r in down)]
 
     def _costs(self, replicas: list[str]) -> dict[str, float]:
-        """Each replica's load times its slowness (its calls' recent round trip over the fastest
-        replica's; 1 until both are known), plus one (the session to place): idle replicas tie
-        whatever their speed, and a slow one's load weighs more."""
-        recent = {r: self.state(r).recent_latency_ms() for r in replicas}
-        fastest = min((ms for ms in recent.values() if ms), default=0.0)
+        """Each replica's load times its slowness, plus one (the session to place): idle
+        replicas tie whatever their speed, and a slow one's load weighs more. Slowness: (its
+        calls' overhead + the replicas' mean compute) over (the least overhead + that mean),
+        among the replicas measured recently; 1 for the others."""
+        measured = [self.state(r) for r in replicas if self.state(r).recent()]
+        if len(measured) < 2:
+            return {r: self.state(r).base_load() + 1.0 for r in replicas}
+        compute = statistics.fmean(state.compute_ms for state in measured)
+        least = min(state.overhead_ms for state in measured) + compute
         costs = {}
         for r in replicas:
             state = self.state(r)
-            slowness = recent[r] / fastest if fastest and recent[r] else 1.0
+            slowness = (state.overhead_ms + compute) / least if state.recent() and least > 0 else 1.0
             costs[r] = state.base_load() * slowness + 1
         return costs
 
@@ -235,13 +244,19 @@ class Placement:
             state.sessions -= 1
 
     def observe(
-        self, replica: str, load: common_pb2.ServiceLoad | None = None, round_trip_ms: float | None = None
+        self,
+        replica: str,
+        load: common_pb2.ServiceLoad | None = None,
+        round_trip_ms: float | None = None,
+        compute_ms: float = 0.0,
     ) -> None:
-        """A call to ``replica`` answered: its load report, and the call's round trip (ms)."""
+        """A call to ``replica`` answered: its load report; the call's round trip and the compute
+        the replica reported for it (ms)."""
         state = self.state(replica)
         if load is not None:
             state.load, state.load_at, state.sessions_at_report = load, time.monotonic(), state.sessions
         if round_trip_ms is not None:
-            weight = LATENCY_WEIGHT if state.recent_latency_ms() else 1.0
-            state.latency_ms += weight * (round_trip_ms - state.latency_ms)
+            weight = LATENCY_WEIGHT if state.recent() else 1.0
+            state.overhead_ms += weight * (max(0.0, round_trip_ms - compute_ms) - state.overhead_ms)
+            state.compute_ms += weight * (compute_ms - state.compute_ms)
             state.latency_at = time.monotonic()

@@ -205,7 +205,9 @@ class ServiceClients:
     (:mod:`coordinator.speculation.discovery`, through ``nameservers`` when given). IP targets
     are connected at once, names by :meth:`start`, which also resolves them again every
     ``refresh_s`` seconds. ``placements``: the placement of each service's sessions, fed here
-    with every replica's load reports (GetInfo, Step stream messages) and round trips.
+    with every replica's load reports and call times from its Step stream (not its GetInfo
+    answers: every request asks one replica for those, and a load known for that replica alone
+    made it look busier than the others, whose other coordinators' sessions went unseen).
     """
 
     def __init__(
@@ -315,8 +317,8 @@ class ServiceClients:
         raise error
 
     async def _step(self, service: Service, address: str, kind: str, request, timeout_s: float, on_late=None):
-        """A ``kind`` call over the Step stream of the replica at ``address``; its round trip is
-        the replica's latency sample for placement."""
+        """A ``kind`` call over the Step stream of the replica at ``address``; its round trip and
+        the compute the replica reports for it are placement's sample of the replica's speed."""
         self._follow_certificate()
         replica, start = self.replicas(service).get(address), time.monotonic()
         try:
@@ -324,16 +326,14 @@ class ServiceClients:
         except Unavailable:
             self._unreachable(service)
             raise
-        self.placements[service].observe(address, round_trip_ms=(time.monotonic() - start) * 1000)
+        round_trip_ms = (time.monotonic() - start) * 1000
+        self.placements[service].observe(address, round_trip_ms=round_trip_ms, compute_ms=response.compute_ms)
         return response
 
     async def draft_info(self, replica: str, timeout: float | None = None) -> draft_pb2.DraftServiceGetInfoResponse:
         """DraftService.GetInfo of the replica at ``replica``; ``timeout`` in seconds defaults to
-        rpc_timeout_s. Its load report feeds placement."""
-        response = await self._call("draft", replica, "GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
-        if response.HasField("load"):
-            self.placements["draft"].observe(replica, load=response.load)
-        return response
+        rpc_timeout_s."""
+        return await self._call("draft", replica, "GetInfo", draft_pb2.DraftServiceGetInfoRequest(), timeout)
 
     async def prefill_draft(
         self, replica: str, request: draft_pb2.DraftServicePrefillRequest
@@ -371,12 +371,8 @@ class ServiceClients:
         await self._release("draft", replica, draft_pb2.DraftServiceReleaseRequest(session_id=session_id))
 
     async def verify_info(self, replica: str) -> verify_pb2.VerifyServiceGetInfoResponse:
-        """VerifyService.GetInfo of the replica at ``replica``, under rpc_timeout_s. Its load
-        report feeds placement."""
-        response = await self._call("verify", replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest(), None)
-        if response.HasField("load"):
-            self.placements["verify"].observe(replica, load=response.load)
-        return response
+        """VerifyService.GetInfo of the replica at ``replica``, under rpc_timeout_s."""
+        return await self._call("verify", replica, "GetInfo", verify_pb2.VerifyServiceGetInfoRequest(), None)
 
     async def prefill_verify(
         self, replica: str, request: verify_pb2.VerifyServicePrefillRequest
