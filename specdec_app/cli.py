@@ -609,6 +609,31 @@ def bench(
         float | None,
         typer.Option(help="With --concurrency: goodput's time-per-output-token objective, ms (default 200)."),
     ] = None,
+    network_rtt_ms: Annotated[
+        str | None,
+        typer.Option(
+            help="Batch-1 benchmark and --concurrency: a network between the services. Comma-separated round-trip "
+            "times in ms, e.g. 0,5,20: the coordinator reaches the draft and verify services through delaying TCP "
+            "proxies, and every pipeline method runs under each RTT (named <method>@rtt<RTT>ms-<topology>) on the "
+            "same services; with it the batch-1 benchmark also runs pipeline/K=0 (plain decode through the "
+            "services) under each. 0: the proxies without delay."
+        ),
+    ] = None,
+    network_jitter_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="With --network-rtt-ms: each direction's delay drawn uniformly from RTT/2 +- this/2 ms (bytes never "
+            "reordered; default 0, at most the smallest RTT above 0)."
+        ),
+    ] = None,
+    network_topology: Annotated[
+        str | None,
+        typer.Option(
+            help="With --network-rtt-ms: comma-separated topologies, each RTT above 0 run in each: apart (the RTT on "
+            "the coordinator's links to the draft and to the verify service; default), beside-verify (the draft "
+            "link only: the coordinator beside the verify service), beside-draft (the verify link only)."
+        ),
+    ] = None,
     ceiling: Annotated[
         bool,
         typer.Option(
@@ -690,10 +715,15 @@ def bench(
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
     }
+    network = {"rtt": network_rtt_ms, "jitter": network_jitter_ms, "topology": network_topology}
+    if (network_jitter_ms is not None or network_topology is not None) and network_rtt_ms is None:
+        stderr.print("[red]error: --network-jitter-ms and --network-topology need --network-rtt-ms[/red]")
+        raise typer.Exit(1)
     if replicas:
         defaults = (10, 128, 0, "smollm2", "smollm2", "auto")
         prompt_and_model = (limit, max_new_tokens, seed, target, draft_model, dtype)
-        others = (pipeline, hf_k, placement, categories, concurrency, conversation, drafter, structured, ceiling)
+        others: tuple[Any, ...] = (pipeline, hf_k, placement, categories, concurrency, conversation, drafter)
+        others += (structured, ceiling, network_rtt_ms)
         if prompt_and_model != defaults or any(others) or any(v is not None for v in load.values()):
             stderr.print("[red]error: --replicas takes --questions and --out only (its scenarios fix the rest)[/red]")
             raise typer.Exit(1)
@@ -706,6 +736,7 @@ def bench(
             or structured
             or concurrency is not None
             or ceiling
+            or network_rtt_ms is not None
             or any(v is not None for v in load.values())
         ):
             stderr.print(
@@ -721,6 +752,7 @@ def bench(
             or placement
             or concurrency is not None
             or ceiling
+            or network_rtt_ms is not None
             or any(v is not None for v in load.values())
         ):
             stderr.print("[red]error: --structured takes --drafter and the prompt and model options only[/red]")
@@ -742,7 +774,13 @@ def bench(
                 "and --drafter[/red]"
             )
             raise typer.Exit(1)
-        _bench_concurrency(inputs, concurrency, load | {"drafter": drafter}, ceiling)
+        if ceiling and network_rtt_ms is not None:
+            stderr.print(
+                "[red]error: --network-rtt-ms applies to the batch-1 benchmark and --concurrency, not to "
+                "--ceiling[/red]"
+            )
+            raise typer.Exit(1)
+        _bench_concurrency(inputs, concurrency, load | {"drafter": drafter}, ceiling, network)
         return
     if drafter is not None or any(v is not None for v in load.values()):
         stderr.print(
@@ -754,11 +792,30 @@ def bench(
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
     given: dict[str, Any] = {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}  # the rest: defaults
-    config = BenchConfig(**inputs, **{name: value for name, value in given.items() if value})
+    config = BenchConfig(
+        **inputs, **{name: value for name, value in given.items() if value}, **_run_mode(lambda: _network(network))
+    )
     report = _run_mode(lambda: run_bench(config, stderr))
     print("\n".join([*speedup_table(report), "", *overall_table(report)]))
     _print_mismatches(report, "plain")
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
+
+
+def _network(given: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`specdec_app.bench.network.NetworkOptions` fields of ``--network-rtt-ms``,
+    ``--network-jitter-ms`` and ``--network-topology`` as given (None: not given). Raises
+    ValueError naming the option to fix."""
+    from specdec_app.bench.network import NetworkOptions, parse_rtts, parse_topologies
+
+    if given["rtt"] is None:
+        return {}
+    options = NetworkOptions(network_rtts_ms=parse_rtts(given["rtt"]))
+    if given["jitter"] is not None:
+        options.network_jitter_ms = given["jitter"]
+    if given["topology"] is not None:
+        options.network_topologies = parse_topologies(given["topology"])
+    options.network()  # a jitter the RTTs allow (ValueError)
+    return vars(options)
 
 
 def _run_mode(run: Callable[[], dict]) -> dict:
@@ -828,11 +885,13 @@ def _bench_replicas(inputs: dict[str, Any]) -> None:
     stderr.print(f"reports written to {inputs['out']}/: {', '.join(REPORT_FILES)}")
 
 
-def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool) -> None:
+def _bench_concurrency(
+    inputs: dict[str, Any], concurrency: str | None, load: dict[str, Any], ceiling: bool, network: dict[str, Any]
+) -> None:
     """``specdec bench --concurrency`` (and ``--ceiling``): see :mod:`specdec_app.bench.concurrency`
     and :mod:`specdec_app.bench.ceiling`. ``inputs``: the options both modes take, as
     :class:`specdec_app.bench.run.BenchInputs` fields; ``load``: the load options as given (None:
-    not given)."""
+    not given); ``network``: the network options as given (:func:`_network`)."""
     from specdec_app.bench import ceiling as ceiling_mode
     from specdec_app.bench.arrivals import ARRIVALS, CLOSED, parse_arrivals
     from specdec_app.bench.concurrency import (
@@ -859,6 +918,7 @@ def _bench_concurrency(inputs: dict[str, Any], concurrency: str | None, load: di
             arrivals=parse_arrivals(load["arrivals"]) if load["arrivals"] else [CLOSED] if ceiling else list(ARRIVALS),
             request_rate=load["request_rate"],
             **{name: load[name] for name in ("slo_ttft_ms", "slo_tpot_ms") if load[name] is not None},
+            **_network(network),
         )
         if config.drafter not in ("llama-cpp", "transformers", "ngram"):
             raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")

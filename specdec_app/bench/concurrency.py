@@ -98,14 +98,24 @@ from specdec_app.bench import load_generator
 from specdec_app.bench.arrivals import ARRIVALS, CLOSED, POISSON, Schedule, arrival_pattern, prompt_slices
 from specdec_app.bench.chart import write_concurrency_chart
 from specdec_app.bench.cpu_time import CpuClock
-from specdec_app.bench.load_methods import METHODS, PIPELINE_K0, RATIOS, SERVE, method_order, parse_methods, requested_k
-from specdec_app.bench.pipeline_method import peak_rss_bytes, start_cluster
+from specdec_app.bench.load_methods import (
+    METHODS,
+    PIPELINE_K0,
+    SERVE,
+    method_order,
+    parse_methods,
+    ratio_pairs,
+    requested_k,
+)
+from specdec_app.bench.network import NetworkOptions
+from specdec_app.bench.pipeline_method import OnNetwork, peak_rss_bytes, start_cluster
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import (
     DEFAULT_SLO,
     Slo,
     best_fixed_k_cells,
     concurrency_cell_stats,
+    concurrency_network_rows,
     write_concurrency_markdown,
     write_json,
 )
@@ -156,7 +166,7 @@ NOTES = [
 
 
 @dataclass
-class ConcurrencyConfig(BenchInputs):
+class ConcurrencyConfig(BenchInputs, NetworkOptions):
     """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
     ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram);
     ``api`` the API the pipeline methods are driven through (``grpc``: ``Generate``; ``openai``:
@@ -168,7 +178,9 @@ class ConcurrencyConfig(BenchInputs):
     ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
     environment (see :func:`service_settings`); ``slo_ttft_ms`` and ``slo_tpot_ms``: the goodput's
     service-level objectives (a request counts when it meets both, as ``vllm bench serve
-    --goodput ttft:... tpot:...``)."""
+    --goodput ttft:... tpot:...``). Under a network (:class:`NetworkOptions`) every pipeline
+    method runs under every setting (named ``<method><setting suffix>``, e.g.
+    ``pipeline/adaptive@rtt5ms-apart``) on the same services; transformers serve under none."""
 
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     requests_per_client: int = 2
@@ -185,6 +197,13 @@ class ConcurrencyConfig(BenchInputs):
     @property
     def slo(self) -> Slo:
         return Slo(self.slo_ttft_ms, self.slo_tpot_ms)
+
+    @property
+    def reference(self) -> str:
+        """The method whose closed-loop N = 1 outputs are the identity reference (and whose
+        latency sets the Poisson rate): ``pipeline/K=0``, under a network at its first setting."""
+        network = self.network()
+        return REFERENCE + (network[0].suffix if network else "")
 
 
 @dataclass
@@ -595,7 +614,7 @@ def poisson_rate_per_client(config: ConcurrencyConfig, cells: list[dict]) -> flo
     if config.request_rate:
         return config.request_rate
     closed = [c for c in cells if c["arrivals"] == CLOSED and c["concurrency"] == 1]
-    closed.sort(key=lambda c: c["method"] != REFERENCE)
+    closed.sort(key=lambda c: c["method"] != config.reference)
     for cell in closed:
         latencies = [r.latency_ms for r in cell["records"] if r.error is None]
         if latencies:
@@ -690,7 +709,7 @@ async def _run_cells(
                 await _pattern_cells(clients, name, prompts, config, cells, cpu, progress)
         references: dict[int, RequestRecord] = {}
         for cell in cells:
-            if cell["method"] == REFERENCE and cell["concurrency"] == 1 and cell["arrivals"] == CLOSED:
+            if cell["method"] == config.reference and cell["concurrency"] == 1 and cell["arrivals"] == CLOSED:
                 references |= {r.question_id: r for r in cell["records"] if r.error is None and r.token_ids is not None}
         if reference_client is not None:
             used = {r.question_id: r for cell in cells for r in cell["records"]}
@@ -787,6 +806,8 @@ def _validated(config: ConcurrencyConfig) -> list[Question]:
         raise ValueError(f"--api {config.api!r}: use {' or '.join(APIS)}")
     if config.load_generator:
         load_generator.check_installed(config.load_generator)
+    if config.network() and config.load_generator:
+        raise ValueError("--load-generator runs without a network between the services: leave out --network-rtt-ms")
     if not config.arrivals or any(name not in ARRIVALS for name in config.arrivals):
         raise ValueError(f"--arrivals: use a subset of {', '.join(ARRIVALS)}")
     if config.slo_ttft_ms <= 0 or config.slo_tpot_ms <= 0:
@@ -912,9 +933,10 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
                     config.dtype,
                     config.out / "logs",
                     http_port=free_port() if config.api == "openai" or config.load_generator else 0,
+                    network=bool(config.network_rtts_ms),
                 )
             reference_client = PipelineClient(PIPELINE_K0, cluster.address("coordinator"), 0)
-            clients += [_pipeline_client(method, cluster, config) for method in pipelines]
+            clients += _pipeline_clients(pipelines, cluster, config)
         if SERVE in config.methods:
             source = serve_model_source(config.target, config.dtype, console)
             serve = ServeProcess(source, config.dtype, config.out / "logs" / "transformers-serve.log")
@@ -1022,14 +1044,29 @@ def _request_fields(method: str, config: ConcurrencyConfig) -> dict:
     return ({"num_speculative_tokens": k} if k is not None else {}) | ({"drafter": config.drafter} if k != 0 else {})
 
 
-def _pipeline_client(method: str, cluster, config: ConcurrencyConfig):
-    """The client of a pipeline method (:func:`_request_fields`) through ``config.api``."""
+def _pipeline_client(method: str, cluster, config: ConcurrencyConfig, suffix: str = ""):
+    """The client of a pipeline method (:func:`_request_fields`) through ``config.api``, named
+    ``method`` + ``suffix``."""
+    name = method + suffix
     if config.api == "grpc":
         fields = _request_fields(method, config)
         return PipelineClient(
-            method, cluster.address("coordinator"), fields.get("num_speculative_tokens"), fields.get("drafter", "")
+            name, cluster.address("coordinator"), fields.get("num_speculative_tokens"), fields.get("drafter", "")
         )
-    return OpenAIClient(method, cluster.http_url, config.target, _request_fields(method, config))
+    return OpenAIClient(name, cluster.http_url, config.target, _request_fields(method, config))
+
+
+def _pipeline_clients(methods: list[str], cluster, config: ConcurrencyConfig) -> list:
+    """The clients of the pipeline ``methods``; under a network, one per method and setting
+    (:class:`OnNetwork`: the setting applied to the cluster's proxies before each request)."""
+    network = config.network()
+    if not network:
+        return [_pipeline_client(method, cluster, config) for method in methods]
+    return [
+        OnNetwork(_pipeline_client(method, cluster, config, setting.suffix), cluster.links, setting)
+        for setting in network
+        for method in methods
+    ]
 
 
 def _report(config, sequence, clients, cells, references, mismatches, memory, machine) -> dict:
@@ -1050,10 +1087,8 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
             # the same prompt length as the reference's: both applied the same chat template
             "prompt_tokens_agree_rate": sum(same_prompt) / len(same_prompt) if same_prompt else None,
         }
-    cells = sorted(
-        cells,
-        key=lambda cell: (ARRIVALS.index(cell["arrivals"]), method_order(cell["method"]), cell["concurrency"]),
-    )
+    order = {c.name: i for i, c in enumerate(clients)}  # by method, then network setting (see _run)
+    cells = sorted(cells, key=lambda c: (ARRIVALS.index(c["arrivals"]), order[c["method"]], c["concurrency"]))
     used = {r.question_id for cell in cells for r in cell["records"]}
     report = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -1063,7 +1098,7 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "num_questions": len(used),
         "methods": [c.name for c in clients],
         # the tokens/s ratios the reports give per N: (numerator, denominator) methods
-        "ratios": [[a, b] for a, b in RATIOS if a in config.methods and b in config.methods],
+        "ratios": ratio_pairs([c.name for c in clients]),
         "arrivals": {
             "patterns": config.arrivals,
             "poisson_rate_per_client_hz": next(
@@ -1075,7 +1110,7 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
             },
         },
         "reference": {
-            "method": REFERENCE,
+            "method": config.reference,
             "concurrency": 1,
             "num_prompts": len(references),
             "prompts": [
@@ -1106,6 +1141,15 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "peak_rss_bytes": memory,
         "requests": [r.to_json() for cell in cells for r in cell["records"]],
     }
+    suffixes = [s.suffix for s in config.network()] or [None]
     # per cell, the fixed K with the most tokens/s and adaptive's ratio to it
-    report["best_fixed_k"] = [row for arrivals in config.arrivals for row in best_fixed_k_cells(report, arrivals)]
+    report["best_fixed_k"] = [
+        row
+        for arrivals in config.arrivals
+        for suffix in suffixes
+        for row in best_fixed_k_cells(report, arrivals, suffix)
+    ]
+    if config.network_rtts_ms:
+        report["network"] = config.network_json()
+        report["network"]["rows"] = concurrency_network_rows(report)
     return report

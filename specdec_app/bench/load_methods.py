@@ -80,6 +80,21 @@ def parse_methods(spec: str, adaptive: bool = True) -> list[str]:
     return sorted(dict.fromkeys(names), key=method_order)
 
 
+def ratio_pairs(names: list[str]) -> list[list[str]]:
+    """The pairs of :data:`RATIOS` among the methods ``names`` (numerator, denominator): under a
+    network each pipeline method against its counterpart under the same setting (the name's
+    suffix) or a method run under none (transformers serve)."""
+    suffix = {name: name[len(base_method(name)) :] for name in names}
+    return [
+        [a, b]
+        for numerator, denominator in RATIOS
+        for a in names
+        if base_method(a) == numerator
+        for b in names
+        if base_method(b) == denominator and suffix[b] in ("", suffix[a])
+    ]
+
+
 def best_fixed_k(tokens_per_second: dict[str, float | None]) -> str | None:
     """Of the ``pipeline/K=<n>`` methods of ``tokens_per_second`` (method -> its tokens/s in one
     cell), the one with the most tokens/s (the smaller K on a tie); None without one."""

@@ -2,15 +2,71 @@
 separate processes on this machine, called over gRPC like any client would."""
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.api.client import Completion, stream
 from coordinator.observability.metrics import PLAIN
 from specdec.timing import ms_since
 from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.network import LINKS, DelayedLinks, NetworkSetting
 from specdec_app.bench.placement import SHARED, Placement
 from specdec_app.bench.questions import Question, generate_request
 from specdec_app.launcher import LocalCluster, free_port
+
+
+@dataclass
+class ProxiedCluster(LocalCluster):
+    """A :class:`LocalCluster` whose coordinator reaches the draft and the verify service through
+    delaying proxies (:class:`DelayedLinks`, on free ports), started before the services and
+    stopped after them (the coordinator drains its calls through them)."""
+
+    links: DelayedLinks | None = field(default=None, init=False)
+
+    def service_process(self, service: str):
+        """The coordinator is given the proxies' addresses in place of the services'."""
+        process = super().service_process(service)
+        if service == "coordinator" and self.links is not None:
+            proxied = {self.address(link): address for link, address in self.links.addresses().items()}
+            process.args = [proxied.get(arg, arg) for arg in process.args]
+        return process
+
+    def start_all(self, timeout_s: float = 600.0) -> None:
+        self.links = DelayedLinks(
+            {link: self.address(link) for link in LINKS}, {link: f"{self.host}:{free_port()}" for link in LINKS}
+        )
+        self.links.start()
+        try:
+            super().start_all(timeout_s)
+        except BaseException:
+            self.links.stop()
+            raise
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        try:
+            super().stop(grace_s)
+        finally:
+            if self.links is not None:
+                self.links.stop()
+
+
+class OnNetwork:
+    """A benchmark method (:class:`PipelineMethod`) or load client
+    (:class:`specdec_app.bench.concurrency.PipelineClient`) run under a network ``setting``: every
+    ``run`` applies the setting to ``links`` first (for a load client, when the request's
+    coroutine is made, just before it is awaited: a cell's requests all run under its method's
+    setting). Every other attribute is the method's."""
+
+    def __init__(self, method, links: DelayedLinks, setting: NetworkSetting):
+        self.method, self.links, self.setting = method, links, setting
+        self.name = method.name
+
+    def __getattr__(self, name: str):
+        return getattr(self.method, name)
+
+    def run(self, *args, **kwargs):
+        self.links.apply(self.setting)
+        return self.method.run(*args, **kwargs)
 
 
 def start_cluster(
@@ -23,6 +79,7 @@ def start_cluster(
     placement: Placement = SHARED,
     extra_args: dict[str, list[str]] | None = None,
     prefix_caching: bool = False,
+    network: bool = False,
 ) -> LocalCluster:
     """Starts the three services on free ports hosting ``drafters``; every model drafter loads
     ``draft_model``; the coordinator serves its HTTP API on ``http_port`` (0: off); the services
@@ -30,12 +87,12 @@ def start_cluster(
     service's) keep no cache of earlier outputs, and the services no prefix cache unless
     ``prefix_caching`` (the conversation mode, which measures it): the benchmark sends each prompt
     once per method, and the caches would hold this prompt, and its answer, from the methods before
-    on the same services. Services also read
+    on the same services. With ``network``, a :class:`ProxiedCluster`: the coordinator's links to
+    the draft and verify services through delaying proxies (``cluster.links``). Services also read
     their ``SPECDEC_*`` variables (e.g. ``SPECDEC_DRAFT_LLAMA_CPP_N_GPU_LAYERS``) and take
     ``extra_args`` (flags by service). Raises RuntimeError when one fails to start."""
-    cluster = LocalCluster(
-        free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus
-    )
+    kind = ProxiedCluster if network else LocalCluster
+    cluster = kind(free_port(), free_port(), free_port(), log_dir=log_dir, http_port=http_port, cpus=placement.cpus)
     pinning = placement.service_args
     cluster.extra_args = {
         "verify": ["--model", target, "--dtype", dtype, *pinning.get("verify", [])],
@@ -75,17 +132,21 @@ def peak_rss_bytes(pid: int) -> int | None:
     return int(line.split()[1]) * 1024 if line else None
 
 
+PIPELINE = "pipeline"  # the name of a fixed-K method that names no drafter (pipeline/K=0: plain decode)
+
+
 class PipelineMethod:
     """``<drafter>/K=<k><suffix>`` through the coordinator at ``address``; ``k`` None is
     ``<drafter>/adaptive``, the coordinator choosing K every round (``self.k`` is then 0: the
-    report's formula needs a fixed K); ``suffix`` tells the placement apart (``@split``) where a
-    run has several. A question's schema constrains the output (``structured_output.json_schema``)
-    unless ``constrained`` is False."""
+    report's formula needs a fixed K); a ``drafter`` of ``""`` names none (``pipeline/K=0``, plain
+    decode through the services); ``suffix`` tells the placement apart (``@split``) where a run
+    has several, and the network setting (``@rtt5ms-apart``). A question's schema constrains the
+    output (``structured_output.json_schema``) unless ``constrained`` is False."""
 
     def __init__(self, address: str, drafter: str, k: int | None, suffix: str = "", constrained: bool = True):
         self.address, self.drafter, self.fixed_k, self.constrained = address, drafter, k, constrained
         self.k = k or 0
-        self.name = (f"{drafter}/adaptive" if k is None else f"{drafter}/K={k}") + suffix
+        self.name = (f"{drafter}/adaptive" if k is None else f"{drafter or PIPELINE}/K={k}") + suffix
 
     def run(self, question: Question, max_new_tokens: int, seed: int) -> Measurement:
         """Raises grpc.RpcError with the coordinator's status when the request fails, RuntimeError

@@ -9,6 +9,7 @@ from pathlib import Path
 from specdec_app.bench.cpu_time import ms_per_token
 from specdec_app.bench.load_methods import ADAPTIVE, base_method, best_fixed_k, is_fixed_k, requested_k
 from specdec_app.bench.measurement import Measurement
+from specdec_app.bench.network import NetworkSetting, split_setting
 
 OVERALL = "overall"
 BASELINE = "plain"
@@ -296,6 +297,173 @@ def _placement(report: dict) -> str:
     return "placements (pipeline `<method>@<placement>`): " + "; ".join(PLACEMENT_TEXTS[name] for name in names)
 
 
+# A network between the services (specdec_app.bench.network): methods named <method><@placement><@rtt...>.
+
+K0_METHOD = "pipeline/K=0"  # the pipeline's plain decode: the reference at the same RTT
+NETWORK_NOTES = [
+    "Each pipeline method ran under each network setting on the same services: the coordinator reaches the "
+    "draft and the verify service through delaying TCP proxies (specdec_app/bench/network.py), each direction "
+    "of a delayed link held RTT/2 (+- jitter/2); RTT 0: the same proxies without delay. The client's link to "
+    "the coordinator is not delayed.",
+    "vs K=0: tokens/s over pipeline/K=0's under the same setting (and placement; in the load mode the same "
+    "arrival pattern and N).",
+    "coordination ms/round: RequestMetrics.coordination_time_ms summed / rounds (Verify and Decode calls): a "
+    "round's wall time less the time it waited for its draft proposal and less the verify service's compute. "
+    "It holds the Verify or Decode call's round trip, a Propose asked for in the round (on a draft-ahead "
+    "miss), gRPC and the coordinator's work; the part of a drafted-ahead Propose's round trip that the verify "
+    "did not hide is in the draft wait instead. over RTT 0: the same method's coordination ms/round at RTT 0 "
+    "subtracted (what the delay added to each round); / RTT: that in round trips.",
+    "bytes/round: RequestMetrics.round_wire_bytes summed / rounds: the rounds' Propose, Verify and Decode "
+    "protobuf payloads both ways (no gRPC framing, prefill not included).",
+]
+
+
+def _renamed(name: str, base: str) -> str:
+    """``name`` with its base (the part before the first ``@``) replaced by ``base``."""
+    return base + name[len(name.partition("@")[0]) :]
+
+
+def _network_figures(stats: dict, k0: dict | None, zero: dict | None, setting: NetworkSetting) -> dict:
+    """The figures every network row gives: the setting, tokens/s, the ratio to ``k0`` (the
+    pipeline's K = 0 under the same setting), coordination ms per round and what it adds over
+    ``zero`` (the same method at RTT 0), in ms and in RTTs, and bytes per round."""
+    coordination = stats.get("coordination_ms_per_round")
+    at_zero = (zero or {}).get("coordination_ms_per_round")
+    added = coordination - at_zero if coordination is not None and at_zero is not None else None
+    return {
+        "rtt_ms": setting.rtt_ms,
+        "topology": setting.topology if setting.rtt_ms else None,
+        "tokens_per_second": stats.get("tokens_per_second"),
+        "k0_ratio": _ratio(stats.get("tokens_per_second"), (k0 or {}).get("tokens_per_second")),
+        "coordination_ms_per_round": coordination,
+        "coordination_over_rtt0_ms": added,
+        "coordination_over_rtt0_rtts": _ratio(added, setting.rtt_ms) if added is not None else None,
+        "wire_bytes_per_round": stats.get("wire_bytes_per_round"),
+    }
+
+
+def network_rows(report: dict) -> list[dict]:
+    """Batch 1 under a network: per pipeline method (placement included) and setting, overall:
+    :func:`_network_figures`, the speedup over plain decoding in process, TTFT, and a round's
+    mean ms (draft wait + verify compute + coordination) and draft wait ms."""
+    overall = report["summary"][OVERALL]
+    rows = []
+    for method in report["methods"]:
+        rest, setting = split_setting(method)
+        if setting is None:
+            continue
+        s = overall[method]
+        parts = [s.get(key) for key in ("draft_ms_per_round", "verify_ms_per_round", "coordination_ms_per_round")]
+        k0, zero = overall.get(_renamed(rest, K0_METHOD) + setting.suffix), overall.get(rest + "@rtt0ms")
+        rows.append(
+            {"method": rest}
+            | _network_figures(s, k0, zero, setting)
+            | {
+                "speedup": s.get("speedup"),
+                "ttft_ms": s.get("time_to_first_token_ms"),
+                "round_ms": sum(parts) if None not in parts else None,  # type: ignore[arg-type]
+                "draft_wait_ms_per_round": s.get("draft_ms_per_round"),
+            }
+        )
+    return rows
+
+
+def concurrency_network_rows(report: dict) -> list[dict]:
+    """The load mode under a network: per cell of a method run under a setting
+    (:func:`_network_figures` against K = 0 and RTT 0 in the same pattern and N), TTFT and ITL p50."""
+    stats = {(c.get("arrivals", "closed"), c["method"], c["concurrency"]): c["stats"] for c in report["cells"]}
+    rows = []
+    for (arrivals, method, n), s in stats.items():
+        rest, setting = split_setting(method)
+        if setting is None:
+            continue
+        k0 = stats.get((arrivals, K0_METHOD + setting.suffix, n))
+        zero = stats.get((arrivals, rest + "@rtt0ms", n))
+        rows.append(
+            {"arrivals": arrivals, "concurrency": n, "method": rest}
+            | _network_figures(s, k0, zero, setting)
+            | {"ttft_ms_p50": s.get("ttft_ms_p50"), "itl_ms_p50": s.get("itl_ms_p50")}
+        )
+    return rows
+
+
+def _network_cells(row: dict) -> list[str]:
+    return [
+        _cell(row["rtt_ms"], "g"),
+        row["topology"] or "-",
+        _cell(row["tokens_per_second"], ".1f"),
+        _cell(row["k0_ratio"], ".2f", "x"),
+        _cell(row["coordination_ms_per_round"], ".1f"),
+        _cell(row["coordination_over_rtt0_ms"], "+.1f"),
+        _cell(row["coordination_over_rtt0_rtts"], ".2f"),
+        _cell(row["wire_bytes_per_round"], ".0f"),
+    ]
+
+
+_NETWORK_HEADER = [
+    "RTT ms",
+    "topology",
+    "tokens/s",
+    "vs K=0",
+    "coordination ms/round",
+    "over RTT 0",
+    "/ RTT",
+    "bytes/round",
+]
+
+
+def network_table(report: dict) -> list[str]:
+    """Batch 1: :func:`network_rows` as a table."""
+    rows = [
+        [
+            row["method"],
+            *_network_cells(row),
+            _cell(row["speedup"], ".2f", "x"),
+            _cell(row["ttft_ms"], ".0f"),
+            _cell(row["round_ms"], ".1f"),
+            _cell(row["draft_wait_ms_per_round"], ".1f"),
+        ]
+        for row in report.get("network", {}).get("rows", [])
+    ]
+    header = ["method", *_NETWORK_HEADER, "speedup over plain", "TTFT ms", "round ms", "draft wait ms/round"]
+    return _table(header, rows)
+
+
+def concurrency_network_table(report: dict) -> list[str]:
+    """The load mode: :func:`concurrency_network_rows` as a table."""
+    rows = [
+        [
+            row["arrivals"],
+            str(row["concurrency"]),
+            row["method"],
+            *_network_cells(row),
+            _cell(row["ttft_ms_p50"], ".0f"),
+            _cell(row["itl_ms_p50"], ".1f"),
+        ]
+        for row in report.get("network", {}).get("rows", [])
+    ]
+    return _table(["arrivals", "N", "method", *_NETWORK_HEADER, "TTFT p50 ms", "ITL p50 ms"], rows)
+
+
+def network_section(report: dict, table: list[str]) -> list[str]:
+    """The Markdown section of a report run under a network (none without one)."""
+    network = report.get("network")
+    if not network:
+        return []
+    jitter = f", jitter {network['jitter_ms']:g} ms" if network["jitter_ms"] else ""
+    return [
+        "## A network between the services",
+        "",
+        f"RTTs {', '.join(f'{rtt:g}' for rtt in network['rtts_ms'])} ms{jitter}; topologies "
+        f"{', '.join(network['topologies'])}.",
+        "",
+        *(f"- {note}" for note in NETWORK_NOTES),
+        "",
+        *table,
+        "",
+    ]
+
+
 def to_markdown(report: dict) -> str:
     """The report as Markdown: speedups per category, the overall figures, round costs, memory."""
     lines = [
@@ -328,6 +496,7 @@ def to_markdown(report: dict) -> str:
         "",
         *verify_cost_table(report),
         "",
+        *network_section(report, network_table(report)),
         "## Peak resident memory",
         "",
         *(
@@ -706,10 +875,22 @@ def _pattern_section(report: dict, arrivals: str) -> list[str]:
         ARRIVAL_TEXTS[arrivals].format(rate=_cell(rate, ".4f"))
         + (f"; its own {len(prompts)} prompts (question ids {', '.join(map(str, prompts))})." if prompts else "."),
         "",
-        *comparison_table(report, arrivals),
-        "",
+        *_comparison_tables(report, arrivals),
         *concurrency_table(report, arrivals),
         "",
+    ]
+
+
+def _comparison_tables(report: dict, arrivals: str) -> list[str]:
+    """:func:`comparison_table` of the pattern ``arrivals``: one, or under a network one per
+    setting (its methods and those that ran without one), each under the setting's label."""
+    settings = (report.get("network") or {}).get("settings")
+    if not settings:
+        return [*comparison_table(report, arrivals), ""]
+    return [
+        line
+        for setting in settings
+        for line in [f"### {setting['label']}", "", *comparison_table(report, arrivals, setting["suffix"]), ""]
     ]
 
 
@@ -736,6 +917,7 @@ def concurrency_markdown(report: dict) -> str:
         *(f"- {note}" for note in report["notes"]),
         "",
         *(line for arrivals in arrival_patterns(report) for line in _pattern_section(report, arrivals)),
+        *network_section(report, concurrency_network_table(report)),
         "## CPU time per generated token, per process",
         "",
         *cpu_table(report),

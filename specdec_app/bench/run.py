@@ -19,10 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
-from specdec_app.bench.pipeline_method import PipelineMethod, peak_rss_bytes, start_cluster
+from specdec_app.bench.network import NetworkOptions, NetworkSetting
+from specdec_app.bench.pipeline_method import OnNetwork, PipelineMethod, peak_rss_bytes, start_cluster
 from specdec_app.bench.placement import PINNED_PLAIN, Placement, placement
 from specdec_app.bench.questions import Question, load_questions
-from specdec_app.bench.report import BASELINE, summarize, write_json, write_markdown
+from specdec_app.bench.report import BASELINE, network_rows, summarize, write_json, write_markdown
 from specdec_app.bench.transformers_methods import TransformersMethod
 
 DRAFTERS = ("llama-cpp", "transformers", "ngram", "suffix")
@@ -57,8 +58,9 @@ class BenchInputs:
 
 
 @dataclass
-class BenchConfig(BenchInputs):
-    """What ``specdec bench`` (batch 1) runs."""
+class BenchConfig(BenchInputs, NetworkOptions):
+    """What ``specdec bench`` (batch 1) runs; under a network (:class:`NetworkOptions`) every
+    pipeline method on each placement runs under every setting."""
 
     pipelines: list[str] = field(
         default_factory=lambda: ["ngram:4", "ngram:8", "llama-cpp:4", "llama-cpp:8", "ngram:auto", "llama-cpp:auto"]
@@ -172,11 +174,28 @@ def parse_placements(names: list[str]) -> list[Placement]:
 
 def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int | None]], list[Placement]]:
     placements = parse_placements(config.placements)
+    config.network()  # ValueError for a bad network setting
     return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placements
 
 
+def _pipeline_methods(
+    cluster, pipelines: list[tuple[str, int | None]], suffix: str, network: list[NetworkSetting]
+) -> list:
+    """The pipeline methods on ``cluster`` (``suffix``: its placement's, where a run has
+    several); under a network, each under every setting (named ``<method><suffix><setting>``),
+    and ``pipeline/K=0`` under each too: the reference at the same RTT."""
+    address = cluster.address("coordinator")
+    if not network:
+        return [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
+    return [
+        OnNetwork(PipelineMethod(address, drafter, k, suffix + setting.suffix), cluster.links, setting)
+        for setting in network
+        for drafter, k in [*pipelines, ("", 0)]
+    ]
+
+
 def _report(config, questions, methods, measurements, memory) -> dict:
-    return {
+    report = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "machine": machine_info(),
         "num_questions": len(questions),
@@ -187,6 +206,10 @@ def _report(config, questions, methods, measurements, memory) -> dict:
         "mismatches": [m.to_json() for m in measurements if m.first_mismatch is not None],
         "measurements": [m.to_json() for m in measurements],
     }
+    if config.network_rtts_ms:
+        report["network"] = config.network_json()
+        report["network"]["rows"] = network_rows(report)
+    return report
 
 
 def run_bench(config: BenchConfig, console: Console) -> dict:
@@ -196,6 +219,7 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     the same plain baselines. Raises ValueError for bad options, RuntimeError when a service fails
     to start, grpc.RpcError when a pipeline request fails."""
     questions, pipelines, placements = _validated(config)
+    network = config.network()
     config.out.mkdir(parents=True, exist_ok=True)
     drafters = list(dict.fromkeys(drafter for drafter, _ in pipelines))
     split = next((where for where in placements if where.cpus), None)
@@ -216,9 +240,9 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
                 config.dtype,
                 config.out / "logs" / where.name,
                 placement=where,
+                network=bool(network),
             )
-            address = clusters[suffix].address("coordinator")
-            methods += [PipelineMethod(address, drafter, k, suffix) for drafter, k in pipelines]
+            methods += _pipeline_methods(clusters[suffix], pipelines, suffix, network)
         measurements = run_all(methods, questions, config, console)
         memory = {
             f"{name}{suffix}": peak_rss_bytes(p.pid)
