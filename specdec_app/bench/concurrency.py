@@ -29,6 +29,12 @@ burst of N short requests per method (:func:`_warm_up_at`):
   ``max_tokens``). The first turn goes as one user message, so the server puts it through the
   same chat template as the pipeline's ``text`` prompt.
 
+With ``--network-rtt-ms``, the coordinator reaches the draft and verify services through delaying
+proxies (:mod:`specdec_app.bench.network`), and every pipeline method runs under every network
+setting (``pipeline/adaptive@rtt5ms-apart``...) on the same services; transformers serve under
+none. The report adds per cell the figures of
+:func:`specdec_app.bench.report.concurrency_network_rows`.
+
 With ``--load-generator guidellm``, after the cells every method's OpenAI-compatible endpoint (the
 coordinator's HTTP API for the pipeline methods, ``transformers serve``'s own) is also loaded by
 guidellm (:mod:`specdec_app.bench.load_generator`) at every N with the cells' prompts, request count
@@ -935,7 +941,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
                     http_port=free_port() if config.api == "openai" or config.load_generator else 0,
                     network=bool(config.network_rtts_ms),
                 )
-            reference_client = PipelineClient(PIPELINE_K0, cluster.address("coordinator"), 0)
+            reference_client = _reference_client(cluster, config)
             clients += _pipeline_clients(pipelines, cluster, config)
         if SERVE in config.methods:
             source = serve_model_source(config.target, config.dtype, console)
@@ -1054,6 +1060,14 @@ def _pipeline_client(method: str, cluster, config: ConcurrencyConfig, suffix: st
             name, cluster.address("coordinator"), fields.get("num_speculative_tokens"), fields.get("drafter", "")
         )
     return OpenAIClient(name, cluster.http_url, config.target, _request_fields(method, config))
+
+
+def _reference_client(cluster, config: ConcurrencyConfig):
+    """The client of the reference requests the cells did not cover: ``pipeline/K=0``, under a
+    network under the reference's setting (:attr:`ConcurrencyConfig.reference`)."""
+    client = PipelineClient(PIPELINE_K0, cluster.address("coordinator"), 0)
+    network = config.network()
+    return OnNetwork(client, cluster.links, network[0]) if network else client
 
 
 def _pipeline_clients(methods: list[str], cluster, config: ConcurrencyConfig) -> list:

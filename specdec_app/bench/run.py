@@ -216,8 +216,11 @@ def run_bench(config: BenchConfig, console: Console) -> dict:
     """Runs the benchmark and writes ``report.json``, ``report.md`` and ``speedup.png`` to
     ``config.out``; returns the report. With several placements, each gets a cluster of its own
     and every pipeline runs on each (named ``<method>@<placement>``), all in the same run, against
-    the same plain baselines. Raises ValueError for bad options, RuntimeError when a service fails
-    to start, grpc.RpcError when a pipeline request fails."""
+    the same plain baselines. Under a network (``config.network_rtts_ms``) each cluster's
+    coordinator reaches its services through delaying proxies and every pipeline, and
+    ``pipeline/K=0``, runs under every setting (:func:`_pipeline_methods`). Raises ValueError for
+    bad options, RuntimeError when a service fails to start, grpc.RpcError when a pipeline request
+    fails."""
     questions, pipelines, placements = _validated(config)
     network = config.network()
     config.out.mkdir(parents=True, exist_ok=True)
