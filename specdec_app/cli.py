@@ -788,7 +788,7 @@ def bench(
             "--request-rate, --slo-ttft-ms and --slo-tpot-ms apply with --concurrency[/red]"
         )
         raise typer.Exit(1)
-    from specdec_app.bench.report import overall_table, speedup_table
+    from specdec_app.bench.report import network_table, overall_table, speedup_table
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
     given: dict[str, Any] = {"pipelines": pipeline, "hf_k": hf_k, "placements": placement}  # the rest: defaults
@@ -797,6 +797,8 @@ def bench(
     )
     report = _run_mode(lambda: run_bench(config, stderr))
     print("\n".join([*speedup_table(report), "", *overall_table(report)]))
+    if report.get("network"):
+        print("\n" + "\n".join(network_table(report)))
     _print_mismatches(report, "plain")
     stderr.print(f"reports written to {out}/: {', '.join(REPORT_FILES)}")
 
@@ -902,7 +904,13 @@ def _bench_concurrency(
         run_concurrency,
     )
     from specdec_app.bench.load_methods import METHODS, parse_methods
-    from specdec_app.bench.report import comparison_table, concurrency_table, cpu_table, identity_table
+    from specdec_app.bench.report import (
+        comparison_tables,
+        concurrency_network_table,
+        concurrency_table,
+        cpu_table,
+        identity_table,
+    )
 
     allowed = ceiling_mode.METHODS if ceiling else METHODS
     default_n = ceiling_mode.DEFAULT_CONCURRENCY if ceiling else DEFAULT_CONCURRENCY
@@ -935,14 +943,15 @@ def _bench_concurrency(
             "\n".join(
                 [
                     f"arrivals: {arrivals}",
-                    *comparison_table(report, arrivals),
-                    "",
+                    *comparison_tables(report, arrivals),
                     *concurrency_table(report, arrivals),
                     "",
                 ]
             )
         )
     print("\n".join([*cpu_table(report), "", *identity_table(report)]))
+    if report.get("network"):
+        print("\n" + "\n".join(concurrency_network_table(report)))
     if ceiling:
         print("\n" + "\n".join(ceiling_mode.markdown(report["ceiling_targets"])))
     if report.get("load_generator"):

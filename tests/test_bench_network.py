@@ -520,7 +520,7 @@ def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     20 ms apart adds a round trip to each, and beside the verify service none."""
     import json
 
-    _, out = run_specdec_bench(
+    stdout, out = run_specdec_bench(
         tmp_path,
         tiny_models,
         *("--pipeline", "ngram:2", "--limit", "1", "--hf-k", "2"),
@@ -539,6 +539,7 @@ def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     for row in rows.values():
         assert row["speedup"] > 0 and row["wire_bytes_per_round"] > 0 and row["k0_ratio"] > 0
     assert "## A network between the services" in (out / "report.md").read_text()
+    assert "| pipeline/K=0 | 20 | beside-verify |" in stdout
 
 
 @pytest.mark.multiprocess
@@ -572,4 +573,5 @@ def test_load_cells_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     assert "### RTT 10 ms, apart (on the draft and verify links)" in markdown
     assert "| N | pipeline/adaptive tokens/s | pipeline/K=0 tokens/s | pipeline/K=2 tokens/s |" in markdown
     assert "best fixed K | adaptive / best fixed K |" in markdown and "## A network between the services" in markdown
-    assert "arrivals: closed" in stdout
+    assert "arrivals: closed" in stdout and "### RTT 10 ms, apart" in stdout
+    assert "| closed | 2 | pipeline/K=2 | 10 | apart |" in stdout

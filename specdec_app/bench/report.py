@@ -875,13 +875,13 @@ def _pattern_section(report: dict, arrivals: str) -> list[str]:
         ARRIVAL_TEXTS[arrivals].format(rate=_cell(rate, ".4f"))
         + (f"; its own {len(prompts)} prompts (question ids {', '.join(map(str, prompts))})." if prompts else "."),
         "",
-        *_comparison_tables(report, arrivals),
+        *comparison_tables(report, arrivals),
         *concurrency_table(report, arrivals),
         "",
     ]
 
 
-def _comparison_tables(report: dict, arrivals: str) -> list[str]:
+def comparison_tables(report: dict, arrivals: str) -> list[str]:
     """:func:`comparison_table` of the pattern ``arrivals``: one, or under a network one per
     setting (its methods and those that ran without one), each under the setting's label."""
     settings = (report.get("network") or {}).get("settings")
