@@ -341,11 +341,16 @@ def placements(metrics_port: int) -> dict[tuple[str, str], float]:
 
 def check_spread(address: str, metrics_port: int, deployments: list[Deployment]) -> str:
     """Sends two requests per replica at once (distinct prompts, so that prefix affinity does not
-    hold them together) and checks that the coordinator placed sessions on every draft and verify
-    replica, named by its host or its IP; returns "SERVICE REPLICA COUNT, ..."."""
+    hold them together; a fixed K, so that each opens a draft session, which adaptive K does only
+    where the draft pays; 64 tokens, so that a request outlasts its draft session's prefill, which
+    a request that ends first cancels, placing nothing) and checks that the coordinator placed
+    sessions on every draft and verify replica, named by its host or its IP; returns
+    "SERVICE REPLICA COUNT, ..."; on failure the coordinator's log tail is in the error."""
     replicated = [d for d in deployments if d.name.rsplit("-", 1)[0] in REPLICATED]
     requests = [
-        coordinator_pb2.GenerateRequest(text=f"Request {i}: {PROMPT}", max_new_tokens=8, temperature=0.0)
+        coordinator_pb2.GenerateRequest(
+            text=f"Request {i}: {PROMPT}", max_new_tokens=64, temperature=0.0, num_speculative_tokens=4
+        )
         for i in range(2 * len(replicated))
     ]
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -360,7 +365,13 @@ def check_spread(address: str, metrics_port: int, deployments: list[Deployment])
         (port,) = [p["containerPort"] for p in deployment.spec["containers"][0]["ports"] if p["name"] == "grpc"]
         count = sum(placed.get((service, f"{host}:{port}"), 0) for host in (deployment.name, deployment.ip))
         (counts if count else missing).append(f"{service} {deployment.name} {count:.0f}")
-    assert not missing, f"no session placed on {', '.join(missing)}; the coordinator's placements: {placed}"
+    if missing:
+        coordinator = next(d for d in deployments if d.name == "specdec-coordinator")
+        name = coordinator.container("server")
+        logs = subprocess.run(["podman", "logs", "--tail", "40", name], capture_output=True, text=True).stderr
+        raise AssertionError(
+            f"no session placed on {', '.join(missing)}; the coordinator's placements: {placed}; its log:\n{logs}"
+        )
     return ", ".join(counts)
 
 
