@@ -12,7 +12,12 @@ their next call, so that clients share steps instead of alternating. The share, 
 that misses a step waits a whole one, and the callers' turnaround grows with the batch: on 2 CPU
 cores a step of 16 sequences took 200-300 ms and the coordinator's 16 rounds came back over 10-20
 ms, past a 5 ms wait (adaptive K's rounds, with more work each, waited 25 ms a round for their
-step against K = 0's 2).
+step against K = 0's 2). With ``wait_for_turnaround``, the wait also stretches to the callers'
+turnaround as measured (from a step's end to the next call of a sequence it served: a decaying
+maximum, times 1.25), never past one step's forward time: a network between the callers and the
+service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
+the calls that would have joined it (over a 5 ms RTT, 16 coordinator rounds shared verify steps
+1.27 sequences at a time against 2.0 over loopback, docs/benchmark.md#a-network-between-the-services).
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
@@ -68,6 +73,8 @@ from specdec.prom import EngineMetrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+TURNAROUND_MARGIN = 1.25  # the wait for the previous step's calls: the callers' turnaround times this...
+TURNAROUND_DECAY = 0.8  # ...a maximum that loses a fifth a step, so one slow turnaround is soon forgotten
 
 
 @dataclass
@@ -149,8 +156,8 @@ class Engine:
     """The engine loop over ``lm`` (see the module docstring); ``name`` labels its thread and
     metrics; ``max_num_batched_tokens_alone`` (tokens; None or less than
     ``max_num_batched_tokens``: the same) is the step budget of a sequence alone on the engine;
-    ``batch_wait_ms`` and ``batch_wait_step_share`` bound the wait for the previous step's
-    sequences (see the module docstring). Raises ValueError for limits below 1."""
+    ``batch_wait_ms``, ``batch_wait_step_share`` and ``wait_for_turnaround`` bound the wait for
+    the previous step's sequences (see the module docstring). Raises ValueError for limits below 1."""
 
     def __init__(
         self,
@@ -162,6 +169,7 @@ class Engine:
         name: str = "engine",
         max_num_batched_tokens_alone: int | None = None,
         batch_wait_step_share: float = 0.0,
+        wait_for_turnaround: bool = False,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -169,6 +177,9 @@ class Engine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_num_batched_tokens_alone = max(max_num_batched_tokens, max_num_batched_tokens_alone or 0)
         self.batch_wait_s, self.batch_wait_step_share = batch_wait_ms / 1000, batch_wait_step_share
+        self.wait_for_turnaround = wait_for_turnaround
+        self._turnaround_s = 0.0  # the callers' turnaround: the slowest, decaying by TURNAROUND_DECAY a step
+        self._returning_s = 0.0  # the slowest turnaround of the last step's calls come back so far
         self.metrics = metrics or EngineMetrics()
         self.name = name
         self._queue: list[_Entry] = []
@@ -210,6 +221,8 @@ class Engine:
                 self._ensure_thread()
                 self._queue.append(entry)
                 self._num_waiting += 1
+                if work.seq_id in self._recent[0]:  # served by the last step: its caller's turnaround
+                    self._returning_s = max(self._returning_s, time.perf_counter() - self._step_end)
                 self._wake_for(work.seq_id)
         if stopped:
             done(None, entry.stats, Unavailable(self._stop_reason))
@@ -347,15 +360,20 @@ class Engine:
         )
 
     def _wait_for_previous(self) -> None:
-        """Waits (holding the condition) up to ``batch_wait_ms``, or ``batch_wait_step_share`` of
-        the last step's forward time where longer, after the last step for the sequences served in
-        the last two steps to queue their next call, so that sessions which alternated between
-        steps come together; with one sequence about there is no batch to keep together, and
-        nothing waits."""
+        """Waits (holding the condition) after the last step for the sequences served in the last
+        two steps to queue their next call, so that sessions which alternated between steps come
+        together: up to ``batch_wait_ms``, ``batch_wait_step_share`` of the last step's forward
+        time, or (``wait_for_turnaround``) 1.25 times the callers' turnaround capped at that
+        forward time, whichever is longest; with one sequence about there is no batch to keep
+        together, and nothing waits."""
         recent = self._recent[0] | self._recent[1]
         if len(recent) < 2:
             return
-        deadline = self._step_end + max(self.batch_wait_s, self.batch_wait_step_share * self._step_s)
+        wait_s = max(self.batch_wait_s, self.batch_wait_step_share * self._step_s)
+        if self.wait_for_turnaround:
+            turnaround_s = max(self._turnaround_s, self._returning_s)
+            wait_s = max(wait_s, min(TURNAROUND_MARGIN * turnaround_s, self._step_s))
+        deadline = self._step_end + wait_s
         self._awaited = recent - {e.work.seq_id for e in self._queue}  # emptied by the calls as they come
         while self._awaited and not self._stopped:
             remaining = deadline - time.perf_counter()
@@ -480,6 +498,8 @@ class Engine:
             self._queue = [entry for entry in self._queue if id(entry) not in finished]
             self._recent[0].update(entry.work.seq_id for entry, _ in outcomes)
             self._step_end = time.perf_counter()
+            self._turnaround_s = max(self._returning_s, TURNAROUND_DECAY * self._turnaround_s)
+            self._returning_s = 0.0
         for entry, err in outcomes:
             self._hand(entry, err)
 

@@ -258,6 +258,44 @@ def test_a_step_waits_for_its_last_sequences_a_share_of_its_time(share, together
     engine.stop()
 
 
+@pytest.mark.parametrize("turnaround", [True, False])
+def test_a_step_waits_for_its_callers_measured_turnaround(turnaround):
+    """Two sequences whose callers send each next call 30 and 60 ms after their step ends (a
+    network between them and the service), no fixed wait: the first time they split, and then,
+    with ``wait_for_turnaround``, the engine waits the turnaround it measured and they share steps
+    again; without it they keep alternating."""
+    lm = SlowLM(0.15)
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64, wait_for_turnaround=turnaround)
+    rounds = {1: 6, 2: 6}
+    finished = threading.Event()
+
+    def done(seq_id: int):
+        def resubmit(result, stats, error) -> None:
+            rounds[seq_id] -= 1
+            if rounds[seq_id]:
+                threading.Timer(0.03 * seq_id, engine.submit, (Decode(seq_id, 1), done(seq_id))).start()
+            elif not any(rounds.values()):
+                finished.set()
+
+        return resubmit
+
+    blocker = threading.Thread(target=engine.run, args=(Decode(0, 1),), daemon=True)
+    blocker.start()
+    while not engine._queue or not engine._queue[0].started:  # the blocker's step has begun
+        time.sleep(0.001)
+    engine.submit(Decode(1, 1), done(1))
+    engine.submit(Decode(2, 1), done(2))
+    lm.gate.set()
+    assert finished.wait(10)
+    shared = [len(step) == 2 for step in lm.steps[1:]]
+    assert shared[0] and not shared[1]  # the first turnaround is not known yet
+    if turnaround:  # together from the third step on, but for the last: the second's sixth call
+        assert shared[2:-1] == [True] * 4 and len(shared) == 7, lm.steps
+    else:
+        assert not any(shared[1:]), lm.steps
+    engine.stop()
+
+
 class Unschedulable(Decode):
     """A work whose next step raises (a bug in it, say)."""
 

@@ -177,6 +177,7 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
         settings.batch_wait_ms,
         settings.max_num_batched_tokens_alone,
         settings.batch_wait_step_share,
+        settings.batch_wait_turnaround,
     )
     target = target or Target.load(
         settings.model,

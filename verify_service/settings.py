@@ -49,6 +49,12 @@ class VerifySettings(SessionServiceSettings):
         "step waits a whole one, and the clients' turnaround grows with the batch (on a CPU, where a step of 16 "
         "sequences takes hundreds of ms, 16 rounds came back over 10-20 ms). 0: batch_wait_ms alone.",
     )
+    batch_wait_turnaround: bool = Field(
+        True,
+        description="...or up to the sessions' measured turnaround (from a step's end to their next call, times "
+        "1.25; at most one step's forward time) where longer: a network between the coordinator and this service "
+        "adds a round trip to every turnaround, past batch_wait_ms.",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="Prefix caching: a prefill reuses the KV of the longest prefix of its context (whole blocks "

@@ -54,14 +54,16 @@ MEASURE_CONTEXT = 64  # tokens of context of the start-up measurements (Target.m
 class EngineLimits:
     """``max_num_seqs`` sequences and ``max_num_batched_tokens`` new tokens per step
     (``max_num_batched_tokens_alone`` for a sequence alone on the engine); a step waits up to
-    ``batch_wait_ms``, or ``batch_wait_step_share`` of the previous step's time where longer, for
-    the sequences of the previous one (see :mod:`specdec.engine`)."""
+    ``batch_wait_ms``, ``batch_wait_step_share`` of the previous step's time or (with
+    ``batch_wait_turnaround``) the callers' turnaround, whichever is longest, for the sequences of
+    the previous one (see :mod:`specdec.engine`)."""
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     batch_wait_ms: float = 5.0
     max_num_batched_tokens_alone: int = 2048
     batch_wait_step_share: float = 0.1
+    batch_wait_turnaround: bool = True
 
 
 class Target:
@@ -119,6 +121,7 @@ class Target:
             name="verify",
             max_num_batched_tokens_alone=limits.max_num_batched_tokens_alone,
             batch_wait_step_share=limits.batch_wait_step_share,
+            wait_for_turnaround=limits.batch_wait_turnaround,
         )
         self.verify_ms: list[float] = []  # index K: a verify round with K draft tokens, see measure_costs
         self.step_costs: list[tuple[int, int, float]] = []  # (num_tokens, num_seqs, ms), see measure_costs
