@@ -363,11 +363,27 @@ def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
 
     assert choice(costs) == PLAIN
     assert choice(dataclasses.replace(costs, propose_call_ms=0.0)) == "switching"
-    # a round that took its proposal drafted ahead asked for none: it teaches no round trip
-    costs.observe(dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0), draft_call=True, draft_ahead=True)
-    assert costs.propose_call_ms == 0.75
-    # one learnt under a load that has gone is priced at most the overhead every round teaches
-    assert dataclasses.replace(costs, propose_call_ms=50.0).call_ms() == pytest.approx(costs.overhead_ms)
+    # a round that took its proposal drafted ahead asked for none, but that Propose's round trip
+    # teaches the link's all the same: a load that has gone is soon forgotten
+    hit = dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0, ahead_call_ms=0.25)
+    costs.observe(hit, draft_call=True, draft_ahead=True)
+    assert costs.propose_call_ms == 0.5
+    costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, draft_ahead=True)
+    assert costs.propose_call_ms == 0.5  # nothing drafted ahead: nothing learnt
+
+
+def test_a_round_trip_to_the_draft_alone_delays_a_proposal_drafted_ahead():
+    """The coordinator beside the verify service, 20 ms to the draft: a proposal drafted ahead is
+    ready 20 ms after its forwards, past a verify call that answers over loopback, so a round
+    waits for it; where both links carry the same round trip (in the round's overhead), the
+    verify hides it."""
+    beside = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0] * 9, overhead_ms=2.0, propose_call_ms=20.0)
+    # 4 + 1 forwards (50 ms) against a verify of 50 ms + 2 ms: the round trip outlasts it by 18 ms
+    assert beside.draft_wait_ms(4, 50.0, hit_probability=1.0) == pytest.approx(18.0)
+    apart = dataclasses.replace(beside, overhead_ms=22.0)
+    assert apart.draft_wait_ms(4, 50.0, hit_probability=1.0) == 0.0
+    # a miss also waits for a proposal of its own, round trip included
+    assert beside.draft_wait_ms(4, 50.0, hit_probability=0.0) == pytest.approx(18.0 + 20.0 + 40.0)
 
 
 def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():

@@ -45,7 +45,9 @@ class RoundRecord:
     or ``"recovered"``, see :mod:`coordinator.speculation.draft_side`); ``draft_ahead_branches``:
     the branches besides the main one drafted ahead for this round; ``draft_compute_ms``: the
     draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call), and
-    ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads)."""
+    ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads, the
+    network); ``ahead_call_ms``: the same of the Propose drafted ahead for this round (0 without
+    one), which ran beside the previous round's verify, off this round's critical path."""
 
     drafter: str
     k: int
@@ -67,6 +69,7 @@ class RoundRecord:
     draft_compute_ms: float = 0.0
     prefill_tokens: int = 0
     propose_call_ms: float = 0.0
+    ahead_call_ms: float = 0.0
 
     @property
     def num_forced(self) -> int:

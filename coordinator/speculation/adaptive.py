@@ -148,8 +148,10 @@ class StepCosts:
     on a loaded service), not its wait for the verify step in progress (see :meth:`observe`);
     ``draft_prefill_ms_per_token``, what
     opening a draft session costs per token of the context it prefills; ``propose_call_ms``, the
-    round trip of a Propose a round asks for, beyond the draft service's own time (gRPC, the
-    streams' threads): a round that takes its proposal drafted ahead does not pay it. Seeded from
+    round trip of a Propose beyond the draft service's own time (gRPC, the streams' threads, the
+    network between the coordinator and the draft), learnt from every Propose that answers, asked
+    for in a round or drafted ahead: a round that asks for its proposal waits for it whole, and a
+    proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`). Seeded from
     the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
     rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
 
@@ -191,7 +193,10 @@ class StepCosts:
         and the ``drafted`` forwards. Drafted ahead
         (:class:`coordinator.speculation.draft_side.DraftAhead`): while the target verifies one
         round, the draft drafts the next one's proposal, ``drafted`` + 1 forwards (its guess of the
-        bonus token first), so every round waits for what of them outlasts the verify call, and a
+        bonus token first), so every round waits for what of them, the draft call's round trip
+        included, outlasts the verify call's (its ms and the round's overhead, the verify call's
+        round trip in it: over a network to the draft alone, the coordinator beside the verify
+        service, a proposal drafted ahead is ready a round trip after the verify's answer), and a
         round whose proposal was not drafted ahead on its branch (probability 1 -
         ``hit_probability``) also for a proposal of its own, round trip included. On a 2-core CPU
         with the llama.cpp draft on one core (13 ms a forward) and the target on the other (a
@@ -205,18 +210,20 @@ class StepCosts:
         drafting = drafted * self.draft_ms_per_token
         if hit_probability is None:
             return self.call_ms() + drafting
-        outlasting = max(0.0, drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
+        outlasting = max(0.0, self.call_ms() + drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
         return outlasting + (1.0 - hit_probability) * (self.call_ms() + drafting)
 
     def call_ms(self) -> float:
-        """A Propose's round trip as priced: ``propose_call_ms``, at most ``overhead_ms`` (the rest
-        of every round, the Verify call's own round trip in it). Learnt only from rounds that ask,
-        a round trip measured under load lingered after it: a Propose to a draft at niceness 19 on
-        a loaded CPU waits for the draft's gRPC threads too, and requests alone after a burst of
-        32 (2 CPU cores), drafting ahead so that few of their rounds asked, still priced it at that
-        and drafted about one token a round instead of 5-6 (1.39x the pipeline at K = 0 against
-        2.24x). The overhead is learnt from every round, so it follows the load down."""
-        return max(0.0, min(self.propose_call_ms, self.overhead_ms))
+        """A Propose's round trip as priced: ``propose_call_ms``. Learnt from the Proposes drafted
+        ahead too, so it follows the load down: learnt only from rounds that asked, a round trip
+        measured under load lingered after it (a Propose to a draft at niceness 19 on a loaded CPU
+        waits for the draft's gRPC threads too), and requests alone after a burst of 32 (2 CPU
+        cores), drafting ahead so that few of their rounds asked, still priced it at that and
+        drafted about one token a round instead of 5-6 (1.39x the pipeline at K = 0 against
+        2.24x). It was capped at ``overhead_ms`` then, which also priced a network to the draft
+        alone (the coordinator beside the verify service) at the verify call's loopback round
+        trip."""
+        return max(0.0, self.propose_call_ms)
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
@@ -286,7 +293,8 @@ class StepCosts:
         opened its draft at its second round (16 requests at once after prompts of up to 926
         tokens, 2 CPU cores). The Propose call's round trip beyond the draft's time (1-2 ms on a
         CPU) is the exception, kept apart (``propose_call_ms``): only a round that asks for a
-        proposal pays it, and each such round (a probe after plain rounds too) measures it. The
+        proposal pays it whole; every Propose answered for the round, asked for or drafted ahead,
+        measures it (``record.propose_call_ms``, ``record.ahead_call_ms``). The
         wait for the step is priced nowhere: it is the service running other sequences' work
         (their prefill chunks, under a burst), which their steps count (W), not time the batch
         loses. Priced as a cost of every round, the 300-600 ms waits of a burst's
@@ -315,8 +323,9 @@ class StepCosts:
                 self.batched_ms[n] = ema(self.batched_ms.get(n, self.step_ms(n)), verify_ms, self.weight)
         elif k < len(self.verify_ms):
             self.verify_ms[k] = ema(self.verify_ms[k], verify_ms, self.weight)
-        if record.propose_call_ms > 0:  # a round that asked the draft for a proposal
-            self.propose_call_ms = ema(self.propose_call_ms, record.propose_call_ms, self.weight)
+        for call_ms in (record.ahead_call_ms, record.propose_call_ms):  # the Proposes answered for the round
+            if call_ms > 0:
+                self.propose_call_ms = ema(self.propose_call_ms, call_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.propose_call_ms - verify_ms - record.queue_ms
         self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
         self._line = None

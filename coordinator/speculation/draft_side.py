@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
@@ -125,13 +125,20 @@ class DraftAhead:
     """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
     ``start`` tokens: its main branch is every ``predicted`` token accepted, then the bonus token
     the draft guessed; its other branches (``ProposeResponse.branches``) other outcomes. ``task``
-    gives the ProposeResponse or raises SpecdecError."""
+    gives the ProposeResponse or raises SpecdecError; ``sent`` and ``answered`` (time.perf_counter(),
+    0 until then) time its round trip."""
 
     task: asyncio.Future
     round: int
     start: int
     predicted: list[int]
     request_bytes: int
+    sent: float = field(default_factory=time.perf_counter)
+    answered: float = 0.0
+
+    def call_ms(self, response: draft_pb2.ProposeResponse) -> float:
+        """The Propose's round trip beyond the draft's compute, ms (0 while unanswered)."""
+        return max(0.0, (self.answered - self.sent) * 1000 - response.compute_ms) if self.answered else 0.0
 
     def hit(
         self, committed: list[int], response: draft_pb2.ProposeResponse
@@ -165,7 +172,9 @@ class DraftProposal:
     draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both
     ways, the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
     a hit, drafted during the previous round: a miss waits for both) and that call's round trip
-    beyond them (``call_ms``: gRPC, the streams' threads; 0 when the round asked for none)."""
+    beyond them (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for
+    none), and the same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss;
+    off the round's critical path, a measure of the draft link for :class:`StepCosts`)."""
 
     response: draft_pb2.ProposeResponse | None
     wait_ms: float
@@ -175,6 +184,7 @@ class DraftProposal:
     num_branches: int = 0
     compute_ms: float = 0.0
     call_ms: float = 0.0
+    ahead_call_ms: float = 0.0
 
 
 class DraftSession:
@@ -427,7 +437,9 @@ class DraftSession:
         task = asyncio.ensure_future(
             self.service.propose(self.replica, request, on_late=lambda: self._answered_late(session_id, carried))
         )
-        self._ahead = DraftAhead(task, round_number, len(self.committed), predicted, request.ByteSize())
+        ahead = DraftAhead(task, round_number, len(self.committed), predicted, request.ByteSize())
+        task.add_done_callback(lambda _: setattr(ahead, "answered", time.perf_counter()))
+        self._ahead = ahead
 
     async def _take_ahead(self, round_number: int) -> DraftProposal:
         """Waits for the draft-ahead Propose in flight, if any (no other draft call may overtake
@@ -445,13 +457,13 @@ class DraftSession:
         except SpecdecError as err:
             self._failed(err)
             return DraftProposal(None, 0.0, "", 0)
-        wire_bytes = ahead.request_bytes + response.ByteSize()
+        wire_bytes, call_ms = ahead.request_bytes + response.ByteSize(), ahead.call_ms(response)
         if ahead.round != round_number - 1:
             return DraftProposal(None, 0.0, "", wire_bytes)
         hit = ahead.hit(self.committed, response)
         if hit is None:
-            return DraftProposal(None, 0.0, MISS, wire_bytes, num_branches=len(response.branches))
-        return DraftProposal(hit[0], 0.0, HIT, wire_bytes, hit[1], len(response.branches))
+            return DraftProposal(None, 0.0, MISS, wire_bytes, "", len(response.branches), ahead_call_ms=call_ms)
+        return DraftProposal(hit[0], 0.0, HIT, wire_bytes, hit[1], len(response.branches), ahead_call_ms=call_ms)
 
     def observe_verify(self, ms: float) -> None:
         """Learns how long a round's verify call took (an EMA), the time the next draft-ahead's

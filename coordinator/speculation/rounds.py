@@ -296,6 +296,7 @@ class RequestRounds:
             drafted.compute_ms,
             step.num_prefill_tokens,
             drafted.call_ms,
+            drafted.ahead_call_ms,
         )
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
         # 5. learn
