@@ -13,8 +13,9 @@ that misses a step waits a whole one, and the callers' turnaround grows with the
 cores a step of 16 sequences took 200-300 ms and the coordinator's 16 rounds came back over 10-20
 ms, past a 5 ms wait (adaptive K's rounds, with more work each, waited 25 ms a round for their
 step against K = 0's 2). With ``wait_for_turnaround``, the wait also stretches to the callers'
-turnaround as measured (from a step's end to the next call of a sequence it served: a decaying
-maximum, times 1.25), never past one step's forward time: a network between the callers and the
+turnaround as measured (from a step's end to the next call of a sequence it served: within which
+three quarters of the last 64 came back, times 1.25), never past one step's
+forward time: a network between the callers and the
 service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
 the calls that would have joined it (over a 5 ms RTT, 16 coordinator rounds shared verify steps
 1.27 sequences at a time against 2.0 over loopback, docs/benchmark.md#a-network-between-the-services).
@@ -59,6 +60,7 @@ import abc
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,8 +75,9 @@ from specdec.prom import EngineMetrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-TURNAROUND_MARGIN = 1.25  # the wait for the previous step's calls: the callers' turnaround times this...
-TURNAROUND_DECAY = 0.8  # ...a maximum that loses a fifth a step, so one slow turnaround is soon forgotten
+TURNAROUND_MARGIN = 1.25  # the wait for the previous step's calls: the callers' turnaround times this,
+TURNAROUND_QUANTILE = 0.75  # the turnaround within which this share of the callers came back,
+TURNAROUND_WINDOW = 64  # over the last this many calls
 
 
 @dataclass
@@ -178,8 +181,7 @@ class Engine:
         self.max_num_batched_tokens_alone = max(max_num_batched_tokens, max_num_batched_tokens_alone or 0)
         self.batch_wait_s, self.batch_wait_step_share = batch_wait_ms / 1000, batch_wait_step_share
         self.wait_for_turnaround = wait_for_turnaround
-        self._turnaround_s = 0.0  # the callers' turnaround: the slowest, decaying by TURNAROUND_DECAY a step
-        self._returning_s = 0.0  # the slowest turnaround of the last step's calls come back so far
+        self._turnarounds: deque[float] = deque(maxlen=TURNAROUND_WINDOW)  # the last calls', s
         self.metrics = metrics or EngineMetrics()
         self.name = name
         self._queue: list[_Entry] = []
@@ -222,7 +224,7 @@ class Engine:
                 self._queue.append(entry)
                 self._num_waiting += 1
                 if work.seq_id in self._recent[0]:  # served by the last step: its caller's turnaround
-                    self._returning_s = max(self._returning_s, time.perf_counter() - self._step_end)
+                    self._turnarounds.append(time.perf_counter() - self._step_end)
                 self._wake_for(work.seq_id)
         if stopped:
             done(None, entry.stats, Unavailable(self._stop_reason))
@@ -363,16 +365,15 @@ class Engine:
         """Waits (holding the condition) after the last step for the sequences served in the last
         two steps to queue their next call, so that sessions which alternated between steps come
         together: up to ``batch_wait_ms``, ``batch_wait_step_share`` of the last step's forward
-        time, or (``wait_for_turnaround``) 1.25 times the callers' turnaround capped at that
-        forward time, whichever is longest; with one sequence about there is no batch to keep
-        together, and nothing waits."""
+        time, or (``wait_for_turnaround``) 1.25 times the callers' turnaround
+        (:meth:`_turnaround_s`) capped at that forward time, whichever is longest; with one
+        sequence about there is no batch to keep together, and nothing waits."""
         recent = self._recent[0] | self._recent[1]
         if len(recent) < 2:
             return
         wait_s = max(self.batch_wait_s, self.batch_wait_step_share * self._step_s)
         if self.wait_for_turnaround:
-            turnaround_s = max(self._turnaround_s, self._returning_s)
-            wait_s = max(wait_s, min(TURNAROUND_MARGIN * turnaround_s, self._step_s))
+            wait_s = max(wait_s, min(TURNAROUND_MARGIN * self._turnaround_s(), self._step_s))
         deadline = self._step_end + wait_s
         self._awaited = recent - {e.work.seq_id for e in self._queue}  # emptied by the calls as they come
         while self._awaited and not self._stopped:
@@ -498,10 +499,19 @@ class Engine:
             self._queue = [entry for entry in self._queue if id(entry) not in finished]
             self._recent[0].update(entry.work.seq_id for entry, _ in outcomes)
             self._step_end = time.perf_counter()
-            self._turnaround_s = max(self._returning_s, TURNAROUND_DECAY * self._turnaround_s)
-            self._returning_s = 0.0
         for entry, err in outcomes:
             self._hand(entry, err)
+
+    def _turnaround_s(self) -> float:
+        """The callers' turnaround (holding the condition), s: the time within which three
+        quarters of the last ``TURNAROUND_WINDOW`` calls of sequences the step before had served
+        came back (0: none yet). Not the slowest: a session that went to its draft between two
+        verify calls comes back a Propose later, and waiting for it would hold every other
+        session's step that long."""
+        if not self._turnarounds:
+            return 0.0
+        turnarounds = sorted(self._turnarounds)
+        return turnarounds[min(len(turnarounds) - 1, int(TURNAROUND_QUANTILE * len(turnarounds)))]
 
     def _hand(self, entry: _Entry, err: BaseException | None) -> None:
         """Calls the entry's ``done`` with its outcome (its work's result, or ``err``), in the

@@ -51,9 +51,10 @@ class VerifySettings(SessionServiceSettings):
     )
     batch_wait_turnaround: bool = Field(
         True,
-        description="...or up to the sessions' measured turnaround (from a step's end to their next call, times "
-        "1.25; at most one step's forward time) where longer: a network between the coordinator and this service "
-        "adds a round trip to every turnaround, past batch_wait_ms.",
+        description="...or up to the sessions' measured turnaround (from a step's end to their next call, within "
+        "which three quarters of the last 64 came back, times 1.25; at most one step's forward time) where longer: "
+        "a network between the coordinator and this service adds a round trip to every turnaround, past "
+        "batch_wait_ms.",
     )
     enable_prefix_caching: bool = Field(
         True,
