@@ -164,7 +164,7 @@ def wait_for_records(seconds: float = 2 * REFRESH_S + 0.5) -> None:
 def test_48_sessions_spread_over_every_replica(fleet, tiny_pipeline, plain_target_model):
     """48 sessions at once (each open while all the others arrive: they last seconds, the burst
     arrives within a fraction of one) over 3 verify and 2 draft replicas from 2 coordinators."""
-    requests = [request(i, max_new_tokens=200) for i in range(48)]
+    requests = [request(i, max_new_tokens=120) for i in range(48)]
     completions = Burst(fleet, requests).join()
     assert_plain(plain_target_model, tiny_pipeline.target.tokenizer, requests, completions)
     verify = Counter(c.metrics.verify_replicas[0].split(":")[0] for c in completions)
