@@ -14,11 +14,11 @@ cores a step of 16 sequences took 200-300 ms and the coordinator's 16 rounds cam
 ms, past a 5 ms wait (adaptive K's rounds, with more work each, waited 25 ms a round for their
 step against K = 0's 2). With ``wait_for_turnaround``, the wait also stretches to the callers'
 turnaround as measured (from a step's end to the next call of a sequence it served: within which
-three quarters of the last 64 came back, times 1.25), never past one step's
-forward time: a network between the callers and the
-service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
-the calls that would have joined it (over a 5 ms RTT, 16 coordinator rounds shared verify steps
-1.27 sequences at a time against 2.0 over loopback, docs/benchmark.md#a-network-between-the-services).
+three quarters of the last 64 came back, times 1.25), never past one step's forward time: a
+network between the callers and the service adds its round trip to every turnaround, and a fixed
+wait below it lets every step miss the calls that would have joined it (a burst of 16 sessions at
+5 ms RTT without it: 8.3 sequences a step instead of 12.75, and plain decode at 0.65x of its
+tokens/s at RTT 0; docs/benchmark.md).
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
