@@ -27,7 +27,7 @@ from coordinator.api.client import generate
 from specdec.v1 import coordinator_pb2
 from specdec_app.bench.ceiling import near_free_model
 from specdec_app.bench.cpu_time import CpuClock
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
+from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all
 
 PROMPTS = [
     "Describe a lighthouse at night.",
@@ -107,12 +107,8 @@ def main() -> None:
         env={"SPECDEC_REDIS_URL": url} if options.store == "redis" else {},
     )
     services = [verify, draft, coordinator]
-    for service in services:
-        service.start()
     try:
-        deadline = time.monotonic() + 300
-        for service in services:
-            service.wait_serving(deadline)
+        start_all(services, 300)
         run_cell(coordinator.address, 4, 1, 4)  # warm-up
         print(f"{options.clients} closed-loop clients x {options.requests_per_client} requests of 128 tokens")
         columns = ["tokens", "tokens/round", "coordinator CPU ms/token", "Redis CPU ms/token", "Redis commands/token"]

@@ -298,6 +298,18 @@ class LocalCluster:
         stop_all(self.services.values(), grace_s)
 
 
+def start_all(services: Iterable[ServiceProcess], timeout_s: float) -> None:
+    """Starts every service, then waits until each is SERVING (they load their models side by
+    side). Raises RuntimeError when one exits or is not SERVING within ``timeout_s`` seconds; the
+    caller stops them (:func:`stop_all`)."""
+    services = list(services)
+    for service in services:
+        service.start()
+    deadline = time.monotonic() + timeout_s
+    for service in services:
+        service.wait_serving(deadline)
+
+
 def stop_all(services: Iterable[ServiceProcess], grace_s: float = 15.0) -> None:
     """SIGTERM to every service (they drain in-flight calls), SIGKILL to those still running
     after ``grace_s`` seconds."""

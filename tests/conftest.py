@@ -52,7 +52,7 @@ from specdec.sampling_params import SamplingParams  # noqa: E402
 from specdec.server import GRPC_OPTIONS  # noqa: E402
 from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
-from specdec_app.launcher import ServiceProcess, free_port, stop_all  # noqa: E402
+from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
 from verify_service.target import Target  # noqa: E402
@@ -573,12 +573,8 @@ def process_fleet(
     ]
     fleet = ProcessFleet(verify, draft, coordinators)
     processes = list(fleet.services.values())
-    for process in processes:
-        process.start()
     try:
-        deadline = time.monotonic() + 180
-        for process in processes:
-            process.wait_serving(deadline)
+        start_all(processes, 180)
         yield fleet
     finally:
         stop_all(processes)

@@ -17,7 +17,7 @@ import pytest
 from coordinator.api.client import Completion
 from specdec.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec_app.launcher import ServiceProcess, free_port, stop_all
+from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all
 from tests.conftest import DnsServer, chat_ids, plain_greedy
 
 VERIFY_HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -86,11 +86,7 @@ class Fleet:
         return ServiceProcess(kind, port, host=host, args=args, log_file=logs / f"{kind}-{host}.log")
 
     def start(self) -> None:
-        for process in self.processes:
-            process.start()
-        deadline = time.monotonic() + 180
-        for process in self.processes:
-            process.wait_serving(deadline)
+        start_all(self.processes, 180)
 
     def stop(self) -> None:
         stop_all(self.processes)

@@ -69,6 +69,7 @@ from specdec_app.launcher import (
     configured_api_key,
     free_port,
     service_env,
+    start_all,
     stop_all,
 )
 
@@ -144,11 +145,7 @@ class Fleet:
         Raises RuntimeError when one exits or is not SERVING within START_TIMEOUT_S."""
         chosen = [self.processes[n] for n in names] if names is not None else list(self.processes.values())
         chosen = [p for p in chosen if p.process is None or p.process.poll() is not None]
-        for process in chosen:
-            process.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for process in chosen:
-            process.wait_serving(deadline)
+        start_all(chosen, START_TIMEOUT_S)
 
     def stop(self, names: Sequence[str]) -> None:
         stop_all([self.processes.pop(name) for name in names])
