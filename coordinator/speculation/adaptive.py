@@ -151,7 +151,11 @@ class StepCosts:
     round trip of a Propose beyond the draft service's own time (gRPC, the streams' threads, the
     network between the coordinator and the draft), learnt from every Propose that answers, asked
     for in a round or drafted ahead: a round that asks for its proposal waits for it whole, and a
-    proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`). Seeded from
+    proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`).
+    (Learnt only from rounds that asked, a round trip measured under load lingered after it:
+    requests alone after a burst of 32 on 2 CPU cores, drafting ahead so that few rounds asked,
+    drafted about one token a round instead of 5-6. Capping it at ``overhead_ms`` instead priced
+    a network to the draft alone at the verify call's loopback round trip.) Seeded from
     the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
     rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
 
@@ -207,23 +211,11 @@ class StepCosts:
         verify step whose cost does not grow with K (a near-free model): any acceptance estimate
         above 0 then kept it drafting, every draft rejected (so failed a clean-clone run of the
         suite's fallback test)."""
-        drafting = drafted * self.draft_ms_per_token
+        asked = self.propose_call_ms + drafted * self.draft_ms_per_token  # a proposal asked for, and waited for
         if hit_probability is None:
-            return self.call_ms() + drafting
-        outlasting = max(0.0, self.call_ms() + drafting + self.draft_ms_per_token - verify_ms - self.overhead_ms)
-        return outlasting + (1.0 - hit_probability) * (self.call_ms() + drafting)
-
-    def call_ms(self) -> float:
-        """A Propose's round trip as priced: ``propose_call_ms``. Learnt from the Proposes drafted
-        ahead too, so it follows the load down: learnt only from rounds that asked, a round trip
-        measured under load lingered after it (a Propose to a draft at niceness 19 on a loaded CPU
-        waits for the draft's gRPC threads too), and requests alone after a burst of 32 (2 CPU
-        cores), drafting ahead so that few of their rounds asked, still priced it at that and
-        drafted about one token a round instead of 5-6 (1.39x the pipeline at K = 0 against
-        2.24x). It was capped at ``overhead_ms`` then, which also priced a network to the draft
-        alone (the coordinator beside the verify service) at the verify call's loopback round
-        trip."""
-        return max(0.0, self.propose_call_ms)
+            return asked
+        outlasting = max(0.0, asked + self.draft_ms_per_token - verify_ms - self.overhead_ms)
+        return outlasting + (1.0 - hit_probability) * asked
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
