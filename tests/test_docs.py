@@ -174,3 +174,26 @@ def test_readme_commands_exist():
         assert f"./{script}" in readme, f"README.md no longer shows ./{script}"
         assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_diagram_and_python_version_match_the_protos_and_pyproject():
+    """The README's architecture diagram names every RPC of the three services and no other (its
+    slash-separated lists and Generate), and its set-up line the Python that pyproject.toml requires."""
+    import tomllib
+
+    from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
+
+    readme = (ROOT / "README.md").read_text()
+    diagram = readme.split("## Architecture", 1)[1].split("```")[1]
+    named = {"Generate"} if "Generate (server stream)" in diagram else set()
+    for names in re.findall(r"[A-Z]\w*(?: / [A-Z]\w*)+", diagram):
+        named |= set(names.split(" / "))
+    services = [
+        (coordinator_pb2, "CoordinatorService"),
+        (draft_pb2, "DraftService"),
+        (verify_pb2, "VerifyService"),
+    ]
+    rpcs = {method.name for module, name in services for method in module.DESCRIPTOR.services_by_name[name].methods}
+    assert named == rpcs, f"README.md's diagram names {sorted(named - rpcs)} and omits {sorted(rpcs - named)}"
+    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert f"Python {required.replace('>=', '>= ')}" in readme
