@@ -493,17 +493,16 @@ def test_the_coordinator_is_given_the_proxies_and_on_network_applies_the_setting
 # ---- whole runs on tiny models: real services behind real proxies ----
 
 
-def run_specdec_bench(tmp_path, tiny_models, *args) -> tuple[str, Path]:
-    """``specdec bench`` on the tiny target with ``args``, 8 new tokens; returns its stdout and the
-    output folder."""
+def run_specdec_bench(tmp_path, tiny_models, *args, categories=("qa", "math")) -> tuple[str, Path]:
+    """``specdec bench`` on the tiny target with ``args``, 8 new tokens, a prompt per category of
+    ``categories`` (of qa and math); returns its stdout and the output folder."""
     import subprocess
     import sys
 
     from tests.conftest import write_questions
 
-    questions = write_questions(
-        tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"], "math": ["Count to three."]}
-    )
+    prompts = {"qa": ["What is the capital of France?"], "math": ["Count to three."]}
+    questions = write_questions(tmp_path / "q.jsonl", {category: prompts[category] for category in categories})
     out = tmp_path / "out"
     command = [sys.executable, "-m", "specdec", "bench", *args, "--questions", str(questions), "--out", str(out)]
     command += ["--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--dtype", "float32"]
@@ -525,6 +524,7 @@ def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
         tiny_models,
         *("--pipeline", "ngram:2", "--limit", "1", "--hf-k", "2"),
         *("--network-rtt-ms", "0,20", "--network-topology", "apart,beside-verify"),
+        categories=("qa",),
     )
     report = json.loads((out / "report.json").read_text())
     settings = ["@rtt0ms", "@rtt20ms-apart", "@rtt20ms-beside-verify"]

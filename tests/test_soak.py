@@ -38,7 +38,7 @@ pytestmark = pytest.mark.multiprocess
 
 SEED = 16
 STREAMS = 64  # concurrent client streams
-WARM_UP_S, LOAD_S = 3.0, 14.0  # seconds of load: the warm-up pass, the measured one
+WARM_UP_S, LOAD_S = 3.0, 9.0  # seconds of load: the warm-up pass, the measured one
 RSS_TOLERANCE = 0.10
 PROMPTS = [
     "Write a long story about a lighthouse keeper and the ships she guided home.",
