@@ -103,7 +103,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.replicas = VerifyReplicas(clients)
         self.metrics = metrics
         self.store = store
-        self.adaptive = AdaptiveState(probe_interval=settings.probe_interval)
+        self.adaptive = AdaptiveState(probe_interval=settings.probe_interval, step_budget=settings.step_budget)
         # the outputs of earlier and running requests, for suffix lookups (raises ValueError for negative bounds)
         self.suffix_cache = SuffixCache(
             max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens

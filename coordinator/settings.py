@@ -178,6 +178,12 @@ class CoordinatorSettings(ServiceSettings):
         description="While adaptive K falls back to plain decode, every this many rounds (times what a "
         "probe costs over a plain round) a 2-token proposal probes whether speculation pays again.",
     )
+    step_budget: bool = Field(
+        True,
+        description="Under adaptive K, cap each request's K at its share of one speculation budget per verify step "
+        "over the coordinator's running requests on the target (greedy marginal goodput, as in SmartSpec); "
+        "off: each request prices its own round alone.",
+    )
     hybrid: bool = Field(
         True,
         description="Under adaptive K, let the coordinator's own lookups (hybrid_lookups) compete "

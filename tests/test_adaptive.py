@@ -3,6 +3,7 @@ and its recovery, over real gRPC with a scripted drafter whose accuracy switches
 
 import dataclasses
 import math
+import weakref
 
 import pytest
 
@@ -625,3 +626,84 @@ def test_the_wait_for_the_step_in_progress_does_not_make_a_round_look_dear():
     for _ in range(10):
         loaded.observe(waited, None, [1])
     assert not loaded.wants_drafter(None, 64, remaining=64)
+
+
+# ---- the step budget and the lookup ledger ----
+
+BATCHED = {8: 100.0, 16: 140.0, 24: 180.0}  # a step of 8, 16, 24 batched tokens: 60 ms + 5 ms a token
+
+
+def budgeted(rate: float, others: int, bids) -> AdaptiveK:
+    """A drafting-ahead llama-cpp request at ``rate`` per position with ``others`` running besides it."""
+    costs = StepCosts(draft_ms_per_token=2.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
+    load = Load(others_seqs=others, others_tokens=others)
+    return AdaptiveK(4, "llama-cpp", AcceptanceModel([rate] * 4), {}, costs, load=load, bids=bids, draft_ahead=True)
+
+
+def rounds_of(requests: list[AdaptiveK]) -> list[tuple[str, int]]:
+    """Each request's next round after one round in which every request bid."""
+    for policy in requests:
+        policy.next_round({})
+    return [policy.next_round({}) for policy in requests]
+
+
+def test_the_step_budget_gives_the_drafts_to_the_requests_they_pay_for():
+    """7 requests drafting at 95% and one at 60% in one step: priced alone (others assumed to
+    commit what it commits), the 60% one drafts a token; in the budget the 95% ones' drafts raise
+    the step's goodput past what its token adds, and it decodes plainly. The 95% ones keep K = 4."""
+    alone = rounds_of([*(budgeted(0.95, 7, None) for _ in range(7)), budgeted(0.6, 7, None)])
+    assert alone[0] == ("llama-cpp", 4) and alone[-1] == ("llama-cpp", 1)
+    state = AdaptiveState()
+    bids = state.bids.setdefault("target", weakref.WeakKeyDictionary())
+    shared = rounds_of([*(budgeted(0.95, 7, bids) for _ in range(7)), budgeted(0.6, 7, bids)])
+    assert shared[0] == ("llama-cpp", 4) and shared[-1] == (PLAIN, 0)
+
+
+def test_alone_the_budget_leaves_the_requests_own_choice():
+    """Nobody else in the step: the request's own pricing (draft-ahead's overlap included) decides."""
+    bids: dict = {}
+    assert budgeted(0.6, 0, bids).next_round({}) == budgeted(0.6, 0, None).next_round({})
+    assert len(bids) == 1
+
+
+def test_a_requests_bid_leaves_with_it():
+    state = AdaptiveState()
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=2.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=FLAT)
+    policies = [state.policy(drafter, target, k_max=4, lookups={}) for _ in range(2)]
+    for policy in policies:
+        policy.next_round({})
+    assert len(state.bids["t"]) == 2
+    state.remember(policies.pop())
+    assert len(state.bids["t"]) == 1
+    policies.clear()  # a request that failed: its policy goes, and its bid with it
+    assert len(state.bids["t"]) == 0
+    assert AdaptiveState(step_budget=False).policy(drafter, target, k_max=4, lookups={}).bids is None
+
+
+def lookup_request(others: int) -> AdaptiveK:
+    """A request whose n-gram estimates read 95% (a run of passes) with ``others`` besides it."""
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
+    load = Load(others_seqs=others, others_tokens=others)
+    return AdaptiveK(4, None, None, {NGRAM: [AcceptanceModel([0.95] * 4)]}, costs, load=load)
+
+
+def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
+    """Under load every lookup round is rejected at its first token: once the lookups drafted 8
+    tokens and gained nothing of what they owed, the request stops looking up."""
+    policy, match = lookup_request(7), NgramMatch(2, [7, 8, 9, 10])
+    while policy.lookups_on:
+        drafter, k = policy.next_round({NGRAM: match})
+        assert drafter == NGRAM and k > 0
+        policy.observe(RoundRecord(NGRAM, k, k, 0, 0.0, 100.0, 102.0, 0), {NGRAM: match}, [3])
+    ledger = policy.lookup_ledger
+    assert ledger.drafted >= 8 and ledger.gained == 0 < ledger.owed
+
+
+def test_lookups_that_pay_stay_on():
+    policy, match = lookup_request(7), NgramMatch(2, [7, 8])
+    for _ in range(20):
+        drafter, k = policy.next_round({NGRAM: match})
+        policy.observe(RoundRecord(drafter, k, k, k, 0.0, 100.0, 102.0, 0), {NGRAM: match}, [7, 8, 3][: k + 1])
+    assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
+    assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0

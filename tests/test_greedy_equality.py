@@ -156,6 +156,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         """Chooses K and the proposer at random each round (the adaptive policy's interface)."""
 
         k_max = k_limit = 8
+        lookups_on = True
 
         def wants_drafter(self, matches, context_tokens: int = 0, remaining: int = 0) -> bool:
             return True

@@ -27,7 +27,11 @@ rounds whose step ran decoding work only (:meth:`StepCosts.step_ms`: a prefill c
 less than a draft token's), and rest the round's overhead, not its wait for the step in progress
 (other sequences' work, which their steps count: :meth:`StepCosts.observe`). Alone (B = 0) this
 is the formula above. As load grows K
-shrinks, and reaches 0 (plain decode) where speculation no longer pays. W counts the others'
+shrinks, and reaches 0 (plain decode) where speculation no longer pays. Each request prices its
+own round and sees the others as they were; the step budget (:mod:`coordinator.speculation.step_budget`)
+then caps its K at its share of one allocation over every running request of the coordinator on
+the target, by the same measure (SmartSpec's greedy marginal goodput over their bids), so that the
+requests sharing a step do not each take the tokens that pay for one of them alone. W counts the others'
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
 others' decode tokens. Counted as B x g alone, a step full of prefill chunks made a lookup's
@@ -71,10 +75,12 @@ proposes and how many (``--grammar-aware-drafting`` off: neither half).
 
 import dataclasses
 import statistics
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import MISS, PLAIN, RoundRecord
+from coordinator.speculation.step_budget import Bid, allocate
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
 from specdec.grammar import FORCED, ForcedMatch
 from specdec.ngram import NgramMatch
@@ -84,6 +90,7 @@ from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo
 
 SUFFIX_LENGTHS = 4  # suffix matches of 4 tokens and more share one acceptance estimate
+LOOKUP_TRIAL_TOKENS = 8  # a request's lookups draft this many tokens before the ledger may turn them off
 Match = NgramMatch | SuffixMatch | ForcedMatch
 Matches = Mapping[str, Match]  # this round's proposal of each lookup that matched
 
@@ -123,13 +130,13 @@ class AcceptanceModel:
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a round of ``k`` drafts (the target's own token included)."""
-        return 1.0 + sum(self._passing(k))
+        return 1.0 + sum(self.passing(k))
 
     def pass_probability(self, k: int) -> float:
         """The probability that all of a round's first ``k`` drafts pass."""
-        return ([1.0, *self._passing(k)])[-1]
+        return ([1.0, *self.passing(k)])[-1]
 
-    def _passing(self, k: int) -> list[float]:
+    def passing(self, k: int) -> list[float]:
         """For i in 1..k (at most the positions modelled): the probability that drafts 1..i pass."""
         floor = self.rates[self.observed - 1] if self.observed else 0.0
         passing, probabilities = 1.0, []
@@ -252,6 +259,11 @@ class StepCosts:
         1.3; with the prefill steps of a burst of 16 in the line its slope read 1.85 ms a token,
         which made lookups at 44% acceptance look worth their verify tokens (they cost the verify
         service 17% more CPU per generated token than plain decoding)."""
+        intercept, slope = self.line()
+        return intercept + slope * num_tokens
+
+    def line(self) -> tuple[float, float]:
+        """The line :meth:`step_ms` prices a verify call by: (intercept ms, slope ms per batched token)."""
         if self._line is None:  # fitted once per change, not per option of every round
             points = {k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms
             if len(points) > 2:
@@ -261,8 +273,7 @@ class StepCosts:
             else:
                 slope, intercept = statistics.linear_regression(list(points), list(points.values()))
                 self._line = (intercept, max(0.0, slope))
-        intercept, slope = self._line
-        return intercept + slope * num_tokens
+        return self._line
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         """Learns from a draft session's Prefill of ``num_tokens`` tokens (those the draft's prefix
@@ -367,6 +378,39 @@ class Load:
 
 
 @dataclass
+class LookupLedger:
+    """Whether a request's own n-gram and suffix lookups pay for the verify tokens they take. Each
+    round a lookup proposes owes its break-even (the tokens beyond a plain round's one it must
+    commit to match plain decode's goodput at the round's load and costs) and gains the draft
+    tokens accepted. Once the lookups have drafted ``trial_tokens`` and gained less than they
+    owed, they stay off for the rest of the request: no more lookups are made, which saves their
+    CPU on the coordinator and their rejected rows on the verify service (the losing cells of
+    docs/benchmark.md's fixed-K sweep, 32 requests: lookups chosen in 14% of rounds at 50%
+    acceptance, where the step's price wanted over 90%). Estimates that are right need no ledger;
+    the ledger catches those that are chosen when they read high (an EMA rising after a run of
+    passes) and fail as often as not."""
+
+    trial_tokens: int = LOOKUP_TRIAL_TOKENS
+    drafted: int = 0
+    owed: float = 0.0
+    gained: int = 0
+
+    def charge(self, k: int, break_even: float) -> None:
+        """Records a lookup round of ``k`` draft tokens whose break-even is ``break_even`` tokens."""
+        self.drafted += k
+        self.owed += break_even
+
+    def credit(self, accepted: int) -> None:
+        """Records the draft tokens a lookup round had accepted."""
+        self.gained += accepted
+
+    @property
+    def paid(self) -> bool:
+        """Whether the lookups stay on: still in their trial, or having gained what they owed."""
+        return self.drafted < self.trial_tokens or self.gained >= self.owed
+
+
+@dataclass(eq=False)  # by identity: a request's policy keys its bid in the step budget
 class AdaptiveK:
     """One request's choice of drafter and K. Each round's options: plain decode, the model
     ``drafter`` (None: none) with K in [1, k_max], and each lookup's match (``matches``, by
@@ -393,6 +437,8 @@ class AdaptiveK:
     load: Load = field(default_factory=Load)
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
     draft_ahead: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
+    bids: MutableMapping["AdaptiveK", Bid] | None = None  # the step budget's bids on this target (None: off)
+    lookup_ledger: LookupLedger = field(default_factory=LookupLedger)
     _rounds_without_drafter: int = 0
 
     @property
@@ -481,12 +527,63 @@ class AdaptiveK:
     def next_round(self, matches: Matches | None, draft_available: bool = True) -> tuple[str, int]:
         """The round's (drafter, K): ``self.drafter``, a lookup's name (propose
         ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
-        is not open yet, or the draft service failed recently): never the model drafter."""
+        is not open yet, or the draft service failed recently): never the model drafter. K is at
+        most what the step budget gives the request (:meth:`_within_budget`), except a probe's."""
         drafter, k = self._best(matches, draft_available)
         if drafter == PLAIN and self.drafter and draft_available and self._probe_due() and self._could_win(matches):
             drafter, k = self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
+        else:
+            k = self._within_budget(drafter, k, matches)
+            drafter = drafter if k else PLAIN
+        if drafter in self.lookups:
+            self.lookup_ledger.charge(k, self._break_even(k))
         self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
+
+    @property
+    def lookups_on(self) -> bool:
+        """Whether the request's n-gram and suffix lookups are still looked up (:class:`LookupLedger`)."""
+        return self.lookup_ledger.paid
+
+    def _within_budget(self, drafter: str, k: int, matches: Matches | None) -> int:
+        """``k``, at most the request's share of the step budget (:mod:`coordinator.speculation.step_budget`)
+        among the coordinator's running requests on the target, their bids as of their last round.
+        Each round first renews the request's bid: its ``drafter``'s pass probabilities (none for
+        plain decode), and its draft's ms per token where the draft neither drafts ahead nor has
+        hardware of its own. Alone on the service (or no budget, or draft tokens free in the
+        step) ``k`` as chosen: the request's own pricing is exact there, draft-ahead's overlap
+        included, which the budget's line is not."""
+        if self.bids is None:
+            return k
+        draft_ms = self.costs.draft_ms_per_token if drafter == self.drafter and not self.draft_ahead else 0.0
+        self.bids[self] = Bid(self._passing(drafter, matches), draft_ms)
+        intercept, slope = self.costs.line()
+        if k == 0 or self.load.others_seqs < 1 or slope <= 0:
+            return k
+        others = max(0.0, self.load.others_work() - (len(self.bids) - 1))
+        return min(k, allocate(self.bids, intercept + self.costs.overhead_ms, slope, others)[self])
+
+    def _passing(self, drafter: str, matches: Matches | None) -> list[float]:
+        """Per draft position of ``drafter``'s longest proposal this round, the probability that
+        drafts 1..i all pass (empty for plain decode): the model drafter's forced tokens, then
+        its drafted ones; a lookup's match."""
+        if drafter == self.drafter and self.acceptance is not None:
+            f = self._num_forced(matches)
+            forced = self.forced.passing(f) if f and self.forced is not None else []
+            limit = min(self.k_max, self.k_limit - f, len(self.acceptance.rates))
+            after = forced[-1] if forced else 1.0
+            return forced + [after * p for p in self.acceptance.passing(limit)]
+        for name, match, model in self._lookup_models(matches):
+            if name == drafter:
+                return model.passing(len(match.tokens))
+        return []
+
+    def _break_even(self, k: int) -> float:
+        """The tokens beyond one that a lookup round of ``k`` drafts must commit to make the whole
+        batch's goodput of a plain round (:meth:`options`' measure) at the current load."""
+        others, others_tokens = self.load.others_work(), self.load.others_tokens
+        plain = (1.0 + others) / self.costs.round_ms(0, False, others_tokens)
+        return max(0.0, plain * self.costs.round_ms(k, False, others_tokens) - others - 1.0)
 
     def wants_drafter(self, matches: Matches | None, context_tokens: int = 0, remaining: int = 0) -> bool:
         """Whether the request should open its draft session now: the model drafter is the best
@@ -570,6 +667,8 @@ class AdaptiveK:
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if draft_call and self.acceptance is not None:
             self.acceptance.observe(*drafted_outcome(record))
+        if record.drafter in self.lookups:
+            self.lookup_ledger.credit(record.num_accepted)
         for _, match, model in self._lookup_models(matches):
             model.observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call, self.draft_ahead)
@@ -618,15 +717,18 @@ class AdaptiveState:
     mostly failed (4 requests at once, each its first: 66 drafts, 11 accepted, in 25 rounds).
     ``forced_prior_rate`` seeds the forced-token lookup's: high, as the target is masked by the same
     grammar, so a forced token fails only where the grammar also allows another tokenization of
-    the same text; it is observed every round too."""
+    the same text; it is observed every round too. ``step_budget``: the requests on one target
+    bid for one speculation budget per step (``bids``, by target model; :meth:`AdaptiveK._within_budget`)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
     lookup_prior_rate: float = 0.5
     forced_prior_rate: float = 0.9
     request_weight: float = 0.5
+    step_budget: bool = True
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
 
     def policy(
         self,
@@ -675,6 +777,7 @@ class AdaptiveState:
             load=Load(others_seqs=others, others_tokens=others),
             forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
             draft_ahead=draft_ahead,
+            bids=self.bids.setdefault(target.model, weakref.WeakKeyDictionary()) if self.step_budget else None,
         )
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:
@@ -693,7 +796,10 @@ class AdaptiveState:
             self.priors[(source, target)] = list(rates)
 
     def remember(self, policy: AdaptiveK) -> None:
-        """Blends an ended request's acceptance estimates into the warm starts."""
+        """Blends an ended request's acceptance estimates into the warm starts, and takes its bid
+        out of the step budget (a request that ends otherwise leaves with its policy)."""
+        if policy.bids is not None:
+            policy.bids.pop(policy, None)
         for source, model in policy.acceptance_models().items():
             prior = self.priors[(source, policy.target)]
             for i, rate in enumerate(model.rates):

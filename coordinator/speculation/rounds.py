@@ -201,13 +201,16 @@ class RequestRounds:
 
     # --- rounds --------------------------------------------------------------------------
 
-    def lookup_matches(self, k: int, forced_k: int = 0) -> dict[str, NgramMatch | SuffixMatch | ForcedMatch]:
+    def lookup_matches(
+        self, k: int, forced_k: int = 0, lookups: bool = True
+    ) -> dict[str, NgramMatch | SuffixMatch | ForcedMatch]:
         """Each lookup's proposal of up to ``k`` tokens after the committed log, by lookup name
-        (those without a match left out), and the forced-token lookup's of up to ``forced_k`` (a
-        request with one: structured output under adaptive K). Call it every round: the lookups
-        index the tokens committed since the last call."""
+        (those without a match left out; none with ``lookups`` False: the request's lookups did
+        not pay, :class:`coordinator.speculation.adaptive.LookupLedger`), and the forced-token
+        lookup's of up to ``forced_k`` (a request with one: structured output under adaptive K).
+        Call it every round: the lookups index the tokens committed since the last call."""
         matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch | None] = {
-            name: index.lookup(self.committed, k) for name, index in self.lookups.items()
+            name: index.lookup(self.committed, k) for name, index in self.lookups.items() if lookups
         }
         if self.forced is not None:
             matches[FORCED] = self.forced.lookup(self.committed, forced_k)
@@ -245,7 +248,7 @@ class RequestRounds:
         if policy is None:
             proposer, k = self.request.drafter, min(self.request.num_speculative_tokens, max_k)
         else:
-            matches = self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k))
+            matches = self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k), policy.lookups_on)
             if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
                 self.draft.open()
             proposer, k = policy.next_round(matches, self.draft.available())
