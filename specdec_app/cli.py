@@ -822,7 +822,10 @@ def _network(given: dict[str, Any]) -> dict[str, Any]:
 
 def _run_mode(run: Callable[[], dict]) -> dict:
     """The report ``run()`` returns; a failed pipeline request, a bad option or a service that
-    did not start is printed as an error and exits 1."""
+    did not start is printed as an error and exits 1. SIGTERM stops the run as Ctrl-C does
+    (SystemExit raised where it runs), so that the services, proxies and transformers serve it
+    started are stopped by their ``finally`` blocks rather than left behind, in every mode."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return run()
     except grpc.RpcError as err:
@@ -831,6 +834,12 @@ def _run_mode(run: Callable[[], dict]) -> dict:
     except (ValueError, RuntimeError) as err:
         stderr.print(f"[red]error: {err}[/red]")
         raise typer.Exit(1) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _print_mismatches(report: dict, reference: str) -> None:

@@ -277,3 +277,39 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     cost_header = markdown.split("## Verify cost by tokens per forward", 1)[1].split("| method |", 1)[1].split("\n")[0]
     assert {"1 token", "4 tokens"} <= {cell.strip() for cell in cost_header.split("|")}
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigterm_stops_a_bench_run_through_its_finally_blocks():
+    """SIGTERM during any mode's run raises SystemExit where it runs, so the ``finally`` blocks
+    that stop its services run (as on Ctrl-C), and the handler before it is put back. A sentinel
+    handler stands in for the default one, which would kill the test process."""
+    import os
+    import signal
+    import time
+
+    from specdec_app import cli
+
+    class Sentinel(Exception):
+        pass
+
+    def sentinel(signum, frame):
+        raise Sentinel
+
+    stopped = []
+
+    def run() -> dict:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            stopped.append(True)
+        return {}
+
+    previous = signal.signal(signal.SIGTERM, sentinel)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli._run_mode(run)
+        assert exit_info.value.code == 128 + signal.SIGTERM and stopped == [True]
+        assert signal.getsignal(signal.SIGTERM) is sentinel
+    finally:
+        signal.signal(signal.SIGTERM, previous)

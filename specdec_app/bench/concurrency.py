@@ -889,27 +889,7 @@ def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
     (``num_failed``, ``errors``)."""
     sequence = _validated(config)
     config.out.mkdir(parents=True, exist_ok=True)
-    with _stopped_by_sigterm():
-        return _run(config, sequence, console)
-
-
-@contextlib.contextmanager
-def _stopped_by_sigterm():
-    """SIGTERM raises SystemExit, so that the services and transformers serve started by the run
-    are stopped (the ``finally`` blocks run) instead of being left behind."""
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: leave the handler alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _run(config, sequence, console)
 
 
 def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
