@@ -212,9 +212,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 resolved.num_speculative_tokens,
                 {name: lengths[name] for name in self._lookup_names(resolved)},
                 self._num_running - 1,
-                draft_ahead=self.settings.draft_ahead
-                and resolved.uses_draft_service
-                and not self.settings.draft_shares_target_cores,
+                hidden_behind_verify=resolved.draft.hidden_behind_verify,
             )
         return resolved, verify_info, policy
 
@@ -321,9 +319,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             lookups,
             self.settings.draft_retry_s,
             self.settings.failover_timeout_s,
-            draft_ahead=self.settings.draft_ahead and self.draft_service.is_model_drafter(resolved.drafter),
-            draft_prefill_with_target=not self.settings.draft_shares_target_cores,
-            draft_ahead_branches=1 if self.settings.draft_shares_target_cores else self.settings.draft_ahead_branches,
             running_requests=lambda: self._num_running,
         )
         return RunningRequest(

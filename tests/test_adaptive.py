@@ -32,10 +32,10 @@ FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on
 
 def record(k: int, drafted: int, accepted: int) -> RoundRecord:
     return RoundRecord(
-        "llama-cpp" if k else PLAIN,
-        k,
-        drafted,
-        accepted,
+        drafter="llama-cpp" if k else PLAIN,
+        k=k,
+        num_drafted=drafted,
+        num_accepted=accepted,
         draft_ms=1.0 * drafted,
         verify_ms=FLAT[drafted],
         wall_ms=FLAT[drafted] + drafted + 2.0,
@@ -121,26 +121,36 @@ def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
     assert costs.draft_wait_ms(4, verify[4], hit_probability=1.0) == 0.0  # hidden behind the verify
     rates = AcceptanceModel([0.97] * 8)
     assert AdaptiveK(8, "llama-cpp", rates, {}, costs).next_round({}) == ("llama-cpp", 8)
-    assert AdaptiveK(8, "llama-cpp", rates, {}, costs, draft_ahead=True).next_round({}) == ("llama-cpp", 5)
+    assert AdaptiveK(8, "llama-cpp", rates, {}, costs, hidden_behind_verify=True).next_round({}) == ("llama-cpp", 5)
     # it learns from the draft's time for the proposals asked for in a round, not from the wait:
     # a hit's wait is the excess alone and teaches nothing
-    hit = RoundRecord("llama-cpp", 8, 8, 8, draft_ms=0.0, verify_ms=83.0, wall_ms=85.0, wire_bytes=0, draft_ahead="hit")
-    costs.observe(hit, draft_call=True, draft_ahead=True)
+    hit = RoundRecord(
+        drafter="llama-cpp",
+        k=8,
+        num_drafted=8,
+        num_accepted=8,
+        draft_ms=0.0,
+        verify_ms=83.0,
+        wall_ms=85.0,
+        wire_bytes=0,
+        draft_ahead="hit",
+    )
+    costs.observe(hit, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == 13.0
     miss = dataclasses.replace(hit, num_accepted=2, draft_ms=150.0, draft_ahead="miss", draft_compute_ms=8 * 15.0)
-    costs.observe(miss, draft_call=True, draft_ahead=True)
+    costs.observe(miss, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(13.0 + 0.1 * (15.0 - 13.0))
     # a proposal that first fed the draft what was committed without it (a probe after plain
     # rounds) overstates a forward: it may lower the estimate, never raise it
     learnt = costs.draft_ms_per_token
     probe = dataclasses.replace(hit, k=2, num_drafted=2, draft_ahead="", draft_ms=300.0, draft_compute_ms=300.0)
-    costs.observe(probe, draft_call=True, draft_ahead=True)
+    costs.observe(probe, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == learnt
-    costs.observe(dataclasses.replace(probe, draft_compute_ms=2 * 3.0), draft_call=True, draft_ahead=True)
+    costs.observe(dataclasses.replace(probe, draft_compute_ms=2 * 3.0), draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(learnt + 0.1 * (3.0 - learnt))
     # a draft paused mid-proposal (seconds for 8 tokens) raises it by one weight's share at most
     learnt = costs.draft_ms_per_token
-    costs.observe(dataclasses.replace(miss, draft_compute_ms=5000.0), draft_call=True, draft_ahead=True)
+    costs.observe(dataclasses.replace(miss, draft_compute_ms=5000.0), draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(learnt * 1.1)
 
 
@@ -182,7 +192,16 @@ def test_suffix_and_ngram_lookups_compete_with_estimates_of_their_own():
     matches = {NGRAM: NgramMatch(3, [7, 8, 9, 10]), SUFFIX: SuffixMatch(9, [7, 8, 5, 6], [0.9, 0.8, 0.5, 0.4])}
     assert policy.next_round(matches) == (SUFFIX, 4)  # a 9-token suffix match: the 4+ estimate, 0.9
     assert policy.next_round({NGRAM: matches[NGRAM]}) == (PLAIN, 0)  # the n-gram alone rarely passes
-    suffix_round = RoundRecord(SUFFIX, 4, 4, 2, draft_ms=0.0, verify_ms=FLAT[4], wall_ms=FLAT[4] + 2.0, wire_bytes=0)
+    suffix_round = RoundRecord(
+        drafter=SUFFIX,
+        k=4,
+        num_drafted=4,
+        num_accepted=2,
+        draft_ms=0.0,
+        verify_ms=FLAT[4],
+        wall_ms=FLAT[4] + 2.0,
+        wire_bytes=0,
+    )
     policy.observe(suffix_round, matches, [7, 8, 9])  # 7 8 passed, 5 rejected for 9
     assert policy.lookups[SUFFIX][3].rates == [0.95, 0.95, 0.45, 0.9]
     assert policy.lookups[NGRAM][2].rates == [0.55, 0.55, 0.55, 0.1]  # 7 8 9 would have passed, 10 unseen
@@ -242,10 +261,10 @@ def test_the_drafter_learns_from_its_drafted_tokens_alone():
     policy = forced_policy([0.5] * 4, [0.5] * 8, k_max=4)
     policy.acceptance.weight = policy.forced.weight = policy.costs.weight = 0.5
     round_record = RoundRecord(
-        "llama-cpp",
-        6,
-        6,
-        3,
+        drafter="llama-cpp",
+        k=6,
+        num_drafted=6,
+        num_accepted=3,
         draft_ms=60.0,
         verify_ms=LONG[6],
         wall_ms=LONG[6] + 64.0,
@@ -314,21 +333,34 @@ def test_rounds_a_lookup_wins_do_not_put_the_probe_off():
 def test_costs_follow_live_rounds():
     costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=1.0, weight=0.5)
     costs.observe(
-        RoundRecord("llama-cpp", 1, 1, 1, draft_ms=20.0, verify_ms=80.0, wall_ms=106.0, wire_bytes=0), draft_call=True
+        RoundRecord(
+            drafter="llama-cpp",
+            k=1,
+            num_drafted=1,
+            num_accepted=1,
+            draft_ms=20.0,
+            verify_ms=80.0,
+            wall_ms=106.0,
+            wire_bytes=0,
+        ),
+        draft_call=True,
     )
     assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], 3.5)
     costs.observe(
-        RoundRecord(NGRAM, 1, 1, 1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0), draft_call=False
+        RoundRecord(
+            drafter=NGRAM, k=1, num_drafted=1, num_accepted=1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0
+        ),
+        draft_call=False,
     )
     assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, 3.25)  # a lookup round: no draft time
     # in a batch: the step's forward time (120 ms) is the cost of its 8 tokens; the 180 ms the call
     # waited for it (counted in the service's 300 ms) was other sequences' work: priced nowhere
     costs.observe(
         RoundRecord(
-            PLAIN,
-            0,
-            0,
-            0,
+            drafter=PLAIN,
+            k=0,
+            num_drafted=0,
+            num_accepted=0,
             draft_ms=0.0,
             verify_ms=300.0,
             wall_ms=302.0,
@@ -354,22 +386,34 @@ def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
     overhead, the rejected drafts looked free and kept winning."""
     costs = StepCosts(draft_ms_per_token=0.0, verify_ms=[3.0] * 5, overhead_ms=1.0, weight=0.5)
     asked = RoundRecord(
-        "switching", 4, 4, 0, 0.1, 3.0, 5.6, 0, draft_ahead=MISS, draft_compute_ms=0.1, propose_call_ms=1.5
+        drafter="switching",
+        k=4,
+        num_drafted=4,
+        num_accepted=0,
+        draft_ms=0.1,
+        verify_ms=3.0,
+        wall_ms=5.6,
+        wire_bytes=0,
+        draft_ahead=MISS,
+        draft_compute_ms=0.1,
+        propose_call_ms=1.5,
     )
-    costs.observe(asked, draft_call=True, draft_ahead=True)
+    costs.observe(asked, draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.75 and costs.overhead_ms == pytest.approx(1.0)  # 5.6 - 0.1 - 1.5 - 3.0
 
     def choice(costs: StepCosts) -> str:
-        return AdaptiveK(4, "switching", AcceptanceModel([0.01] * 4), {}, costs, draft_ahead=True).next_round(None)[0]
+        return AdaptiveK(4, "switching", AcceptanceModel([0.01] * 4), {}, costs, hidden_behind_verify=True).next_round(
+            None
+        )[0]
 
     assert choice(costs) == PLAIN
     assert choice(dataclasses.replace(costs, propose_call_ms=0.0)) == "switching"
     # a round that took its proposal drafted ahead asked for none, but that Propose's round trip
     # teaches the link's all the same: a load that has gone is soon forgotten
     hit = dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0, ahead_call_ms=0.25)
-    costs.observe(hit, draft_call=True, draft_ahead=True)
+    costs.observe(hit, draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.5
-    costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, draft_ahead=True)
+    costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.5  # nothing drafted ahead: nothing learnt
 
 
@@ -394,7 +438,20 @@ def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():
     line = [costs.step_ms(n) for n in (14, 28)]
 
     def observe_step(prefill: int) -> None:
-        record = RoundRecord(PLAIN, 0, 0, 0, 0.0, 330.0, 331.0, 0, 15, 142, step_ms=320.0, prefill_tokens=prefill)
+        record = RoundRecord(
+            drafter=PLAIN,
+            k=0,
+            num_drafted=0,
+            num_accepted=0,
+            draft_ms=0.0,
+            verify_ms=330.0,
+            wall_ms=331.0,
+            wire_bytes=0,
+            batch_size=15,
+            batched_tokens=142,
+            step_ms=320.0,
+            prefill_tokens=prefill,
+        )
         costs.observe(record, draft_call=False)
 
     observe_step(prefill=128)
@@ -598,10 +655,10 @@ def test_load_counts_every_running_sequence_not_only_those_in_the_step():
     15, each bringing the step's mean tokens per other sequence."""
     load = Load(weight=1.0)
     record = RoundRecord(
-        "llama-cpp",
-        3,
-        3,
-        1,
+        drafter="llama-cpp",
+        k=3,
+        num_drafted=3,
+        num_accepted=1,
         draft_ms=20.0,
         verify_ms=120.0,
         wall_ms=150.0,
@@ -622,7 +679,21 @@ def test_the_wait_for_the_step_in_progress_does_not_make_a_round_look_dear():
     drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=10.0)
     loaded = state.policy(drafter, BATCHING_TARGET, k_max=4, lookups={}, others=15)
     assert not loaded.wants_drafter(None, 64, remaining=64)
-    waited = RoundRecord(PLAIN, 0, 0, 0, 0.0, 705.0, 707.0, 0, 16, 16, queue_ms=600.0, running_seqs=16, step_ms=100.0)
+    waited = RoundRecord(
+        drafter=PLAIN,
+        k=0,
+        num_drafted=0,
+        num_accepted=0,
+        draft_ms=0.0,
+        verify_ms=705.0,
+        wall_ms=707.0,
+        wire_bytes=0,
+        batch_size=16,
+        batched_tokens=16,
+        queue_ms=600.0,
+        running_seqs=16,
+        step_ms=100.0,
+    )
     for _ in range(10):
         loaded.observe(waited, None, [1])
     assert not loaded.wants_drafter(None, 64, remaining=64)
@@ -637,7 +708,9 @@ def budgeted(rate: float, others: int, bids) -> AdaptiveK:
     """A drafting-ahead llama-cpp request at ``rate`` per position with ``others`` running besides it."""
     costs = StepCosts(draft_ms_per_token=2.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
     load = Load(others_seqs=others, others_tokens=others)
-    return AdaptiveK(4, "llama-cpp", AcceptanceModel([rate] * 4), {}, costs, load=load, bids=bids, draft_ahead=True)
+    return AdaptiveK(
+        4, "llama-cpp", AcceptanceModel([rate] * 4), {}, costs, load=load, bids=bids, hidden_behind_verify=True
+    )
 
 
 def rounds_of(requests: list[AdaptiveK]) -> list[tuple[str, int]]:
@@ -695,7 +768,20 @@ def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
     while policy.lookups_on:
         drafter, k = policy.next_round({NGRAM: match})
         assert drafter == NGRAM and k > 0
-        policy.observe(RoundRecord(NGRAM, k, k, 0, 0.0, 100.0, 102.0, 0), {NGRAM: match}, [3])
+        policy.observe(
+            RoundRecord(
+                drafter=NGRAM,
+                k=k,
+                num_drafted=k,
+                num_accepted=0,
+                draft_ms=0.0,
+                verify_ms=100.0,
+                wall_ms=102.0,
+                wire_bytes=0,
+            ),
+            {NGRAM: match},
+            [3],
+        )
     ledger = policy.lookup_ledger
     assert ledger.drafted >= 8 and ledger.gained == 0 < ledger.owed
 
@@ -704,6 +790,19 @@ def test_lookups_that_pay_stay_on():
     policy, match = lookup_request(7), NgramMatch(2, [7, 8])
     for _ in range(20):
         drafter, k = policy.next_round({NGRAM: match})
-        policy.observe(RoundRecord(drafter, k, k, k, 0.0, 100.0, 102.0, 0), {NGRAM: match}, [7, 8, 3][: k + 1])
+        policy.observe(
+            RoundRecord(
+                drafter=drafter,
+                k=k,
+                num_drafted=k,
+                num_accepted=k,
+                draft_ms=0.0,
+                verify_ms=100.0,
+                wall_ms=102.0,
+                wire_bytes=0,
+            ),
+            {NGRAM: match},
+            [7, 8, 3][: k + 1],
+        )
     assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
     assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0

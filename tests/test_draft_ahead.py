@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from coordinator.api.request import ResolvedRequest
+from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
@@ -139,15 +139,14 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     where the round asked the draft for a proposal of its own: the draft service's time for it
     is in the round's record)."""
     clients = ServiceClients([pipeline.draft_address], [pipeline.verify_address], 60, 60)
-    request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False)
+    plan = DraftPlan(drafts_ahead=draft_ahead, branches=branches)
+    request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False, draft=plan)
     rounds = RequestRounds(
         DraftService(clients),
         VerifyReplicas(clients),
         f"ahead-{drafter}-{draft_ahead}-{branches}-{sampling.seed}",
         request,
         list(PROMPT),
-        draft_ahead=draft_ahead,
-        draft_ahead_branches=branches,
     )
     rounds.draft.observe_verify(60_000)  # time enough for every branch: the tiny models' verify takes ms
     generated, outcomes = [], []

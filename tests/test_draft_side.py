@@ -3,12 +3,13 @@ service of the tiny pipeline, and an address nothing listens on: when a request 
 draft, what a failure costs, and what a lost session does."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
-from coordinator.api.request import ResolvedRequest
-from coordinator.speculation.draft_side import DraftService, DraftSession
+from coordinator.api.request import DraftPlan, ResolvedRequest
+from coordinator.speculation.draft_side import DraftService, DraftSide
 from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -33,21 +34,14 @@ def clients_of(pipeline, draft_address: str | None = None) -> ServiceClients:
 
 def session_of(
     service: DraftService, resolved: ResolvedRequest, released: list, name: str = "ds", draft_ahead: bool = False
-) -> DraftSession:
+) -> DraftSide:
     ids = iter(f"{name}.d{i}" for i in range(1, 100))
 
     def in_background(release):
         released.append(asyncio.ensure_future(release()))
 
-    return DraftSession(
-        service,
-        resolved,
-        list(resolved.prompt_ids),
-        lambda: next(ids),
-        in_background,
-        retry_s=0.5,
-        draft_ahead=draft_ahead,
-    )
+    resolved = dataclasses.replace(resolved, draft=DraftPlan(drafts_ahead=draft_ahead))
+    return DraftSide(service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, retry_s=0.5)
 
 
 def test_a_session_proposes_once_open_and_its_release_frees_it(tiny_pipeline):
@@ -149,7 +143,7 @@ def test_the_last_draft_info_stands_in_while_the_service_is_down(tiny_pipeline):
         service = DraftService(clients, down_s=5.0)
         try:
             info = await service.info()
-            assert service.is_model_drafter("transformers") and not service.is_model_drafter("ngram")
+            assert {d.name: d.model for d in info.drafters}["transformers"]
             service.mark_down(tiny_pipeline.draft_address)  # a call just found it unreachable
             assert await service.info() is info
         finally:
@@ -218,7 +212,7 @@ def late_draft(delay_ms: int, rpc: str = "Propose"):
     return build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
 
 
-async def opened(session: DraftSession) -> None:
+async def opened(session: DraftSide) -> None:
     session.open()
     while session.session_id is None:  # greedy rounds do not wait for the prefill: the test does
         await asyncio.sleep(0.02)

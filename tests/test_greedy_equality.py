@@ -7,7 +7,7 @@ import random
 import pytest
 
 from coordinator.api.client import generate
-from coordinator.api.request import ResolvedRequest
+from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
@@ -123,7 +123,8 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
 
     async def run() -> tuple[list[int], list]:
         clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
-        request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 4, "transformers", adaptive=False)
+        plan = DraftPlan(prefill_with_target=False)
+        request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 4, "transformers", adaptive=False, draft=plan)
         try:
             return await run_rounds(
                 RequestRounds(
@@ -132,7 +133,6 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
                     "shared-first",
                     request,
                     list(ids),
-                    draft_prefill_with_target=False,
                 )
             )
         finally:
@@ -176,7 +176,8 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             pass
 
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
-        request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False)
+        plan = DraftPlan(prefill_with_target=draft_prefill_with_target)
+        request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False, draft=plan)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
         rounds = RequestRounds(
             DraftService(clients),
@@ -185,7 +186,6 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             request,
             list(prompt_ids),
             lookups,
-            draft_prefill_with_target=draft_prefill_with_target,
         )
         generated, _ = await run_rounds(rounds, RandomPolicy())
         return generated

@@ -17,7 +17,16 @@ def test_metrics_arithmetic():
     ]
     for drafter, k, drafted, accepted in rounds:
         recorder.rounds.append(
-            RoundRecord(drafter, k, drafted, accepted, draft_ms=5.0, verify_ms=10.0, wall_ms=20.0, wire_bytes=30)
+            RoundRecord(
+                drafter=drafter,
+                k=k,
+                num_drafted=drafted,
+                num_accepted=accepted,
+                draft_ms=5.0,
+                verify_ms=10.0,
+                wall_ms=20.0,
+                wire_bytes=30,
+            )
         )
     m = recorder.to_proto(num_generated=12, seed=3, drafter="ngram", num_speculative_tokens=4)
     assert (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_draft_tokens) == (4, 14, 7)

@@ -5,7 +5,7 @@ plain decoding is test_greedy_equality.py's)."""
 import asyncio
 import random
 
-from coordinator.api.request import ResolvedRequest
+from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.speculation.adaptive import AdaptiveState
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
@@ -57,7 +57,8 @@ def test_the_first_tokens_decision_on_the_draft_counts_the_coordinators_running_
     alone, but the coordinator already runs the burst: the policy takes that as the load, and an
     adaptive request whose draft pays alone leaves it closed."""
     prompt = random.Random(5).choices(range(1000), k=40)
-    request = ResolvedRequest(prompt, 16, SamplingParams(), [], 4, "transformers", adaptive=True)
+    plan = DraftPlan(prefill_with_target=False)  # decided after the first token
+    request = ResolvedRequest(prompt, 16, SamplingParams(), [], 4, "transformers", adaptive=True, draft=plan)
     drafter = draft_pb2.DrafterInfo(name="transformers", step_ms=2.0)
     target = verify_pb2.VerifyServiceGetInfoResponse(
         model="t",
@@ -74,7 +75,6 @@ def test_the_first_tokens_decision_on_the_draft_counts_the_coordinators_running_
             f"burst-{running}",
             request,
             list(prompt),
-            draft_prefill_with_target=False,  # decided after the first token
             running_requests=lambda: running,
         )
         try:

@@ -1,5 +1,6 @@
 """Validation of a GenerateRequest into the parameters of its speculative rounds."""
 
+import dataclasses
 import functools
 import secrets
 from dataclasses import dataclass
@@ -19,6 +20,41 @@ LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself und
 DEFAULT_LIMITS = GrammarLimits()
 
 
+@dataclass(frozen=True, kw_only=True)
+class DraftPlan:
+    """How a request that uses the draft service uses it, decided once where the request is
+    resolved (:func:`resolve`) and read by the round (:mod:`coordinator.speculation.rounds`), its
+    draft side (:mod:`coordinator.speculation.draft_side`) and adaptive K. ``drafts_ahead``: a
+    model drafter's proposal for the next round is asked for with this round's Verify
+    (``--draft-ahead``). ``hidden_behind_verify``: that draft has hardware of its own (not
+    ``--draft-shares-target-cores``), so its forwards ahead overlap the verify and adaptive K
+    prices a round by what of them outlasts it (where it shares the target's cores they slow the
+    verify instead, and a round is priced at its K forwards). ``branches``: outcomes of each
+    verification drafted ahead (``--draft-ahead-branches``; 1 under sampling, where a branch is
+    hit only when the sampled token is the draft's second choice, and where the draft shares the
+    target's cores). ``prefill_with_target``: the draft session prefills beside the target's
+    prefill; else (greedy, the draft on the target's cores) only once the first token shows the
+    request will use it."""
+
+    drafts_ahead: bool = False
+    hidden_behind_verify: bool = False
+    branches: int = 1
+    prefill_with_target: bool = True
+
+
+def draft_plan(
+    settings: CoordinatorSettings, sampling: SamplingParams, model_drafter: bool
+) -> DraftPlan:
+    """The plan (:class:`DraftPlan`) of a request with ``sampling`` whose drafter runs a model or not."""
+    ahead, shares = settings.draft_ahead and model_drafter, settings.draft_shares_target_cores
+    return DraftPlan(
+        drafts_ahead=ahead,
+        hidden_behind_verify=ahead and not shares,
+        branches=settings.draft_ahead_branches if ahead and sampling.greedy and not shares else 1,
+        prefill_with_target=not shares or not sampling.greedy,
+    )
+
+
 @dataclass(frozen=True)
 class ResolvedRequest:
     prompt_ids: list[int]
@@ -33,6 +69,7 @@ class ResolvedRequest:
     # grammar library sees it, for the coordinator's forced-token lookup (None: no such lookup)
     grammar_tokenizer: LLTokenizer | None = None
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    draft: DraftPlan = DraftPlan()  # how it uses the draft service (when it does: uses_draft_service)
 
     @property
     def uses_draft_service(self) -> bool:
@@ -184,7 +221,7 @@ def resolve(
     if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
     adaptive = adaptive and k > 0
-    return ResolvedRequest(
+    resolved = ResolvedRequest(
         ids,
         max_new,
         sampling,
@@ -196,6 +233,11 @@ def resolve(
         vocab if adaptive and settings.grammar_aware_drafting else None,
         settings.grammar_limits(),
     )
+    if not resolved.uses_draft_service:
+        return resolved
+    assert draft_info is not None  # _check_drafter refuses a drafter of a draft service never reached
+    model = any(d.name == drafter and d.model for d in draft_info.drafters)
+    return dataclasses.replace(resolved, draft=draft_plan(settings, sampling, model))
 
 
 def _sampling(

@@ -26,7 +26,7 @@ def histogram(values: Iterable[int], size: int) -> list[int]:
     return counts
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RoundRecord:
     """One round: K = ``k`` draft tokens asked of ``drafter`` (K = 0 and drafter PLAIN: a plain
     decode step), ``num_drafted`` tokens proposed (fewer than K when the drafter has no more; 0

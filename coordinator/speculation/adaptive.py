@@ -285,8 +285,8 @@ class StepCosts:
             weight = max(self.weight, 0.5)
             self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
 
-    def observe(self, record: RoundRecord, draft_call: bool, draft_ahead: bool = False) -> None:
-        """Learns from a finished round (``draft_ahead``: its drafter's rounds are priced by
+    def observe(self, record: RoundRecord, draft_call: bool, hidden_behind_verify: bool = False) -> None:
+        """Learns from a finished round (``hidden_behind_verify``: its drafter's rounds are priced by
         :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
         the step that served it (``record.step_ms``; a service reporting no step: its handling
         time); the rest of the round (less the draft's time and its wait for that step,
@@ -304,7 +304,7 @@ class StepCosts:
         prefill made a round's fixed part so large that a request opened its draft at its first
         token with 15 others running (16 requests on 2 CPU cores).
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward). With ``draft_ahead`` it learns from the draft service's time for the
+        cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
         is what outlasted the verify, a miss's also the rest of the work ahead. A miss's proposal
         feeds the draft at most K + 1 tokens first; any other round's (the first with the draft, a
@@ -315,7 +315,7 @@ class StepCosts:
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
-            if not draft_ahead:
+            if not hidden_behind_verify:
                 self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
             elif record.draft_compute_ms > 0:
                 self._observe_draft_forward(record.draft_compute_ms / forwarded, record.draft_ahead == MISS)
@@ -436,7 +436,7 @@ class AdaptiveK:
     probe_k: int = 2
     load: Load = field(default_factory=Load)
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
-    draft_ahead: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
+    hidden_behind_verify: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
     bids: MutableMapping["AdaptiveK", Bid] | None = None  # the step budget's bids on this target (None: off)
     lookup_ledger: LookupLedger = field(default_factory=LookupLedger)
     _rounds_without_drafter: int = 0
@@ -483,7 +483,7 @@ class AdaptiveK:
         ``num_forced`` forced and ``k`` drafted tokens is the next round's, every token passing
         and the draft's guess of the bonus token right, taken as one more drafted position (None:
         no draft-ahead)."""
-        if not self.draft_ahead:
+        if not self.hidden_behind_verify:
             return None
         assert self.acceptance is not None
         forced = self.forced.pass_probability(num_forced) if num_forced and self.forced is not None else 1.0
@@ -555,7 +555,7 @@ class AdaptiveK:
         included, which the budget's line is not."""
         if self.bids is None:
             return k
-        draft_ms = self.costs.draft_ms_per_token if drafter == self.drafter and not self.draft_ahead else 0.0
+        draft_ms = self.costs.draft_ms_per_token if drafter == self.drafter and not self.hidden_behind_verify else 0.0
         self.bids[self] = Bid(self._passing(drafter, matches), draft_ms)
         intercept, slope = self.costs.line()
         if k == 0 or self.load.others_seqs < 1 or slope <= 0:
@@ -671,7 +671,7 @@ class AdaptiveK:
             self.lookup_ledger.credit(record.num_accepted)
         for _, match, model in self._lookup_models(matches):
             model.observe_tokens(match.tokens, committed)
-        self.costs.observe(record, draft_call, self.draft_ahead)
+        self.costs.observe(record, draft_call, self.hidden_behind_verify)
         self.load.observe(record, len(committed))
 
     def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
@@ -737,13 +737,13 @@ class AdaptiveState:
         k_max: int,
         lookups: Mapping[str, int],
         others: int = 0,
-        draft_ahead: bool = False,
+        hidden_behind_verify: bool = False,
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
         the lookups that compete, each with its number of match-length estimates (the n-gram
         index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
-        load it assumes until its first round reports the service's. ``draft_ahead``: the
+        load it assumes until its first round reports the service's. ``hidden_behind_verify``: the
         request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
         prices its rounds; not where the draft shares the target's cores: its forwards ahead then
         slow the verify they would hide behind)."""
@@ -776,7 +776,7 @@ class AdaptiveState:
             self.probe_interval,
             load=Load(others_seqs=others, others_tokens=others),
             forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
-            draft_ahead=draft_ahead,
+            hidden_behind_verify=hidden_behind_verify,
             bids=self.bids.setdefault(target.model, weakref.WeakKeyDictionary()) if self.step_budget else None,
         )
 

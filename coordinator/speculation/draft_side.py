@@ -4,7 +4,7 @@ ask the draft service, as :mod:`coordinator.speculation.failover` is for the ver
 :class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
 call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
 meanwhile) unless a late answer shows it alive first, and its last GetInfo stands in while it is
-down. :class:`DraftSession`, one per
+down. :class:`DraftSide`, one per
 request, is the request's session on it: opened by a Prefill of the committed log in the
 background, told the committed tokens it has not seen at each Propose, drafting ahead (a model
 drafter, see :class:`DraftAhead`), and after a failure left alone for ``retry_s`` seconds before
@@ -41,7 +41,7 @@ class DraftService:
     """The draft service's replicas (a draft pool, shared by every coordinator) as every request of
     a coordinator sees them: a replica whose call failed to answer (unreachable, or past its
     deadline) is down for ``down_s`` seconds (no session opens there meanwhile, and its sessions
-    move to another, see :class:`DraftSession`) unless a late answer shows it alive first; the
+    move to another, see :class:`DraftSide`) unless a late answer shows it alive first; the
     last GetInfo stands in while every replica is down. Replicas are named by their ``host:port``;
     which one a session opens on is placement's choice (:mod:`coordinator.speculation.placement`)."""
 
@@ -90,11 +90,6 @@ class DraftService:
                 self._info = await self._marking_down(replica, self.clients.draft_info(replica, timeout))
                 break
         return self._info
-
-    def is_model_drafter(self, name: str) -> bool:
-        """Whether the drafter ``name`` runs a model (draft-ahead hides its time; a model-free
-        drafter has none to hide), by the last GetInfo."""
-        return self._info is not None and any(d.name == name and d.model for d in self._info.drafters)
 
     async def prefill(
         self, replica: str, request: draft_pb2.DraftServicePrefillRequest
@@ -187,19 +182,17 @@ class DraftProposal:
     ahead_call_ms: float = 0.0
 
 
-class DraftSession:
+class DraftSide:
     """A request's session on the draft service (see the module docstring).
 
     Args: ``service`` the coordinator's :class:`DraftService`; ``request`` the resolved request
     (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
     ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
-    ``retry_s`` seconds without the draft after a failure; ``draft_ahead`` drafts the next round
-    while this one verifies (a model drafter), for up to ``branches`` outcomes of its verification,
-    as many as the draft can draft while the target verifies (:meth:`observe_verify`); greedy
-    requests only: under sampling a branch is hit only when the sampled token is the draft's second
-    choice, and its draft work delays the other sessions' draft calls, which can change which of
-    their rounds use the draft and so their sampled tokens.
+    ``retry_s`` seconds without the draft after a failure. With the request's plan
+    (``request.draft``, :class:`coordinator.api.request.DraftPlan`) drafting ahead, it drafts the
+    next round while this one verifies, for up to ``branches`` outcomes of its verification, as
+    many as the draft can draft while the target verifies (:meth:`observe_verify`).
     """
 
     def __init__(
@@ -210,16 +203,13 @@ class DraftSession:
         new_session_id: Callable[[], str],
         in_background: Callable[[Callable[[], Awaitable]], None],
         retry_s: float = 2.0,
-        draft_ahead: bool = False,
-        branches: int = 1,
     ):
         self.service, self.request, self.committed = service, request, committed
         self.new_session_id, self.in_background = new_session_id, in_background
         self.retry_s = retry_s
         self.uses_draft = request.uses_draft_service
-        self.draft_ahead = draft_ahead and self.uses_draft
-        # proposals drafted ahead per round (ProposeRequest.num_branches); one under sampling (see above)
-        self.branches = branches if self.draft_ahead and request.sampling.greedy else 1
+        self.draft_ahead = request.draft.drafts_ahead and self.uses_draft
+        self.branches = request.draft.branches  # proposals drafted ahead per round (ProposeRequest.num_branches)
         self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
         self.replica = ""  # the draft replica holding session_id

@@ -9,10 +9,10 @@ n-gram or suffix (:meth:`RequestRounds.lookup_matches`), or, with structured out
 the request's grammar forces (:class:`specdec.grammar.ForcedTokenLookup`); the draft session then
 catches up at its next Propose.
 
-The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSession`'s;
+The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSide`'s;
 the verify side is :class:`coordinator.speculation.failover.VerifySession`'s.
 
-Draft-ahead (model drafters, ``draft_ahead``): while the verify service checks a round's
+Draft-ahead (model drafters, ``DraftPlan.drafts_ahead``): while the verify service checks a round's
 proposal, the draft service already drafts the next round's, on the branch where verification
 accepts every proposed token and the bonus token is the draft's own most likely next token (as in
 PEARL, Liu et al. 2025, and SSD, Kumar et al. 2025, with a single branch). When verification goes
@@ -40,11 +40,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN, RoundRecord
-from coordinator.speculation.adaptive import AdaptiveK
-from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSession
+from coordinator.speculation.adaptive import AdaptiveK, Matches
+from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
 from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
@@ -65,6 +66,66 @@ Admit = Callable[
 ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoundProposal:
+    """A round's proposal: ``proposer`` (the drafter, a lookup's name, or PLAIN with no tokens), the
+    K asked of it, its ``tokens`` with their draft distributions (empty under greedy) and, per
+    token, whether the grammar forced it (empty when none was), and the draft service's side of
+    the round (:class:`DraftProposal`: its wait, draft-ahead outcome and bytes; empty for a lookup
+    or plain round)."""
+
+    proposer: str
+    k: int
+    tokens: list[int] = field(default_factory=list)
+    distributions: list[common_pb2.TokenDistribution] = field(default_factory=list)
+    forced: tuple[bool, ...] = ()
+    drafted: DraftProposal = field(default_factory=lambda: DraftProposal(None, 0.0, "", 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verified:
+    """The target's answer to a round: ``num_accepted`` draft tokens accepted, the ``new`` tokens
+    (those, then the bonus or recovered token; a Decode's one token), their log-probabilities
+    (one per new token with ``sampling.logprobs``), the target's compute ms, the engine step that
+    served it, and the protobuf bytes of the call both ways."""
+
+    num_accepted: int
+    new: list[int]
+    logprobs: list[common_pb2.TokenLogprobs]
+    verify_ms: float
+    step: common_pb2.StepStats
+    wire_bytes: int
+
+
+def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) -> RoundRecord:
+    """The record of a round that proposed ``proposal``, was answered ``verified`` and took
+    ``wall_ms`` ms from its choice to its commit."""
+    drafted, step = proposal.drafted, verified.step
+    return RoundRecord(
+        drafter=proposal.proposer,
+        k=proposal.k,
+        num_drafted=len(proposal.tokens),
+        num_accepted=verified.num_accepted,
+        draft_ms=drafted.wait_ms,
+        verify_ms=verified.verify_ms,
+        wall_ms=wall_ms,
+        wire_bytes=drafted.wire_bytes + verified.wire_bytes,
+        batch_size=step.num_seqs,
+        batched_tokens=step.num_tokens,
+        queue_ms=step.queue_ms,
+        running_seqs=step.num_running_seqs,
+        step_ms=step.step_ms,
+        prefill_tokens=step.num_prefill_tokens,
+        draft_ahead=drafted.ahead,
+        forced=proposal.forced if any(proposal.forced) else (),
+        draft_ahead_branch=drafted.branch,
+        draft_ahead_branches=drafted.num_branches,
+        draft_compute_ms=drafted.compute_ms,
+        propose_call_ms=drafted.call_ms,
+        ahead_call_ms=drafted.ahead_call_ms,
+    )
+
+
 class RequestRounds:
     """One request's rounds: its committed log, its session on the draft service and its session
     on a verify replica (:class:`coordinator.speculation.failover.VerifySession`); :meth:`step` runs a round.
@@ -74,12 +135,10 @@ class RequestRounds:
     (``<prefix>.d1``, ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the
     request's committed log (prompt plus generated tokens, when a resumed request starts from
     stored ones); ``lookups``: the coordinator's own model-free lookups by name (hybrid drafting
-    under adaptive K); ``draft_ahead``: draft the next round while this one verifies (a model
-    drafter); ``draft_retry_s``, ``failover_timeout_s`` in seconds; ``draft_prefill_with_target``:
-    the draft session prefills beside the target's prefill, else (greedy only) after the first
-    token, the first round waiting for it (see :meth:`prefill`); ``running_requests()``: the
+    under adaptive K); ``draft_retry_s``, ``failover_timeout_s`` in seconds; ``running_requests()``: the
     requests the coordinator runs now, this one included (the load the first token's decision on
-    the draft counts, see :meth:`prefill`).
+    the draft counts, see :meth:`prefill`). How the request uses the draft (draft-ahead, when its
+    session prefills) is its plan, ``request.draft`` (:class:`coordinator.api.request.DraftPlan`).
     Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
@@ -92,9 +151,6 @@ class RequestRounds:
         lookups: dict[str, NgramIndex | SuffixIndex] | None = None,
         draft_retry_s: float = 2.0,
         failover_timeout_s: float = 60.0,
-        draft_ahead: bool = False,
-        draft_prefill_with_target: bool = True,
-        draft_ahead_branches: int = 1,
         running_requests: Callable[[], int] = lambda: 1,
     ):
         self.session_prefix = session_prefix
@@ -104,15 +160,13 @@ class RequestRounds:
         self.forced = request.forced_token_lookup()  # adaptive K with structured output only
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._releases = BackgroundTasks()
-        self.draft = DraftSession(
+        self.draft = DraftSide(
             draft_service,
             request,
             committed,
             lambda: self._new_session_id("d"),
             self._in_background,
             draft_retry_s,
-            draft_ahead,
-            draft_ahead_branches,
         )
         self.verify = VerifySession(
             replicas,
@@ -122,7 +176,6 @@ class RequestRounds:
             self._in_background,
             failover_timeout_s,
         )
-        self.draft_prefill_with_target = draft_prefill_with_target or not request.sampling.greedy
         self.running_requests = running_requests
         self.num_rounds = 0
 
@@ -144,16 +197,16 @@ class RequestRounds:
         :class:`coordinator.api.admission.FairQueue`); None: once.
 
         The draft session (when the request uses one) is prefilled in the background when the
-        first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``, None for a
+        first round may use it (:meth:`DraftSide.opens_at_once` under ``policy``, None for a
         fixed K; decided again after the first token with the load the target's prefill met, or
         the coordinator's requests running then where more, :meth:`AdaptiveK.observe_prefill`: in
         a burst the first prompts were prefilled before the others reached the verify service, and
         opened their draft), else when a round first wants it; a draft that fails
         here is only retried later.
         It starts beside the target's prefill (a draft on its own device is then ready for the
-        first round), or, with ``draft_prefill_with_target`` off and greedy decoding, after the
+        first round), or, without ``request.draft.prefill_with_target`` (greedy decoding), after the
         first token, so that no draft work slows the target's prefill where both share the same
-        cores. The first round then waits for it (bounded, :meth:`DraftSession.wait_for_prefill`):
+        cores. The first round then waits for it (bounded, :meth:`DraftSide.wait_for_prefill`):
         plain rounds beside it would share the cores with it, each slower than alone and the
         prefill slower still (on 2 CPU cores, a 769-token prompt's rounds ran 62 plain decode steps
         of 74 ms before its draft was ready). With a draft on its own device, greedy rounds do not
@@ -161,7 +214,7 @@ class RequestRounds:
         draft until it is ready, which cannot change greedy output. Under sampling the first round
         waits for it too, because the sampled tokens depend on the proposals: a seed reproduces a
         completion only if the same rounds use the draft whatever the timing."""
-        opened = self.draft_prefill_with_target and self.draft.opens_at_once(policy)
+        opened = self.request.draft.prefill_with_target and self.draft.opens_at_once(policy)
         if opened:
             self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
@@ -201,9 +254,7 @@ class RequestRounds:
 
     # --- rounds --------------------------------------------------------------------------
 
-    def lookup_matches(
-        self, k: int, forced_k: int = 0, lookups: bool = True
-    ) -> dict[str, NgramMatch | SuffixMatch | ForcedMatch]:
+    def lookup_matches(self, k: int, forced_k: int = 0, lookups: bool = True) -> Matches:
         """Each lookup's proposal of up to ``k`` tokens after the committed log, by lookup name
         (those without a match left out; none with ``lookups`` False: the request's lookups did
         not pay, :class:`coordinator.speculation.adaptive.LookupLedger`), and the forced-token
@@ -235,85 +286,78 @@ class RequestRounds:
         5. let the policy learn from the outcome.
         """
         self.num_rounds += 1
-        if self.num_rounds == 1 and not (self.draft_prefill_with_target and self.request.sampling.greedy):
+        if self.num_rounds == 1 and not (self.request.draft.prefill_with_target and self.request.sampling.greedy):
             await self.draft.wait_for_prefill()  # sampled, or prefilled after the first token: see prefill()
         # the round's clock starts after that wait: it is the draft's opening, not a round's cost
         # (counted in the round, it priced every round of every request at seconds under a burst)
-        start, wire_bytes = time.perf_counter(), 0
+        start = time.perf_counter()
         opened = self.draft.check_prefill()
         if policy is not None and opened is not None:
             policy.observe_draft_prefill(*opened)
-        # 1. choose the proposer and K
-        matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch] = {}
-        if policy is None:
-            proposer, k = self.request.drafter, min(self.request.num_speculative_tokens, max_k)
-        else:
-            matches = self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k), policy.lookups_on)
-            if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
-                self.draft.open()
-            proposer, k = policy.next_round(matches, self.draft.available())
-            k = min(k, max_k)
-        # 2. propose
-        proposal, distributions, draft_ms = [], [], 0.0
-        drafted = DraftProposal(None, 0.0, "", 0)
-        forced: tuple[bool, ...] = ()
-        if proposer in matches:
-            proposal = matches[proposer].tokens[:k]
-            distributions = [] if self.request.sampling.greedy else point_masses(proposal)
-            forced = (True,) * len(proposal) if proposer == FORCED else ()
-        elif k > 0:
-            drafted = await self.draft.proposal(k, self.num_rounds, start, max_k)
-            draft_ms, wire_bytes = drafted.wait_ms, drafted.wire_bytes
-            if drafted.response is None:  # the draft is unavailable: a plain decode round
-                k = 0
-            else:
-                proposal = list(drafted.response.token_ids[:k])
-                distributions = drafted.response.distributions[:k]
-                forced = tuple(drafted.response.forced[: len(proposal)])
-        if k == 0:
-            proposer = PLAIN
-        # 3. verify, or decode one token
-        n, new, logprobs, verify_ms, step, verify_bytes = await self._verify_or_decode(proposal, distributions)
-        if proposal:
-            self.draft.observe_verify(verify_ms)
-        # 4. commit
-        self.committed.extend(new)
-        record = RoundRecord(
-            proposer,
-            k,
-            len(proposal),
-            n,
-            draft_ms,
-            verify_ms,
-            ms_since(start),
-            wire_bytes + verify_bytes,
-            step.num_seqs,
-            step.num_tokens,
-            step.queue_ms,
-            step.num_running_seqs,
-            step.step_ms,
-            drafted.ahead,
-            forced if any(forced) else (),
-            drafted.branch,
-            drafted.num_branches,
-            drafted.compute_ms,
-            step.num_prefill_tokens,
-            drafted.call_ms,
-            drafted.ahead_call_ms,
-        )
+        matches = self._round_matches(policy, max_k)
+        proposer, k = self._choose(policy, matches, max_k)  # 1.
+        proposal = await self._propose(proposer, k, matches, start, max_k)  # 2.
+        verified = await self._verify_or_decode(proposal.tokens, proposal.distributions)  # 3.
+        if proposal.tokens:
+            self.draft.observe_verify(verified.verify_ms)
+        self.committed.extend(verified.new)  # 4.
+        record = round_record(proposal, verified, ms_since(start))
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
-        # 5. learn
-        if policy is not None:
-            policy.observe(record, matches, new)
-        return new, logprobs, record
+        if policy is not None:  # 5.
+            policy.observe(record, matches, verified.new)
+        return verified.new, verified.logprobs, record
+
+    def _round_matches(self, policy: AdaptiveK | None, max_k: int) -> Matches:
+        """The lookups' matches the adaptive ``policy`` chooses among (none without one)."""
+        if policy is None:
+            return {}
+        return self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k), policy.lookups_on)
+
+    def _choose(self, policy: AdaptiveK | None, matches: Matches, max_k: int) -> tuple[str, int]:
+        """The round's proposer and K: the request's drafter and K, or the adaptive ``policy``'s
+        choice, which may first open the draft session (:meth:`AdaptiveK.wants_drafter`)."""
+        if policy is None:
+            return self.request.drafter, min(self.request.num_speculative_tokens, max_k)
+        if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
+            self.draft.open()
+        proposer, k = policy.next_round(matches, self.draft.available())
+        return proposer, min(k, max_k)
+
+    async def _propose(self, proposer: str, k: int, matches: Matches, start: float, max_k: int) -> RoundProposal:
+        """The proposal of ``k`` tokens by ``proposer``: a lookup's match (point masses under
+        sampling), or the draft service's; an empty one, proposed by PLAIN, for K = 0 or while the
+        draft is unavailable (``start``: the round's time.perf_counter(); ``max_k``: see
+        :meth:`DraftSide.proposal`)."""
+        if k == 0:
+            return RoundProposal(proposer=PLAIN, k=0)
+        if proposer in matches:
+            tokens = matches[proposer].tokens[:k]
+            return RoundProposal(
+                proposer=proposer,
+                k=k,
+                tokens=tokens,
+                distributions=[] if self.request.sampling.greedy else point_masses(tokens),
+                forced=(True,) * len(tokens) if proposer == FORCED else (),
+            )
+        drafted = await self.draft.proposal(k, self.num_rounds, start, max_k)
+        if drafted.response is None:  # the draft is unavailable: a plain decode round
+            return RoundProposal(proposer=PLAIN, k=0, drafted=drafted)
+        tokens = list(drafted.response.token_ids[:k])
+        return RoundProposal(
+            proposer=proposer,
+            k=k,
+            tokens=tokens,
+            distributions=drafted.response.distributions[:k],
+            forced=tuple(drafted.response.forced[: len(tokens)]),
+            drafted=drafted,
+        )
 
     async def _verify_or_decode(
-        self, proposal: list[int], distributions
-    ) -> tuple[int, list[int], list[common_pb2.TokenLogprobs], float, common_pb2.StepStats, int]:
-        """(accepted count n, the new tokens: proposal[:n] + the bonus or recovered token, their
-        log-probabilities, the target's compute ms, the engine step's statistics, the protobuf
-        bytes both ways). Raises FailedPrecondition when the request asks for log-probabilities and
-        the verify service returned others than one per new token (a service that predates them)."""
+        self, proposal: list[int], distributions: list[common_pb2.TokenDistribution]
+    ) -> Verified:
+        """The target's answer to ``proposal`` (a Verify), or to none (a Decode). Raises
+        FailedPrecondition when the request asks for log-probabilities and the verify service
+        returned others than one per new token (a service that predates them)."""
         if proposal:
             verified, size = await self.verify.verify(proposal, distributions)
             n, new = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id]
@@ -321,7 +365,14 @@ class RequestRounds:
         else:
             reply, size = await self.verify.decode()
             n, new = 0, [reply.token_id]
-        return n, new, self._logprobs(reply, new), reply.compute_ms, reply.step, size
+        return Verified(
+            num_accepted=n,
+            new=new,
+            logprobs=self._logprobs(reply, new),
+            verify_ms=reply.compute_ms,
+            step=reply.step,
+            wire_bytes=size,
+        )
 
     def _logprobs(self, reply, new: list[int]) -> list[common_pb2.TokenLogprobs]:
         """The log-probabilities of the ``new`` tokens a verify service's ``reply`` committed.
@@ -352,7 +403,7 @@ class RequestRounds:
             self.verify.release_everywhere(sessions["verify"])
 
     async def release(self) -> None:
-        """Releases both sessions (:meth:`DraftSession.release`) and waits for the background
+        """Releases both sessions (:meth:`DraftSide.release`) and waits for the background
         releases; failures are logged (the services' idle timeout reclaims what is left)."""
         await self.draft.release()
         self.verify.release()
