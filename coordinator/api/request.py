@@ -42,9 +42,7 @@ class DraftPlan:
     prefill_with_target: bool = True
 
 
-def draft_plan(
-    settings: CoordinatorSettings, sampling: SamplingParams, model_drafter: bool
-) -> DraftPlan:
+def draft_plan(settings: CoordinatorSettings, sampling: SamplingParams, model_drafter: bool) -> DraftPlan:
     """The plan (:class:`DraftPlan`) of a request with ``sampling`` whose drafter runs a model or not."""
     ahead, shares = settings.draft_ahead and model_drafter, settings.draft_shares_target_cores
     return DraftPlan(
