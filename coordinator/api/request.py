@@ -233,7 +233,7 @@ def resolve(
     )
     if not resolved.uses_draft_service:
         return resolved
-    assert draft_info is not None  # _check_drafter refuses a drafter of a draft service never reached
+    assert draft_info is not None  # _check_drafter gives no drafter where the draft service was never reached
     model = any(d.name == drafter and d.model for d in draft_info.drafters)
     return dataclasses.replace(resolved, draft=draft_plan(settings, sampling, model))
 
