@@ -11,7 +11,7 @@ from opentelemetry import trace
 from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
 from draft_service.settings import DraftSettings
 from specdec import host_memory
-from specdec.delay_hook import parse_delays
+from specdec.delay_hook import delayed_starters, parse_delays
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.prom import ServiceMetrics
 from specdec.sampling_params import SamplingParams
@@ -93,6 +93,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         metrics: ServiceMetrics,
         max_workers: int,
         grammar_aware_drafting: bool = True,
+        rpc_delays_s: dict[str, float] | None = None,
     ):
         if default_drafter not in drafters:
             raise ValueError(f"default drafter {default_drafter!r} is not among {sorted(drafters)}")
@@ -104,8 +105,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_k = max_k
         self.metrics = metrics
         self.grammar_aware_drafting = grammar_aware_drafting
-        handlers = {"propose": self._propose}  # a starter: no thread waits per call
-        self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics, max_workers)
+        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.delay_hook): empty in production
+        starters = {"propose": self._propose}  # no thread waits per call
+        handlers = delayed_starters(starters, self.rpc_delays_s, max_workers)
+        self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics)
 
     def GetInfo(self, request, context):
         return draft_pb2.DraftServiceGetInfoResponse(
@@ -247,8 +250,8 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
         metrics,
         settings.max_workers,
         settings.grammar_aware_drafting,
+        parse_delays(settings.debug_rpc_delay_ms),
     )
-    servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
     for name, engine in servicer.engines.items():
         lm = engine.lm
         engine.metrics = metrics.engine_metrics(name, lm.prefix_cache_tokens, lm.kv_usage, engine.num_waiting_calls)

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -55,11 +55,9 @@ class StepCalls:
         result_cls: the result message (``VerifyCallResult``, ``DraftCallResult``), whose ``oneof
             result`` has one field per handler, named alike, and ``error``.
         metrics: failed calls are counted in ``rpc_errors`` under the unary RPC's name.
-        max_workers: threads for the calls the fault tests' hook holds back (below).
 
-    ``delays_s``: the fault tests' hook (:mod:`specdec.delay_hook`), set by the service: seconds
-    each call of an RPC (by its name, ``Propose``) waits before it is started (in a thread of a
-    pool of ``max_workers``); empty in production.
+    The fault tests' hook, holding chosen calls back, wraps the starters before they come here
+    (:func:`specdec.delay_hook.delayed_starters`).
     """
 
     def __init__(
@@ -68,11 +66,8 @@ class StepCalls:
         handlers: Mapping[str, Starter],
         result_cls: type[Message],
         metrics: ServiceMetrics,
-        max_workers: int,
     ):
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
-        self.delays_s: dict[str, float] = {}
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="step-call")
 
     def serve(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[list[Any]]:
         """Starts reading ``requests`` (the stream's incoming messages, each with ``calls``) and
@@ -114,29 +109,14 @@ class StepCalls:
                 raise InvalidArgument(f"a Step call must set one of {kinds}; it set {kind or 'none'}")
             request = getattr(call, kind)
 
-            def start() -> None:
-                handler(request, _timeout_s(header.timeout_ms, received), abandoned, reply)
-
-            if name in self.delays_s:
-                self._pool.submit(self._delayed, self.delays_s[name], start, span, reply)
-                return
+            timeout_s = _timeout_s(header.timeout_ms, received)
             if not span.is_recording():  # tracing off: no context to make current
-                start()
+                handler(request, timeout_s, abandoned, reply)
                 return
             with trace.use_span(span):
-                start()
+                handler(request, timeout_s, abandoned, reply)
         except Exception as err:  # any failure is the call's result
             reply(err)
-
-    @staticmethod
-    def _delayed(delay_s: float, start: Callable[[], None], span, reply: Reply) -> None:
-        """Starts a call after the test hook's delay, in a thread of the pool."""
-        with trace.use_span(span):
-            try:
-                time.sleep(delay_s)
-                start()
-            except Exception as err:  # any failure is the call's result
-                reply(err)
 
     def _result(self, call_id: int, kind: str | None, name: str, outcome: Message | BaseException) -> Message:
         """The result message of a call: its response, or the CallError its error maps to."""

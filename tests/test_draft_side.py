@@ -237,7 +237,7 @@ def test_a_propose_answered_late_keeps_its_session(tiny_pipeline):
             assert not session.available()
             await asyncio.sleep(0.6)  # its late answer arrives
             assert session.available() and session.session_id == "late.d1" and session.seen == len(PROMPT) + 2
-            draft.servicer.step_calls.delays_s = {}
+            draft.servicer.rpc_delays_s.clear()
             proposal = await session.proposal(3, round_number=2, start=0.0)
             in_process = NgramDrafter(1, 3).new_session(SamplingParams())
             in_process.prefill(session.committed)

@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from specdec.delay_hook import delayed_starters
 from specdec.errors import NotFound
 from specdec.prom import ServiceMetrics
 from specdec.step_stream import StepCalls
@@ -39,7 +40,7 @@ def metrics():
 
 def step_calls(metrics, decode) -> StepCalls:
     """A Step stream's service end whose Decode calls are started by ``decode``."""
-    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics, 16)
+    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics)
 
 
 def test_results_ready_together_travel_in_one_message(metrics):
@@ -154,8 +155,8 @@ def test_the_delay_hook_holds_a_starters_call_in_the_pool(metrics):
     def decode(request, timeout_s, abandoned, reply):
         reply(verify_pb2.DecodeResponse(token_id=3))
 
-    calls = step_calls(metrics, decode)
-    calls.delays_s = {"Decode": 0.2}
+    starters = delayed_starters({"decode": decode}, {"Decode": 0.2}, max_workers=1)
+    calls = StepCalls("specdec.v1.VerifyService", starters, verify_pb2.VerifyCallResult, metrics)
     start = time.monotonic()
     (results,) = list(calls.serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()))
     assert results[0].decode.token_id == 3 and time.monotonic() - start >= 0.2

@@ -6,7 +6,7 @@ import torch
 from opentelemetry import trace
 
 from specdec import host_memory
-from specdec.delay_hook import parse_delays
+from specdec.delay_hook import delayed_starters, parse_delays
 from specdec.engine import StepStats
 from specdec.errors import FailedPrecondition, grpc_errors
 from specdec.prom import ServiceMetrics
@@ -54,13 +54,20 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handlers."""
 
     def __init__(
-        self, target: Target, sessions: SessionRegistry[TargetSession], metrics: ServiceMetrics, max_workers: int
+        self,
+        target: Target,
+        sessions: SessionRegistry[TargetSession],
+        metrics: ServiceMetrics,
+        max_workers: int,
+        rpc_delays_s: dict[str, float] | None = None,
     ):
         self.target = target
         self.sessions = sessions
         self.metrics = metrics
-        handlers = {"verify": self._verify, "decode": self._decode}  # starters: no thread waits per call
-        self.step_calls = StepCalls(SERVICE, handlers, verify_pb2.VerifyCallResult, metrics, max_workers)
+        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.delay_hook): empty in production
+        starters = {"verify": self._verify, "decode": self._decode}  # no thread waits per call
+        handlers = delayed_starters(starters, self.rpc_delays_s, max_workers)
+        self.step_calls = StepCalls(SERVICE, handlers, verify_pb2.VerifyCallResult, metrics)
 
     def GetInfo(self, request, context):
         t = self.target
@@ -195,8 +202,9 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
     sessions: SessionRegistry[TargetSession] = SessionRegistry(
         settings.max_sessions, settings.session_idle_timeout_s, lost=TargetSession.lost
     )
-    servicer = VerifyServicer(target, sessions, metrics, settings.max_workers)
-    servicer.step_calls.delays_s = parse_delays(settings.debug_rpc_delay_ms)
+    servicer = VerifyServicer(
+        target, sessions, metrics, settings.max_workers, parse_delays(settings.debug_rpc_delay_ms)
+    )
     return start_service(
         servicer, verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE, sessions, settings, [target.engine]
     )
