@@ -25,6 +25,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
@@ -44,6 +46,18 @@ _END = object()  # the caller closed its side of the stream
 POLL_S = 1.0  # how often a stream waiting for results checks that its caller is still there, seconds
 
 
+def oneof_kinds(message_cls: type[Message], oneof: str) -> dict[str, type[Message]]:
+    """The fields of ``message_cls``'s ``oneof`` by name, with their message types, read from the
+    proto's descriptors: the kinds of call a Step call message carries (``oneof call``:
+    ``verify``, ``decode``; ``propose``) and of result a result message (``oneof result``: the same
+    and ``error``), so that a table keyed by kind can be checked against the proto."""
+    kinds = {}
+    for field in message_cls.DESCRIPTOR.oneofs_by_name[oneof].fields:
+        assert isinstance(field.message_type, Descriptor), f"{field.name}: a Step oneof holds messages only"
+        kinds[field.name] = message_factory.GetMessageClass(field.message_type)
+    return kinds
+
+
 class StepCalls:
     """Serves the Step streams of one service.
 
@@ -56,6 +70,9 @@ class StepCalls:
             result`` has one field per handler, named alike, and ``error``.
         metrics: failed calls are counted in ``rpc_errors`` under the unary RPC's name.
 
+    Raises ValueError when ``handlers`` and the result message's kinds (``oneof result`` less
+    ``error``) differ: a kind of call without a starter, or a starter for a kind the proto lacks.
+
     The fault tests' hook, holding chosen calls back, wraps the starters before they come here
     (:func:`specdec.delay_hook.delayed_starters`).
     """
@@ -67,6 +84,9 @@ class StepCalls:
         result_cls: type[Message],
         metrics: ServiceMetrics,
     ):
+        kinds = set(oneof_kinds(result_cls, "result")) - {"error"}
+        if set(handlers) != kinds:
+            raise ValueError(f"{service} Step starters {sorted(handlers)} differ from its calls {sorted(kinds)}")
         self.service, self.handlers, self.result_cls, self.metrics = service, handlers, result_cls, metrics
 
     def serve(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[list[Any]]:

@@ -170,3 +170,22 @@ def test_a_call_answered_after_its_deadline_reports_its_round_trip():
     finally:
         draft.stop(0)
     assert len(late) == 1 and late[0] >= 0.4
+
+
+def test_a_call_of_a_kind_or_type_the_proto_lacks_is_refused_before_it_is_sent():
+    """The kinds come from VerifyCall's ``oneof call``: a Propose to the verify service, or a
+    Verify that carries a DecodeRequest, is a TypeError here, and no stream is opened for it."""
+    opened = []
+    stream = StepStream(
+        lambda: opened.append(1), verify_pb2.VerifyStepRequest, verify_pb2.VerifyCall, VERIFY_SERVICE, "verify"
+    )
+    assert set(stream.kinds) == {"verify", "decode"}
+
+    async def run():
+        with pytest.raises(TypeError, match="takes one of"):
+            await stream.call("propose", draft_pb2.ProposeRequest(), 1.0)
+        with pytest.raises(TypeError, match="takes one of"):
+            await stream.call("verify", verify_pb2.DecodeRequest(), 1.0)
+
+    asyncio.run(run())
+    assert opened == []

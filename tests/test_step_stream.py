@@ -38,9 +38,15 @@ def metrics():
     metrics.close()
 
 
+def not_called(request, timeout_s, abandoned, reply) -> None:
+    """The Verify starter of the tests that send Decode calls only."""
+    reply(AssertionError("no Verify call was expected"))
+
+
 def step_calls(metrics, decode) -> StepCalls:
     """A Step stream's service end whose Decode calls are started by ``decode``."""
-    return StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics)
+    starters = {"decode": decode, "verify": not_called}
+    return StepCalls("specdec.v1.VerifyService", starters, verify_pb2.VerifyCallResult, metrics)
 
 
 def test_results_ready_together_travel_in_one_message(metrics):
@@ -75,7 +81,7 @@ def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):
         decode_call(1, "ok", timeout_ms=250),
         decode_call(2, "gone"),
         decode_call(3, "bug"),
-        verify_pb2.VerifyCall(header=header, verify=verify_pb2.VerifyRequest(session_id="ok")),  # no handler
+        verify_pb2.VerifyCall(header=header),  # no kind of call set
     ]
     stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
     results = {r.call_id: r for message in stream for r in message}
@@ -84,7 +90,7 @@ def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):
     assert "prefill it again" in results[2].error.message
     assert results[3].error.code == grpc.StatusCode.INTERNAL.value[0] and "a bug" in results[3].error.message
     assert results[4].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "must set one of decode" in results[4].error.message
+    assert "must set one of decode, verify; it set none" in results[4].error.message
     errors = {
         (s.labels["method"], s.labels["code"]): s.value
         for family in metrics.registry.collect()
@@ -155,8 +161,23 @@ def test_the_delay_hook_holds_a_starters_call_in_the_pool(metrics):
     def decode(request, timeout_s, abandoned, reply):
         reply(verify_pb2.DecodeResponse(token_id=3))
 
-    starters = delayed_starters({"decode": decode}, {"Decode": 0.2}, max_workers=1)
+    starters = delayed_starters({"decode": decode, "verify": not_called}, {"Decode": 0.2}, max_workers=1)
     calls = StepCalls("specdec.v1.VerifyService", starters, verify_pb2.VerifyCallResult, metrics)
     start = time.monotonic()
     (results,) = list(calls.serve(iter([verify_pb2.VerifyStepRequest(calls=[decode_call(1)])]), Context()))
     assert results[0].decode.token_id == 3 and time.monotonic() - start >= 0.2
+
+
+def test_starters_must_match_the_protos_calls(metrics):
+    """A service whose starters miss a kind of call its result message has (or add one it lacks)
+    fails at construction, not at the first such call."""
+    decode = lambda request, timeout_s, abandoned, reply: None  # noqa: E731
+    with pytest.raises(ValueError, match=r"\['decode'\] differ from its calls \['decode', 'verify'\]"):
+        StepCalls("specdec.v1.VerifyService", {"decode": decode}, verify_pb2.VerifyCallResult, metrics)
+    with pytest.raises(ValueError, match="differ from its calls"):
+        StepCalls(
+            "specdec.v1.VerifyService",
+            {"decode": decode, "verify": decode, "propose": decode},
+            verify_pb2.VerifyCallResult,
+            metrics,
+        )

@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
 from specdec.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
+from specdec.step_stream import oneof_kinds
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ class StepStream:
         service: the full gRPC service name, for span names; ``where`` names the service in errors.
         on_load: called with the service's load report (``common.ServiceLoad``) of every message
             that carries one.
+
+    The kinds of call are the call message's ``oneof call`` fields (``kinds``, from the proto);
+    :meth:`call` refuses any other, or a request of another type, with TypeError (a bug here, not
+    the service's).
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class StepStream:
         on_load: Callable[[common_pb2.ServiceLoad], None] | None = None,
     ):
         self.open_stream, self.request_cls, self.call_cls = open_stream, request_cls, call_cls
+        self.kinds = oneof_kinds(call_cls, "call")
         self.service, self.where, self.on_load = service, where, on_load
         self._ids = itertools.count(1)
         self._open: _OpenStream | None = None
@@ -71,7 +77,10 @@ class StepStream:
         returns the response. Raises the SpecdecError the service answered with, or Unavailable:
         the deadline of ``timeout_s`` seconds passed, or the stream failed. ``on_late(seconds)``:
         called with the round trip when a call that missed its deadline is answered after all
-        (successfully, while the stream lasts; up to MAX_LATE such calls are remembered)."""
+        (successfully, while the stream lasts; up to MAX_LATE such calls are remembered). Raises
+        TypeError for a ``kind`` the call message lacks or a ``request`` not of its type."""
+        if not isinstance(request, self.kinds.get(kind, ())):
+            raise TypeError(f"a {kind!r} call of {self.call_cls.__name__} takes one of {sorted(self.kinds)}, typed")
         span_name = f"/{self.service}/{kind.capitalize()}"
         with tracer.start_as_current_span(span_name, kind=trace.SpanKind.CLIENT) as span:
             header = common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000)
@@ -84,6 +93,8 @@ class StepStream:
             outcome = result.WhichOneof("result")
             if outcome == "error":
                 raise from_status(status_code(result.error.code), result.error.message, self.where)
+            if outcome != kind:  # the service answered another kind of call under this call id
+                raise Unavailable(f"{self.where} answered a {kind} call with {outcome or 'nothing'}")
             return getattr(result, outcome)
 
     async def close(self) -> None:
