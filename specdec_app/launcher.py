@@ -283,12 +283,10 @@ class LocalCluster:
         """Starts all three and waits until every one is SERVING. Raises RuntimeError if one exits
         or ``timeout_s`` (seconds, covering model loading) passes first; then, or when interrupted
         (KeyboardInterrupt), every service started is stopped before it raises."""
-        deadline = time.monotonic() + timeout_s
         try:
             for service in ("verify", "draft", "coordinator"):
-                self.start(service)
-            for started in self.services.values():
-                started.wait_serving(deadline)
+                self.services[service] = self.service_process(service)
+            start_all(self.services.values(), timeout_s)
         except BaseException:
             self.stop()
             raise

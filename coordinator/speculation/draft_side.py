@@ -171,10 +171,10 @@ class DraftProposal:
     none), and the same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss;
     off the round's critical path, a measure of the draft link for :class:`StepCosts`)."""
 
-    response: draft_pb2.ProposeResponse | None
-    wait_ms: float
-    ahead: str
-    wire_bytes: int
+    response: draft_pb2.ProposeResponse | None = None
+    wait_ms: float = 0.0
+    ahead: str = ""
+    wire_bytes: int = 0
     branch: str = ""
     num_branches: int = 0
     compute_ms: float = 0.0
@@ -208,8 +208,6 @@ class DraftSide:
         self.new_session_id, self.in_background = new_session_id, in_background
         self.retry_s = retry_s
         self.uses_draft = request.uses_draft_service
-        self.draft_ahead = request.draft.drafts_ahead and self.uses_draft
-        self.branches = request.draft.branches  # proposals drafted ahead per round (ProposeRequest.num_branches)
         self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
         self.replica = ""  # the draft replica holding session_id
@@ -377,7 +375,7 @@ class DraftSide:
             wait_ms += taken.compute_ms
         elif response is None:
             self.open()  # this round is a plain one while the draft opens
-        if response is not None and response.token_ids and self.draft_ahead and self.available():
+        if response is not None and response.token_ids and self.request.draft.drafts_ahead and self.available():
             proposed = list(response.token_ids[:k])
             if max_k is None or len(proposed) < max_k:
                 self._send_ahead(proposed, k, round_number)
@@ -402,7 +400,7 @@ class DraftSide:
             session_id=self.session_id,
             appended_token_ids=self.committed[self.seen :],
             num_speculative_tokens=k,
-            num_branches=self.branches,  # the draft keeps what branching the next draft-ahead needs
+            num_branches=self.request.draft.branches,  # the draft keeps what branching the next draft-ahead needs
         )
         session_id, carried = self.session_id, len(self.committed)
         response = await self.service.propose(
@@ -419,7 +417,7 @@ class DraftSide:
             appended_token_ids=self.committed[self.seen :],
             num_speculative_tokens=k,
             predicted_token_ids=predicted,
-            num_branches=self.branches,
+            num_branches=self.request.draft.branches,
             branch_budget_ms=self.verify_ms,
         )
         session_id, carried = self.session_id, len(self.committed)
@@ -439,17 +437,17 @@ class DraftSide:
         bytes both ways."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return DraftProposal(None, 0.0, "", 0)
+            return DraftProposal()
         try:
             response = await ahead.task
         except NotFound:
-            return DraftProposal(None, 0.0, "", 0)  # the next Propose finds the session gone and prefills it
+            return DraftProposal()  # the next Propose finds the session gone and prefills it
         except SpecdecError as err:
             self._failed(err)
-            return DraftProposal(None, 0.0, "", 0)
+            return DraftProposal()
         wire_bytes, call_ms = ahead.request_bytes + response.ByteSize(), ahead.call_ms(response)
         if ahead.round != round_number - 1:
-            return DraftProposal(None, 0.0, "", wire_bytes)
+            return DraftProposal(wire_bytes=wire_bytes)
         hit = ahead.hit(self.committed, response)
         if hit is None:
             return DraftProposal(None, 0.0, MISS, wire_bytes, "", len(response.branches), ahead_call_ms=call_ms)

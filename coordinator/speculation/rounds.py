@@ -79,7 +79,7 @@ class RoundProposal:
     tokens: list[int] = field(default_factory=list)
     distributions: list[common_pb2.TokenDistribution] = field(default_factory=list)
     forced: tuple[bool, ...] = ()
-    drafted: DraftProposal = field(default_factory=lambda: DraftProposal(None, 0.0, "", 0))
+    drafted: DraftProposal = field(default_factory=DraftProposal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,7 +261,7 @@ class RequestRounds:
         lookup's of up to ``forced_k`` (a request with one: structured output under adaptive K).
         Call it every round: the lookups index the tokens committed since the last call."""
         matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch | None] = {
-            name: index.lookup(self.committed, k) for name, index in self.lookups.items() if lookups
+            name: index.lookup(self.committed, k) for name, index in (self.lookups.items() if lookups else ())
         }
         if self.forced is not None:
             matches[FORCED] = self.forced.lookup(self.committed, forced_k)
