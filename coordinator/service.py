@@ -50,17 +50,17 @@ from coordinator.speculation.placement import Placement
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
 from specdec.background import BackgroundTasks
-from specdec.errors import AlreadyExists, NotFound, SpecdecError
-from specdec.model_files import load_tokenizer
-from specdec.ngram import DRAFTER_NAME as NGRAM
-from specdec.ngram import NgramIndex
-from specdec.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
-from specdec.suffix import DRAFTER_NAME as SUFFIX
-from specdec.suffix import SuffixCache, SuffixIndex
+from specdec.engine.model_files import load_tokenizer
+from specdec.engine.vocab import tokenizer_fingerprint
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.ngram import NgramIndex
+from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
+from specdec.lookups.suffix import SuffixCache, SuffixIndex
+from specdec.rpc.errors import AlreadyExists, NotFound, SpecdecError
+from specdec.rpc.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
+from specdec.rpc.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.timing import ms_since
-from specdec.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.vocab import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from specdec.model_files import DEFAULT_MODEL
-from specdec.ngram import NgramIndex
+from specdec.engine.model_files import DEFAULT_MODEL
+from specdec.lookups.ngram import NgramIndex
+from specdec.rpc.tls import check_client_files
+from specdec.sampling.structured_output import GrammarLimits
 from specdec.settings import CommaSeparated, ServiceSettings
-from specdec.structured_output import GrammarLimits
-from specdec.tls import check_client_files
 
 
 class CoordinatorSettings(ServiceSettings):

@@ -76,7 +76,7 @@ NOT_RUN = (
 
 PLAIN_DECODING = """
 import json, os, sys
-from specdec.models import load_causal_lm
+from specdec.engine.models import load_causal_lm
 model, tokenizer = load_causal_lm(os.environ["SPECDEC_VERIFY_MODEL"], os.environ.get("SPECDEC_VERIFY_DTYPE", "auto"))
 ids = tokenizer.apply_chat_template([{"role": "user", "content": sys.argv[1]}], add_generation_prompt=True,
                                     tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]

@@ -10,15 +10,15 @@ from opentelemetry import trace
 
 from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
 from draft_service.settings import DraftSettings
-from specdec import host_memory
-from specdec.delay_hook import delayed_starters, parse_delays
-from specdec.errors import InvalidArgument, grpc_errors
-from specdec.prom import ServiceMetrics
-from specdec.sampling_params import SamplingParams
-from specdec.server import RunningService, start_service
-from specdec.service_load import service_load
-from specdec.sessions import SessionRegistry
-from specdec.step_stream import Reply, StepCalls, wait_for_reply
+from specdec.engine import host_memory
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc.delay_hook import delayed_starters, parse_delays
+from specdec.rpc.errors import InvalidArgument, grpc_errors
+from specdec.rpc.server import RunningService, start_service
+from specdec.rpc.service_load import service_load
+from specdec.rpc.sessions import SessionRegistry
+from specdec.rpc.step_server import Reply, StepCalls, wait_for_reply
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -78,7 +78,7 @@ MAX_BRANCHES = 16  # ProposeRequest.num_branches at most
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Serves DraftService; Propose as a unary RPC and as calls of Step streams
-    (:mod:`specdec.step_stream`), by the same starter.
+    (:mod:`specdec.rpc.step_server`), by the same starter.
     ``grammar_aware_drafting`` False: sessions are opened without the request's structured output,
     so model drafters draft without the grammar's mask and jump-forward, and only the verify
     service's cut keeps their proposals in the grammar (vLLM's and SGLang's behaviour; for
@@ -105,7 +105,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_k = max_k
         self.metrics = metrics
         self.grammar_aware_drafting = grammar_aware_drafting
-        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.delay_hook): empty in production
+        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.rpc.delay_hook): empty in production
         starters = {"propose": self._propose}  # no thread waits per call
         handlers = delayed_starters(starters, self.rpc_delays_s, max_workers)
         self.step_calls = StepCalls(SERVICE, handlers, draft_pb2.DraftCallResult, metrics)
@@ -163,7 +163,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             yield draft_pb2.DraftStepResponse(results=results, load=service_load(self.sessions, self.engines.values()))
 
     def _propose(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
-        """Starts a Propose (a :data:`specdec.step_stream.Starter`): a model drafter's proposal
+        """Starts a Propose (a :data:`specdec.rpc.step_server.Starter`): a model drafter's proposal
         replies from its engine's thread, holding the session until then (``timeout_s`` and
         ``abandoned`` are not used: a proposal's steps run on the drafter's own loop to the end).
         Raises InvalidArgument for a K, branch count or budget out of range, NotFound."""

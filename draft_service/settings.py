@@ -1,7 +1,7 @@
 from pydantic import Field
 
-from specdec.model_files import DEFAULT_MODEL
-from specdec.prefix_cache import DEFAULT_MAX_TOKENS
+from specdec.engine.model_files import DEFAULT_MODEL
+from specdec.engine.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.settings import CommaSeparated, SessionServiceSettings
 
 

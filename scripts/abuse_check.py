@@ -24,8 +24,8 @@ import urllib.request
 import grpc
 
 from coordinator.api.client import generate
-from specdec.model_files import DEFAULT_MODEL, load_tokenizer
-from specdec.server import GRPC_OPTIONS
+from specdec.engine.model_files import DEFAULT_MODEL, load_tokenizer
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import LocalCluster, free_port
 

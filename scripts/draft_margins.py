@@ -31,9 +31,9 @@ import torch
 
 from coordinator.api.request import prompt_ids
 from draft_service.drafters.llama_cpp import LlamaCppLM, requantized
-from specdec.batching import SequenceStep
-from specdec.model_files import resolve_model
-from specdec.models import load_causal_lm
+from specdec.engine.batching import SequenceStep
+from specdec.engine.model_files import resolve_model
+from specdec.engine.models import load_causal_lm
 from specdec_app.bench.questions import generate_request, load_questions
 from specdec_app.cli import SPEC_BENCH
 

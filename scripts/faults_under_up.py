@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.api.client import Completion, generate
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import free_port
 

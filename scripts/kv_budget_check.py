@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import verify_pb2, verify_pb2_grpc
 from specdec_app.launcher import ServiceProcess, free_port
 

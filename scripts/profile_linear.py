@@ -1,9 +1,9 @@
 """The verify service's forward by new tokens, with transformers' linear layers (aten) and with
-them on oneDNN with packed weights (:mod:`specdec.cpu_linear`); findings in
+them on oneDNN with packed weights (:mod:`specdec.engine.cpu_linear`); findings in
 docs/architecture.md#the-targets-linear-layers-on-a-cpu.
 
 Loads the target twice (one copy packed), gives each a sequence of ``--context`` cached tokens in
-the verify service's KV store (:class:`specdec.ragged_lm.RaggedLM`), and times one forward of n
+the verify service's KV store (:class:`specdec.engine.ragged_lm.RaggedLM`), and times one forward of n
 new tokens after it (rolled back after each), the two interleaved, for each n; prints the median
 of ``--repeats`` in ms and the largest logit difference between the two after the context.
 
@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from specdec.batching import SequenceStep
-from specdec.cpu_linear import pack_linears
-from specdec.models import load_causal_lm
-from specdec.ragged_lm import RaggedLM
+from specdec.engine.batching import SequenceStep
+from specdec.engine.cpu_linear import pack_linears
+from specdec.engine.models import load_causal_lm
+from specdec.engine.ragged_lm import RaggedLM
 from specdec.timing import ms_since
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.bench.ceiling import near_free_model
 from specdec_app.bench.cpu_time import CpuClock, ms_per_token
@@ -35,17 +35,17 @@ from specdec_app.launcher import LocalCluster, free_port
 # for their Python caller: a softmax in the acceptance test is acceptance, a Linear module's
 # forward is the model).
 PARTS = [
-    ("acceptance", ("specdec/acceptance.py", "specdec/sampling.py")),
+    ("acceptance", ("specdec/sampling/acceptance.py", "specdec/sampling/probs.py")),
     ("attention (ragged)", ("_ragged_attention",)),
     ("model forward", ("transformers/models/", "torch/nn/modules/", "transformers/integrations/")),
-    ("KV store", ("specdec/kv.py", "specdec/ragged_lm.py")),
-    ("engine scheduling", ("specdec/engine.py", "specdec/batching.py")),
+    ("KV store", ("specdec/engine/kv.py", "specdec/engine/ragged_lm.py")),
+    ("engine scheduling", ("specdec/engine/engine.py", "specdec/engine/batching.py")),
     ("protobuf and gRPC", ("google/protobuf", "grpc/", "grpc_")),
     ("detokenization and stream output", ("tokenizers", "coordinator/api/output.py", "transformers/tokenization")),
     ("request store", ("coordinator/request_store/store.py", "redis/")),
     (
         "metrics and tracing",
-        ("prometheus_client", "opentelemetry", "coordinator/observability/metrics.py", "specdec/prom.py"),
+        ("prometheus_client", "opentelemetry", "coordinator/observability/metrics.py", "specdec/observability/prom.py"),
     ),
     ("round logic (coordinator)", ("coordinator/",)),
     ("drafter (draft service)", ("draft_service/",)),

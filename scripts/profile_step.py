@@ -1,6 +1,6 @@
 """The verify service's batched step by how its sequences' new tokens mix (decodes alone,
 beside verifies of K + 1 tokens, beside a prefill chunk), and the decodes' step beside a draft's
-prefill on the same cores at each of ``--draft-nice``; findings in specdec/ragged_lm.py's module
+prefill on the same cores at each of ``--draft-nice``; findings in specdec/engine/ragged_lm.py's module
 docstring, draft_service/settings.py's ``nice`` and coordinator/speculation/adaptive.py's
 ``StepCosts.step_ms``.
 
@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from specdec.batching import SequenceStep
-from specdec.cpu_linear import pack_linears
-from specdec.models import load_causal_lm
-from specdec.ragged_lm import RaggedLM
+from specdec.engine.batching import SequenceStep
+from specdec.engine.cpu_linear import pack_linears
+from specdec.engine.models import load_causal_lm
+from specdec.engine.ragged_lm import RaggedLM
 from specdec.timing import ms_since
 
 
@@ -49,7 +49,7 @@ def draft_prefills() -> None:
     from llama_cpp import Llama
 
     from draft_service.drafters.llama_cpp import requantized
-    from specdec.model_files import resolve_model
+    from specdec.engine.model_files import resolve_model
 
     ref = resolve_model("smollm2")
     llm = Llama(model_path=requantized(ref.gguf_path, "q8_0"), n_threads=1, n_ctx=2048, verbose=False)

@@ -6,9 +6,9 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
-from specdec.delay_hook import parse_delays
-from specdec.server import MAX_MESSAGE_BYTES
-from specdec.tls import TLSFileError, server_ssl_context
+from specdec.rpc.delay_hook import parse_delays
+from specdec.rpc.server import MAX_MESSAGE_BYTES
+from specdec.rpc.tls import TLSFileError, server_ssl_context
 
 
 def _split_commas(value):

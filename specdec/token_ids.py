@@ -1,7 +1,7 @@
 """Plain-Python helpers over lists of token ids, with no torch, so that the coordinator can share
 them with the services: the common prefix of two token lists (the comparison of the rollback rule
-in :mod:`specdec.kv`) and the wire distributions of a model-free drafter's proposal (the other
-conversions, between tensors and the wire, are :mod:`specdec.wire`)."""
+in :mod:`specdec.engine.kv`) and the wire distributions of a model-free drafter's proposal (the other
+conversions, between tensors and the wire, are :mod:`specdec.rpc.wire`)."""
 
 from collections.abc import Sequence
 

@@ -28,7 +28,7 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 
 
 def _run_service(ctx: typer.Context, service: str) -> None:
-    from specdec.telemetry import configure_logging, configure_tracing
+    from specdec.observability.telemetry import configure_logging, configure_tracing
 
     main: Callable[[Any], None]  # each service's main takes its own settings class
     settings_cls: type[ServiceSettings]
@@ -188,7 +188,7 @@ def up(
     serving meanwhile. Only Ctrl-C or SIGTERM stops them all."""
     import tempfile
 
-    from specdec.telemetry import configure_logging
+    from specdec.observability.telemetry import configure_logging
     from specdec_app.launcher import RestartPolicy, Supervisor
     from specdec_app.local_ca import write_local_certificates
 
@@ -410,8 +410,8 @@ def generate(
     """Stream a completion from a coordinator; the text goes to stdout, metrics to stderr. Traced
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
     off after N tokens with `--request-id ID --resume-from N` (no prompt)."""
-    from specdec.telemetry import configure_tracing
-    from specdec.tls import TLSFileError, channel_credentials
+    from specdec.observability.telemetry import configure_tracing
+    from specdec.rpc.tls import TLSFileError, channel_credentials
 
     if prompt is None and resume_from is None:
         stderr.print("[red]error: give a PROMPT, or --request-id and --resume-from to resume a request[/red]")

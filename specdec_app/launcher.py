@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.server import GRPC_OPTIONS
-from specdec.tls import channel_credentials
+from specdec.rpc.server import GRPC_OPTIONS
+from specdec.rpc.tls import channel_credentials
 from specdec_app.local_ca import LocalCertificates
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def free_port() -> int:
     started only later: a test fleet once got the same port for a coordinator and its draft
     service, both bound it (gRPC's default SO_REUSEPORT), and the coordinator's draft calls went
     half to the other coordinator ("Method not found"). Servers now refuse a port in use
-    (:func:`specdec.server.server_options`), so such a collision fails to start instead."""
+    (:func:`specdec.rpc.server.server_options`), so such a collision fails to start instead."""
     with _handed_out_lock:
         while True:
             with socket.socket() as sock:

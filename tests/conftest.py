@@ -43,14 +43,14 @@ from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
-from specdec.grammar import GrammarMatcher  # noqa: E402
-from specdec.model_files import load_tokenizer  # noqa: E402
-from specdec.models import load_causal_lm  # noqa: E402
-from specdec.prom import EngineMetrics  # noqa: E402
-from specdec.sampling import sample  # noqa: E402
-from specdec.sampling_params import SamplingParams  # noqa: E402
-from specdec.server import GRPC_OPTIONS  # noqa: E402
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
+from specdec.engine.model_files import load_tokenizer  # noqa: E402
+from specdec.engine.models import load_causal_lm  # noqa: E402
+from specdec.observability.prom import EngineMetrics  # noqa: E402
+from specdec.rpc.server import GRPC_OPTIONS  # noqa: E402
+from specdec.sampling.grammar import GrammarMatcher  # noqa: E402
+from specdec.sampling.probs import sample  # noqa: E402
+from specdec.sampling.sampling_params import SamplingParams  # noqa: E402
+from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
@@ -227,7 +227,7 @@ class Pipeline:
 def plain_target_model(tiny_models):
     """The tiny target loaded on its own, with transformers' own attention and cache: the reference
     that plain decoding and fresh prefills are computed with (the verify service's copy runs the
-    ragged attention of :mod:`specdec.ragged_lm`)."""
+    ragged attention of :mod:`specdec.engine.ragged_lm`)."""
     model, _ = load_causal_lm(str(tiny_models.target_dir), dtype="float32")
     return model
 
@@ -368,7 +368,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def wrong_rejection_sample(draft_token_ids, draft_probs, target_probs, generators):
-    """A plausible bug in :func:`specdec.acceptance.rejection_sample` (same arguments), for negative
+    """A plausible bug in :func:`specdec.sampling.acceptance.rejection_sample` (same arguments), for negative
     controls: at a rejection, resample from p instead of normalise(max(0, p - q))."""
     return [_wrong_rule(*args) for args in zip(draft_token_ids, draft_probs, target_probs, generators, strict=True)]
 
@@ -409,7 +409,7 @@ def tiny_grammar_vocab(smollm2_tokenizer):
 
 def constrained_greedy(model, prompt_ids: list[int], spec: StructuredOutput, vocab, max_new: int) -> list[int]:
     """Plain constrained greedy decoding: the target's logits after each prefix (a full forward
-    with transformers' own attention), masked by the grammar (:mod:`specdec.grammar`), argmax,
+    with transformers' own attention), masked by the grammar (:mod:`specdec.sampling.grammar`), argmax,
     until EOS (2, the tiny models') or max_new tokens."""
     matcher = GrammarMatcher.from_log(spec, vocab, GrammarLimits())
     ids: list[int] = []

@@ -1,4 +1,4 @@
-"""specdec.acceptance alone, without models or services (as vLLM's
+"""specdec.sampling.acceptance alone, without models or services (as vLLM's
 tests/v1/sample/test_rejection_sampler.py does): hand-built logits and probabilities whose outcome
 is known (perfect match and bonus token, early mismatch and recovered token, empty proposal, p
 equal to q, greedy), and a chi-square test over many seeded draws that the tokens rejection
@@ -13,8 +13,8 @@ Terms as in the module: of K draft tokens, n are accepted; the next token is the
 import pytest
 import torch
 
-from specdec.acceptance import greedy_accept, rejection_sample
-from specdec.sampling import sample
+from specdec.sampling.acceptance import greedy_accept, rejection_sample
+from specdec.sampling.probs import sample
 from tests.conftest import chi_square_p_value, wrong_rejection_sample
 
 V = 6

@@ -19,11 +19,11 @@ from coordinator.speculation.adaptive import (
     StepCosts,
     drafted_outcome,
 )
-from specdec.grammar import FORCED, ForcedMatch
-from specdec.ngram import DRAFTER_NAME as NGRAM
-from specdec.ngram import NgramMatch
-from specdec.suffix import DRAFTER_NAME as SUFFIX
-from specdec.suffix import SuffixMatch
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.ngram import NgramMatch
+from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
+from specdec.lookups.suffix import SuffixMatch
+from specdec.sampling.grammar import FORCED, ForcedMatch
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, verify_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 

@@ -15,9 +15,9 @@ from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
 from coordinator.api.client import generate
 from coordinator.request_store.store import MemoryStore, RedisStore
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import ResourceExhausted
-from specdec.models import load_causal_lm
-from specdec.server import GRPC_OPTIONS
+from specdec.engine.models import load_causal_lm
+from specdec.rpc.errors import ResourceExhausted
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CoordinatorThread, RedisServer, plain_greedy
 from verify_service.service import build as build_verify

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from coordinator.api.client import generate, generate_choices, stream
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION

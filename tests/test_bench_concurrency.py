@@ -363,7 +363,7 @@ def test_margin_at_the_first_difference(tiny_models):
     import torch
 
     from coordinator.api.request import prompt_ids
-    from specdec.models import load_causal_lm
+    from specdec.engine.models import load_causal_lm
     from specdec.v1 import coordinator_pb2
     from specdec_app.bench.concurrency import _margins
 

@@ -20,7 +20,7 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.model_files import load_tokenizer
+from specdec.engine.model_files import load_tokenizer
 from specdec_app.bench.conversation import (
     FOLLOW_UPS,
     MULTI_TURN,

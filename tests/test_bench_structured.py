@@ -16,9 +16,9 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.model_files import load_tokenizer
+from specdec.engine.model_files import load_tokenizer
+from specdec.sampling.structured_output import StructuredOutput
 from specdec.settings import parse_settings
-from specdec.structured_output import StructuredOutput
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import OVERALL
 from specdec_app.bench.structured import (

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.api.choices import choice_requests, interleave, num_choices
 from coordinator.api.client import Completion, generate, generate_choices, stream
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2
 
 PROMPT = "Tell me about tides."

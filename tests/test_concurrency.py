@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, Work
-from specdec.errors import Unavailable
-from specdec.prom import EngineMetrics
-from specdec.sampling_params import SamplingParams
-from specdec.server import GRPC_OPTIONS
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.engine import Engine, Work
+from specdec.observability.prom import EngineMetrics
+from specdec.rpc.errors import Unavailable
+from specdec.rpc.server import GRPC_OPTIONS
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.conftest import StepRecorder, chat_ids, plain_greedy
 

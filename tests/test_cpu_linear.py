@@ -1,4 +1,4 @@
-"""The target's linear layers on oneDNN (:mod:`specdec.cpu_linear`): the same outputs as
+"""The target's linear layers on oneDNN (:mod:`specdec.engine.cpu_linear`): the same outputs as
 ``torch.nn.Linear`` up to rounding, for any number of rows, and a model whose every linear layer
 is packed computes the same logits."""
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from specdec.cpu_linear import PackedLinear, available, pack_linears
+from specdec.engine.cpu_linear import PackedLinear, available, pack_linears
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.delay_hook import parse_delays
+from specdec.rpc.delay_hook import parse_delays
 
 
 def test_parse_delays_in_seconds():
@@ -22,7 +22,7 @@ def test_delayed_starters_hold_the_named_calls_and_keep_their_deadline():
     import threading
     import time
 
-    from specdec.delay_hook import delayed_starters
+    from specdec.rpc.delay_hook import delayed_starters
 
     started = []
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
-from specdec.server import SHUTDOWN_GRACE_S
+from specdec.rpc.server import SHUTDOWN_GRACE_S
 from tests.conftest import RedisServer
 from tests.test_dashboard import exported_sample_names, metric_names
 from verify_service.settings import VerifySettings

@@ -20,8 +20,8 @@ from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters import base
 from draft_service.drafters.base import Alternative, _likely_outcomes
-from specdec.errors import FailedPrecondition
-from specdec.sampling_params import SamplingParams
+from specdec.rpc.errors import FailedPrecondition
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from draft_service.drafters.base import ModelDraftSession
 from draft_service.service import DraftServicer
 from draft_service.settings import DraftSettings
-from specdec.prom import ServiceMetrics
-from specdec.sampling_params import SamplingParams
-from specdec.sessions import SessionRegistry
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc.sessions import SessionRegistry
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]

@@ -1,7 +1,7 @@
 """The model drafters' session (:mod:`draft_service.drafters.base`), on the tiny transformers
 draft: its context window."""
 
-from specdec.sampling_params import SamplingParams
+from specdec.sampling.sampling_params import SamplingParams
 
 
 def test_model_draft_proposes_nothing_beyond_its_window(tiny_drafters):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from specdec.models import load_causal_lm
+from specdec.engine.models import load_causal_lm
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, free_port
 from tests.conftest import SUMMARY, chat_ids, stream_with_fault

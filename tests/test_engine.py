@@ -1,4 +1,4 @@
-"""specdec.engine alone, over a fake BatchedLM that records its steps: the step's limits
+"""specdec.engine.engine alone, over a fake BatchedLM that records its steps: the step's limits
 (max_num_seqs, max_num_batched_tokens), decoding work before prefill, chunked prefill into the
 leftover budget, a sequence alone prefilling in larger chunks, a decode that does not fit waiting
 for the next step, the per-step acceptance pass (one call per kind of work, its failure failing
@@ -14,10 +14,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, StepStats, Work
-from specdec.errors import NotFound, ResourceExhausted, Unavailable
-from specdec.kv import PrefillWork, SequenceKV
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.engine import Engine, StepStats, Work
+from specdec.engine.kv import PrefillWork, SequenceKV
+from specdec.rpc.errors import NotFound, ResourceExhausted, Unavailable
 
 VOCAB = 4
 

@@ -7,7 +7,7 @@ import pytest
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.placement import Placement
 from coordinator.speculation.upstream import ServiceClients
-from specdec.errors import Unavailable
+from specdec.rpc.errors import Unavailable
 from specdec_app.launcher import free_port
 
 

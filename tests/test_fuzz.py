@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.api.client import generate, generate_choices
-from specdec.errors import status_code
-from specdec.sampling_params import SamplingParams
-from specdec.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
+from specdec.rpc.errors import status_code
+from specdec.rpc.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,

@@ -1,5 +1,5 @@
-"""The grammar matcher (specdec/grammar.py) and the compilation of structured-output specs
-(specdec/structured_output.py) on SmolLM2's real tokenizer: rollback against a fresh matcher fed
+"""The grammar matcher (specdec/sampling/grammar.py) and the compilation of structured-output specs
+(specdec/sampling/structured_output.py) on SmolLM2's real tokenizer: rollback against a fresh matcher fed
 the committed log, the masks along a proposal, forced tokens and the coordinator's forced-token
 lookup, the end of a grammar, and the errors for invalid specs and limits. No model: a few seconds."""
 
@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from specdec.errors import InvalidArgument
-from specdec.grammar import ForcedMatch, ForcedTokenLookup, GrammarMatcher
-from specdec.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.grammar import ForcedMatch, ForcedTokenLookup, GrammarMatcher
+from specdec.sampling.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 
 EOS = 2
 LIMITS = GrammarLimits()

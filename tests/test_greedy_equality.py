@@ -13,11 +13,11 @@ from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
-from specdec.ngram import DRAFTER_NAME as NGRAM
-from specdec.ngram import NgramIndex
-from specdec.sampling_params import SamplingParams
-from specdec.suffix import DRAFTER_NAME as SUFFIX
-from specdec.suffix import SuffixCache, SuffixIndex
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.ngram import NgramIndex
+from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
+from specdec.lookups.suffix import SuffixCache, SuffixIndex
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy

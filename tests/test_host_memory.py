@@ -3,7 +3,7 @@ import resource
 
 import pytest
 
-from specdec import host_memory
+from specdec.engine import host_memory
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 

@@ -17,9 +17,9 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.models import load_causal_lm
-from specdec.ragged_lm import BLOCK_SIZE
-from specdec.server import GRPC_OPTIONS, RunningService
+from specdec.engine.models import load_causal_lm
+from specdec.engine.ragged_lm import BLOCK_SIZE
+from specdec.rpc.server import GRPC_OPTIONS, RunningService
 from specdec.v1 import coordinator_pb2, verify_pb2, verify_pb2_grpc
 from tests.conftest import CoordinatorThread, StepRecorder, chat_ids, plain_greedy
 from verify_service.service import build as build_verify

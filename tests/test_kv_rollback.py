@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter
-from specdec.models import load_causal_lm
-from specdec.ragged_lm import BLOCK_SIZE
-from specdec.sampling_params import SamplingParams
+from specdec.engine.models import load_causal_lm
+from specdec.engine.ragged_lm import BLOCK_SIZE
+from specdec.sampling.sampling_params import SamplingParams
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 

@@ -100,13 +100,13 @@ def _edges(module: str, packages: bool = False) -> set[str]:
 
 def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
     source = (
-        "from typing import TYPE_CHECKING\nimport grpc\nfrom specdec import tls\n"
-        "if TYPE_CHECKING:\n    from specdec.engine import EngineMetrics\n"
+        "from typing import TYPE_CHECKING\nimport grpc\nfrom specdec.rpc import tls\n"
+        "if TYPE_CHECKING:\n    from specdec.engine.engine import EngineMetrics\n"
         "def f():\n    from coordinator.api.client import stream\n    import torch\n"
     )
     found = imports(source, "specdec.example")
-    assert {"grpc", "specdec", "specdec.tls", "coordinator.api.client", "torch"} <= found
-    assert not {name for name in found if name.startswith("specdec.engine")}
+    assert {"grpc", "specdec.rpc", "specdec.rpc.tls", "coordinator.api.client", "torch"} <= found
+    assert not {name for name in found if name.startswith("specdec.engine.engine")}
     assert imports("from . import ngram\nfrom .base import Drafter\n", "draft_service.drafters.suffix") >= {
         "draft_service.drafters.ngram",
         "draft_service.drafters.base",
@@ -171,7 +171,7 @@ def test_the_coordinator_needs_no_torch(module):
     assert not bad, (
         f"importing {module} can import torch through {'; '.join(bad)}. The coordinator only tokenizes: "
         "put the torch-free part (plain Python, numpy, protos) in a core module without torch "
-        "(as specdec/sampling_params.py, token_ids.py, model_files.py)."
+        "(as specdec/sampling/sampling_params.py, token_ids.py, model_files.py)."
     )
 
 

@@ -20,17 +20,18 @@ COVERED_BY = {
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
     "draft_service/service.py": "test_draft_service.py",
     "specdec/__main__.py": "test_bench.py",  # `python -m specdec bench`
-    "specdec/batching.py": "test_engine.py",
-    "specdec/decoding.py": "test_fuzz.py",  # undecodable bytes get INVALID_ARGUMENT
-    "specdec/errors.py": "test_bad_input.py",
-    "specdec/kv.py": "test_engine.py",
-    "specdec/model_files.py": "test_e2e_real.py",
-    "specdec/models.py": "test_kv_rollback.py",
-    "specdec/prom.py": "test_prometheus.py",
-    "specdec/sampling_params.py": "test_sampling.py",
-    "specdec/service_load.py": "test_load.py",  # the services' load reports
-    "specdec/telemetry.py": "test_observability.py",
-    "specdec/vocab.py": "test_structured_output.py",
+    "specdec/engine/batching.py": "test_engine.py",
+    "specdec/rpc/decoding.py": "test_fuzz.py",  # undecodable bytes get INVALID_ARGUMENT
+    "specdec/rpc/errors.py": "test_bad_input.py",
+    "specdec/engine/kv.py": "test_engine.py",
+    "specdec/engine/model_files.py": "test_e2e_real.py",
+    "specdec/engine/models.py": "test_kv_rollback.py",
+    "specdec/observability/prom.py": "test_prometheus.py",
+    "specdec/sampling/probs.py": "test_sampling.py",  # the transform, draws and the sampling chi-square test
+    "specdec/sampling/sampling_params.py": "test_sampling.py",
+    "specdec/rpc/service_load.py": "test_load.py",  # the services' load reports
+    "specdec/observability/telemetry.py": "test_observability.py",
+    "specdec/engine/vocab.py": "test_structured_output.py",
     "specdec_app/__main__.py": "test_launcher.py",  # every service process runs `python -m specdec_app serve`
     "specdec_app/bench/arrivals.py": "test_bench_arrivals.py",
     "specdec_app/bench/ceiling.py": "test_bench_concurrency.py",

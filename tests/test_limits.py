@@ -16,7 +16,7 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc
 from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.models import load_causal_lm
-from specdec.server import GRPC_OPTIONS, RunningService
+from specdec.engine.models import load_causal_lm
+from specdec.rpc.server import GRPC_OPTIONS, RunningService
 from specdec.v1 import verify_pb2, verify_pb2_grpc
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings

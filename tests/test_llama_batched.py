@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requantized
-from specdec.batching import SequenceStep
-from specdec.errors import ResourceExhausted
-from specdec.grammar import GrammarMatcher
-from specdec.model_files import derived_path, load_tokenizer, resolve_model
-from specdec.prom import EngineMetrics
-from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.engine.batching import SequenceStep
+from specdec.engine.model_files import derived_path, load_tokenizer, resolve_model
+from specdec.observability.prom import EngineMetrics
+from specdec.rpc.errors import ResourceExhausted
+from specdec.sampling.grammar import GrammarMatcher
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365],

@@ -1,4 +1,4 @@
-"""The draft and verify services report their load (specdec/service_load.py), as real gRPC services
+"""The draft and verify services report their load (specdec/rpc/service_load.py), as real gRPC services
 over the tiny models: every GetInfo answer and every Step stream message carries the sessions open
 of max_sessions, the calls waiting for their first step (counted while the engine is held busy),
 the running sequences and the KV budget's blocks, total and free (0 for a draft service without
@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.batching import SequenceStep
-from specdec.engine import Work
-from specdec.ragged_lm import BLOCK_SIZE
+from specdec.engine.batching import SequenceStep
+from specdec.engine.engine import Work
+from specdec.engine.ragged_lm import BLOCK_SIZE
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specdec_app.launcher import free_port
 from verify_service.service import build as build_verify

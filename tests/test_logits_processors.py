@@ -1,4 +1,4 @@
-"""Logits processors (specdec/logits_processors.py): each against a hand computation, the rows of a
+"""Logits processors (specdec/sampling/logits_processors.py): each against a hand computation, the rows of a
 proposal, and under speculation: the target's acceptance and the model drafter's proposals both
 use the processed distributions (a draft that is the target itself passes every token, greedy and
 sampled), and greedy output equals transformers' own repetition penalty and min_new_tokens, in
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from specdec.errors import InvalidArgument
-from specdec.logits_processors import process
-from specdec.sampling_params import SamplingParams
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.logits_processors import process
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.conftest import TINY_VOCAB, chat_ids, plain_greedy
 

@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens (:mod:`specdec.logprobs`, the verify service's Verify and
+"""Log-probabilities of committed tokens (:mod:`specdec.sampling.logprobs`, the verify service's Verify and
 Decode, ``GenerateRequest.logprobs`` over gRPC): raw, the log_softmax of the target's logits at
 the position that committed each token, equal to the in-process target's within 1e-4 whatever
 the drafter, K, sampling transform, processors, grammar or a rebuild from the committed log."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from coordinator.api.client import generate, stream
-from specdec.errors import InvalidArgument
-from specdec.logprobs import committed_logprobs, token_logprobs
-from specdec.sampling_params import SamplingParams
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.logprobs import committed_logprobs, token_logprobs
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.conftest import chat_ids, plain_greedy
 

@@ -1,8 +1,8 @@
-"""N-gram prompt lookup (:mod:`specdec.ngram`, :mod:`draft_service.drafters.ngram`) on hand-made
+"""N-gram prompt lookup (:mod:`specdec.lookups.ngram`, :mod:`draft_service.drafters.ngram`) on hand-made
 token sequences."""
 
 from draft_service.drafters.ngram import NgramDrafter
-from specdec.sampling_params import SamplingParams
+from specdec.sampling.sampling_params import SamplingParams
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

@@ -25,8 +25,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.api.client import generate
-from specdec.server import GRPC_OPTIONS
-from specdec.telemetry import configure_tracing, exporter_names
+from specdec.observability.telemetry import configure_tracing, exporter_names
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specdec_app.launcher import LocalCluster, free_port
 

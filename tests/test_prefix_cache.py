@@ -1,4 +1,4 @@
-"""Prefix caching: specdec.prefix_cache alone (the chain of registered blocks, reference counts,
+"""Prefix caching: specdec.engine.prefix_cache alone (the chain of registered blocks, reference counts,
 LRU eviction under the bound), the prefill path's counts (kv.prefill, the Prometheus counters),
 and through the pipeline: greedy output identical to plain decoding with the cache on, for a
 second request with the same system prompt and for a chat's second turn, with the cached prompt
@@ -10,10 +10,10 @@ import uuid
 import pytest
 
 from coordinator.api.client import generate
-from specdec.prefix_cache import ROOT, PrefixCache
-from specdec.prom import ServiceMetrics
-from specdec.ragged_lm import BLOCK_SIZE
-from specdec.sampling_params import SamplingParams
+from specdec.engine.prefix_cache import ROOT, PrefixCache
+from specdec.engine.ragged_lm import BLOCK_SIZE
+from specdec.observability.prom import ServiceMetrics
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.conftest import plain_greedy
 

@@ -1,4 +1,4 @@
-"""specdec.ragged_lm alone, without the engine or services: every sequence of a ragged batched
+"""specdec.engine.ragged_lm alone, without the engine or services: every sequence of a ragged batched
 step gets the logits transformers' own forward gives it alone (within float tolerance), through
 steps of mixed sizes (decodes, verifies and prefill chunks, attending in groups by their number
 of new tokens and context),
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from specdec.batching import SequenceStep
-from specdec.errors import ResourceExhausted
-from specdec.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _padded_groups, _Sequence
+from specdec.engine.batching import SequenceStep
+from specdec.engine.ragged_lm import BLOCK_SIZE, MAX_PADDED_QUERIES, RaggedLM, _padded_groups, _Sequence
+from specdec.rpc.errors import ResourceExhausted
 from tests.conftest import tiny_llama
 
 VOCAB = 1024  # the attention is under test, not the output layer: a small vocabulary keeps the models small

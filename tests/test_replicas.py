@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from coordinator.api.client import Completion
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all
 from tests.conftest import DnsServer, chat_ids, plain_greedy

@@ -13,8 +13,8 @@ from coordinator.api.client import Completion, generate, stream
 from coordinator.request_store.resume import check_resume
 from coordinator.request_store.store import RUNNING, RedisStore, StoredRequest
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import FailedPrecondition
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.errors import FailedPrecondition
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CoordinatorThread
 

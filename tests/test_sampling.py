@@ -1,4 +1,4 @@
-"""specdec.sampling's filters, and invariant *lossless sampling* end to end: speculative sampling through the real
+"""specdec.sampling.probs's filters, and invariant *lossless sampling* end to end: speculative sampling through the real
 round code and services generates exactly the target's distribution.
 
 The acceptance rule alone (known outcomes, and a model-free chi-square test) is tested in
@@ -46,13 +46,13 @@ from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.errors import InvalidArgument
-from specdec.grammar import GrammarMatcher
-from specdec.ngram import DRAFTER_NAME as NGRAM
-from specdec.ngram import NgramIndex
-from specdec.sampling import logits_to_probs
-from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.ngram import NgramIndex
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.grammar import GrammarMatcher
+from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from tests.conftest import (
     StepRecorder,
     chi_square_p_value,

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
+from specdec.rpc.tls import channel_credentials
 from specdec.settings import parse_settings
-from specdec.tls import channel_credentials
 from specdec.v1.coordinator_pb2 import GenerateRequest
 from specdec_app.launcher import LocalCluster, free_port
 from specdec_app.local_ca import LocalCertificates, write_local_certificates

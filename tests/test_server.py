@@ -1,4 +1,4 @@
-"""specdec/server.py: a server's port is its own, and calls past its bound on calls in progress
+"""specdec/rpc/server.py: a server's port is its own, and calls past its bound on calls in progress
 fail at once with RESOURCE_EXHAUSTED (the services' calls themselves: the service and end-to-end
 tests; a service whose engine loop dies: tests/test_liveness.py)."""
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from specdec.server import QUEUED_RPCS, service_max_concurrent_rpcs, start_aio_server, start_server
+from specdec.rpc.server import QUEUED_RPCS, service_max_concurrent_rpcs, start_aio_server, start_server
 
 
 def no_services(server) -> list[str]:

@@ -1,11 +1,11 @@
-"""The services' session registry (:mod:`specdec.sessions`)."""
+"""The services' session registry (:mod:`specdec.rpc.sessions`)."""
 
 import threading
 
 import pytest
 
-from specdec.errors import AlreadyExists, NotFound, ResourceExhausted
-from specdec.sessions import SessionRegistry
+from specdec.rpc.errors import AlreadyExists, NotFound, ResourceExhausted
+from specdec.rpc.sessions import SessionRegistry
 
 
 class _Closable:

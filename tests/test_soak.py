@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from coordinator.api.client import Completion
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY, ProcessFleet, chat_ids, process_fleet, scrape
 

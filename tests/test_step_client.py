@@ -1,4 +1,4 @@
-"""The coordinator's end of a Step stream (coordinator/speculation/step_client.py) against a real verify
+"""The coordinator's end of a Step stream (specdec/rpc/step_client.py) against a real verify
 service (the tiny target, on a free port): concurrent calls share messages, results and errors
 reach their callers, deadlines hold, and a stream the service dropped is opened again; and against
 a real draft service, a late answer's round trip."""
@@ -9,13 +9,13 @@ import socket
 import grpc
 import pytest
 
-from coordinator.speculation.step_client import StepStream
 from coordinator.speculation.upstream import DRAFT_SERVICE, VERIFY_SERVICE
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.errors import NotFound, Unavailable
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.errors import NotFound, Unavailable
+from specdec.rpc.server import GRPC_OPTIONS
+from specdec.rpc.step_client import StepStream
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from verify_service.service import build
 from verify_service.settings import VerifySettings

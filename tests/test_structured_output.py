@@ -14,12 +14,12 @@ import pytest
 from coordinator.api.client import generate
 from coordinator.api.request import resolve
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import InvalidArgument
-from specdec.grammar import FORCED, GrammarMatcher
-from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, StructuredOutput
+from specdec.engine.vocab import tokenizer_fingerprint
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.grammar import FORCED, GrammarMatcher
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import GrammarLimits, StructuredOutput
 from specdec.v1 import common_pb2, coordinator_pb2, verify_pb2
-from specdec.vocab import tokenizer_fingerprint
 from tests.conftest import TINY_VOCAB, chat_ids, constrained_greedy
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""SuffixDecoding (:mod:`specdec.suffix`) on hand-made token sequences, and the ``suffix`` drafter
+"""SuffixDecoding (:mod:`specdec.lookups.suffix`) on hand-made token sequences, and the ``suffix`` drafter
 lossless through the tiny pipeline."""
 
 import gc
@@ -11,8 +11,8 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.sampling_params import SamplingParams
-from specdec.suffix import ROOT, ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
+from specdec.lookups.suffix import ROOT, ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
@@ -170,7 +170,7 @@ def test_each_node_keeps_its_childrens_total_and_most_frequent_child():
 
 def test_the_tree_is_no_work_for_the_garbage_collector():
     """Its nodes are entries of lists, their children dicts of ints: nothing a cyclic garbage
-    collection has to visit, however many nodes (see :class:`specdec.suffix.SuffixTree`)."""
+    collection has to visit, however many nodes (see :class:`specdec.lookups.suffix.SuffixTree`)."""
     tree = SuffixTree(24)
     tree.extend(0, list(range(300)) * 2)
     tracked = [node for node in range(len(tree._counts)) if gc.is_tracked(tree.children(node))]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.api.client import generate
-from specdec.server import EXIT_FATAL
+from specdec.rpc.server import EXIT_FATAL
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
 from tests.conftest import SUMMARY, speculates_again, stream_with_fault

@@ -2,13 +2,13 @@
 Decode right after a plain Prefill gives (greedy and seeded sampling), in the forward of the
 prompt's last chunk, in as many steps as the prompt's chunks of the step budget, and after a
 prefix found in the prefix cache; loaded from a folder, its linear layers run on oneDNN
-(:mod:`specdec.cpu_linear`) unless told not to, with the same tokens."""
+(:mod:`specdec.engine.cpu_linear`) unless told not to, with the same tokens."""
 
 import pytest
 import torch
 
-from specdec.cpu_linear import PackedLinear
-from specdec.sampling_params import SamplingParams
+from specdec.engine.cpu_linear import PackedLinear
+from specdec.sampling.sampling_params import SamplingParams
 from tests.conftest import StepRecorder
 from verify_service.target import EngineLimits, Target
 

@@ -1,4 +1,4 @@
-"""TLS and mutual TLS (specdec/tls.py): the coordinator's public gRPC and HTTP APIs over TLS, the
+"""TLS and mutual TLS (specdec/rpc/tls.py): the coordinator's public gRPC and HTTP APIs over TLS, the
 draft and verify services accepting only clients whose certificate the configured CA signed,
 certificate rotation without a restart, startup errors naming the setting, Redis over rediss://
 with a password. Certificates come from trustme (the services' own CA for ``specdec up --tls``,
@@ -34,10 +34,10 @@ from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.errors import Unavailable
-from specdec.server import start_server
+from specdec.rpc.errors import Unavailable
+from specdec.rpc.server import start_server
+from specdec.rpc.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.settings import parse_settings
-from specdec.tls import ReloadingSSLContext, channel_credentials, reloading_channel_credentials, server_credentials
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, free_port
 from specdec_app.local_ca import write_local_certificates

@@ -8,7 +8,7 @@ from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.errors import Unavailable
+from specdec.rpc.errors import Unavailable
 from specdec.v1 import draft_pb2
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
+from specdec.rpc.wire import decode_distributions, encode_distributions
 from specdec.v1 import common_pb2
-from specdec.wire import decode_distributions, encode_distributions
 
 
 def test_round_trip_keeps_only_the_tokens_with_probability():

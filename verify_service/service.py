@@ -5,20 +5,20 @@ import time
 import torch
 from opentelemetry import trace
 
-from specdec import host_memory
-from specdec.delay_hook import delayed_starters, parse_delays
-from specdec.engine import StepStats
-from specdec.errors import FailedPrecondition, grpc_errors
-from specdec.prom import ServiceMetrics
-from specdec.ragged_lm import OverBudget
-from specdec.sampling_params import SamplingParams
-from specdec.server import RunningService, start_service
-from specdec.service_load import service_load
-from specdec.sessions import SessionRegistry
-from specdec.step_stream import Reply, StepCalls, wait_for_reply
+from specdec.engine import host_memory
+from specdec.engine.engine import StepStats
+from specdec.engine.ragged_lm import OverBudget
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc.delay_hook import delayed_starters, parse_delays
+from specdec.rpc.errors import FailedPrecondition, grpc_errors
+from specdec.rpc.server import RunningService, start_service
+from specdec.rpc.service_load import service_load
+from specdec.rpc.sessions import SessionRegistry
+from specdec.rpc.step_server import Reply, StepCalls, wait_for_reply
+from specdec.rpc.wire import decode_distributions
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.timing import ms_since
 from specdec.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from specdec.wire import decode_distributions
 from verify_service.settings import VerifySettings
 from verify_service.target import EngineLimits, Target, TargetSession
 
@@ -26,7 +26,7 @@ SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 def step_stats(stats: StepStats) -> common_pb2.StepStats:
-    """The proto of a call's :class:`specdec.engine.StepStats`; also set on the call's span."""
+    """The proto of a call's :class:`specdec.engine.engine.StepStats`; also set on the call's span."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attributes(
@@ -51,7 +51,7 @@ def step_stats(stats: StepStats) -> common_pb2.StepStats:
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     """Serves VerifyService; Verify and Decode as unary RPCs and as calls of Step streams
-    (:mod:`specdec.step_stream`, ``max_workers`` of them served at once), by the same handlers."""
+    (:mod:`specdec.rpc.step_server`, ``max_workers`` of them served at once), by the same handlers."""
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         self.target = target
         self.sessions = sessions
         self.metrics = metrics
-        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.delay_hook): empty in production
+        self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.rpc.delay_hook): empty in production
         starters = {"verify": self._verify, "decode": self._decode}  # no thread waits per call
         handlers = delayed_starters(starters, self.rpc_delays_s, max_workers)
         self.step_calls = StepCalls(SERVICE, handlers, verify_pb2.VerifyCallResult, metrics)
@@ -124,7 +124,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             yield verify_pb2.VerifyStepResponse(results=results, load=service_load(self.sessions, [self.target.engine]))
 
     def _verify(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
-        """Starts a Verify (a :data:`specdec.step_stream.Starter`): replies from the engine's thread."""
+        """Starts a Verify (a :data:`specdec.rpc.step_server.Starter`): replies from the engine's thread."""
         draft_probs = None
         if request.draft_distributions:
             draft_probs = decode_distributions(request.draft_distributions, self.target.vocab_size)
@@ -138,7 +138,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         )
 
     def _decode(self, request, timeout_s: float | None, abandoned, reply: Reply) -> None:
-        """Starts a Decode (a :data:`specdec.step_stream.Starter`): replies from the engine's thread."""
+        """Starts a Decode (a :data:`specdec.rpc.step_server.Starter`): replies from the engine's thread."""
 
         def respond(n: int, token: int, **fields) -> verify_pb2.DecodeResponse:
             return verify_pb2.DecodeResponse(token_id=token, **fields)

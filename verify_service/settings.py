@@ -1,7 +1,7 @@
 from pydantic import Field
 
-from specdec.model_files import DEFAULT_MODEL
-from specdec.prefix_cache import DEFAULT_MAX_TOKENS
+from specdec.engine.model_files import DEFAULT_MODEL
+from specdec.engine.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.settings import SessionServiceSettings
 
 
@@ -25,8 +25,8 @@ class VerifySettings(SessionServiceSettings):
     pack_linear_weights: bool = Field(
         True,
         description="On a CPU: run the target's linear layers on oneDNN with their weights packed once at load "
-        "(a verify step of 9 tokens about 2x faster on SmolLM2, see specdec/cpu_linear.py); off: transformers' own "
-        "(aten). No effect on a GPU.",
+        "(a verify step of 9 tokens about 2x faster on SmolLM2, see specdec/engine/cpu_linear.py); "
+        "off: transformers' own (aten). No effect on a GPU.",
     )
     max_num_batched_tokens_alone: int = Field(
         2048,

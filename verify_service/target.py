@@ -1,20 +1,20 @@
 """The target model and its per-session state: prefill, verify, decode, rollback.
 
-Every session's sequence lives in one shared KV store (:class:`specdec.ragged_lm.RaggedLM`) and
-every call runs as work of one engine loop (:mod:`specdec.engine`): a Prefill is chunked into the
+Every session's sequence lives in one shared KV store (:class:`specdec.engine.ragged_lm.RaggedLM`) and
+every call runs as work of one engine loop (:mod:`specdec.engine.engine`): a Prefill is chunked into the
 steps' leftover token budget, a Verify (K + 1 new tokens) or Decode (1) joins the next step, and
-one acceptance pass (:mod:`specdec.acceptance`) tests every verify of the step on its own rows of
+one acceptance pass (:mod:`specdec.sampling.acceptance`) tests every verify of the step on its own rows of
 the batched logits, each sequence's draws seeded by (request seed, committed length), so a
 request's output does not depend on what else was in its batch beyond floating-point rounding
 (invariant *batch independence*, docs/architecture.md#invariants).
 
-KV memory is admitted by bytes within ``kv_cache_max_bytes`` (:mod:`specdec.kv_budget`): a Prefill
+KV memory is admitted by bytes within ``kv_cache_max_bytes`` (:mod:`specdec.engine.kv_budget`): a Prefill
 the budget cannot hold is refused with RESOURCE_EXHAUSTED before it runs, and a session preempted
 to give a running one room to grow fails its next calls with NOT_FOUND
 (docs/architecture.md#kv-memory-a-budget-in-bytes).
 
 Traced (OpenTelemetry spans, no-ops with tracing off): each verification's ``acceptance`` test
-and ``rollback`` (see :mod:`specdec.kv`).
+and ``rollback`` (see :mod:`specdec.engine.kv`).
 """
 
 import functools
@@ -26,25 +26,25 @@ from typing import cast
 import torch
 from opentelemetry import trace
 
-from specdec.acceptance import greedy_accept, rejection_sample
-from specdec.batching import SequenceStep
-from specdec.cpu_linear import pack_linears
-from specdec.engine import Engine, StepStats, Work
-from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.grammar import GrammarMatcher
-from specdec.kv import SequenceKV, prefill
-from specdec.kv_budget import SETTING
-from specdec.logits_processors import process
-from specdec.logprobs import committed_logprobs
-from specdec.models import context_window, load_causal_lm
-from specdec.prefix_cache import DEFAULT_MAX_TOKENS
-from specdec.ragged_lm import BLOCK_SIZE, RaggedLM
-from specdec.sampling import logits_to_probs, round_generator
-from specdec.sampling_params import SamplingParams
-from specdec.structured_output import UNLIMITED, grammar_tokenizer
+from specdec.engine.batching import SequenceStep
+from specdec.engine.cpu_linear import pack_linears
+from specdec.engine.engine import Engine, StepStats, Work
+from specdec.engine.kv import SequenceKV, prefill
+from specdec.engine.kv_budget import SETTING
+from specdec.engine.models import context_window, load_causal_lm
+from specdec.engine.prefix_cache import DEFAULT_MAX_TOKENS
+from specdec.engine.ragged_lm import BLOCK_SIZE, RaggedLM
+from specdec.engine.vocab import check_token_ids, tokenizer_fingerprint
+from specdec.rpc.errors import InvalidArgument, ResourceExhausted
+from specdec.sampling.acceptance import greedy_accept, rejection_sample
+from specdec.sampling.grammar import GrammarMatcher
+from specdec.sampling.logits_processors import process
+from specdec.sampling.logprobs import committed_logprobs
+from specdec.sampling.probs import logits_to_probs, round_generator
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
-from specdec.vocab import check_token_ids, tokenizer_fingerprint
 
 tracer = trace.get_tracer(__name__)
 MEASURE_CONTEXT = 64  # tokens of context of the start-up measurements (Target.measure_costs)
@@ -56,7 +56,7 @@ class EngineLimits:
     (``max_num_batched_tokens_alone`` for a sequence alone on the engine); a step waits up to
     ``batch_wait_ms``, ``batch_wait_step_share`` of the previous step's time or (with
     ``batch_wait_turnaround``) the callers' turnaround, whichever is longest, for the sequences of
-    the previous one (see :mod:`specdec.engine`)."""
+    the previous one (see :mod:`specdec.engine.engine`)."""
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -69,8 +69,8 @@ class EngineLimits:
 class Target:
     """A loaded target model, its KV store and engine loop (whose ``metrics`` the service sets),
     shared by all sessions of the verify service. ``prefix_cache_max_tokens``: the KV store's
-    prefix cache (:class:`specdec.ragged_lm.RaggedLM`; None: off); ``kv_cache_max_bytes``: its
-    budget (0: automatic, :mod:`specdec.kv_budget`). Raises ValueError, naming the setting, for a
+    prefix cache (:class:`specdec.engine.ragged_lm.RaggedLM`; None: off); ``kv_cache_max_bytes``: its
+    budget (0: automatic, :mod:`specdec.engine.kv_budget`). Raises ValueError, naming the setting, for a
     budget that cannot hold the start-up measurement's sequence (:meth:`measure_costs`)."""
 
     def __init__(
@@ -138,8 +138,8 @@ class Target:
         pack_linear_weights: bool = True,
         kv_cache_max_bytes: int = 0,
     ) -> "Target":
-        """Loads ``spec`` (see :func:`specdec.models.load_causal_lm`), with its linear layers on
-        oneDNN on a CPU unless ``pack_linear_weights`` is False (:mod:`specdec.cpu_linear`), and
+        """Loads ``spec`` (see :func:`specdec.engine.models.load_causal_lm`), with its linear layers on
+        oneDNN on a CPU unless ``pack_linear_weights`` is False (:mod:`specdec.engine.cpu_linear`), and
         measures its step costs."""
         model, tokenizer = load_causal_lm(spec, dtype=dtype, device_map=device_map)
         if pack_linear_weights:
@@ -212,7 +212,7 @@ class Target:
         decode: bool = False,
     ) -> "TargetSession":
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
-        :meth:`specdec.engine.Engine.run`; ``decode``: and the first decode step, see
+        :meth:`specdec.engine.engine.Engine.run`; ``decode``: and the first decode step, see
         :meth:`TargetSession.prefill`; the tokens found in the prefix cache are the session's
         ``kv_cache.num_cached_tokens``). Raises InvalidArgument for an empty or too long context
         or ids out of range or top_logprobs above the vocabulary size, Unavailable when the deadline
@@ -264,7 +264,7 @@ class _Score(Work):
 class _Verify(_Score):
     """The acceptance test, for every verify of a step at once (:meth:`accept`), then commit:
     ``result`` is ``(n, next_token)``; ``logprobs``, with the session's ``sampling.logprobs``, the
-    committed tokens' (:mod:`specdec.logprobs`)."""
+    committed tokens' (:mod:`specdec.sampling.logprobs`)."""
 
     def __init__(self, session: "TargetSession", draft_tokens: Sequence[int], draft_probs: torch.Tensor | None):
         super().__init__(session, draft_tokens)
@@ -444,7 +444,7 @@ class TargetSession:
         Args:
             draft_tokens: K proposed ids (K may be 0: a plain decode step).
             draft_probs: q, ``[K, V]`` float32, required when sampling; ignored under greedy.
-            timeout_s, abandoned: as in :meth:`specdec.engine.Engine.run`.
+            timeout_s, abandoned: as in :meth:`specdec.engine.engine.Engine.run`.
         Returns:
             ``(n, next_token)``: accepted drafts and the correction or bonus token (their
             log-probabilities, when the session asks for them, in ``last_logprobs``).
@@ -458,7 +458,7 @@ class TargetSession:
 
     def verification(self, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None) -> _Verify:
         """The engine work of :meth:`verify` (same arguments), for a caller that submits it itself
-        (:meth:`specdec.engine.Engine.submit`): once done, its ``result`` is ``(n, next_token)``
+        (:meth:`specdec.engine.engine.Engine.submit`): once done, its ``result`` is ``(n, next_token)``
         and its ``logprobs`` those of the committed tokens (with ``sampling.logprobs``).
 
         With structured output, the proposal is cut after its first token the grammar rejects

@@ -33,7 +33,7 @@ from typing import TypeVar
 from prometheus_client import Gauge, Histogram
 
 from coordinator.request_store.store import RequestStore, StoreUnavailable
-from specdec.errors import ResourceExhausted
+from specdec.rpc.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

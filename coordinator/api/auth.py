@@ -18,7 +18,7 @@ import grpc
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specdec.errors import SpecdecError
+from specdec.rpc.errors import SpecdecError
 
 HOW = (
     "send `Authorization: Bearer <key>` (gRPC: `authorization` metadata) with a key the "

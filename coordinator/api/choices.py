@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TypeVar
 
 from coordinator.request_store.resume import MAX_REQUEST_ID_CHARS
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2
 
 T = TypeVar("T")

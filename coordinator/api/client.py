@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 FINISH_REASONS = {coordinator_pb2.FINISH_REASON_STOP: "stop", coordinator_pb2.FINISH_REASON_LENGTH: "length"}
@@ -51,7 +51,7 @@ class Completion:
 
 def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A channel to ``address``: over TLS with ``credentials`` (see
-    :func:`specdec.tls.channel_credentials`), else plaintext."""
+    :func:`specdec.rpc.tls.channel_credentials`), else plaintext."""
     if credentials is None:
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
     return grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)

@@ -53,9 +53,9 @@ from coordinator.api.openai_schema import (
 )
 from coordinator.api.output import StreamStalled, written
 from coordinator.api.request import prompt_ids
-from specdec.errors import SpecdecError
-from specdec.server import SHUTDOWN_GRACE_S
-from specdec.tls import ReloadingSSLContext
+from specdec.rpc.errors import SpecdecError
+from specdec.rpc.server import SHUTDOWN_GRACE_S
+from specdec.rpc.tls import ReloadingSSLContext
 from specdec.v1 import coordinator_pb2, verify_pb2
 
 tracer = trace.get_tracer(__name__)

@@ -20,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.client import Completion
-from specdec.errors import SpecdecError
+from specdec.rpc.errors import SpecdecError
 from specdec.v1 import common_pb2, coordinator_pb2
 
 HTTP_STATUS = {

@@ -5,7 +5,7 @@ import asyncio
 from collections.abc import Awaitable, Iterable, Sequence
 
 from coordinator.api.text import IncrementalDetokenizer
-from specdec.errors import Unavailable
+from specdec.rpc.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH

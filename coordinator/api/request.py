@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from llguidance import LLTokenizer
 
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.grammar import ForcedTokenLookup, GrammarMatcher
-from specdec.ngram import DRAFTER_NAME as NGRAM
-from specdec.sampling_params import SamplingParams
-from specdec.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
-from specdec.suffix import DRAFTER_NAME as SUFFIX
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
+from specdec.sampling.grammar import ForcedTokenLookup, GrammarMatcher
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K

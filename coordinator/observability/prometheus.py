@@ -1,5 +1,5 @@
 """The coordinator's Prometheus metrics, fed from the same RoundRecords and RequestMetrics the
-request's own metrics are built from (names as vLLM's, see :mod:`specdec.prom`)."""
+request's own metrics are built from (names as vLLM's, see :mod:`specdec.observability.prom`)."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from coordinator.observability.metrics import BONUS, MAIN, RECOVERED, RoundRecord
 from coordinator.speculation.placement import Placement
-from specdec.prom import ServiceMetrics
+from specdec.observability.prom import ServiceMetrics
 from specdec.v1 import coordinator_pb2
 
 # Seconds; vLLM's buckets for the request latencies, finer ones for a round's parts.

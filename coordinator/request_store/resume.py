@@ -3,7 +3,7 @@
 import re
 
 from coordinator.request_store.store import FINISHED, StoredRequest
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import coordinator_pb2, verify_pb2
 
 MAX_REQUEST_ID_CHARS = 128

@@ -48,7 +48,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.typing import EncodableT, FieldT
 
-from specdec.errors import Unavailable
+from specdec.rpc.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)

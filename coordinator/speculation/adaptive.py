@@ -39,8 +39,8 @@ tokens look cheap next to it: 16 requests at a time on 2 CPU cores, prompts of u
 ran lookups in 734 of 1,217 rounds at 35% acceptance (with W: 558 of 1,360 at 47%).
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
-model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.ngram`, what
-followed the latest match) and SuffixDecoding (:mod:`specdec.suffix`, the most frequent
+model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.lookups.ngram`, what
+followed the latest match) and SuffixDecoding (:mod:`specdec.lookups.suffix`, the most frequent
 continuation over the request and earlier outputs). Their proposals compete with the model
 drafter's under the same formula, with acceptance tracked per lookup and matched suffix length n
 (a 3-token match predicts better than a 1-token one; suffix matches from 4 tokens up share one
@@ -55,7 +55,7 @@ Structured output: where the request's grammar allows one continuation of the te
 and punctuation of a JSON schema), its tokens are free proposals, costing no draft forward. The
 draft's model drafters open their proposals with them and jump over them again after each drafted
 token (jump-forward), and say which tokens were forced (``ProposeResponse.forced``); the
-coordinator follows the grammar too (:class:`specdec.grammar.ForcedTokenLookup`, llguidance
+coordinator follows the grammar too (:class:`specdec.sampling.grammar.ForcedTokenLookup`, llguidance
 without torch, a few µs a round), so it knows the f tokens forced next before a round. They count
 twice: as a lookup of their own (a round of the forced tokens alone: no draft call at all; its
 per-position estimates observed every round, like n-gram's), and as the free head of the model
@@ -82,9 +82,9 @@ from dataclasses import dataclass, field
 from coordinator.observability.metrics import MISS, PLAIN, RoundRecord
 from coordinator.speculation.step_budget import Bid, allocate
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
-from specdec.grammar import FORCED, ForcedMatch
-from specdec.ngram import NgramMatch
-from specdec.suffix import SuffixMatch
+from specdec.lookups.ngram import NgramMatch
+from specdec.lookups.suffix import SuffixMatch
+from specdec.sampling.grammar import FORCED, ForcedMatch
 from specdec.token_ids import common_prefix_length
 from specdec.v1.draft_pb2 import DrafterInfo
 from specdec.v1.verify_pb2 import VerifyServiceGetInfoResponse as VerifyInfo

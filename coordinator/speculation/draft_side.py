@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
 from coordinator.speculation.adaptive import AdaptiveK
-from coordinator.speculation.step_client import MissedDeadline
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.rpc.step_client import MissedDeadline
 from specdec.timing import ms_since
 from specdec.v1 import draft_pb2
 

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from coordinator.speculation.upstream import ServiceClients
-from specdec.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
-from specdec.sampling_params import SamplingParams
+from specdec.rpc.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, verify_pb2
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ verify service accepts n of them and returns the next token, and the committed l
 draft[:n] + [next]. K = 0, or an empty proposal, is a plain decode step on the verify service.
 Under adaptive K a round's proposal may instead come from one of the coordinator's own lookups,
 n-gram or suffix (:meth:`RequestRounds.lookup_matches`), or, with structured output, the tokens
-the request's grammar forces (:class:`specdec.grammar.ForcedTokenLookup`); the draft session then
+the request's grammar forces (:class:`specdec.sampling.grammar.ForcedTokenLookup`); the draft session then
 catches up at its next Propose.
 
 The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSide`'s;
@@ -48,10 +48,10 @@ from coordinator.speculation.adaptive import AdaptiveK, Matches
 from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
 from coordinator.speculation.failover import VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
-from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
-from specdec.grammar import FORCED, ForcedMatch
-from specdec.ngram import NgramIndex, NgramMatch
-from specdec.suffix import SuffixIndex, SuffixMatch
+from specdec.lookups.ngram import NgramIndex, NgramMatch
+from specdec.lookups.suffix import SuffixIndex, SuffixMatch
+from specdec.rpc.errors import FailedPrecondition, SpecdecError, Unavailable
+from specdec.sampling.grammar import FORCED, ForcedMatch
 from specdec.timing import ms_since
 from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2, verify_pb2

@@ -1,6 +1,6 @@
 """The coordinator's gRPC clients of its upstream services, every replica of the draft service and
 of the verify service, with deadlines on every call; over TLS (mutual TLS with a client
-certificate) when given credentials (:func:`specdec.tls.reloading_channel_credentials`). The
+certificate) when given credentials (:func:`specdec.rpc.tls.reloading_channel_credentials`). The
 public client of the coordinator itself is :mod:`coordinator.api.client`.
 
 Each service is a :class:`ReplicaSet`: the addresses discovery finds for its targets
@@ -24,10 +24,10 @@ import grpc
 
 from coordinator.speculation.discovery import Address, Discovery
 from coordinator.speculation.placement import Placement
-from coordinator.speculation.step_client import StepStream
-from specdec.errors import Unavailable, from_rpc_error
-from specdec.server import MAX_MESSAGE_BYTES, grpc_options
-from specdec.tls import Reloading
+from specdec.rpc.errors import Unavailable, from_rpc_error
+from specdec.rpc.server import MAX_MESSAGE_BYTES, grpc_options
+from specdec.rpc.step_client import StepStream
+from specdec.rpc.tls import Reloading
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,9 @@ class ServiceClients:
     """The coordinator's calls to every replica of the draft and the verify service, one typed
     method per call, each naming the replica (its ``host:port``). The per-round calls (Propose,
     Verify, Decode) of all its requests go over one Step stream per replica
-    (:mod:`coordinator.speculation.step_client`); the per-request ones (GetInfo, Prefill, Release)
+    (:mod:`specdec.rpc.step_client`); the per-request ones (GetInfo, Prefill, Release)
     are unary RPCs. Every call has a deadline; a failed call raises the matching
-    :class:`specdec.errors.SpecdecError` naming the replica, and one that found its replica
+    :class:`specdec.rpc.errors.SpecdecError` naming the replica, and one that found its replica
     unreachable makes discovery run again soon. Propose calls have the deadline
     ``propose_deadline`` (default: the ``rpc_timeout_s``); messages are limited to
     ``max_message_bytes`` each way. ``tls``: TLS to every service, None for plaintext; when its

@@ -10,21 +10,21 @@ import torch
 from llguidance import LLTokenizer
 from opentelemetry import trace
 
-from specdec.batching import SequenceStep
-from specdec.engine import Engine, Work
-from specdec.errors import FailedPrecondition
-from specdec.grammar import GrammarMatcher
-from specdec.kv import SequenceKV, prefill
-from specdec.logits_processors import process
-from specdec.sampling import logits_to_probs, round_generator, sample
-from specdec.sampling_params import SamplingParams
-from specdec.step_stream import wait_for_reply
-from specdec.structured_output import UNLIMITED, grammar_tokenizer
+from specdec.engine.batching import SequenceStep
+from specdec.engine.engine import Engine, Work
+from specdec.engine.kv import SequenceKV, prefill
+from specdec.engine.vocab import check_token_ids
+from specdec.rpc.errors import FailedPrecondition
+from specdec.rpc.step_server import wait_for_reply
+from specdec.rpc.wire import encode_distributions
+from specdec.sampling.grammar import GrammarMatcher
+from specdec.sampling.logits_processors import process
+from specdec.sampling.probs import logits_to_probs, round_generator, sample
+from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2
-from specdec.vocab import check_token_ids
-from specdec.wire import encode_distributions
 
 tracer = trace.get_tracer(__name__)
 
@@ -195,7 +195,7 @@ class _Propose(Work):
 
     With structured output the draft's logits are masked by the grammar as the target's are, so
     its tokens (and, under sampling, its q) stay within the grammar, and where the grammar forces
-    text (:meth:`specdec.grammar.GrammarMatcher.forced_tokens`) those tokens join the proposal
+    text (:meth:`specdec.sampling.grammar.GrammarMatcher.forced_tokens`) those tokens join the proposal
     without a forward of their own (jump-forward; q a point mass on each) and are fed to the model
     with the next step."""
 
@@ -318,7 +318,7 @@ class ModelDraftSession(DraftSession):
 
     Greedy: the argmax at each step. Sampling: draw from q = the sampling transform of the draft
     logits, seeded by (request seed, committed length), and return q for the acceptance test. Both
-    after the request's logits processors (:mod:`specdec.logits_processors`), as the target's.
+    after the request's logits processors (:mod:`specdec.sampling.logits_processors`), as the target's.
     ``window`` is the draft's context length in tokens: a context that would outgrow it gets no
     proposal, and the round becomes a plain decode step on the verify service.
     """

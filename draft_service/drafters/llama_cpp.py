@@ -1,5 +1,5 @@
 """A GGUF model run by llama.cpp (llama-cpp-python's low-level API) as the draft, batched: every
-session is one sequence of ONE llama.cpp context, and one engine loop (:mod:`specdec.engine`)
+session is one sequence of ONE llama.cpp context, and one engine loop (:mod:`specdec.engine.engine`)
 runs a ``llama_decode`` per draft position for the whole batch of sessions.
 
 The default draft is the target's own weights quantized (a quantized self-draft, as in ML-SpecQD,
@@ -54,14 +54,14 @@ import numpy as np
 import torch
 
 from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine
-from specdec.errors import ResourceExhausted
-from specdec.kv import SequenceKV
-from specdec.model_files import derived_path, load_tokenizer, resolve_model
-from specdec.sampling_params import SamplingParams
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.engine import Engine
+from specdec.engine.kv import SequenceKV
+from specdec.engine.model_files import derived_path, load_tokenizer, resolve_model
+from specdec.engine.vocab import vocab_fingerprint
+from specdec.rpc.errors import ResourceExhausted
+from specdec.sampling.sampling_params import SamplingParams
 from specdec.token_ids import common_prefix_length
-from specdec.vocab import vocab_fingerprint
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -96,7 +96,7 @@ REQUANTIZE_TYPES = {
 def requantized(path: str, type_name: str) -> str:
     """The GGUF at ``path`` re-quantized to ``type_name`` (a key of :data:`REQUANTIZE_TYPES`; ""
     keeps ``path``), converted once by llama.cpp's ``llama_model_quantize`` and cached (see
-    :func:`specdec.model_files.derived_path`); ``path`` itself when it already has that type.
+    :func:`specdec.engine.model_files.derived_path`); ``path`` itself when it already has that type.
 
     Why: llama.cpp runs some types far faster than others on a CPU. Q4_1, the type of the bundled
     SmolLM2, has no repacked (interleaved) CPU kernels; measured on a 2-core AVX-512 machine, one

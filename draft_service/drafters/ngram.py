@@ -1,11 +1,11 @@
-"""The ``ngram`` drafter: prompt lookup (:mod:`specdec.ngram`) as a draft service drafter. No
+"""The ``ngram`` drafter: prompt lookup (:mod:`specdec.lookups.ngram`) as a draft service drafter. No
 model: q is a point mass on each proposed token."""
 
 from collections.abc import Sequence
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
-from specdec.ngram import DRAFTER_NAME, NgramIndex
-from specdec.sampling_params import SamplingParams
+from specdec.lookups.ngram import DRAFTER_NAME, NgramIndex
+from specdec.sampling.sampling_params import SamplingParams
 
 
 class NgramSession(DraftSession):

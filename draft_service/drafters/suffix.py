@@ -1,12 +1,12 @@
-"""The ``suffix`` drafter: SuffixDecoding (:mod:`specdec.suffix`) as a draft service drafter. No
+"""The ``suffix`` drafter: SuffixDecoding (:mod:`specdec.lookups.suffix`) as a draft service drafter. No
 model: q is a point mass on each proposed token. The drafter's sessions share one cache of their
 outputs, so a request can draft what an earlier (or a concurrent) one generated."""
 
 from collections.abc import Sequence
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
-from specdec.sampling_params import SamplingParams
-from specdec.suffix import DRAFTER_NAME, ProposalLimits, SuffixCache, SuffixIndex
+from specdec.lookups.suffix import DRAFTER_NAME, ProposalLimits, SuffixCache, SuffixIndex
+from specdec.sampling.sampling_params import SamplingParams
 
 
 class SuffixSession(DraftSession):
@@ -29,8 +29,8 @@ class SuffixSession(DraftSession):
 class SuffixDrafter(Drafter):
     """``max_depth``: the suffix trees' depth in tokens (it bounds match length plus proposal
     length); ``max_cached_requests`` and ``max_cached_tokens``: the bounds of the output cache the
-    sessions share (:class:`specdec.suffix.SuffixCache`); ``max_spec_factor`` and
-    ``min_token_prob``: see :class:`specdec.suffix.ProposalLimits`. Raises ValueError for values
+    sessions share (:class:`specdec.lookups.suffix.SuffixCache`); ``max_spec_factor`` and
+    ``min_token_prob``: see :class:`specdec.lookups.suffix.ProposalLimits`. Raises ValueError for values
     out of range."""
 
     name = DRAFTER_NAME

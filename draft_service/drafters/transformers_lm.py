@@ -1,21 +1,21 @@
 """A transformers causal LM as the draft (for example Qwen2.5-0.5B drafting for Qwen2.5-7B),
-batched like the target: its sessions share one KV store (:class:`specdec.ragged_lm.RaggedLM`, within
+batched like the target: its sessions share one KV store (:class:`specdec.engine.ragged_lm.RaggedLM`, within
 its budget of ``kv_cache_max_bytes``) and one engine loop."""
 
 from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
-from specdec.engine import Engine
-from specdec.kv import SequenceKV
-from specdec.models import context_window, load_causal_lm
-from specdec.prefix_cache import DEFAULT_MAX_TOKENS
-from specdec.ragged_lm import RaggedLM
-from specdec.sampling_params import SamplingParams
-from specdec.vocab import tokenizer_fingerprint
+from specdec.engine.engine import Engine
+from specdec.engine.kv import SequenceKV
+from specdec.engine.models import context_window, load_causal_lm
+from specdec.engine.prefix_cache import DEFAULT_MAX_TOKENS
+from specdec.engine.ragged_lm import RaggedLM
+from specdec.engine.vocab import tokenizer_fingerprint
+from specdec.sampling.sampling_params import SamplingParams
 
 
 class TransformersDrafter(Drafter):
     """``max_num_seqs`` proposals share a step at most, of ``max_num_batched_tokens`` new tokens
     (prefill chunks fill what proposals leave); ``prefix_cache_max_tokens`` and
-    ``kv_cache_max_bytes`` as :class:`specdec.ragged_lm.RaggedLM`'s (None: prefix caching off; 0:
+    ``kv_cache_max_bytes`` as :class:`specdec.engine.ragged_lm.RaggedLM`'s (None: prefix caching off; 0:
     the automatic budget)."""
 
     name = "transformers"

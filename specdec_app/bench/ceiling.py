@@ -57,7 +57,7 @@ CPU_TARGET_PROCESSES = ("coordinator", "verify")
 def model_folder(vocabulary: str) -> Path:
     """Where the near-free model is saved: ``$SPECDEC_CACHE_DIR/near-free-model/<key>`` (default
     ``~/.cache/specdec``), the key a hash of the config, the seed and the tokenizer's
-    ``vocabulary`` fingerprint (:func:`specdec.vocab.tokenizer_fingerprint`), not of where the
+    ``vocabulary`` fingerprint (:func:`specdec.engine.vocab.tokenizer_fingerprint`), not of where the
     tokenizer was loaded from (the GGUF or its float copy: the same vocabulary)."""
     key = json.dumps({"config": NEAR_FREE_CONFIG, "seed": SEED, "vocabulary": vocabulary}, sort_keys=True)
     cache = Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
@@ -70,8 +70,8 @@ def near_free_model(console: Console | None = None) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.model_files import load_tokenizer
-    from specdec.vocab import tokenizer_fingerprint
+    from specdec.engine.model_files import load_tokenizer
+    from specdec.engine.vocab import tokenizer_fingerprint
 
     tokenizer = load_tokenizer(TOKENIZER)
     folder = model_folder(tokenizer_fingerprint(tokenizer))

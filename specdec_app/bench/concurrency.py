@@ -97,7 +97,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coordinator.api.client import FINISH_REASONS
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.bench import load_generator
@@ -458,8 +458,8 @@ def serve_model_source(target: str, dtype: str, console: Console) -> str:
     target, a float copy saved with ``save_pretrained`` (model, generation config, tokenizer with
     its chat template) under ``$SPECDEC_CACHE_DIR/serve-model/<key>`` (default
     ``~/.cache/specdec``; written once per GGUF file and dtype, outside the report folder)."""
-    from specdec.model_files import resolve_model
-    from specdec.models import load_causal_lm, parse_dtype
+    from specdec.engine.model_files import resolve_model
+    from specdec.engine.models import load_causal_lm, parse_dtype
 
     ref = resolve_model(target)
     if ref.gguf_file is None:
@@ -502,7 +502,7 @@ class ServeProcess:
     def command(self) -> list[str]:
         import torch
 
-        from specdec.models import parse_dtype
+        from specdec.engine.models import parse_dtype
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         command = [
@@ -895,8 +895,8 @@ def run_concurrency(config: ConcurrencyConfig, console: Console) -> dict:
 def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) -> dict:
     import transformers
 
-    from specdec.model_files import load_tokenizer
-    from specdec.models import load_causal_lm
+    from specdec.engine.model_files import load_tokenizer
+    from specdec.engine.models import load_causal_lm
 
     transformers.utils.logging.disable_progress_bar()
     pipelines = [m for m in config.methods if m != SERVE]
@@ -988,7 +988,7 @@ def _run_load_generator(config: ConcurrencyConfig, sequence: list[Question], clu
     prompt tokens with is the target's, saved to a temporary folder (nothing is downloaded)."""
     import tempfile
 
-    from specdec.model_files import load_tokenizer
+    from specdec.engine.model_files import load_tokenizer
 
     greedy = {"temperature": 0.0, "seed": config.seed}
     targets = []

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specdec.models import load_causal_lm
+from specdec.engine.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.pipeline_method import PipelineMethod, start_cluster

@@ -54,7 +54,7 @@ import grpc
 from rich.console import Console
 
 from coordinator.api.client import FINISH_REASONS, stream
-from specdec.server import GRPC_OPTIONS
+from specdec.rpc.server import GRPC_OPTIONS
 from specdec.timing import ms_since
 from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc
 from specdec_app.bench.ceiling import near_free_model

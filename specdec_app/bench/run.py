@@ -16,7 +16,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from specdec.models import load_causal_lm
+from specdec.engine.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.network import NetworkOptions, NetworkSetting

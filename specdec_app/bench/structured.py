@@ -7,7 +7,7 @@ Every method runs every prompt in one run, interleaved per prompt after a warm-u
 
 - ``plain``: plain constrained decoding in process, the reference: transformers' ``generate`` on
   the target with a logits processor that masks each step by the schema's grammar
-  (:class:`GrammarLogitsProcessor`, over :mod:`specdec.grammar`, the services' own module). Every
+  (:class:`GrammarLogitsProcessor`, over :mod:`specdec.sampling.grammar`, the services' own module). Every
   speedup is over it, and the constrained methods' token ids are compared with its;
 - ``<drafter>/adaptive``: the pipeline as deployed, with grammar-aware drafting (the draft masked
   by the grammar, the tokens it forces proposed without a forward and priced free by adaptive K);
@@ -39,9 +39,9 @@ import torch
 from rich.console import Console
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specdec.grammar import GrammarMatcher
-from specdec.models import load_causal_lm
-from specdec.structured_output import UNLIMITED, StructuredOutput, grammar_tokenizer
+from specdec.engine.models import load_causal_lm
+from specdec.sampling.grammar import GrammarMatcher
+from specdec.sampling.structured_output import UNLIMITED, StructuredOutput, grammar_tokenizer
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.pipeline_method import PipelineMethod, start_cluster

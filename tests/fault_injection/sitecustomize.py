@@ -3,7 +3,7 @@ and Python imports ``sitecustomize`` at start-up in every process (``specdec up`
 it starts). Once the file named by SPECDEC_TEST_ENGINE_FAULT_FILE exists, the verify engine's next
 scheduling pass raises (a bug in the loop itself, not in a call), after removing the file, so that
 the restarted service runs normally. Inert without the variable; the patch is applied when
-``specdec.engine`` is imported, so that processes which never import it (the coordinator) do not
+``specdec.engine.engine`` is imported, so that processes which never import it (the coordinator) do not
 import torch for it."""
 
 import importlib.abc
@@ -37,10 +37,10 @@ def _patch_after(loader) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``specdec.engine`` with the other finders and patches it once it has run."""
+    """Finds ``specdec.engine.engine`` with the other finders and patches it once it has run."""
 
     def find_spec(self, name, path, target=None):
-        if name != "specdec.engine":
+        if name != "specdec.engine.engine":
             return None
         others = (finder for finder in sys.meta_path if finder is not self)
         spec = next(filter(None, (finder.find_spec(name, path, target) for finder in others)), None)

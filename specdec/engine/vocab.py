@@ -7,7 +7,7 @@ side hashes its vocabulary, id by id, and the coordinator compares the hashes at
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
 
 
 def vocab_fingerprint(tokens: Iterable[str | bytes]) -> str:

@@ -3,17 +3,17 @@ every Step stream message: what the coordinator's placement scores replicas by a
 autoscaler scales on (docs/architecture.md#load-reports).
 
 Every figure is a read that costs O(1), so that the load can go with every message under load: the
-session registry's counts (:meth:`specdec.sessions.SessionRegistry.num_in_use`), each engine's
-counters (:meth:`specdec.engine.Engine.num_waiting_calls`,
-:meth:`specdec.engine.Engine.num_running_seqs`, no lock) and each model's KV usage
-(:meth:`specdec.batching.BatchedLM.kv_usage`: the store's lock for a sum over the sequences still
+session registry's counts (:meth:`specdec.rpc.sessions.SessionRegistry.num_in_use`), each engine's
+counters (:meth:`specdec.engine.engine.Engine.num_waiting_calls`,
+:meth:`specdec.engine.engine.Engine.num_running_seqs`, no lock) and each model's KV usage
+(:meth:`specdec.engine.batching.BatchedLM.kv_usage`: the store's lock for a sum over the sequences still
 prefilling only): 3.4 us a call with 64 sessions open, measured (docs/architecture.md#load-reports).
 """
 
 from collections.abc import Iterable
 
-from specdec.engine import Engine
-from specdec.sessions import SessionRegistry
+from specdec.engine.engine import Engine
+from specdec.rpc.sessions import SessionRegistry
 from specdec.v1 import common_pb2
 
 

@@ -1,4 +1,4 @@
-"""The service end of a Step stream (specdec/step_stream.py), driven directly: calls run as their
+"""The service end of a Step stream (specdec/rpc/step_server.py), driven directly: calls run as their
 starters (on the reading thread, replying at once or later from another thread), results that
 are ready travel in one message, errors come back as CallErrors."""
 
@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from specdec.delay_hook import delayed_starters
-from specdec.errors import NotFound
-from specdec.prom import ServiceMetrics
-from specdec.step_stream import StepCalls
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc.delay_hook import delayed_starters
+from specdec.rpc.errors import NotFound
+from specdec.rpc.step_server import StepCalls
 from specdec.v1 import common_pb2, verify_pb2
 
 

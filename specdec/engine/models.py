@@ -1,6 +1,6 @@
 """Model loading: a transformers causal LM in eval mode from a model spec. A GGUF model's first
 load saves the float copy that later loads read. Resolving a spec, where that copy lives and the
-tokenizer are :mod:`specdec.model_files`, which needs no torch.
+tokenizer are :mod:`specdec.engine.model_files`, which needs no torch.
 """
 
 import copy
@@ -10,7 +10,7 @@ import os
 import safetensors.torch
 import torch
 
-from specdec.model_files import ModelRef, converted_dir, hf_source, resolve_model
+from specdec.engine.model_files import ModelRef, converted_dir, hf_source, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def load_causal_lm(spec: str, dtype: str = "auto", device_map: str | None = None
     """Loads a transformers causal LM in eval mode.
 
     Args:
-        spec: see :func:`specdec.model_files.resolve_model`.
+        spec: see :func:`specdec.engine.model_files.resolve_model`.
         dtype: see :func:`parse_dtype`.
         device_map: accelerate device map (``auto`` spreads layers over every visible GPU);
             None puts the model on ``cuda`` when available, else on the CPU.

@@ -1,4 +1,4 @@
-"""The memory budget of a paged KV store (:class:`specdec.ragged_lm.RaggedLM`): its size in bytes,
+"""The memory budget of a paged KV store (:class:`specdec.engine.ragged_lm.RaggedLM`): its size in bytes,
 the automatic default, the admission watermark, and the usage a service reports.
 
 Each service that runs a transformers model (the verify service's target, the draft service's

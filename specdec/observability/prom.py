@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specdec.kv_budget import KVUsage
-from specdec.sessions import SessionRegistry
+from specdec.engine.kv_budget import KVUsage
+from specdec.rpc.sessions import SessionRegistry
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -25,7 +25,7 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 class EngineMetrics:
-    """What an engine (:mod:`specdec.engine`) reports per step and per call, and its prefills per
+    """What an engine (:mod:`specdec.engine.engine`) reports per step and per call, and its prefills per
     prefix-cache lookup; these report nothing (see :meth:`ServiceMetrics.engine_metrics` for the
     ones that do)."""
 
@@ -38,7 +38,7 @@ class EngineMetrics:
 
 class _KVCache(Collector):
     """The KV stores' budget, usage and preemptions (label ``engine``), read from each engine's
-    model (:meth:`specdec.batching.BatchedLM.kv_usage`) at every scrape; names as vLLM's
+    model (:meth:`specdec.engine.batching.BatchedLM.kv_usage`) at every scrape; names as vLLM's
     (``kv_cache_usage_perc``, ``num_preemptions_total``)."""
 
     def __init__(self) -> None:
@@ -193,9 +193,9 @@ class ServiceMetrics:
         calls_waiting: Callable[[], int] | None = None,
     ) -> EngineMetrics:
         """The metrics of the engine named ``engine`` (its label value); ``prefix_cache_tokens``
-        and ``kv_usage`` (its model's :meth:`specdec.batching.BatchedLM.prefix_cache_tokens` and
-        :meth:`specdec.batching.BatchedLM.kv_usage`; None: no KV budget metrics), and
-        ``calls_waiting`` (the engine's :meth:`specdec.engine.Engine.num_waiting_calls`; None: not
+        and ``kv_usage`` (its model's :meth:`specdec.engine.batching.BatchedLM.prefix_cache_tokens` and
+        :meth:`specdec.engine.batching.BatchedLM.kv_usage`; None: no KV budget metrics), and
+        ``calls_waiting`` (the engine's :meth:`specdec.engine.engine.Engine.num_waiting_calls`; None: not
         exported) are read at every scrape."""
         if self._engines is None:
             self._engines = _EngineFamilies(self.registry)

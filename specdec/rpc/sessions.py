@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SessionRegistry(Generic[S]):
         max_sessions: open sessions allowed at once; one more gets RESOURCE_EXHAUSTED.
         idle_timeout_s: a session unused this long (seconds) is released by :meth:`evict_idle`.
         lost: why a session is lost (its KV preempted by the model's store, see
-            :meth:`specdec.kv.SequenceKV.lost`), None while it is not; a lost session is released
+            :meth:`specdec.engine.kv.SequenceKV.lost`), None while it is not; a lost session is released
             by its next call, which fails with NOT_FOUND, or by :meth:`release_lost`.
     """
 
@@ -122,7 +122,7 @@ class SessionRegistry(Generic[S]):
 
     def acquire(self, session_id: str) -> tuple[S, Callable[[], None]]:
         """The session and the function that gives its lock back, held until then: a call served
-        on another thread (an engine's, :meth:`specdec.engine.Engine.submit`) gives it back there.
+        on another thread (an engine's, :meth:`specdec.engine.engine.Engine.submit`) gives it back there.
         Waits while another call holds it. Raises NotFound for an unknown id, and for a lost one
         (which it releases)."""
         with self._lock:

@@ -1,7 +1,7 @@
 """Logits processors: logit bias, min_tokens and the repetition, frequency and presence penalties.
 
 Both services apply them to their raw logits before the sampling transform
-(:func:`specdec.sampling.logits_to_probs`) or the greedy argmax, each position's from the tokens
+(:func:`specdec.sampling.probs.logits_to_probs`) or the greedy argmax, each position's from the tokens
 before it (the committed log, then the draft tokens before that position), so the draft and the
 target see the same processed distributions and speculation stays lossless against the target
 with the processors (invariant *lossless under constraints*, docs/architecture.md#invariants).
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.sampling_params import SamplingParams
+from specdec.sampling.sampling_params import SamplingParams
 
 
 def process(

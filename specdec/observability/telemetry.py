@@ -10,7 +10,7 @@ With tracing on, opentelemetry-instrumentation-grpc instruments every gRPC serve
 process opens (health checks excepted): each call is a span, and the W3C ``traceparent`` rides in
 the call's metadata, so one request is one trace across the coordinator, draft and verify
 processes. The long-lived Step streams are left out too: each call they carry has its own client
-and server span instead, its context in the call's header (:mod:`specdec.step_stream`). With
+and server span instead, its context in the call's header (:mod:`specdec.rpc.step_server`). With
 tracing off no provider is installed and every span is the API's no-op.
 """
 

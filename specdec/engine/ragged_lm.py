@@ -1,4 +1,4 @@
-"""A transformers causal LM as a :class:`specdec.batching.BatchedLM`: one forward over the new
+"""A transformers causal LM as a :class:`specdec.engine.batching.BatchedLM`: one forward over the new
 tokens of many sequences, each reading and writing its own KV in place.
 
 Layout (vLLM's flattened batch): the step's tokens are concatenated into one row of T tokens,
@@ -17,7 +17,7 @@ taking free blocks, so nothing copies when a sequence grows, and rollback
 (:meth:`RaggedLM.truncate`) only lowers the length.
 
 Memory, by bytes (docs/architecture.md#kv-memory-a-budget-in-bytes; the budget and its automatic
-default: :mod:`specdec.kv_budget`):
+default: :mod:`specdec.engine.kv_budget`):
 
 - *Budget*: the pool holds at most ``kv_cache_max_bytes`` (whole blocks). It starts at
   ``num_blocks`` blocks and doubles when every block is taken, up to the budget and never past
@@ -40,14 +40,14 @@ default: :mod:`specdec.kv_budget`):
   fit in its first quarter (so the halved pool is at most half used and does not grow back at
   the next block), and the freed memory is handed back (glibc's
   ``malloc_trim`` on a CPU, where the services keep freed memory otherwise, see
-  :mod:`specdec.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). The prefix
+  :mod:`specdec.engine.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). The prefix
   cache keeps its blocks (up to ``prefix_cache_max_tokens``, the memory the operator gives it):
   evicting them to shrink made a shared system prompt's next request prefill most of it again (its
   blocks lay above the live sequences'). No compaction: a block held high in the pool by a long
   sequence or the cache keeps the pool at its size until it is freed or evicted. Never during a
   forward (a free() then leaves it to the forward's end).
 
-Prefix caching (:mod:`specdec.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
+Prefix caching (:mod:`specdec.engine.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
 blocks full of committed tokens are registered as they fill (:meth:`RaggedLM.commit`), and a new
 sequence whose context begins with the same tokens takes those blocks into its block table
 (:meth:`RaggedLM.attach_prefix`), shared, never written again. A freed sequence's registered
@@ -106,10 +106,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.errors import ResourceExhausted
-from specdec.kv_budget import SETTING, KVUsage, automatic_budget, watermark_blocks
-from specdec.prefix_cache import ROOT, PrefixCache
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.kv_budget import SETTING, KVUsage, automatic_budget, watermark_blocks
+from specdec.engine.prefix_cache import ROOT, PrefixCache
+from specdec.rpc.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ class RaggedLM(BatchedLM):
     :data:`BLOCK_SIZE` positions. ``prefix_cache_max_tokens``: None leaves prefix caching off;
     else the most tokens the prefix cache keeps for freed sequences (rounded down to whole
     blocks; 0 still shares blocks between live sequences). ``kv_cache_max_bytes``: the pool's
-    budget in bytes (0: :func:`specdec.kv_budget.automatic_budget`); ``name`` names the store in
+    budget in bytes (0: :func:`specdec.engine.kv_budget.automatic_budget`); ``name`` names the store in
     refusals ("verify service"). The number of sequences is bounded by the service's session
     limit, their lengths by the context window and the budget.
 
@@ -496,7 +496,7 @@ class RaggedLM(BatchedLM):
         return self._cache.num_evictable * BLOCK_SIZE if self._cache is not None else 0
 
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        """As :meth:`specdec.batching.BatchedLM.forward`; a sequence freed or preempted (here, to
+        """As :meth:`specdec.engine.batching.BatchedLM.forward`; a sequence freed or preempted (here, to
         give another room, see the module docstring) does not run, and its logits are zeros."""
         counts = [len(step.token_ids) for step in steps]
         with self._lock:

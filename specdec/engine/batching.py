@@ -4,14 +4,14 @@ Terms (as vLLM's): a *sequence* is one session's KV in the model's shared KV sto
 ``seq_id``; a *step* is one forward of the model over the new tokens of every sequence in the
 batch (ragged: each sequence brings its own number of tokens: K + 1 for a verify, 1 for a decode,
 a chunk of a prefill); its *batched tokens* are their sum. A holder of a BatchedLM calls it ``lm``,
-and of one session's sequence in it (:class:`specdec.kv.SequenceKV`) ``kv_cache``.
+and of one session's sequence in it (:class:`specdec.engine.kv.SequenceKV`) ``kv_cache``.
 
 A sequence's cached length only changes by appending in :meth:`BatchedLM.forward`, by
 :meth:`BatchedLM.truncate` (rollback of rejected positions: a length change, never a copy) and, for
 a new sequence, by :meth:`BatchedLM.attach_prefix` (prefix caching: the KV of a context's beginning
 that the store already holds, see docs/architecture.md#prefix-caching).
 
-A store with a memory budget (:class:`specdec.ragged_lm.RaggedLM`) admits a new sequence by the
+A store with a memory budget (:class:`specdec.engine.ragged_lm.RaggedLM`) admits a new sequence by the
 bytes its context needs (:meth:`BatchedLM.admit`) and may *preempt* a sequence to give a running
 one room to grow (its KV dropped; :meth:`BatchedLM.lost` says why; vLLM's recompute preemption).
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kv_budget import KVUsage
+from specdec.engine.kv_budget import KVUsage
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SequenceStep:
 class BatchedLM(abc.ABC):
     """A model plus one KV store shared by many sequences. ``vocab_size``: the logits' width.
 
-    Not thread-safe by itself: one engine thread runs its steps (:mod:`specdec.engine`) and
+    Not thread-safe by itself: one engine thread runs its steps (:mod:`specdec.engine.engine`) and
     commits; other threads may only :meth:`free` a sequence and :meth:`attach_prefix` to a new one,
     which implementations make safe against a running step.
 
@@ -51,7 +51,7 @@ class BatchedLM(abc.ABC):
 
     @abc.abstractmethod
     def allocate(self) -> int:
-        """A new, empty sequence's id. Raises :class:`specdec.errors.ResourceExhausted` when the
+        """A new, empty sequence's id. Raises :class:`specdec.rpc.errors.ResourceExhausted` when the
         store has no room for another."""
 
     @abc.abstractmethod
@@ -94,7 +94,7 @@ class BatchedLM(abc.ABC):
 
     def admit(self, seq_id: int, length: int) -> None:  # noqa: B027 (a no-op for a store allocated up front)
         """Before a new sequence's prefill (after :meth:`attach_prefix`): reserves the KV of its first
-        ``length`` positions, or raises :class:`specdec.errors.ResourceExhausted` saying what to
+        ``length`` positions, or raises :class:`specdec.rpc.errors.ResourceExhausted` saying what to
         change when the store's memory budget cannot hold them with room left for the running
         sequences to grow."""
 

@@ -2,7 +2,7 @@
 
 One thread per model runs steps (continuous batching, as in vLLM and Orca): a step takes the
 pending work in arrival order, at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
-new tokens, runs one :meth:`specdec.batching.BatchedLM.forward` over all of it, and hands each
+new tokens, runs one :meth:`specdec.engine.batching.BatchedLM.forward` over all of it, and hands each
 sequence its slice of the logits: first to one pass per kind of work over all of that kind in the
 step (:meth:`Work.accept`: the verify's acceptance test for every sequence at once), then to each
 work's :meth:`Work.finish_step`. Sessions join and leave between steps; a step never waits for a
@@ -33,12 +33,12 @@ than its deadline gives up (its work is dropped unless a step already runs it); 
 A call is queued by :meth:`Engine.submit`, which returns at once and hands the outcome to the
 caller's callback from the engine's thread when the work is done; :meth:`Engine.run` waits for it
 instead. So a service can take many sessions' calls without a thread waiting for each (the Step
-streams, :mod:`specdec.step_stream`): the profile of the verify service under 64 streams put half
+streams, :mod:`specdec.rpc.step_server`): the profile of the verify service under 64 streams put half
 its GIL time in handing calls to pool threads and waking them (docs/architecture.md). The engine
 itself drops a queued call whose deadline passed or whose caller went away.
 
 KV memory (docs/architecture.md#kv-memory-a-budget-in-bytes): a model's KV store may preempt a
-sequence to give another room (:meth:`specdec.batching.BatchedLM.lost`); its calls, queued or in
+sequence to give another room (:meth:`specdec.engine.batching.BatchedLM.lost`); its calls, queued or in
 the step, then fail: NOT_FOUND (the session is gone: prefill it again), or RESOURCE_EXHAUSTED for
 a prefill (refused, as at admission). The step's other calls go on.
 
@@ -47,7 +47,7 @@ acceptance pass, the step's forward (every call in that step). The loop itself f
 scheduling or bookkeeping: a bug) is fatal: it is logged at CRITICAL with its traceback, every
 queued call fails with UNAVAILABLE, later ones at once, and the handler given to
 :meth:`Engine.watch` is called (the service reports NOT_SERVING and exits, so that its supervisor
-restarts it: :class:`specdec.server.Liveness`), rather than the daemon thread dying
+restarts it: :class:`specdec.rpc.server.Liveness`), rather than the daemon thread dying
 unseen while the service still reports SERVING.
 
 Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
@@ -69,9 +69,9 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
-from specdec.prom import EngineMetrics
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.observability.prom import EngineMetrics
+from specdec.rpc.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -254,7 +254,7 @@ class Engine:
     def num_waiting_calls(self) -> int:
         """Calls queued that no step has started yet (those a step runs, or ran a part of, are not
         counted). A counter kept as calls come and go: reading it takes no lock and costs O(1), so a
-        service can report it with every message (:mod:`specdec.service_load`)."""
+        service can report it with every message (:mod:`specdec.rpc.service_load`)."""
         return self._num_waiting
 
     def num_running_seqs(self) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
 from specdec.v1 import common_pb2
 
 # float32 softmax rows over a large vocabulary sum to 1 within about 1e-5

@@ -7,7 +7,7 @@ token, whose logits the next step needs. Rejected draft positions therefore vani
 reconcile, and the next logits equal those of a fresh prefill of the committed prefix (invariant
 *KV consistency*, docs/architecture.md#invariants).
 
-Names, the same on the draft and the verify side: ``lm`` is a :class:`specdec.batching.BatchedLM`,
+Names, the same on the draft and the verify side: ``lm`` is a :class:`specdec.engine.batching.BatchedLM`,
 a model together with the KV store its sequences share (``Target.lm``, a model drafter's ``lm``,
 ``Engine.lm``, ``SequenceKV.lm``); ``kv_cache`` is a :class:`SequenceKV`, one session's KV cache:
 its sequence in an ``lm``'s KV store (``TargetSession.kv_cache``, ``ModelDraftSession.kv_cache``),
@@ -35,15 +35,15 @@ from collections.abc import Callable, Sequence
 import torch
 from opentelemetry import trace
 
-from specdec.batching import BatchedLM, SequenceStep
-from specdec.engine import Engine, StepStats, Work
+from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.engine import Engine, StepStats, Work
 from specdec.token_ids import common_prefix_length
 
 tracer = trace.get_tracer(__name__)
 
 
 class SequenceKV:
-    """One session's sequence in a :class:`specdec.batching.BatchedLM`, with the bookkeeping rule
+    """One session's sequence in a :class:`specdec.engine.batching.BatchedLM`, with the bookkeeping rule
     of the module docstring. A batched step feeds it through :meth:`step` and :meth:`appended`;
     :meth:`extend` runs a forward of this sequence alone.
 
@@ -59,7 +59,7 @@ class SequenceKV:
 
     def attach_prefix(self, committed: Sequence[int]) -> int:
         """For a new sequence: takes the KV of the longest prefix of ``committed`` but its last
-        token that the model's store holds (:meth:`specdec.batching.BatchedLM.attach_prefix`);
+        token that the model's store holds (:meth:`specdec.engine.batching.BatchedLM.attach_prefix`);
         returns its length in tokens, also kept as ``num_cached_tokens``."""
         found = self.lm.attach_prefix(self.seq_id, committed[:-1])
         self.cached_tokens = list(committed[:found])
@@ -67,7 +67,7 @@ class SequenceKV:
         return found
 
     def admit(self, length: int) -> None:
-        """Reserves the KV of ``length`` positions in the store (:meth:`specdec.batching.BatchedLM.admit`).
+        """Reserves the KV of ``length`` positions in the store (:meth:`specdec.engine.batching.BatchedLM.admit`).
         Raises ResourceExhausted when its budget cannot hold them."""
         self.lm.admit(self.seq_id, length)
 
@@ -111,7 +111,7 @@ class SequenceKV:
         Within a session the committed log only grows by appending, so the comparison starts
         where the previous reconcile's committed part ended: O(K) per round, not O(context). For
         the same reason the cached committed tokens but the last committed one are never rolled
-        back again, and the model's store is told so (:meth:`specdec.batching.BatchedLM.commit`).
+        back again, and the model's store is told so (:meth:`specdec.engine.batching.BatchedLM.commit`).
         """
         agreed = common_prefix_length(self.cached_tokens, committed, min(self._agreed, len(self.cached_tokens)))
         keep = min(agreed, len(committed) - 1)
@@ -168,7 +168,7 @@ def prefill(
     """Prefills the new sequence ``kv_cache`` with ``committed``, in a ``prefill`` span: what the
     model's prefix cache holds of it is attached, the KV of all of it admitted (raises
     ResourceExhausted when the store's budget cannot hold it), and ``work`` runs the rest through ``engine``
-    (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.Engine.run`). By default
+    (``timeout_s`` and ``abandoned`` as in :meth:`specdec.engine.engine.Engine.run`). By default
     ``work`` is a :class:`PrefillWork`, which caches every committed token but the last (by the
     rule of the module docstring) and runs only when the cache lacks some of them; the verify
     side passes its own work, which also decodes the token after ``committed``. Counts the tokens

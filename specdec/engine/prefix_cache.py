@@ -1,7 +1,7 @@
 """The prefix cache of a paged KV store: full blocks of committed tokens, found again by content.
 
 Automatic prefix caching as vLLM's (Kwon et al. 2023, and vLLM v1's ``KVCacheManager``): a block
-of :data:`specdec.ragged_lm.BLOCK_SIZE` positions whose tokens are all committed is final, because
+of :data:`specdec.engine.ragged_lm.BLOCK_SIZE` positions whose tokens are all committed is final, because
 the keys and values at position p depend only on the tokens at positions <= p and rollback never
 goes below the committed length. Such a block is *registered* under a key made of its parent's
 (the block before it in its sequence) and its own token ids, so a later sequence whose context

@@ -11,10 +11,10 @@ grammar is an INVALID_ARGUMENT naming the part that failed, never a failure mid-
 JSON is generated in one fixed layout, as Python's ``json.dumps`` writes it inline (``", "``
 between items, ``": "`` after keys, no other whitespace): the layout small chat models write, and
 one that leaves no choice of whitespace, so punctuation and the keys of a schema are forced tokens
-(jump-forward, :meth:`specdec.grammar.GrammarMatcher.forced_tokens`) and whitespace cannot loop.
+(jump-forward, :meth:`specdec.sampling.grammar.GrammarMatcher.forced_tokens`) and whitespace cannot loop.
 
 No torch here, so the coordinator (which only validates) can use it; the per-position token masks
-are :mod:`specdec.grammar`.
+are :mod:`specdec.sampling.grammar`.
 """
 
 import json
@@ -25,7 +25,7 @@ from typing import Literal
 import llguidance
 from llguidance import LLMatcher
 
-from specdec.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument
 from specdec.v1 import common_pb2
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -105,7 +105,7 @@ class StructuredOutput:
 
     def grammar(self, limits: GrammarLimits) -> str:
         """The llguidance grammar text, not yet compiled against a vocabulary (the matcher,
-        :class:`specdec.grammar.GrammarMatcher`, does that, or :meth:`check`).
+        :class:`specdec.sampling.grammar.GrammarMatcher`, does that, or :meth:`check`).
 
         Raises:
             InvalidArgument: unknown kind, or text that is not valid JSON where JSON is expected;

@@ -30,8 +30,8 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
-from specdec.errors import InvalidArgument, SpecdecError, status_code
-from specdec.prom import ServiceMetrics
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc.errors import InvalidArgument, SpecdecError, status_code
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class StepCalls:
     ``error``) differ: a kind of call without a starter, or a starter for a kind the proto lacks.
 
     The fault tests' hook, holding chosen calls back, wraps the starters before they come here
-    (:func:`specdec.delay_hook.delayed_starters`).
+    (:func:`specdec.rpc.delay_hook.delayed_starters`).
     """
 
     def __init__(

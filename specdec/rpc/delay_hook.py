@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import context as otel_context
 
-from specdec.step_stream import Starter
+from specdec.rpc.step_server import Starter
 
 
 def parse_delays(pairs: list[str]) -> dict[str, float]:

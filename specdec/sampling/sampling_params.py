@@ -1,15 +1,15 @@
 """Sampling parameters of a request: the dataclass, its validation and its proto form.
 
 No torch here, so the coordinator (which only validates and forwards them) can use it; the
-logits -> probabilities transform that both services apply is :mod:`specdec.sampling`, and the
-logits processors (penalties, logit bias, min_tokens) are :mod:`specdec.logits_processors`.
+logits -> probabilities transform that both services apply is :mod:`specdec.sampling.probs`, and the
+logits processors (penalties, logit bias, min_tokens) are :mod:`specdec.sampling.logits_processors`.
 """
 
 import math
 from dataclasses import dataclass
 
-from specdec.errors import InvalidArgument
-from specdec.structured_output import StructuredOutput
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.structured_output import StructuredOutput
 from specdec.v1 import common_pb2
 
 
@@ -23,7 +23,7 @@ class SamplingParams:
     ``structured_output``: what the generated tokens must match (None: anything), compiled and
     checked where a tokenizer is at hand (:meth:`StructuredOutput.grammar`). ``logprobs``: the
     target returns each committed token's log-probability and its ``top_logprobs`` most likely
-    alternatives' (:mod:`specdec.logprobs`; the bound on ``top_logprobs`` is the target's
+    alternatives' (:mod:`specdec.sampling.logprobs`; the bound on ``top_logprobs`` is the target's
     vocabulary, checked where it is known).
     Raises InvalidArgument for a value out of range (NaN and infinities included)."""
 
@@ -74,7 +74,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """True when a logits processor is on (see :mod:`specdec.logits_processors`)."""
+        """True when a logits processor is on (see :mod:`specdec.sampling.logits_processors`)."""
         return bool(
             self.frequency_penalty
             or self.presence_penalty

@@ -1,6 +1,6 @@
 """gRPC server plumbing shared by the three services: message limits, INVALID_ARGUMENT for
-requests that do not parse (:mod:`specdec.decoding`), the standard health service, server
-reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.tls`), a bound
+requests that do not parse (:mod:`specdec.rpc.decoding`), the standard health service, server
+reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.rpc.tls`), a bound
 on the calls in progress (``maximum_concurrent_rpcs``: one more fails at once with
 RESOURCE_EXHAUSTED, gRPC's own behaviour, instead of queueing without bound), graceful shutdown on
 SIGTERM / SIGINT, and, for the draft and verify services, NOT_SERVING and an exit with
@@ -19,10 +19,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec import tls
-from specdec.decoding import AioRejectUndecodable, RejectUndecodable
-from specdec.delay_hook import DelayCalls, parse_delays
-from specdec.prom import ServiceMetrics
+from specdec.observability.prom import ServiceMetrics
+from specdec.rpc import tls
+from specdec.rpc.decoding import AioRejectUndecodable, RejectUndecodable
+from specdec.rpc.delay_hook import DelayCalls, parse_delays
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def start_server(
 
     ``register`` adds the servicers and returns their full service names; ``credentials`` (see
     :func:`server_credentials`): TLS, None for plaintext; ``rpc_delays_s``: the fault tests' hook
-    (:mod:`specdec.delay_hook`); ``maximum_concurrent_rpcs``: calls in progress at most (served
+    (:mod:`specdec.rpc.delay_hook`); ``maximum_concurrent_rpcs``: calls in progress at most (served
     by the ``max_workers`` handler threads or waiting for one; None: no bound), one more fails at
     once with RESOURCE_EXHAUSTED. Returns the started server and its bound port (useful when
     ``port`` is 0). Every service reports SERVING.
@@ -148,7 +148,7 @@ class _Servicer(Protocol):
 
 
 class _Watched(Protocol):
-    """A thread the service cannot go on without: an engine loop (:meth:`specdec.engine.Engine.watch`)."""
+    """A thread the service cannot go on without: an engine loop (:meth:`specdec.engine.engine.Engine.watch`)."""
 
     def watch(self, on_fatal: Callable[[str, BaseException], None]) -> None: ...
 
@@ -258,8 +258,8 @@ def start_service(
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
     full name reflection and health report; ``sessions`` the servicer's
-    :class:`specdec.sessions.SessionRegistry`, exported by ``servicer.metrics`` (a
-    :class:`specdec.prom.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
+    :class:`specdec.rpc.sessions.SessionRegistry`, exported by ``servicer.metrics`` (a
+    :class:`specdec.observability.prom.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
     :class:`specdec.settings.SessionServiceSettings` (its ``max_workers`` also bounds the calls in
     progress: :func:`service_max_concurrent_rpcs`).
     """

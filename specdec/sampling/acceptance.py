@@ -24,7 +24,7 @@ test reads (measured on CPU: the pass up to 1.6x slower with the copy).
 Under sampling, each sequence keeps its own generator (seeded per request and position by the
 caller) and the draws are exactly those the one-token-at-a-time rule makes, in the same order:
 one uniform per examined draft token, then the recovered or bonus token from ``torch.multinomial``
-(:func:`specdec.sampling.sample`). The uniforms of all K drafts are drawn up front; the generator
+(:func:`specdec.sampling.probs.sample`). The uniforms of all K drafts are drawn up front; the generator
 is then rewound and advanced by the uniforms the rule examined, so a seed gives the same tokens as
 before this was batched. The test compares ``u * q(x) < p(x)`` in float64, where products of
 float32 values are exact, as the per-token rule's Python floats did. The one draw per sequence
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.sampling import sample
+from specdec.sampling.probs import sample
 
 
 def _accepted_counts(passed: torch.Tensor) -> torch.Tensor:

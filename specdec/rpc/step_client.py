@@ -1,5 +1,5 @@
 """The coordinator's end of a Step stream (``VerifyService.Step``, ``DraftService.Step``; the
-service's end is :mod:`specdec.step_stream`): every request's per-round call to one service goes
+service's end is :mod:`specdec.rpc.step_server`): every request's per-round call to one service goes
 over one long-lived stream, and the calls its requests make at about the same time travel in one
 message (docs/architecture.md#the-serving-path-step-streams).
 
@@ -7,7 +7,7 @@ A call (:meth:`StepStream.call`) is queued and sent with the others queued in th
 the event loop; its result comes back matched by call id. Each call keeps its own deadline (sent
 along, so the service drops work whose caller gave up, and enforced here: a missed one raises
 UNAVAILABLE, as a unary call's DEADLINE_EXCEEDED does), its own error (the CallError the service
-sent, raised as the matching :class:`specdec.errors.SpecdecError`) and its own span (a client
+sent, raised as the matching :class:`specdec.rpc.errors.SpecdecError`) and its own span (a client
 span whose context travels in the call's header). When the stream fails (the service went away)
 every call in flight on it raises UNAVAILABLE, and the next call opens a new stream. A call that
 gave up at its deadline may still be answered later: its caller can learn the real round trip
@@ -26,8 +26,8 @@ import grpc
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
-from specdec.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
-from specdec.step_stream import oneof_kinds
+from specdec.rpc.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
+from specdec.rpc.step_server import oneof_kinds
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A request's grammar state over its generated tokens: the allowed-token mask at each position.
 
 One :class:`GrammarMatcher` per session, on each service, wraps an llguidance ``LLMatcher``
-compiled from the request's :class:`specdec.structured_output.StructuredOutput`. It follows the
+compiled from the request's :class:`specdec.sampling.structured_output.StructuredOutput`. It follows the
 committed log: :meth:`advance` by committed tokens, :meth:`rollback` by rejected ones, and
 :meth:`from_log` rebuilds it from the log alone (failover, a restarted service, a resume), which
 gives the state the live matcher has (tests/test_grammar.py). For speculation it gives the masks
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from specdec.errors import InvalidArgument
-from specdec.structured_output import GrammarLimits, StructuredOutput
+from specdec.rpc.errors import InvalidArgument
+from specdec.sampling.structured_output import GrammarLimits, StructuredOutput
 
 
 class GrammarMatcher:
@@ -35,7 +35,7 @@ class GrammarMatcher:
 
     def __init__(self, structured_output: StructuredOutput, tokenizer: llguidance.LLTokenizer, limits: GrammarLimits):
         """Compiles ``structured_output`` against ``tokenizer`` (from
-        :func:`specdec.structured_output.grammar_tokenizer`) within ``limits``. Raises
+        :func:`specdec.sampling.structured_output.grammar_tokenizer`) within ``limits``. Raises
         InvalidArgument for a spec that does not compile or exceeds a limit, naming its field."""
         grammar = structured_output.grammar(limits)
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits.parser_limits())

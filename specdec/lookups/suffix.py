@@ -15,7 +15,7 @@ these is the proposal's confidence at that position. A proposal stops when the c
 below ``min_token_prob``, after ``max_spec_factor * n`` tokens (short matches propose little), at
 ``max_depth`` or at K. Its score is the sum of the confidences, the expected number of accepted
 tokens were the counts the truth; the best score over both trees and every n is proposed.
-Model-free like :mod:`specdec.ngram`, which proposes what followed the latest match instead.
+Model-free like :mod:`specdec.lookups.ngram`, which proposes what followed the latest match instead.
 """
 
 import itertools

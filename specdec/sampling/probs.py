@@ -3,14 +3,14 @@
 Both sides must apply exactly the same transform (temperature, then top-k, then top-p, the order
 transformers and vLLM use) so that the acceptance test compares like with like (invariant
 *lossless, sampling*, docs/architecture.md#invariants). The parameters themselves (validation,
-proto form) are :class:`specdec.sampling_params.SamplingParams`.
+proto form) are :class:`specdec.sampling.sampling_params.SamplingParams`.
 """
 
 import hashlib
 
 import torch
 
-from specdec.sampling_params import SamplingParams
+from specdec.sampling.sampling_params import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""What every service exports: Prometheus metrics and their endpoint, tracing and logging set-up."""
