@@ -1,6 +1,6 @@
 """The service end of a Step stream (specdec/rpc/step_server.py), driven directly: calls run as their
 starters (on the reading thread, replying at once or later from another thread), results that
-are ready travel in one message, errors come back as CallErrors."""
+are ready travel in one message, one step's results always do, errors come back as CallErrors."""
 
 import queue
 import threading
@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from specdec.handoff import together
 from specdec.observability.prom import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters
 from specdec.rpc.errors import NotFound
@@ -63,6 +64,30 @@ def test_results_ready_together_travel_in_one_message(metrics):
     time.sleep(0.05)  # every handler has put its result
     (results,) = list(stream)  # one message, then the stream ends: the caller closed and all are answered
     assert sorted((r.call_id, r.decode.token_id) for r in results) == [(i, 100 + i) for i in range(1, 9)]
+
+
+def test_the_results_one_step_hands_together_travel_in_one_message(metrics):
+    """Replies handed within one together() block (as the engine hands a step's outcomes) go out
+    as one message, however slowly they are handed and however eagerly the stream reads."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+
+    def decode(request, timeout_s, abandoned, reply):
+        pending.put((int(request.session_id), reply))
+
+    calls = [decode_call(i, str(i)) for i in range(1, 7)]
+    stream = step_calls(metrics, decode).serve(iter([verify_pb2.VerifyStepRequest(calls=calls)]), Context())
+    replies = [pending.get(timeout=10) for _ in calls]
+
+    def engine() -> None:  # two steps of three calls each, a pause between hand-offs
+        for step in (replies[:3], replies[3:]):
+            with together():
+                for token_id, reply in step:
+                    reply(verify_pb2.DecodeResponse(token_id=token_id))
+                    time.sleep(0.05)
+
+    threading.Thread(target=engine).start()
+    messages = [sorted(r.decode.token_id for r in results) for results in stream]
+    assert messages == [[1, 2, 3], [4, 5, 6]]
 
 
 def test_each_call_gets_its_deadline_and_fails_as_its_unary_rpc_would(metrics):

@@ -70,6 +70,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.handoff import together
 from specdec.observability.prom import EngineMetrics
 from specdec.rpc.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 
@@ -492,15 +493,17 @@ class Engine:
         return failed
 
     def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
-        """Takes the step's finished calls out of the queue, then hands each its outcome."""
+        """Takes the step's finished calls out of the queue, then hands each its outcome, together
+        (:func:`specdec.handoff.together`: a Step stream sends one step's results in one message)."""
         with self._cond:
             self._recent = [set(), self._recent[0]]
             finished = set(map(id, (entry for entry, _ in outcomes)))
             self._queue = [entry for entry in self._queue if id(entry) not in finished]
             self._recent[0].update(entry.work.seq_id for entry, _ in outcomes)
             self._step_end = time.perf_counter()
-        for entry, err in outcomes:
-            self._hand(entry, err)
+        with together():
+            for entry, err in outcomes:
+                self._hand(entry, err)
 
     def _turnaround_s(self) -> float:
         """The callers' turnaround (holding the condition), s: the time within which three

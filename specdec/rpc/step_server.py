@@ -10,9 +10,10 @@ of call is served by a *starter* (the verify service's Verify and Decode, the dr
 Propose): it starts on the thread that reads the stream, queues its work on the engine and
 returns, and the reading thread goes on; the engine's thread replies when the work is done, so no
 thread waits per call (a model-free drafter's Propose, which needs no forward, replies at once).
-Outgoing messages take every result ready when one is sent: the calls of one engine step finish
-together, so they usually travel together. The stream ends when the caller closes its side and
-every call it sent has been answered, or at once when the caller goes away.
+The engine hands one step's outcomes together (:mod:`specdec.handoff`), so a step's results for
+one stream go out in one message; a message also takes any other results ready when it is sent.
+The stream ends when the caller closes its side and every call it sent has been answered, or at
+once when the caller goes away.
 """
 
 import logging
@@ -30,6 +31,7 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
+from specdec.handoff import Outbox
 from specdec.observability.prom import ServiceMetrics
 from specdec.rpc.errors import InvalidArgument, SpecdecError, status_code
 from specdec.v1 import common_pb2
@@ -94,6 +96,7 @@ class StepCalls:
         returns the outgoing messages' results: lists of results, each list one message, until the
         stream ends (see the module docstring)."""
         done: queue.SimpleQueue = queue.SimpleQueue()
+        outbox = Outbox(done.put)
         in_flight = _Counter()
         abandoned = lambda: not context.is_active()  # noqa: E731
 
@@ -102,10 +105,10 @@ class StepCalls:
                 for message in requests:
                     in_flight.add(len(message.calls))
                     for call in message.calls:
-                        self._start(call, time.monotonic(), abandoned, done.put)
+                        self._start(call, time.monotonic(), abandoned, outbox.put)
             except Exception:  # the caller went away (cancelled, connection lost)
                 log.debug("a Step stream ended on the caller's side", exc_info=True)
-            done.put(_END)
+            done.put([_END])
 
         threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
         return _answers(done, in_flight, context)
@@ -180,8 +183,9 @@ def _timeout_s(timeout_ms: float, received: float) -> float | None:
 
 
 def _answers(done: queue.SimpleQueue, in_flight: "_Counter", context: grpc.ServicerContext) -> Iterator[list]:
-    """Every result ready when the last message went out, as the next message, until the caller
-    has closed its side and every call is answered, or the caller is gone."""
+    """Every result ready when the last message went out (``done`` holds lists of them, one per
+    hand-off), as the next message, until the caller has closed its side and every call is
+    answered, or the caller is gone."""
     ended = False
     while context.is_active() and not (ended and in_flight.value == 0):
         try:
@@ -189,7 +193,7 @@ def _answers(done: queue.SimpleQueue, in_flight: "_Counter", context: grpc.Servi
         except queue.Empty:
             continue
         results = []
-        for item in (first, *_drain(done)):
+        for item in (item for handed in (first, *_drain(done)) for item in handed):
             if item is _END:
                 ended = True
             else:
