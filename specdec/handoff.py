@@ -41,7 +41,8 @@ def together() -> Iterator[None]:
     if getattr(_local, "held", None) is not None:
         yield
         return
-    _local.held = held = {}
+    held: dict[Outbox, list[Any]] = {}
+    _local.held = held
     try:
         yield
     finally:
