@@ -82,7 +82,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     ``grammar_aware_drafting`` False: sessions are opened without the request's structured output,
     so model drafters draft without the grammar's mask and jump-forward, and only the verify
     service's cut keeps their proposals in the grammar (vLLM's and SGLang's behaviour; for
-    comparison, ``specdec bench --structured``)."""
+    comparison, ``specdec bench structured``)."""
 
     def __init__(
         self,

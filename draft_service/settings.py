@@ -37,11 +37,9 @@ class DraftSettings(SessionServiceSettings):
         description="CPU niceness of every thread of the service, set at start (Linux). Where the draft runs on "
         "the target's cores (one machine, no device of its own; the coordinator's draft_shares_target_cores), 19 "
         "leaves the draft only the CPU the target's steps do not take: those run on threads that wait for each "
-        "other, so a draft thread on one of their cores slows a whole step (2 CPU cores: a verify step of 14 "
-        "decodes took 3.6x as long beside a one-thread llama.cpp prefill at niceness 0, 1.02x at 19; "
-        "scripts/profile_step.py --draft-nice 0,19). The price at "
-        "batch 1: drafting ahead then waits for the target's step (2 cores, K = 8: 1.73-1.77x plain decoding "
-        "against 1.83x at 0). specdec bench --concurrency starts the draft at 19 (--ceiling at 0).",
+        "other, so a draft thread on one of their cores slows a whole step. The price at batch 1: drafting ahead "
+        "then waits for the target's step (measured in docs/architecture.md, Serving under load). "
+        "specdec bench concurrency starts the draft at 19 (specdec bench ceiling at 0).",
     )
     llama_cpp_n_gpu_layers: int = Field(0, description="Layers llama.cpp offloads to the GPU (-1 = all).")
     llama_cpp_max_num_seqs: int = Field(

@@ -46,8 +46,7 @@ class VerifySettings(SessionServiceSettings):
         ge=0,
         le=1,
         description="...or up to this share of the last step's forward time where longer: a call that misses a "
-        "step waits a whole one, and the clients' turnaround grows with the batch (on a CPU, where a step of 16 "
-        "sequences takes hundreds of ms, 16 rounds came back over 10-20 ms). 0: batch_wait_ms alone.",
+        "step waits a whole one, and the clients' turnaround grows with the batch. 0: batch_wait_ms alone.",
     )
     batch_wait_turnaround: bool = Field(
         True,

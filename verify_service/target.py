@@ -357,9 +357,8 @@ class _FirstToken(_Verify):
     """``Prefill(decode=true)``'s work: the prompt's tokens the prefix cache lacks, scheduled as a
     prefill (after the step's decoding work, a chunk of the step's leftover token budget at a
     time), and in the step of the chunk that holds the prompt's last token the decode of the
-    token after it, from that chunk's last row. A 769-token prompt on an idle engine with a
-    512-token budget is two forwards (512 and 257 tokens), where a prefill followed by a decode
-    chunk of at most half the budget took three (512, 1 and 256)."""
+    token after it, from that chunk's last row, so a prompt takes as many forwards as its chunks
+    (docs/architecture.md#one-round)."""
 
     is_prefill = True
 

@@ -34,9 +34,7 @@ the target, by the same measure (SmartSpec's greedy marginal goodput over their 
 requests sharing a step do not each take the tokens that pay for one of them alone. W counts the others'
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
-others' decode tokens. Counted as B x g alone, a step full of prefill chunks made a lookup's
-tokens look cheap next to it: 16 requests at a time on 2 CPU cores, prompts of up to 926 tokens,
-ran lookups in 734 of 1,217 rounds at 35% acceptance (with W: 558 of 1,360 at 47%).
+others' decode tokens. Why: docs/architecture.md#serving-under-load-one-engine-loop-per-model.
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.lookups.ngram`, what
@@ -56,7 +54,7 @@ and punctuation of a JSON schema), its tokens are free proposals, costing no dra
 draft's model drafters open their proposals with them and jump over them again after each drafted
 token (jump-forward), and say which tokens were forced (``ProposeResponse.forced``); the
 coordinator follows the grammar too (:class:`specdec.sampling.grammar.ForcedTokenLookup`, llguidance
-without torch, a few µs a round), so it knows the f tokens forced next before a round. They count
+without torch), so it knows the f tokens forced next before a round. They count
 twice: as a lookup of their own (a round of the forced tokens alone: no draft call at all; its
 per-position estimates observed every round, like n-gram's), and as the free head of the model
 drafter's options: option K = f + d costs d draft tokens, its expected tokens are the forced
@@ -107,9 +105,8 @@ class AcceptanceModel:
     ``observed``: the leading positions this model has seen a round reach. A position past them
     counts at least the deepest observed position's rate (optimism under uncertainty): positions
     are only observed by rounds that draft that far, so with estimates kept as they started there,
-    a choice of K that stayed short (because the starting estimates were low) never learned that
-    longer proposals pass too. Tried on open-ended prompts where K = 8 accepted 91% of its drafts,
-    adaptive K fell 12-13% short of fixed K = 8 that way."""
+    a choice of K that stayed short (because the starting estimates were low) would never learn
+    that longer proposals pass too."""
 
     rates: list[float]
     weight: float = 0.25
@@ -158,11 +155,9 @@ class StepCosts:
     round trip of a Propose beyond the draft service's own time (gRPC, the streams' threads, the
     network between the coordinator and the draft), learnt from every Propose that answers, asked
     for in a round or drafted ahead: a round that asks for its proposal waits for it whole, and a
-    proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`).
-    (Learnt only from rounds that asked, a round trip measured under load lingered after it:
-    requests alone after a burst of 32 on 2 CPU cores, drafting ahead so that few rounds asked,
-    drafted about one token a round instead of 5-6. Capping it at ``overhead_ms`` instead priced
-    a network to the draft alone at the verify call's loopback round trip.) Seeded from
+    proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`);
+    learnt from every answer so that a round trip measured under load does not linger once
+    few rounds ask (docs/architecture.md#design-decisions). Seeded from
     the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
     rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
 
@@ -209,15 +204,10 @@ class StepCosts:
         round trip in it: over a network to the draft alone, the coordinator beside the verify
         service, a proposal drafted ahead is ready a round trip after the verify's answer), and a
         round whose proposal was not drafted ahead on its branch (probability 1 -
-        ``hit_probability``) also for a proposal of its own, round trip included. On a 2-core CPU
-        with the llama.cpp draft on one core (13 ms a forward) and the target on the other (a
-        9-token verify 83 ms), K = 8 waited 67 ms a round for its proposals and K = 4 19 ms, and
-        K = 4 was the faster (2.37x plain decoding against 2.25x, 5 prompts): priced at K times the
-        wait per token, linear in K, they looked alike. The round trip unpriced, a drafter whose
-        forwards cost nothing (a model-free one) looked exactly as cheap as plain decode beside a
-        verify step whose cost does not grow with K (a near-free model): any acceptance estimate
-        above 0 then kept it drafting, every draft rejected (so failed a clean-clone run of the
-        suite's fallback test)."""
+        ``hit_probability``) also for a proposal of its own, round trip included. Why not K times
+        the wait per token: the wait is not linear in K (docs/architecture.md#design-decisions);
+        the round trip is priced so that a drafter whose forwards cost nothing never looks as
+        cheap as plain decode."""
         asked = self.propose_call_ms + drafted * self.draft_ms_per_token  # a proposal asked for, and waited for
         if hit_probability is None:
             return asked
@@ -228,19 +218,17 @@ class StepCosts:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
         :meth:`observe`): a miss's moves the estimate either way, another round's only down (its
         catch-up overstates a forward, never understates it), and no proposal raises it by more
-        than ``weight`` (a draft service paused mid-proposal reports seconds: the fault tests stop
-        it with SIGSTOP; an estimate that high kept every later request off the draft, with no
-        round left to correct it)."""
+        than ``weight`` (a draft service paused mid-proposal reports seconds; an estimate that high
+        would keep every later request off the draft, with no round left to correct it)."""
         ms = min(ms, 2.0 * self.draft_ms_per_token)
         if miss or ms < self.draft_ms_per_token:
             self.draft_ms_per_token = ema(self.draft_ms_per_token, ms, self.weight)
 
     def _verify_ms(self, k: int, others_tokens: float) -> float:
-        """A verify call of k drafts: alone, the plain step (k = 0) as measured and a verify round
-        from the line through every K's measurement (one start-up measurement per K, refreshed
-        only by the rounds that use that K, is too noisy to compare K by: on SmolLM2, 2 CPU cores,
-        the start-up ms for K = 0..8 read 75, 101, 122, 95, 82, 92, 102, 86, 93); under load, the
-        line at the step's batched tokens."""
+        """A verify call of k drafts, in ms: alone, the plain step (k = 0) as measured and a verify
+        round from the line through every K's measurement (one start-up measurement per K,
+        refreshed only by the rounds that use that K, is too noisy to compare K by); under load,
+        the line at the step's batched tokens."""
         if others_tokens <= 0 and k == 0:
             return self.verify_ms[0]
         return self.step_ms(others_tokens + k + 1)
@@ -249,16 +237,13 @@ class StepCosts:
         """A verify call's ms at ``num_tokens`` batched tokens: the least-squares line through the
         measured points (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), its slope
         at least 0. A line rather than an interpolation: on a shared CPU one measurement varies by
-        up to 2x, and a dip between two points made the tokens up to the next look free. The plain
-        step (1 token) stays out of the line when there are two points besides it: on a CPU it
-        runs a matrix-vector product, cheaper per token than any step of several tokens.
+        up to 2x, and a dip between two points would make the tokens up to the next look free. The
+        plain step (1 token) stays out of the line when there are two points besides it: on a CPU
+        it runs a matrix-vector product, cheaper per token than any step of several tokens.
         The batched points are steps of decoding work only (no prefill chunk, see :meth:`observe`):
         the slope is what a draft token adds to a step, and a prefill chunk's tokens cost less
-        (no logits; one matrix product per chunk). On SmolLM2, 2 CPU cores, beside 14 decodes
-        (``scripts/profile_step.py``) a verify token added 4.5 ms and a token of a 128-token chunk
-        1.3; with the prefill steps of a burst of 16 in the line its slope read 1.85 ms a token,
-        which made lookups at 44% acceptance look worth their verify tokens (they cost the verify
-        service 17% more CPU per generated token than plain decoding)."""
+        (no logits; one matrix product per chunk).
+        Why: docs/architecture.md#serving-under-load-one-engine-loop-per-model."""
         intercept, slope = self.line()
         return intercept + slope * num_tokens
 
@@ -280,7 +265,7 @@ class StepCosts:
         cache did not hold) that took ``ms`` (its wall time: on shared cores, slowed by the target's
         steps as much as it slows them). Weighted at least half on the newest: a request opens its
         draft at most a few times, and the first openings under a burst take several times what
-        they take alone (16 requests on 2 CPU cores: 3-4 s for a 770-token context)."""
+        they take alone."""
         if num_tokens > 0:
             weight = max(self.weight, 0.5)
             self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
@@ -291,18 +276,14 @@ class StepCosts:
         the step that served it (``record.step_ms``; a service reporting no step: its handling
         time); the rest of the round (less the draft's time and its wait for that step,
         ``record.queue_ms``) to ``overhead_ms``, paid by every kind of round. Not kept per kind:
-        a cost learnt only from the kind that runs left the other at its seed; counted that way,
-        plain decode was priced at 10-70x its step while the draft was closed, and every request
-        opened its draft at its second round (16 requests at once after prompts of up to 926
-        tokens, 2 CPU cores). The Propose call's round trip beyond the draft's time (1-2 ms on a
-        CPU) is the exception, kept apart (``propose_call_ms``): only a round that asks for a
-        proposal pays it whole; every Propose answered for the round, asked for or drafted ahead,
-        measures it (``record.propose_call_ms``, ``record.ahead_call_ms``). The
-        wait for the step is priced nowhere: it is the service running other sequences' work
-        (their prefill chunks, under a burst), which their steps count (W), not time the batch
-        loses. Priced as a cost of every round, the 300-600 ms waits of a burst's
-        prefill made a round's fixed part so large that a request opened its draft at its first
-        token with 15 others running (16 requests on 2 CPU cores).
+        a cost learnt only from the kind that runs would leave the other at its seed. The Propose
+        call's round trip beyond the draft's time is the exception, kept apart
+        (``propose_call_ms``): only a round that asks for a proposal pays it whole; every Propose
+        answered for the round, asked for or drafted ahead, measures it
+        (``record.propose_call_ms``, ``record.ahead_call_ms``). The wait for the step is priced
+        nowhere: it is the service running other sequences' work (their prefill chunks, under a
+        burst), which their steps count (W), not time the batch loses. Why both:
+        docs/architecture.md#serving-under-load-one-engine-loop-per-model.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
         cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
@@ -362,10 +343,8 @@ class Load:
         ``num_seqs`` in it, ``num_running_seqs`` running on the service, the request included),
         where larger than the coordinator's count of its own requests at the request's start: the
         others, each taken to bring one token (their prefill chunks in the step are not told
-        apart from the request's own). Without it the first requests of a burst saw themselves
-        almost alone until their first round reported the service's load, and opened their draft
-        (16 requests at once on 2 CPU cores: 770- and 661-token contexts prefilled on the draft
-        after the first token, never used)."""
+        apart from the request's own), so that the first requests of a burst do not see
+        themselves alone until their first round reports the service's load."""
         others = max(num_running_seqs, num_seqs) - 1
         self.others_seqs = max(self.others_seqs, others)
         self.others_tokens = max(self.others_tokens, others)
@@ -384,9 +363,8 @@ class LookupLedger:
     commit to match plain decode's goodput at the round's load and costs) and gains the draft
     tokens accepted. Once the lookups have drafted ``trial_tokens`` and gained less than they
     owed, they stay off for the rest of the request: no more lookups are made, which saves their
-    CPU on the coordinator and their rejected rows on the verify service (the losing cells of
-    docs/benchmark.md's fixed-K sweep, 32 requests: lookups chosen in 14% of rounds at 50%
-    acceptance, where the step's price wanted over 90%). Estimates that are right need no ledger;
+    CPU on the coordinator and their rejected rows on the verify service (why:
+    docs/architecture.md#under-load-where-adaptive-k-lost-to-k--0). Estimates that are right need no ledger;
     the ledger catches those that are chosen when they read high (an EMA rising after a run of
     passes) and fail as often as not."""
 
@@ -419,10 +397,8 @@ class AdaptiveK:
     (later where a probe costs more, see :meth:`_rounds_between_probes`), the first round that
     plain decode wins (the fallback) asks it for ``probe_k`` tokens anyway, so that a request whose
     text becomes predictable is noticed. The rounds a lookup wins count too (they teach nothing
-    about the drafter), but are not replaced by a probe: counted only while plain decode won in a
-    row, a lookup round now and then kept a request from ever probing (an adaptive self-draft
-    request of 400 tokens in the fault tests ran plain decode and 21 lookup drafts, none accepted,
-    and never asked its draft, whose every token would have passed).
+    about the drafter), but are not replaced by a probe, so that lookup rounds now and then cannot
+    put the probe off for good.
     ``lookups[name][i]`` is the acceptance of lookup ``name``'s proposals from a suffix match of
     i + 1 tokens (the last one: of that many or more)."""
 
@@ -592,15 +568,11 @@ class AdaptiveK:
         spread over the ``remaining`` tokens the request may still generate (0: not priced), or
         plain decode is and a probe is due, the probe's cost including its share of the opening
         (:meth:`_opening_share`), with more than ``probe_interval`` tokens left: what a probe finds
-        out pays in the rounds after it, and a request near its end has none (16 requests on 2 CPU
-        cores: one opened its draft with 2 tokens left, prefilling a 660-token prompt for a probe
-        of 1). A request
-        opens its draft only then, so that on a loaded service, where speculation does not pay, no
-        draft prefill takes the shared hardware from the target's steps. Priced because it is most
-        of what the draft costs there: 16 requests of 64 tokens after prompts of up to 926 tokens
-        on 2 CPU cores, where speculation paid for the rounds after the opening but not for the
-        opening, had the draft's prefills take 26-45 ms of CPU per generated token while 2-6
-        rounds used it."""
+        out pays in the rounds after it, and a request near its end has none. A request opens its
+        draft only then, so that on a loaded service, where speculation does not pay, no draft
+        prefill takes the shared hardware from the target's steps; the opening is priced because
+        it is most of what the draft costs there
+        (docs/architecture.md#serving-under-load-one-engine-loop-per-model)."""
         if not self.drafter:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
@@ -614,13 +586,9 @@ class AdaptiveK:
         """A probe's share of ``open_ms``, the draft's opening: the session stays open for every
         probe the ``remaining`` tokens allow (one per ``probe_interval`` tokens at most), so each
         pays its part of it, and a probe with no later one (or ``remaining`` 0, unknown) all of it.
-        Priced in full, the opening grows by the prefill of one token each plain round, which
-        puts the probe off by ``probe_interval`` x that / a plain round's ms: once that reached a
-        round (a draft whose prefill per token, seeded at its forward / 16, costs a plain round /
-        ``probe_interval``: a forward as slow as the plain round) the probe never came. An adaptive
-        self-draft request of 400 tokens in the fault tests, whose draft is as slow as the tiny
-        target, ran on plain decode to its end in 4 of 10 suite runs without asking its draft, every
-        token of which would have passed."""
+        Not in full: the opening grows by the prefill of one token each plain round, which puts
+        the probe off by ``probe_interval`` x that / a plain round's ms, so with a draft as slow as
+        the plain round the probe would never come."""
         if remaining <= self.probe_interval:
             return open_ms
         return open_ms * self.probe_interval / remaining
@@ -628,11 +596,9 @@ class AdaptiveK:
     def _could_win(self, matches: Matches | None) -> bool:
         """Under load, whether the model drafter, were every draft token of it accepted, would be
         this round's best option at the current load and costs: a probe measures its acceptance,
-        so where even a drafter always right loses, no probe can find it worth using. On a loaded
-        service whose draft shares the target's cores (no draft-ahead to hide it) that is most
-        rounds (16 requests of 64 tokens on 2 CPU cores: probes opened the draft for 5-8 rounds in
-        all, each prefilling the request's context, 3.5-5 ms of the draft's CPU per generated
-        token). Alone, True: a probe also measures the draft's cost, whose start-up measurement
+        so where even a drafter always right loses, no probe can find it worth using (on a loaded
+        service whose draft shares the target's cores, most rounds). Alone, True: a probe also
+        measures the draft's cost, whose start-up measurement
         can read several times too high (taken while the other services load), and a request
         alone is where that estimate is put right."""
         if self.load.others_seqs < 1:
@@ -713,8 +679,8 @@ class AdaptiveState:
     model drafter's estimates never seen: optimistic, so that the first requests try it and measure
     it (its acceptance is observed only in the rounds that use it). ``lookup_prior_rate`` seeds the
     lookups': a coin toss, as their acceptance is observed every round whether used or not,
-    and an optimistic start made the first requests on a loaded service verify long lookups that
-    mostly failed (4 requests at once, each its first: 66 drafts, 11 accepted, in 25 rounds).
+    and an optimistic start would have the first requests on a loaded service verify long lookups
+    that mostly fail.
     ``forced_prior_rate`` seeds the forced-token lookup's: high, as the target is masked by the same
     grammar, so a forced token fails only where the grammar also allows another tokenization of
     the same text; it is observed every round too. ``step_budget``: the requests on one target

@@ -12,9 +12,8 @@ it is prefilled again under a new session id (so a late call to the old one cann
 Propose that missed its deadline is the exception: the session is kept, and if the draft answers
 the call late (it was slowed by a burst of load, not hung), the session is used again at once with
 what that call carried; only when no answer came within ``retry_s`` is it released and prefilled
-again. Without this, a burst of requests arriving together made every first Propose miss the
-deadline learnt at low load, and every request ran without the draft for ``retry_s`` and a new
-prefill (the near-free ceiling's 64 requests: 63 missed at once, mean K 0.72 of 4).
+again. Why: a burst of requests arriving together misses the deadline learnt at low load without
+the draft being hung (docs/faults.md#a-draft-that-hangs).
 """
 
 import asyncio

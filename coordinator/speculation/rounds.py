@@ -199,17 +199,15 @@ class RequestRounds:
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSide.opens_at_once` under ``policy``, None for a
         fixed K; decided again after the first token with the load the target's prefill met, or
-        the coordinator's requests running then where more, :meth:`AdaptiveK.observe_prefill`: in
-        a burst the first prompts were prefilled before the others reached the verify service, and
-        opened their draft), else when a round first wants it; a draft that fails
-        here is only retried later.
+        the coordinator's requests running then where more, :meth:`AdaptiveK.observe_prefill`, as
+        in a burst the first prompts are prefilled before the others reach the verify service),
+        else when a round first wants it; a draft that fails here is only retried later.
         It starts beside the target's prefill (a draft on its own device is then ready for the
         first round), or, without ``request.draft.prefill_with_target`` (greedy decoding), after the
         first token, so that no draft work slows the target's prefill where both share the same
         cores. The first round then waits for it (bounded, :meth:`DraftSide.wait_for_prefill`):
         plain rounds beside it would share the cores with it, each slower than alone and the
-        prefill slower still (on 2 CPU cores, a 769-token prompt's rounds ran 62 plain decode steps
-        of 74 ms before its draft was ready). With a draft on its own device, greedy rounds do not
+        prefill slower still (docs/architecture.md#one-round). With a draft on its own device, greedy rounds do not
         wait (a small draft prefills a long prompt slower than the target): they run without the
         draft until it is ready, which cannot change greedy output. Under sampling the first round
         waits for it too, because the sampled tokens depend on the proposals: a seed reproduces a
@@ -239,12 +237,9 @@ class RequestRounds:
     async def _index_lookups(self, context: list[int]) -> None:
         """Indexes ``context`` (the committed log before the first token) in the lookups while the
         target prefills, ``INDEX_CHUNK`` tokens at a time, letting the event loop run the other
-        requests' rounds in between. Done at once by the first round's lookups instead, a
-        300-900-token prompt held the event loop for 10-40 ms (the suffix tree's 24 nodes a token
-        in Python), every other request's rounds waiting behind it: under a burst of 16 most of
-        the coordinator's CPU in its request handlers (py-spy), and rounds that came back too
-        late for the verify service's next step. (A worker thread did not help: the indexing
-        holds the GIL, and the event loop waited for it as long.)"""
+        requests' rounds in between, so that indexing a long prompt does not hold every other
+        request's rounds; not in a worker thread, as the indexing holds the GIL
+        (docs/architecture.md#where-the-cpu-time-goes)."""
         if not self.lookups:
             return
         for end in range(INDEX_CHUNK, len(context) + INDEX_CHUNK, INDEX_CHUNK):
@@ -289,7 +284,6 @@ class RequestRounds:
         if self.num_rounds == 1 and not (self.request.draft.prefill_with_target and self.request.sampling.greedy):
             await self.draft.wait_for_prefill()  # sampled, or prefilled after the first token: see prefill()
         # the round's clock starts after that wait: it is the draft's opening, not a round's cost
-        # (counted in the round, it priced every round of every request at seconds under a burst)
         start = time.perf_counter()
         opened = self.draft.check_prefill()
         if policy is not None and opened is not None:

@@ -35,9 +35,8 @@ log = logging.getLogger(__name__)
 # A restarted service is reconnected to within a second (gRPC's default backoff grows to 120 s).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 TLS_CHECK_INTERVAL_S = 1.0  # how often the client certificate files are looked at, seconds
-# Tokens one draft forward takes in about the time of a one-token decode forward: on the default
-# draft (SmolLM2-135M, llama.cpp, 2 CPU cores) a K = 8 Propose took the same 100-200 ms with 0 and
-# with 17 tokens to append and predict first.
+# Tokens one draft forward takes in about the time of a one-token decode forward (appending and
+# predicting first, before the K forwards of a Propose; docs/faults.md#a-draft-that-hangs).
 TOKENS_PER_CATCH_UP_FORWARD = 16
 RELEASE_TIMEOUT_S = 1.0  # a Release's deadline (callers retry one the service did not answer)
 REFRESH_AFTER_FAILURE_S = 1.0  # the soonest discovery runs again after a replica failed, seconds
@@ -55,9 +54,9 @@ class ProposeDeadline:
     measured. Round trips are measured as the
     coordinator sees them, the draft service's queue included, so the deadline grows with load;
     calls that missed it and were answered late count too (:meth:`ServiceClients.propose`), so a
-    burst that slows the draft at once raises it within a few calls instead of failing every call
-    while the load lasts. A draft that stops answering (no late answer) then costs a round this
-    deadline instead of the RPC deadline."""
+    burst that slows the draft at once raises it within a few calls, not failing every call while
+    the load lasts. A draft that stops answering (no late answer) then costs a round this
+    deadline instead of the RPC deadline (docs/faults.md#a-draft-that-hangs)."""
 
     def __init__(self, floor_s: float, factor: float, ceiling_s: float, window: int = 64):
         self.floor_s, self.factor, self.ceiling_s = floor_s, factor, ceiling_s
@@ -207,7 +206,7 @@ class ServiceClients:
     ``refresh_s`` seconds. ``placements``: the placement of each service's sessions, fed here
     with every replica's load reports and call times from its Step stream (not its GetInfo
     answers: every request asks one replica for those, and a load known for that replica alone
-    made it look busier than the others, whose other coordinators' sessions went unseen).
+    would make it look busier than the others, whose other coordinators' sessions go unseen).
     """
 
     def __init__(

@@ -33,7 +33,7 @@ the context begins with whole (reused in place, nothing of it lost), an empty on
 recently freed donor (evicted). Then, when another sequence, live or freed, holds a longer prefix
 of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies it
 over: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x the
-bytes per token, 94 MB for SmolLM2 at 4096 tokens; exact, done at the next ``llama_decode``);
+bytes per token; exact, done at the next ``llama_decode``);
 last, the cells past the prefix found are removed. So a donor that only shares a beginning with
 the new context (a system prompt) lends it by a copy and stays whole for its own next turn, which
 later finds it in place; at batch 1 every earlier session waits as a donor in its own sequence
@@ -66,9 +66,9 @@ from specdec.token_ids import common_prefix_length
 _backend_lock = threading.Lock()
 _backend_ready = False
 
-# The shortest gain in prefix for which a new sequence copies another's stream rather than
-# prefilling those tokens: on the 2-core CPU a copy of a 4096-token SmolLM2 stream took 50-70 ms
-# (with a one-token decode, against 30-70 ms for the decode alone), a 16-token prefill chunk 290-410 ms.
+# The shortest gain in prefix, in tokens, for which a new sequence copies another's stream rather
+# than prefilling those tokens: a stream's copy costs less than a 16-token prefill chunk
+# (docs/architecture.md#prefix-caching).
 MIN_COPIED_TOKENS = 16
 
 
@@ -98,12 +98,9 @@ def requantized(path: str, type_name: str) -> str:
     keeps ``path``), converted once by llama.cpp's ``llama_model_quantize`` and cached (see
     :func:`specdec.engine.model_files.derived_path`); ``path`` itself when it already has that type.
 
-    Why: llama.cpp runs some types far faster than others on a CPU. Q4_1, the type of the bundled
-    SmolLM2, has no repacked (interleaved) CPU kernels; measured on a 2-core AVX-512 machine, one
-    thread, the same weights as Q8_0 prefilled 730 tokens in 4.0 s against 6.2 s and decoded a
-    token in 14-19 ms against 24-25 ms (two threads: 1.3 s against 2.4 s, decode alike), and the
-    draft's argmax agreed with the float target's on 98.4% of 320 greedy tokens against 97.5%.
-    Q4_0 was faster still (3.6 s, 10-12 ms) but agreed on only 84.4%.
+    Why: llama.cpp runs some types far faster than others on a CPU; Q4_1, the type of the bundled
+    SmolLM2, has no repacked (interleaved) CPU kernels, and Q8_0 is faster with as good an argmax
+    agreement with the target (docs/benchmark.md#the-drafts-quantization---llama-cpp-requantize).
 
     Raises ValueError for an unknown type or a failed conversion.
     """

@@ -1,27 +1,24 @@
 """A model's linear layers on oneDNN with their weights packed once at load (CPU only).
 
-Why (profiled: docs/architecture.md#the-targets-linear-layers-on-a-cpu, measured again by
-``scripts/profile_linear.py``): on a CPU, transformers' linear layers run aten's ``linear`` (MKL's
-sgemm on x86), which is slow at the few rows a verify step brings; on SmolLM2 (float32, 2
-threads) a 9-token forward took 1.3x a one-token step with it, and 0.6x aten's one-token step
-with oneDNN's packed kernel (the LM head alone at 9 rows: 21 ms against 6.5). Speculation's
-premise, K + 1 tokens for about the price of one, holds on a CPU only with a GEMM that is
-efficient at a few rows. vLLM's CPU backend does the same on x86 (its
-``dispatch_cpu_unquantized_gemm`` packs each unquantized linear weight for oneDNN at load).
+Why: on a CPU, transformers' linear layers run aten's ``linear`` (MKL's sgemm on x86), which is
+slow at the few rows a verify step brings, and speculation's premise, K + 1 tokens for about the
+price of one, holds only with a GEMM that is efficient at a few rows
+(docs/architecture.md#the-targets-linear-layers-on-a-cpu; ``scripts/profile_linear.py`` measures
+it). vLLM's CPU backend does the same on x86 (its ``dispatch_cpu_unquantized_gemm`` packs each
+unquantized linear weight for oneDNN at load).
 
 The kernel is torch's own oneDNN linear, the one torch.compile's CPU freezing pass uses
 (``torch.ops.mkldnn._reorder_linear_weight`` packs a weight into oneDNN's blocked layout,
 ``torch.ops.mkldnn._linear_pointwise`` runs it); no compilation, any number of rows.
 
-Outputs differ from aten's by floating-point rounding only (another summation order): on
-SmolLM2 the logits of a 100-token prefill differ by at most 1.2e-4 (of logits around 10-20) and
-every position's argmax is the same. Greedy output then equals plain decoding except where the
-top two logits are within that rounding, the same kind of difference as a batched step's
+Outputs differ from aten's by floating-point rounding only (another summation order; bounds in
+docs/architecture.md#the-targets-linear-layers-on-a-cpu). Greedy output then equals plain
+decoding except where the top two logits are within that rounding, the same kind of difference as a batched step's
 (invariant *batch independence*, docs/architecture.md#invariants).
 
 Memory: each packed weight replaces the layer's own, so the model's size does not change, except
 where a weight is shared (an LM head tied to the input embedding, as SmolLM2's): the embedding
-keeps the original and the packed copy is extra (113 MB for SmolLM2's head in float32).
+keeps the original and the packed copy is extra (vocabulary x hidden x the dtype's bytes).
 """
 
 import torch

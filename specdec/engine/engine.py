@@ -9,32 +9,27 @@ work's :meth:`Work.finish_step`. Sessions join and leave between steps; a step n
 full batch, only (up to ``batch_wait_ms``, or ``batch_wait_step_share`` of the last step's
 forward time where longer) for the sequences of the previous step whose callers are about to send
 their next call, so that clients share steps instead of alternating. The share, because a call
-that misses a step waits a whole one, and the callers' turnaround grows with the batch: on 2 CPU
-cores a step of 16 sequences took 200-300 ms and the coordinator's 16 rounds came back over 10-20
-ms, past a 5 ms wait (adaptive K's rounds, with more work each, waited 25 ms a round for their
-step against K = 0's 2). With ``wait_for_turnaround``, the wait also stretches to the callers'
-turnaround as measured (from a step's end to the next call of a sequence it served: within which
-three quarters of the last 64 came back, times 1.25), never past one step's forward time: a
-network between the callers and the service adds its round trip to every turnaround, and a fixed
-wait below it lets every step miss the calls that would have joined it (a burst of 16 sessions at
-5 ms RTT without it: 8.3 sequences a step instead of 12.75, and plain decode at 0.65x of its
-tokens/s at RTT 0; docs/benchmark.md).
+that misses a step waits a whole one, and the callers' turnaround grows with the batch. With
+``wait_for_turnaround``, the wait also stretches to the callers' turnaround as measured (from a
+step's end to the next call of a sequence it served: within which three quarters of the last 64
+came back, times 1.25), never past one step's forward time: a network between the callers and the
+service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
+the calls that would have joined it. Why both: docs/architecture.md#serving-under-load-one-engine-loop-per-model.
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
 time, so one long prompt does not stall every other session's decode. A sequence alone on the
 engine (nothing else queued, no other open sequence served in the last two steps) has nobody to
 stall: its step may take up to ``max_num_batched_tokens_alone`` tokens, so that a prompt that fits
-is prefilled in one forward, as plain decoding does (on 2 CPU cores SmolLM2 ran a 769-token prompt
-in one forward about 100 ms faster than as chunks of 512 and 257). A call that waits longer
+is prefilled in one forward, as plain decoding does (one forward is faster than its chunks). A call that waits longer
 than its deadline gives up (its work is dropped unless a step already runs it); bounded sessions
 (the registry's ``max_sessions``) bound the queue.
 
 A call is queued by :meth:`Engine.submit`, which returns at once and hands the outcome to the
 caller's callback from the engine's thread when the work is done; :meth:`Engine.run` waits for it
 instead. So a service can take many sessions' calls without a thread waiting for each (the Step
-streams, :mod:`specdec.rpc.step_server`): the profile of the verify service under 64 streams put half
-its GIL time in handing calls to pool threads and waking them (docs/architecture.md). The engine
+streams, :mod:`specdec.rpc.step_server`; why:
+docs/architecture.md#calls-without-a-thread-each-and-attention-grouped-by-context). The engine
 itself drops a queued call whose deadline passed or whose caller went away.
 
 KV memory (docs/architecture.md#kv-memory-a-budget-in-bytes): a model's KV store may preempt a

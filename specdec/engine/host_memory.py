@@ -1,13 +1,11 @@
 """Host memory that a model's steps reuse instead of faulting in again (glibc's ``mallopt``).
 
-Why (profiled: docs/architecture.md, "Large buffers mapped afresh every step"): glibc's malloc
-serves an allocation over its mmap threshold (adjusted up to 32 MB on 64-bit) with a fresh
-``mmap`` and unmaps it on free, and trims a freed heap top past twice that. A step's logits are rows x
-vocabulary x 4 bytes (float32), so on SmolLM2's 49,152-token vocabulary any step of more than about
-170 rows (54 MB at 277 rows) gets new pages from the kernel every step and writes each of them for
-the first time (a page fault and the kernel zeroing it). Measured on the 2-core CPU, the LM head
-alone (hidden 64, oneDNN's packed kernel, one thread) cost 107 us a row at 277 rows against 28-34 us
-at 58 and 125 rows; with freed memory kept for reuse, 28 us at 277 rows too.
+Why (docs/architecture.md#large-buffers-mapped-afresh-every-step-and-what-a-verified-token-costs-at-least):
+glibc's malloc serves an allocation over its mmap threshold (adjusted up to 32 MB on 64-bit) with
+a fresh ``mmap`` and unmaps it on free, and trims a freed heap top past twice that. A step's
+logits are rows x vocabulary x 4 bytes (float32), so on SmolLM2's 49,152-token vocabulary any
+step of more than about 170 rows gets new pages from the kernel every step and writes each of
+them for the first time (a page fault and the kernel zeroing it).
 
 :func:`keep_freed_memory` raises both thresholds for the process (``M_MMAP_THRESHOLD`` and
 ``M_TRIM_THRESHOLD`` to :data:`KEEP_BYTES`), so large buffers come from the heap and a freed one

@@ -41,10 +41,10 @@ default: :mod:`specdec.engine.kv_budget`):
   the next block), and the freed memory is handed back (glibc's
   ``malloc_trim`` on a CPU, where the services keep freed memory otherwise, see
   :mod:`specdec.engine.host_memory`; the CUDA caching allocator's ``empty_cache`` on a GPU). The prefix
-  cache keeps its blocks (up to ``prefix_cache_max_tokens``, the memory the operator gives it):
-  evicting them to shrink made a shared system prompt's next request prefill most of it again (its
-  blocks lay above the live sequences'). No compaction: a block held high in the pool by a long
-  sequence or the cache keeps the pool at its size until it is freed or evicted. Never during a
+  cache keeps its blocks (up to ``prefix_cache_max_tokens``, the memory the operator gives it), so
+  that a shared system prompt's next request does not prefill it again. No compaction: a block
+  held high in the pool by a long sequence or the cache keeps the pool at its size until it is
+  freed or evicted. Never during a
   forward (a free() then leaves it to the forward's end).
 
 Prefix caching (:mod:`specdec.engine.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
@@ -56,7 +56,7 @@ needs a block takes a free one, else evicts the least recently released cached b
 when none is left does the pool double: the cache lives in blocks no sequence uses and never makes
 the pool grow, nor refuses or preempts a sequence.
 
-Attention, the choice (measured on CPU, torch 2.13, 2 threads): a sequence's queries are padded to
+Attention: a sequence's queries are padded to
 the group's longest, its keys gathered from its blocks and padded to the group's longest context,
 and a boolean mask (causal within the step, padding, sliding window) built once per step; one
 ``scaled_dot_product_attention`` per layer then runs the whole group on the fused CPU kernel.
@@ -65,19 +65,12 @@ in a group of their own, so a long chunk does not pad every decode to its length
 grouped by their number of new tokens, then by context, no group's longest more than
 :data:`MAX_CONTEXT_RATIO` times its shortest (:func:`_padded_groups`), so a step mixing short chats
 with long documents does not pad every chat to the longest document, and one sequence's verify of
-K + 1 tokens does not pad every decode beside it to K + 1 queries (SmolLM2, 2 threads, 14
-sequences of 300 to 900 tokens of context: 14 decodes 143 ms; with one of them verifying K = 4,
-149 ms, against 177 ms when it padded the others; three verifying K = 2, 187 against 213 ms;
-``scripts/profile_step.py``). Measured with SmolLM2 (2 threads), 16 sequences of Spec-Bench-like contexts
-(41 to 781 tokens): a decode step 0.54x the time of one group, a verify of K = 4 0.78x; 4 sequences
-0.86x; the near-free model at 64 sequences 0.85x to 1.0x. Alternatives:
-``torch.nn.attention.varlen.varlen_attn`` (no padding, block tables) runs on CUDA only; FlexAttention
-runs the same masks but needs ``torch.compile`` on CPU (about 20 s to compile, a recompile per new
-shape) and is 10x slower than SDPA in eager mode. A GPU port would take varlen or FlashAttention
-with the block table as is. The gather copies each sequence's cached keys and values once per
-layer, which the per-sequence SDPA over a contiguous slot did not. Measured on CPU against one
-SDPA per sequence and layer: a step as fast at batch 1, 0.9x the time at 16 sequences
-(docs/architecture.md, "Serving under load").
+K + 1 tokens does not pad every decode beside it to K + 1 queries. Not
+``torch.nn.attention.varlen.varlen_attn`` (no padding, block tables): it runs on CUDA only; not
+FlexAttention: it needs ``torch.compile`` on CPU (a recompile per new shape) and is slower than
+SDPA in eager mode. A GPU port would take varlen or FlashAttention with the block table as is. The
+gather copies each sequence's cached keys and values once per layer. Why, with the measurements:
+docs/architecture.md#serving-under-load-one-engine-loop-per-model.
 
 Why not transformers' own continuous batching (``transformers.generation.continuous_batching``:
 ``PagedAttentionCache`` with the ``sdpa_paged`` / ``paged|eager`` attention)? It is built around its

@@ -72,18 +72,14 @@ class SuffixTree:
     A node is an integer: its children (the child by the token that follows) and its count (the
     string's occurrences) are entries of two lists, and the ids of removed nodes are reused. Not
     an object each, because a dict that holds only ints is not tracked by Python's cyclic garbage
-    collector: with a node object each (a count and a dict of children), 16 prompts of 700 tokens
-    made 528,000 tracked objects, and every full collection took 130 ms, under a burst stalling the
-    coordinator's event loop and every request's rounds with it (py-spy put the time at the node
-    allocations).
+    collector, whose full collections over node objects stall the coordinator's event loop
+    (docs/architecture.md#where-the-cpu-time-goes).
 
     Each node also keeps the sum of its children's counts and the token of its most frequent
     child, updated as counts change (a removal that lowers the most frequent child's count leaves
     it to be found again at the next proposal), so a proposal's step costs O(1), not a scan of the
-    node's children: the shared cache's nodes of one-token strings have hundreds of them, and
-    once the cache was full its scans took about 100 of a round's 140 us of lookup (SmolLM2's
-    tokenizer, Spec-Bench prompts; 65 us in all since). Among equally frequent children, either
-    may be proposed.
+    node's children: the shared cache's nodes of one-token strings have hundreds of them
+    (docs/architecture.md#the-services). Among equally frequent children, either may be proposed.
     """
 
     def __init__(self, max_depth: int):

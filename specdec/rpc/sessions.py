@@ -80,9 +80,7 @@ class SessionRegistry(Generic[S]):
         session existed (the caller's cancel was not seen, or came too late to fail the call).
         A session being opened counts against ``max_sessions``; ``factory`` runs outside the
         registry's lock, so that the other sessions' calls, and other Prefills (batched together by
-        the engine), go on meanwhile: held through it, every Verify, Decode and Propose waited for
-        each Prefill to finish, and Prefills ran one at a time (16 requests arriving together after
-        prompts of up to 926 tokens, 2 CPU cores: rounds waited up to 12 s).
+        the engine), go on meanwhile instead of waiting for each Prefill to finish.
         Raises AlreadyExists, ResourceExhausted, or what ``factory`` raises."""
         if not session_id:
             raise InvalidArgument("session_id is empty: pass the id the coordinator assigned")

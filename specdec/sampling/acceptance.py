@@ -15,11 +15,11 @@ the per-token outcomes are laid out ``[B, max K]`` (padded), so one pass tests e
 of every sequence and counts the accepted prefixes (a cumulative product of the outcomes), with
 one host synchronisation for the step. Greedy acceptance has no draws: the argmaxes of all the
 step's rows come to the host in one transfer and the accepted prefixes are counted there,
-comparing ints (the tensor form, with the same one synchronisation, measured 1.1x to 1.2x slower
-on CPU). The logits and probabilities themselves stay one ``[K_b + 1, V]`` tensor per sequence
+comparing ints (the tensor form, with the same one synchronisation, is slower on CPU). The logits
+and probabilities themselves stay one ``[K_b + 1, V]`` tensor per sequence
 (the engine's views of the step's logits), each read by one argmax or one gather of its draft
 entries: concatenating them into vLLM's flattened ``[total_K + B, V]`` copies more memory than the
-test reads (measured on CPU: the pass up to 1.6x slower with the copy).
+test reads. Why, measured: docs/architecture.md#serving-under-load-one-engine-loop-per-model.
 
 Under sampling, each sequence keeps its own generator (seeded per request and position by the
 caller) and the draws are exactly those the one-token-at-a-time rule makes, in the same order:
