@@ -236,7 +236,7 @@ class CoordinatorSettings(ServiceSettings):
         description="Structured output under adaptive K: the coordinator proposes the tokens the request's "
         "grammar forces (a lookup with no draft call) and prices the forced tokens of a model drafter's "
         "proposal as free (no draft forward); off: neither (set it off on the draft service too to compare "
-        "against drafting without the grammar, as specdec bench --structured does).",
+        "against drafting without the grammar, as specdec bench structured does).",
     )
     grammar_max_spec_bytes: int = Field(
         GrammarLimits.max_spec_bytes,

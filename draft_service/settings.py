@@ -105,5 +105,5 @@ class DraftSettings(SessionServiceSettings):
         description="With structured output, the model drafters draft under the request's grammar: their logits "
         "masked as the target's, and the tokens the grammar forces proposed without a forward (jump-forward). "
         "Off: they draft as without it, and the verify service cuts each proposal after its first token the "
-        "grammar rejects (vLLM's and SGLang's behaviour); for comparison (specdec bench --structured).",
+        "grammar rejects (vLLM's and SGLang's behaviour); for comparison (specdec bench structured).",
     )

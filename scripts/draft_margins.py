@@ -35,7 +35,7 @@ from specdec.engine.batching import SequenceStep
 from specdec.engine.model_files import resolve_model
 from specdec.engine.models import load_causal_lm
 from specdec_app.bench.questions import generate_request, load_questions
-from specdec_app.cli import SPEC_BENCH
+from specdec_app.bench_cli import SPEC_BENCH
 
 THRESHOLDS = (0.05, 0.1, 0.2, 0.5, float("inf"))  # logit margins below which a round branches
 

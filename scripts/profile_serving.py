@@ -1,7 +1,7 @@
 """Where the serving path's CPU time goes (issue 26's first step; findings in
 docs/architecture.md#where-the-cpu-time-goes).
 
-Writes a near-free model (``specdec bench --ceiling``'s, :func:`specdec_app.bench.ceiling.near_free_model`:
+Writes a near-free model (``specdec bench ceiling``'s, :func:`specdec_app.bench.ceiling.near_free_model`:
 a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer; a forward costs almost nothing, so what
 is measured is the path around it), serves it with the three
 services as separate processes (verify: that model; draft: the transformers drafter on the same

@@ -2,7 +2,7 @@
 (docs/scaling.md): the coordinator's CPU, the request store's (Redis) commands and CPU, the bytes
 a round puts on the wire and the connections a coordinator holds.
 
-Runs the near-free model of `specdec bench --ceiling` (so the model costs almost nothing and what
+Runs the near-free model of `specdec bench ceiling` (so the model costs almost nothing and what
 is measured is the path around it) as one verify and one draft replica (the model drafting for
 itself) and one coordinator with a real Redis as its request store (``--store memory``: the
 coordinator's own, to tell Redis's share), then, for K = 0 and K = 4,

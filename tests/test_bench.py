@@ -172,7 +172,7 @@ def test_bad_pipeline_spec(spec):
 )
 def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
-    result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
+    result = CliRunner().invoke(app, ["bench", "batch1", "--questions", str(path), *args])
     assert result.exit_code == 1
     assert message in " ".join(result.output.split())
 
@@ -205,6 +205,7 @@ def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
             "-m",
             "specdec",
             "bench",
+            "batch1",
             "--questions",
             str(questions),
             "--limit",
@@ -287,7 +288,7 @@ def test_sigterm_stops_a_bench_run_through_its_finally_blocks():
     import signal
     import time
 
-    from specdec_app import cli
+    from specdec_app import bench_cli
 
     class Sentinel(Exception):
         pass
@@ -308,7 +309,7 @@ def test_sigterm_stops_a_bench_run_through_its_finally_blocks():
     previous = signal.signal(signal.SIGTERM, sentinel)
     try:
         with pytest.raises(SystemExit) as exit_info:
-            cli._run_mode(run)
+            bench_cli._run_mode(run)
         assert exit_info.value.code == 128 + signal.SIGTERM and stopped == [True]
         assert signal.getsignal(signal.SIGTERM) is sentinel
     finally:

@@ -1,4 +1,4 @@
-"""The arrival patterns of `specdec bench --concurrency --arrivals`: each schedule on its own
+"""The arrival patterns of `specdec bench concurrency --arrivals`: each schedule on its own
 (closed loop, burst at t = 0, seeded Poisson with the rate's mean gap), the prompt slices, the
 cell runner sending one schedule the same way for every method, and the warm-up burst before a
 larger N than any before."""

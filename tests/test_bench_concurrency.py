@@ -1,4 +1,4 @@
-"""`specdec bench --concurrency`: the load report's arithmetic from hand-made records, the prompt
+"""`specdec bench concurrency`: the load report's arithmetic from hand-made records, the prompt
 assignment and identity helpers, and one quick closed-loop run on tiny random models (the pipeline
 as real subprocess services) that writes the JSON, Markdown and PNG reports."""
 
@@ -258,54 +258,43 @@ def test_fixed_k_methods():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
-        (["--concurrency", "1", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
-        (
-            ["--concurrency", "1", "--pipeline", "ngram:4"],
-            "--pipeline, --hf-k and --placement apply to the batch-1 benchmark",
-        ),
-        (
-            ["--concurrency", "1", "--placement", "split"],
-            "--pipeline, --hf-k and --placement apply to the batch-1 benchmark",
-        ),
-        (["--methods", "pipeline/K=0"], "apply with --concurrency"),
-        (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
-        (["--concurrency", "1", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
-        (["--load-generator", "guidellm"], "apply with --concurrency"),
-        (["--concurrency", "1", "--arrivals", "trickle"], "--arrivals 'trickle': use a comma-separated subset"),
-        (["--arrivals", "burst"], "apply with --concurrency"),
-        (["--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate, or the closed"),
-        (["--concurrency", "1", "--arrivals", "poisson", "--request-rate", "0"], "--request-rate must be above 0"),
-        (["--concurrency", "1"], "3 arrival patterns need at least 3 prompts"),  # the default: all three
-        (["--slo-ttft-ms", "500"], "--slo-ttft-ms and --slo-tpot-ms apply with --concurrency"),
-        (["--concurrency", "1", "--arrivals", "closed", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be above 0"),
-        (["--ceiling", "--target", "x"], "--ceiling runs its own near-free model"),
-        (["--ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=<n>"),
-        (["--concurrency", "1", "--methods", "pipeline/K=17"], "pipeline/adaptive, pipeline/K=<n> (n in 0..16)"),
+        (["concurrency", "--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
+        (["concurrency", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
+        (["concurrency", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+        (["concurrency", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
+        (["concurrency", "--arrivals", "trickle"], "--arrivals 'trickle': use a comma-separated subset"),
+        (["concurrency", "--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate"),
+        (["concurrency", "--arrivals", "poisson", "--request-rate", "0"], "--request-rate must be above 0"),
+        (["concurrency", "--concurrency", "1"], "3 arrival patterns need at least 3 prompts"),  # the default: all 3
+        (["concurrency", "--arrivals", "closed", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be above 0"),
+        (["ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=<n>"),
+        (["concurrency", "--methods", "pipeline/K=17"], "pipeline/adaptive, pipeline/K=<n> (n in 0..16)"),
     ],
 )
 def test_bad_concurrency_option_is_a_clear_error(tmp_path, args, message):
+    """Each a bad value (an option of another mode: tests/test_bench_cli.py)."""
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
-    result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
+    result = CliRunner().invoke(app, ["bench", args[0], "--questions", str(path), *args[1:]])
     assert result.exit_code == 1
     assert message in " ".join(result.output.split())
 
 
-def run_bench(out, *args):
-    """``specdec bench`` with ``args``, writing to ``out``; returns the finished process and its
-    JSON report."""
-    command = [sys.executable, "-m", "specdec", "bench", *args, "--out", str(out)]
+def run_bench(out, mode, *args):
+    """``specdec bench MODE`` (concurrency or ceiling) with ``args``, writing to ``out``; returns the
+    finished process and its JSON report."""
+    command = [sys.executable, "-m", "specdec", "bench", mode, *args, "--out", str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads((out / "report-concurrency.json").read_text())
 
 
 def run_tiny_bench(tiny_models, questions, out, *args, methods="pipeline/adaptive,pipeline/K=0"):
-    """``specdec bench`` with ``args``, ``methods`` (default both pipeline methods; the ngram
+    """``specdec bench concurrency`` with ``args``, ``methods`` (default both pipeline methods; the ngram
     drafter, which needs no model) on the tiny target, 8 new tokens; returns the finished process
     and its JSON report."""
     return run_bench(
         out,
+        "concurrency",
         *args,
         *("--methods", methods, "--drafter", "ngram", "--questions", str(questions), "--max-new-tokens", "8"),
         *("--target", str(tiny_models.target_dir), "--draft-model", str(tiny_models.draft_dir), "--dtype", "float32"),
@@ -402,7 +391,7 @@ def test_markdown_and_chart_from_a_hand_made_report(tmp_path):
     ]
     report = {
         "config": {
-            "command": "specdec bench --concurrency 1,4",
+            "command": "specdec bench concurrency --concurrency 1,4",
             "target": "t",
             "draft_model": "d",
             "drafter": "ngram",
@@ -499,9 +488,9 @@ def test_best_fixed_k_and_serving_columns_from_hand_made_cells():
     assert "| 100 | 100 | 250.0 | 250.0 | 0.50 | 5.5 |" in rows[2]
 
 
-def captured_config(monkeypatch, tmp_path, *args):
-    """The ConcurrencyConfig ``specdec bench`` hands the run for ``args`` (the run itself stubbed;
-    the near-free model not written)."""
+def captured_config(monkeypatch, tmp_path, mode, *args):
+    """The ConcurrencyConfig ``specdec bench MODE`` hands the run for ``args`` (the run itself
+    stubbed; the near-free model not written)."""
     from specdec_app.bench import ceiling, concurrency
 
     seen = []
@@ -513,20 +502,21 @@ def captured_config(monkeypatch, tmp_path, *args):
     monkeypatch.setattr(concurrency, "run_concurrency", stop)
     monkeypatch.setattr(ceiling, "near_free_model", lambda console=None: tmp_path / "near-free")
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
-    result = CliRunner().invoke(app, ["bench", "--questions", str(path), *args])
+    result = CliRunner().invoke(app, ["bench", mode, "--questions", str(path), *args])
     assert "stubbed" in result.output
     return seen[0]
 
 
 def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
-    config = captured_config(monkeypatch, tmp_path, "--concurrency", "1,4")
-    assert config.arrivals == ["closed", "burst", "poisson"] and config.request_rate is None
-    assert config.methods == list(METHODS) and config.target == "smollm2"
-    config = captured_config(
-        monkeypatch, tmp_path, "--concurrency", "4", "--arrivals", "poisson,burst", "--request-rate", "0.5"
-    )
+    config = captured_config(monkeypatch, tmp_path, "concurrency")
+    assert config.concurrency == [1, 4, 16, 32] and config.requests_per_client == 2  # the protocol's N
+    config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "1,4")
+    assert config.concurrency == [1, 4] and config.arrivals == ["closed", "burst", "poisson"]
+    assert config.request_rate is None and config.methods == list(METHODS) and config.target == "smollm2"
+    poisson = ("--arrivals", "poisson,burst", "--request-rate", "0.5")
+    config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "4", *poisson)
     assert config.arrivals == ["burst", "poisson"] and config.request_rate == 0.5
-    config = captured_config(monkeypatch, tmp_path, "--ceiling")
+    config = captured_config(monkeypatch, tmp_path, "ceiling")
     assert config.concurrency == [64] and config.max_new_tokens == 128
     assert config.arrivals == ["closed"] and config.methods == ["pipeline/K=0", "pipeline/K=4", "transformers-serve"]
     assert config.target == config.draft_model == str(tmp_path / "near-free") and config.drafter == "transformers"
@@ -536,7 +526,7 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
         "SPECDEC_DRAFT_NICE": "0",
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
     }
-    config = captured_config(monkeypatch, tmp_path, "--ceiling", "--concurrency", "8", "--arrivals", "burst")
+    config = captured_config(monkeypatch, tmp_path, "ceiling", "--concurrency", "8", "--arrivals", "burst")
     assert config.concurrency == [8] and config.arrivals == ["burst"]
 
 
@@ -588,7 +578,7 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     k0 = by_cell[("closed", "pipeline/K=0", 1)]["stats"]
     assert k0["mean_k"] == 0 and k0["num_draft_tokens"] == 0
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
-    assert report["config"]["command"].startswith("specdec bench --concurrency 1,2")
+    assert report["config"]["command"].startswith("specdec bench concurrency --concurrency 1,2")
     assert report["identity"]["pipeline/K=0"]["prompt_tokens_agree_rate"] == 1.0
     for m in report["mismatches"]:  # a differing output comes with the target's margin there
         assert m["margin"] >= 0
@@ -610,7 +600,8 @@ def test_ceiling_on_tiny_models_through_the_openai_api(tmp_path):
     questions = write_questions(tmp_path / "q.jsonl", {"qa": ["What is the capital of France?"]})
     _, report = run_bench(
         tmp_path / "out",
-        *("--ceiling", "--concurrency", "2", "--requests-per-client", "1", "--max-new-tokens", "8"),
+        "ceiling",
+        *("--concurrency", "2", "--requests-per-client", "1", "--max-new-tokens", "8"),
         *("--methods", "pipeline/K=0,pipeline/K=4", "--questions", str(questions), "--api", "openai"),
     )
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""`specdec bench --conversation` (specdec_app/bench/conversation.py) on the tiny models: both modes'
+"""`specdec bench conversation` (specdec_app/bench/conversation.py) on the tiny models: both modes'
 requests reach the services as chat conversations, the pipeline with prefix caching finds the
 earlier turn or the system prompt cached on the verify and the draft service and the one without
 finds nothing, every output equals plain decoding's on the same conversation, and the reports carry
@@ -107,7 +107,7 @@ def run_mode(conversation, folder, tiny_models, addresses) -> dict:
     config = ConversationConfig(
         questions=questions,
         out=folder / "out",
-        command=f"specdec bench --conversation {conversation}",
+        command=f"specdec bench conversation --conversation {conversation}",
         limit=None,
         max_new_tokens=MAX_NEW,
         target=str(tiny_models.target_dir),
@@ -221,8 +221,6 @@ def test_the_report_gives_every_figure_and_target(multi_turn):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--conversation", "multi-turn", "--pipeline", "ngram:4"], "--conversation takes --drafter, --placement"),
-        (["--conversation", "multi-turn", "--concurrency", "1"], "--conversation takes --drafter"),
         (["--conversation", "three-turns"], "--conversation 'three-turns': use multi-turn or shared-system-prompt"),
         (["--conversation", "multi-turn", "--placement", "both"], "--placement 'both': use one of shared, split"),
         (["--conversation", "multi-turn", "--drafter", "eagle"], "--drafter 'eagle': use one of llama-cpp,"),
@@ -234,7 +232,7 @@ def test_the_report_gives_every_figure_and_target(multi_turn):
 )
 def test_bad_options_are_a_clear_error(tmp_path, args, message):
     questions = write_questions(tmp_path / "questions.jsonl", {"qa": ["Who wrote Middlemarch?"]})
-    result = CliRunner().invoke(app, ["bench", *args, "--questions", str(questions)])
+    result = CliRunner().invoke(app, ["bench", "conversation", *args, "--questions", str(questions)])
     assert result.exit_code == 1
     assert message in " ".join(result.output.split())
 

@@ -1,4 +1,4 @@
-"""`specdec bench --network-rtt-ms`: the delaying proxy on real ports in front of a real echo
+"""`specdec bench batch1|concurrency --network-rtt-ms`: the delaying proxy on real ports in front of a real echo
 server (round-trip times, large payloads, many connections, closes both ways, jitter without
 reordering), the network settings and their refusals, and the reports' network figures from
 hand-made records."""
@@ -272,30 +272,29 @@ def test_settings_and_their_refusals():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--network-rtt-ms", "5,x"], "--network-rtt-ms '5,x': use comma-separated round-trip times"),
-        (["--network-rtt-ms", "0,5", "--network-topology", "mars"], "--network-topology 'mars': use a comma-separated"),
-        (["--network-rtt-ms", "0,5", "--network-jitter-ms", "8"], "--network-jitter-ms 8: use 0 up to the smallest"),
-        (["--network-jitter-ms", "1"], "--network-jitter-ms and --network-topology need --network-rtt-ms"),
-        (["--network-topology", "apart"], "--network-jitter-ms and --network-topology need --network-rtt-ms"),
-        (["--concurrency", "1", "--network-rtt-ms", "1,2", "--network-jitter-ms", "3"], "--network-jitter-ms 3: use"),
-        (["--ceiling", "--network-rtt-ms", "5"], "--network-rtt-ms applies to the batch-1 benchmark and --concurrency"),
-        (["--conversation", "multi-turn", "--network-rtt-ms", "5"], "--conversation takes --drafter, --placement"),
-        (["--structured", "--network-rtt-ms", "5"], "--structured takes --drafter and the prompt and model options"),
-        (["--replicas", "--network-rtt-ms", "5"], "--replicas takes --questions and --out only"),
+        (["batch1", "--network-rtt-ms", "5,x"], "--network-rtt-ms '5,x': use comma-separated round-trip times"),
+        (["batch1", "--network-rtt-ms", "0,5", "--network-topology", "mars"], "--network-topology 'mars': use a"),
+        (["batch1", "--network-rtt-ms", "0,5", "--network-jitter-ms", "8"], "--network-jitter-ms 8: use 0 up to"),
+        (["batch1", "--network-jitter-ms", "1"], "--network-jitter-ms and --network-topology need --network-rtt-ms"),
+        (["concurrency", "--network-topology", "apart"], "--network-jitter-ms and --network-topology need"),
+        (["concurrency", "--network-rtt-ms", "1,2", "--network-jitter-ms", "3"], "--network-jitter-ms 3: use"),
         (
-            ["--concurrency", "1", "--arrivals", "closed", "--network-rtt-ms", "5", "--load-generator", "guidellm"],
+            ["concurrency", "--arrivals", "closed", "--network-rtt-ms", "5", "--load-generator", "guidellm"],
             "--load-generator runs without a network between the services",
         ),
     ],
 )
 def test_bad_network_option_is_a_clear_error(tmp_path, args, message):
+    """Each a bad value (the modes without a network refuse its options: tests/test_bench_cli.py)."""
     from typer.testing import CliRunner
 
     from specdec_app.cli import app
     from tests.conftest import write_questions
 
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
-    result = CliRunner().invoke(app, ["bench", "--questions", str(path), "--out", str(tmp_path / "o"), *args])
+    result = CliRunner().invoke(
+        app, ["bench", args[0], "--questions", str(path), "--out", str(tmp_path / "o"), *args[1:]]
+    )
     assert result.exit_code == 1
     assert message in " ".join(result.output.split())
 
@@ -318,14 +317,14 @@ def test_the_network_options_reach_both_modes(monkeypatch, tmp_path):
     monkeypatch.setattr(concurrency, "run_concurrency", stop)
     path = write_questions(tmp_path / "q.jsonl", {"qa": ["a"]})
     network = ["--network-rtt-ms", "20,0,5", "--network-jitter-ms", "2", "--network-topology", "beside-verify,apart"]
-    for mode in ([], ["--concurrency", "1"]):
-        result = CliRunner().invoke(app, ["bench", "--questions", str(path), *mode, *network])
+    for mode in (["batch1"], ["concurrency", "--concurrency", "1"]):
+        result = CliRunner().invoke(app, ["bench", mode[0], "--questions", str(path), *mode[1:], *network])
         assert "stubbed" in result.output
         config = seen[-1]
         assert (config.network_rtts_ms, config.network_jitter_ms) == ([0.0, 5.0, 20.0], 2.0)
         assert config.network_topologies == ["apart", "beside-verify"] and len(config.network()) == 5
     assert seen[1].reference == "pipeline/K=0@rtt0ms"  # the identity reference: K = 0 at the first setting
-    CliRunner().invoke(app, ["bench", "--questions", str(path)])
+    CliRunner().invoke(app, ["bench", "batch1", "--questions", str(path)])
     assert seen[-1].network_rtts_ms == [] and seen[-1].network() == []
 
 
@@ -493,8 +492,8 @@ def test_the_coordinator_is_given_the_proxies_and_on_network_applies_the_setting
 # ---- whole runs on tiny models: real services behind real proxies ----
 
 
-def run_specdec_bench(tmp_path, tiny_models, *args, categories=("qa", "math")) -> tuple[str, Path]:
-    """``specdec bench`` on the tiny target with ``args``, 8 new tokens, a prompt per category of
+def run_specdec_bench(tmp_path, tiny_models, mode, *args, categories=("qa", "math")) -> tuple[str, Path]:
+    """``specdec bench MODE`` on the tiny target with ``args``, 8 new tokens, a prompt per category of
     ``categories`` (of qa and math); returns its stdout and the output folder."""
     import subprocess
     import sys
@@ -504,7 +503,7 @@ def run_specdec_bench(tmp_path, tiny_models, *args, categories=("qa", "math")) -
     prompts = {"qa": ["What is the capital of France?"], "math": ["Count to three."]}
     questions = write_questions(tmp_path / "q.jsonl", {category: prompts[category] for category in categories})
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "specdec", "bench", *args, "--questions", str(questions), "--out", str(out)]
+    command = [sys.executable, "-m", "specdec", "bench", mode, *args, "--questions", str(questions), "--out", str(out)]
     command += ["--max-new-tokens", "8", "--target", str(tiny_models.target_dir), "--dtype", "float32"]
     command += ["--draft-model", str(tiny_models.draft_dir)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -522,6 +521,7 @@ def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     stdout, out = run_specdec_bench(
         tmp_path,
         tiny_models,
+        "batch1",
         *("--pipeline", "ngram:2", "--limit", "1", "--hf-k", "2"),
         *("--network-rtt-ms", "0,20", "--network-topology", "apart,beside-verify"),
         categories=("qa",),
@@ -551,6 +551,7 @@ def test_load_cells_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     stdout, out = run_specdec_bench(
         tmp_path,
         tiny_models,
+        "concurrency",
         *("--concurrency", "2", "--arrivals", "closed", "--requests-per-client", "1", "--drafter", "ngram"),
         *("--methods", "pipeline/adaptive,pipeline/K=0,pipeline/K=2", "--network-rtt-ms", "0,10"),
     )

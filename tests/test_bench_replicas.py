@@ -1,8 +1,9 @@
-"""`specdec bench --replicas` (specdec_app/bench/replicas.py) without its fleets: the share,
+"""`specdec bench replicas` (specdec_app/bench/replicas.py) without its fleets: the share,
 deviation and target arithmetic, each scenario's figures and targets from synthetic request
-records, the reports, the prompts each scenario gets, and the options it takes and refuses. The
-scenarios themselves start a dozen service processes and take minutes: `specdec bench --replicas`
-runs them (docs/benchmark.md#replicas-specdec-bench---replicas)."""
+records, the reports, the prompts each scenario gets, and a missing question file (the options
+it refuses: tests/test_bench_cli.py). The
+scenarios themselves start a dozen service processes and take minutes: `specdec bench replicas`
+runs them (docs/benchmark.md#replicas-specdec-bench-replicas)."""
 
 import json
 from pathlib import Path
@@ -50,7 +51,7 @@ C1, C2 = "127.0.0.7:7000", "127.0.0.8:7000"
 
 
 def config(tmp_path: Path, **sizes) -> ReplicasConfig:
-    return ReplicasConfig(tmp_path / "questions.jsonl", tmp_path / "out", "specdec bench --replicas", **sizes)
+    return ReplicasConfig(tmp_path / "questions.jsonl", tmp_path / "out", "specdec bench replicas", **sizes)
 
 
 def sent(verify: str = V1, draft: str | None = None, **fields) -> Sent:
@@ -247,31 +248,9 @@ def test_the_reports_are_written_after_each_scenario(tmp_path, monkeypatch):
     assert markdown == to_markdown(json.loads((tmp_path / "out" / REPORT_FILES[0]).read_text()))
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--pipeline", "ngram:4"],
-        ["--concurrency", "4"],
-        ["--conversation", "multi-turn"],
-        ["--structured"],
-        ["--ceiling"],
-        ["--limit", "2"],
-        ["--max-new-tokens", "16"],
-        ["--target", "gpt2"],
-        ["--drafter", "ngram"],
-        ["--arrivals", "burst"],
-        ["--categories", "qa"],
-    ],
-)
-def test_other_modes_options_are_refused(args):
-    result = CliRunner().invoke(app, ["bench", "--replicas", *args])
-    assert result.exit_code == 1
-    assert "--replicas takes --questions and --out only" in " ".join(result.output.split())
-
-
 def test_a_missing_question_file_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(
-        app, ["bench", "--replicas", "--questions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]
+        app, ["bench", "replicas", "--questions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]
     )
     assert result.exit_code == 1
     assert "missing.jsonl not found" in " ".join(result.output.split())

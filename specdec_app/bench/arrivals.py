@@ -1,4 +1,4 @@
-"""How a cell's requests arrive: the arrival patterns of ``specdec bench --concurrency --arrivals``.
+"""How a cell's requests arrive: the arrival patterns of ``specdec bench concurrency --arrivals``.
 
 A pattern is a strategy that schedules a cell's requests; the cell runner
 (:func:`specdec_app.bench.concurrency.run_cell`) sends them as scheduled, whatever the pattern. A

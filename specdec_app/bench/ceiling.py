@@ -1,4 +1,4 @@
-"""``specdec bench --ceiling``: the serving path's ceiling, measured on a near-free model.
+"""``specdec bench ceiling``: the serving path's ceiling, measured on a near-free model.
 
 On a GPU a target's decode step costs milliseconds, so what bounds throughput is the path around
 the model: RPCs, the coordinator's rounds, the engine's scheduling. To see that ceiling on any

@@ -45,7 +45,7 @@ def _line(ax, cells: list[dict], key: str, style: str, color: str, label: str) -
 
 
 def write_concurrency_chart(report: dict, path: Path) -> None:
-    """``--concurrency``: a row per arrival pattern of three panels against N (log scale), one line
+    """``specdec bench concurrency``: a row per arrival pattern of three panels against N (log scale), one line
     per method: total output tokens/s, TPOT p50 (solid) and p99 (dashed), TTFT p50 (solid) and
     p99 (dashed)."""
     patterns = arrival_patterns(report)
@@ -78,7 +78,7 @@ def write_concurrency_chart(report: dict, path: Path) -> None:
             ax.legend(fontsize=6)
     machine, config = report["machine"], report["config"]
     fig.suptitle(
-        f"specdec bench --concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
+        f"specdec bench concurrency: {config['target']}, {machine['device']} ({machine['cpu_count']} cores), "
         f"{config['max_new_tokens']} new tokens, greedy",
         fontsize=9,
     )

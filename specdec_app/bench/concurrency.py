@@ -1,4 +1,4 @@
-"""``specdec bench --concurrency 1,4,16,32``: the serving benchmark under load.
+"""``specdec bench concurrency 1,4,16,32``: the serving benchmark under load.
 
 For every arrival pattern of ``--arrivals`` and every N in the list, a *cell* per method: its
 requests sent as the pattern schedules them (:mod:`specdec_app.bench.arrivals`: ``closed``, N
@@ -16,7 +16,7 @@ burst of N short requests per method (:func:`_warm_up_at`):
 - ``pipeline/K=0``: the same cluster, ``num_speculative_tokens = 0``: plain decode through the same
   batched verify service;
 - ``pipeline/K=<n>``, n in 1..16: the same cluster, ``num_speculative_tokens = n`` with the
-  drafter: the fixed-K baselines (``--ceiling``'s ``K=4`` is a self-draft,
+  drafter: the fixed-K baselines (``specdec bench ceiling``'s ``K=4`` is a self-draft,
   :mod:`specdec_app.bench.ceiling`); the report gives per cell the best of them and adaptive's
   ratio to it (:func:`specdec_app.bench.report.best_fixed_k_cells`);
 - with ``--api openai`` the pipeline methods go through the coordinator's OpenAI-compatible HTTP
@@ -173,7 +173,7 @@ NOTES = [
 
 @dataclass
 class ConcurrencyConfig(BenchInputs, NetworkOptions):
-    """What ``specdec bench --concurrency`` runs; see ``specdec bench --help`` for each field.
+    """What ``specdec bench concurrency`` runs; see ``specdec bench concurrency --help`` for each field.
     ``drafter`` is the drafter ``pipeline/adaptive`` names (the draft service hosts it and ngram);
     ``api`` the API the pipeline methods are driven through (``grpc``: ``Generate``; ``openai``:
     the coordinator's OpenAI-compatible HTTP API, the client path of transformers serve);

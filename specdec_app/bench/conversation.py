@@ -1,4 +1,4 @@
-"""``specdec bench --conversation multi-turn|shared-system-prompt``: prefix caching in the time to
+"""``specdec bench conversation multi-turn|shared-system-prompt``: prefix caching in the time to
 first token, at batch 1, greedy (issue 29).
 
 Requests that share a prefix with an earlier one, as chat clients send them:
@@ -100,8 +100,8 @@ def report_files(conversation: str) -> tuple[str, str, str]:
 
 @dataclass
 class ConversationConfig(BenchInputs):
-    """What ``specdec bench --conversation`` runs: ``conversation``, the mode; ``drafter``, the
-    pipeline's (adaptive K); ``placements``, as ``specdec bench --placement``; ``follow_ups`` and
+    """What ``specdec bench conversation`` runs: ``conversation``, the mode; ``drafter``, the
+    pipeline's (adaptive K); ``placements``, as ``specdec bench conversation --placement``; ``follow_ups`` and
     ``system_prompt``, the files of the follow-up messages and the system prompt."""
 
     conversation: str = MULTI_TURN
@@ -402,7 +402,7 @@ def to_markdown(report: dict) -> str:
     lines = [
         *_header(
             report,
-            f"specdec bench --conversation {report['conversation']}",
+            f"specdec bench conversation {report['conversation']}",
             f", {report['num_questions']} questions; {_placement(report)}.",
         ),
         "",

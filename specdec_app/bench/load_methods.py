@@ -1,4 +1,4 @@
-"""The methods of ``specdec bench --concurrency`` by name, and the ratios its reports give.
+"""The methods of ``specdec bench concurrency`` by name, and the ratios its reports give.
 
 - ``pipeline/adaptive``: the pipeline, the coordinator choosing K every round;
 - ``pipeline/K=<n>``, n in 0..:data:`MAX_K`: the pipeline at a fixed K (``K=0``: plain decode

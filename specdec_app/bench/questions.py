@@ -14,7 +14,7 @@ class Question:
     """A prompt: the user message ``prompt``, after the conversation ``messages`` (``(role,
     content)`` pairs, role ``system``, ``user`` or ``assistant``: a system prompt and earlier turns,
     :mod:`specdec_app.bench.conversation`; empty: the prompt alone). ``schema``: the JSON schema its
-    answer must follow (``specdec bench --structured``, :mod:`specdec_app.bench.structured`), as
+    answer must follow (``specdec bench structured``, :mod:`specdec_app.bench.structured`), as
     JSON text; empty: none."""
 
     question_id: int

@@ -1,4 +1,4 @@
-"""``specdec bench --replicas``: the services as replicas, measured against issue 47's targets.
+"""``specdec bench replicas``: the services as replicas, measured against issue 47's targets.
 
 Every service is a process of its own on a loopback address of its own (verify replicas on
 127.0.0.2-4, draft replicas on 127.0.0.5-6, coordinators on 127.0.0.7-8: separate hosts on one
@@ -94,7 +94,7 @@ RESUME_MAX_MS = 1000.0  # from the kill to speculating again on the other draft 
 
 @dataclass
 class ReplicasConfig:
-    """What ``specdec bench --replicas`` runs: the scenarios (:data:`SCENARIOS`) with the issue's
+    """What ``specdec bench replicas`` runs: the scenarios (:data:`SCENARIOS`) with the issue's
     sizes (fields, so that a quick look can shrink them); ``slow_delay_ms`` is the load scenario's
     hook delay of each Verify and Decode call of the slowed replica, chosen to make its calls
     several times slower than the others' (the report gives both per-token times)."""
@@ -960,7 +960,7 @@ def to_markdown(report: dict) -> str:
     """The report as Markdown: per scenario, its set-up, figures and targets."""
     machine, config = report["machine"], report["config"]
     lines = [
-        "# specdec bench --replicas",
+        "# specdec bench replicas",
         "",
         f"`{config['command']}`",
         "",
@@ -983,7 +983,7 @@ def to_markdown(report: dict) -> str:
 
 
 def targets_summary(report: dict) -> list[str]:
-    """Each scenario's title and targets table (what ``specdec bench --replicas`` prints)."""
+    """Each scenario's title and targets table (what ``specdec bench replicas`` prints)."""
     lines: list[str] = []
     for name, section in report["scenarios"].items():
         lines += [TITLES[name], *targets_table(section), ""]

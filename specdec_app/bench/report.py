@@ -519,7 +519,7 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text(to_markdown(report))
 
 
-# ``specdec bench --concurrency``: load, one cell per (arrival pattern, method, N). The functions below
+# ``specdec bench concurrency``: load, one cell per (arrival pattern, method, N). The functions below
 # read the JSON request records of specdec_app.bench.concurrency (plain dicts), so a report can be
 # recomputed from report-concurrency.json alone.
 
@@ -902,13 +902,13 @@ def _slo_text(config: dict) -> str:
 
 
 def concurrency_markdown(report: dict) -> str:
-    """The ``--concurrency`` report as Markdown: command, machine, the per-cell table, identity
+    """The ``specdec bench concurrency`` report as Markdown: command, machine, the per-cell table, identity
     per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
     config = report["config"]
     lines = [
         *_header(
             report,
-            "specdec bench --concurrency",
+            "specdec bench concurrency",
             f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; arrivals "
             f"{', '.join(arrival_patterns(report))}; {config['requests_per_client']} requests per client "
             f"per cell, over {report['num_questions']} prompts (categories round-robin){_slo_text(config)}.",

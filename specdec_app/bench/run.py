@@ -34,7 +34,7 @@ REPORT_FILES = ("report.json", "report.md", "speedup.png")
 @dataclass
 class BenchInputs:
     """What every mode of ``specdec bench`` takes: prompts, models, output folder (see
-    ``specdec bench --help`` for each field)."""
+    ``specdec bench batch1 --help`` for each field)."""
 
     questions: Path
     out: Path

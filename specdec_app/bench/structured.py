@@ -1,4 +1,4 @@
-"""``specdec bench --structured``: structured output at batch 1, greedy (issue 27).
+"""``specdec bench structured``: structured output at batch 1, greedy (issue 27).
 
 Every prompt of ``benchmarks/structured/prompts.jsonl`` (JSON-schema extraction from a given text,
 JSON generation from a description; see its README) asks for an answer under its JSON schema.
@@ -93,7 +93,7 @@ def load_structured_questions(
 
 @dataclass
 class StructuredConfig(BenchInputs):
-    """What ``specdec bench --structured`` runs: ``drafter``, the pipeline's (adaptive K)."""
+    """What ``specdec bench structured`` runs: ``drafter``, the pipeline's (adaptive K)."""
 
     drafter: str = "llama-cpp"
 
@@ -305,7 +305,7 @@ def targets(report: dict) -> list[str]:
 def to_markdown(report: dict) -> str:
     lines = [
         *_header(
-            report, "specdec bench --structured", f", {report['num_questions']} JSON-schema prompts; batch 1, shared."
+            report, "specdec bench structured", f", {report['num_questions']} JSON-schema prompts; batch 1, shared."
         ),
         "",
         "`plain`: constrained decoding in process (transformers' generate, the grammar's mask at each step). "
