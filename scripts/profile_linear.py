@@ -1,6 +1,6 @@
 """The verify service's forward by new tokens, with transformers' linear layers (aten) and with
 them on oneDNN with packed weights (:mod:`specdec.engine.cpu_linear`); findings in
-docs/architecture.md#the-targets-linear-layers-on-a-cpu.
+docs/profiles.md#the-targets-linear-layers-on-a-cpu.
 
 Loads the target twice (one copy packed), gives each a sequence of ``--context`` cached tokens in
 the verify service's KV store (:class:`specdec.engine.ragged_lm.RaggedLM`), and times one forward of n

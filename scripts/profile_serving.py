@@ -1,5 +1,5 @@
 """Where the serving path's CPU time goes (issue 26's first step; findings in
-docs/architecture.md#where-the-cpu-time-goes).
+docs/profiles.md#where-the-cpu-time-goes).
 
 Writes a near-free model (``specdec bench ceiling``'s, :func:`specdec_app.bench.ceiling.near_free_model`:
 a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer; a forward costs almost nothing, so what

@@ -34,7 +34,7 @@ the target, by the same measure (SmartSpec's greedy marginal goodput over their 
 requests sharing a step do not each take the tokens that pay for one of them alone. W counts the others'
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
-others' decode tokens. Why: docs/architecture.md#serving-under-load-one-engine-loop-per-model.
+others' decode tokens. Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.lookups.ngram`, what
@@ -243,7 +243,7 @@ class StepCosts:
         The batched points are steps of decoding work only (no prefill chunk, see :meth:`observe`):
         the slope is what a draft token adds to a step, and a prefill chunk's tokens cost less
         (no logits; one matrix product per chunk).
-        Why: docs/architecture.md#serving-under-load-one-engine-loop-per-model."""
+        Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model."""
         intercept, slope = self.line()
         return intercept + slope * num_tokens
 
@@ -283,7 +283,7 @@ class StepCosts:
         (``record.propose_call_ms``, ``record.ahead_call_ms``). The wait for the step is priced
         nowhere: it is the service running other sequences' work (their prefill chunks, under a
         burst), which their steps count (W), not time the batch loses. Why both:
-        docs/architecture.md#serving-under-load-one-engine-loop-per-model.
+        docs/profiles.md#serving-under-load-one-engine-loop-per-model.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
         cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
@@ -364,7 +364,7 @@ class LookupLedger:
     tokens accepted. Once the lookups have drafted ``trial_tokens`` and gained less than they
     owed, they stay off for the rest of the request: no more lookups are made, which saves their
     CPU on the coordinator and their rejected rows on the verify service (why:
-    docs/architecture.md#under-load-where-adaptive-k-lost-to-k--0). Estimates that are right need no ledger;
+    docs/profiles.md#under-load-where-adaptive-k-lost-to-k--0). Estimates that are right need no ledger;
     the ledger catches those that are chosen when they read high (an EMA rising after a run of
     passes) and fail as often as not."""
 
@@ -572,7 +572,7 @@ class AdaptiveK:
         draft only then, so that on a loaded service, where speculation does not pay, no draft
         prefill takes the shared hardware from the target's steps; the opening is priced because
         it is most of what the draft costs there
-        (docs/architecture.md#serving-under-load-one-engine-loop-per-model)."""
+        (docs/profiles.md#serving-under-load-one-engine-loop-per-model)."""
         if not self.drafter:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token

@@ -239,7 +239,7 @@ class RequestRounds:
         target prefills, ``INDEX_CHUNK`` tokens at a time, letting the event loop run the other
         requests' rounds in between, so that indexing a long prompt does not hold every other
         request's rounds; not in a worker thread, as the indexing holds the GIL
-        (docs/architecture.md#where-the-cpu-time-goes)."""
+        (docs/profiles.md#where-the-cpu-time-goes)."""
         if not self.lookups:
             return
         for end in range(INDEX_CHUNK, len(context) + INDEX_CHUNK, INDEX_CHUNK):

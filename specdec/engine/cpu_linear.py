@@ -3,7 +3,7 @@
 Why: on a CPU, transformers' linear layers run aten's ``linear`` (MKL's sgemm on x86), which is
 slow at the few rows a verify step brings, and speculation's premise, K + 1 tokens for about the
 price of one, holds only with a GEMM that is efficient at a few rows
-(docs/architecture.md#the-targets-linear-layers-on-a-cpu; ``scripts/profile_linear.py`` measures
+(docs/profiles.md#the-targets-linear-layers-on-a-cpu; ``scripts/profile_linear.py`` measures
 it). vLLM's CPU backend does the same on x86 (its ``dispatch_cpu_unquantized_gemm`` packs each
 unquantized linear weight for oneDNN at load).
 
@@ -12,7 +12,7 @@ The kernel is torch's own oneDNN linear, the one torch.compile's CPU freezing pa
 ``torch.ops.mkldnn._linear_pointwise`` runs it); no compilation, any number of rows.
 
 Outputs differ from aten's by floating-point rounding only (another summation order; bounds in
-docs/architecture.md#the-targets-linear-layers-on-a-cpu). Greedy output then equals plain
+docs/profiles.md#the-targets-linear-layers-on-a-cpu). Greedy output then equals plain
 decoding except where the top two logits are within that rounding, the same kind of difference as a batched step's
 (invariant *batch independence*, docs/architecture.md#invariants).
 

@@ -1,6 +1,6 @@
 """Host memory that a model's steps reuse instead of faulting in again (glibc's ``mallopt``).
 
-Why (docs/architecture.md#large-buffers-mapped-afresh-every-step-and-what-a-verified-token-costs-at-least):
+Why (docs/profiles.md#large-buffers-mapped-afresh-every-step-and-what-a-verified-token-costs-at-least):
 glibc's malloc serves an allocation over its mmap threshold (adjusted up to 32 MB on 64-bit) with
 a fresh ``mmap`` and unmaps it on free, and trims a freed heap top past twice that. A step's
 logits are rows x vocabulary x 4 bytes (float32), so on SmolLM2's 49,152-token vocabulary any

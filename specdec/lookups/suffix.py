@@ -73,7 +73,7 @@ class SuffixTree:
     string's occurrences) are entries of two lists, and the ids of removed nodes are reused. Not
     an object each, because a dict that holds only ints is not tracked by Python's cyclic garbage
     collector, whose full collections over node objects stall the coordinator's event loop
-    (docs/architecture.md#where-the-cpu-time-goes).
+    (docs/profiles.md#where-the-cpu-time-goes).
 
     Each node also keeps the sum of its children's counts and the token of its most frequent
     child, updated as counts change (a removal that lowers the most frequent child's count leaves
