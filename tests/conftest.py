@@ -61,6 +61,25 @@ TINY_VOCAB = 49152
 SUMMARY: list[str] = []  # lines for the end of the run (measured figures worth seeing in CI's log)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        help="also run the soak test (tests/test_soak.py), left out of the suite for its time: scripts/soak.sh",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``soak`` run only with --soak (scripts/soak.sh): a long check run before
+    resolving a change to sessions, cancels, resume or memory, as deploy/smoke.sh is for deploy/."""
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="a long check: run scripts/soak.sh (pytest --soak)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter):
     if SUMMARY:
         terminalreporter.section("measured")

@@ -157,16 +157,18 @@ def wait_for_records(seconds: float = 2 * REFRESH_S + 0.5) -> None:
     time.sleep(seconds)  # two discovery intervals: every coordinator has resolved the names again
 
 
-def test_48_sessions_spread_over_every_replica(fleet, tiny_pipeline, plain_target_model):
-    """48 sessions at once (each open while all the others arrive: they last seconds, the burst
-    arrives within a fraction of one) over 3 verify and 2 draft replicas from 2 coordinators."""
-    requests = [request(i, max_new_tokens=120) for i in range(48)]
+def test_24_sessions_spread_over_every_replica(fleet, tiny_pipeline, plain_target_model):
+    """24 sessions at once (each open while all the others arrive: they last seconds, the burst
+    arrives within a fraction of one) over 3 verify and 2 draft replicas from 2 coordinators: each
+    replica within 3 (verify) or 4 (draft) sessions of even, as two coordinators that each spread
+    their own evenly, seeing the other's only in load reports, can leave them."""
+    requests = [request(i, max_new_tokens=120) for i in range(24)]
     completions = Burst(fleet, requests).join()
     assert_plain(plain_target_model, tiny_pipeline.target.tokenizer, requests, completions)
     verify = Counter(c.metrics.verify_replicas[0].split(":")[0] for c in completions)
     draft = Counter(c.metrics.draft_replicas[0].split(":")[0] for c in completions if c.metrics.draft_replicas)
-    assert set(verify) == set(VERIFY_HOSTS) and all(12 <= n <= 20 for n in verify.values()), verify  # 16 +- 25%
-    assert set(draft) == set(DRAFT_HOSTS) and all(18 <= n <= 30 for n in draft.values()), draft  # 24 +- 25%
+    assert set(verify) == set(VERIFY_HOSTS) and all(5 <= n <= 11 for n in verify.values()), verify  # 8 +- 3
+    assert set(draft) == set(DRAFT_HOSTS) and all(8 <= n <= 16 for n in draft.values()), draft  # 12 +- 4
 
 
 def test_a_shared_system_prompt_stays_where_its_prefix_is_cached(fleet):

@@ -18,6 +18,9 @@ Afterwards it shows that:
    of the same prompt and length is the same.
 The figures (requests completed, cancelled, disconnected, resumed; memory before and after per
 service; sessions after) are printed at the end of the run.
+
+Not part of the suite's run (about 30 s on 2 cores): ``scripts/soak.sh`` runs it (``pytest --soak``),
+before resolving a change to sessions, cancels, resume or memory.
 """
 
 import random
@@ -34,7 +37,7 @@ from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY, ProcessFleet, chat_ids, process_fleet, scrape
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.soak]
 
 SEED = 16
 STREAMS = 64  # concurrent client streams
