@@ -367,35 +367,25 @@ def _inputs(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _network_given(options: dict[str, Any]) -> dict[str, Any]:
-    """``--network-rtt-ms``, ``--network-jitter-ms`` and ``--network-topology`` as given (None: not
-    given, or not options of the mode); the jitter or topology without the RTTs exits 1."""
-    given = {
-        "rtt": options.get("network_rtt_ms"),
-        "jitter": options.get("network_jitter_ms"),
-        "topology": options.get("network_topology"),
-    }
-    if (given["jitter"] is not None or given["topology"] is not None) and given["rtt"] is None:
-        stderr.print("[red]error: --network-jitter-ms and --network-topology need --network-rtt-ms[/red]")
-        raise typer.Exit(1)
-    return given
-
-
-def _network(given: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`specdec_app.bench.network.NetworkOptions` fields of ``--network-rtt-ms``,
-    ``--network-jitter-ms`` and ``--network-topology`` as given (None: not given). Raises
-    ValueError naming the option to fix."""
+def _network(options: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`specdec_app.bench.network.NetworkOptions` fields of a subcommand's
+    ``--network-rtt-ms``, ``--network-jitter-ms`` and ``--network-topology`` (none given, or not
+    options of the mode: no network). Raises ValueError naming the option to fix, also for the
+    jitter or topology without the RTTs."""
     from specdec_app.bench.network import NetworkOptions, parse_rtts, parse_topologies
 
-    if given["rtt"] is None:
+    rtt, jitter, topology = (options.get(f"network_{name}") for name in ("rtt_ms", "jitter_ms", "topology"))
+    if rtt is None:
+        if jitter is not None or topology is not None:
+            raise ValueError("--network-jitter-ms and --network-topology need --network-rtt-ms")
         return {}
-    options = NetworkOptions(network_rtts_ms=parse_rtts(given["rtt"]))
-    if given["jitter"] is not None:
-        options.network_jitter_ms = given["jitter"]
-    if given["topology"] is not None:
-        options.network_topologies = parse_topologies(given["topology"])
-    options.network()  # a jitter the RTTs allow (ValueError)
-    return vars(options)
+    network = NetworkOptions(network_rtts_ms=parse_rtts(rtt))
+    if jitter is not None:
+        network.network_jitter_ms = jitter
+    if topology is not None:
+        network.network_topologies = parse_topologies(topology)
+    network.network()  # a jitter the RTTs allow (ValueError)
+    return vars(network)
 
 
 def _run_mode(run: Callable[[], T]) -> T:
@@ -435,14 +425,17 @@ def _bench_batch1(options: dict[str, Any]) -> None:
     from specdec_app.bench.report import network_table, overall_table, speedup_table
     from specdec_app.bench.run import REPORT_FILES, BenchConfig, run_bench
 
-    network = _network_given(options)
     given = {"pipelines": options["pipeline"], "hf_k": options["hf_k"], "placements": options["placement"]}
-    config = BenchConfig(
-        **_inputs(options),
-        **{name: value for name, value in given.items() if value},  # the rest: defaults
-        **_run_mode(lambda: _network(network)),
-    )
-    report = _run_mode(lambda: run_bench(config, stderr))
+
+    def run() -> tuple[dict, BenchConfig]:
+        config = BenchConfig(
+            **_inputs(options),
+            **{name: value for name, value in given.items() if value},  # the rest: defaults
+            **_network(options),
+        )
+        return run_bench(config, stderr), config
+
+    report, config = _run_mode(run)
     print("\n".join([*speedup_table(report), "", *overall_table(report)]))
     if report.get("network"):
         print("\n" + "\n".join(network_table(report)))
@@ -509,10 +502,8 @@ def _bench_load(options: dict[str, Any], ceiling: bool) -> None:
     from specdec_app.bench import ceiling as ceiling_mode
     from specdec_app.bench.concurrency import REPORT_FILES, run_concurrency
 
-    network = _network_given(options)
-
     def run() -> tuple[dict, "ConcurrencyConfig"]:
-        config = _load_config(options, ceiling, network)
+        config = _load_config(options, ceiling)
         if ceiling:
             config = ceiling_mode.configure(config, stderr)
         report = run_concurrency(config, stderr)
@@ -525,7 +516,7 @@ def _bench_load(options: dict[str, Any], ceiling: bool) -> None:
     stderr.print(f"reports written to {config.out}/: {', '.join(REPORT_FILES)}")
 
 
-def _load_config(options: dict[str, Any], ceiling: bool, network: dict[str, Any]) -> "ConcurrencyConfig":
+def _load_config(options: dict[str, Any], ceiling: bool) -> "ConcurrencyConfig":
     """The :class:`specdec_app.bench.concurrency.ConcurrencyConfig` of a load mode's options, the
     mode's defaults for those not given. Raises ValueError naming the option to fix."""
     from specdec_app.bench import ceiling as ceiling_mode
@@ -533,6 +524,7 @@ def _load_config(options: dict[str, Any], ceiling: bool, network: dict[str, Any]
     from specdec_app.bench.concurrency import DEFAULT_CONCURRENCY, ConcurrencyConfig, parse_concurrency
     from specdec_app.bench.load_methods import METHODS, parse_methods
 
+    network = _network(options)  # its errors first, before the other options'
     default_n, default_methods, default_arrivals = (
         (ceiling_mode.DEFAULT_CONCURRENCY, ceiling_mode.METHODS, (CLOSED,))
         if ceiling
@@ -550,7 +542,7 @@ def _load_config(options: dict[str, Any], ceiling: bool, network: dict[str, Any]
         arrivals=parse_arrivals(arrivals) if arrivals else list(default_arrivals),
         request_rate=options["request_rate"],
         **{name: options[name] for name in ("slo_ttft_ms", "slo_tpot_ms") if options[name] is not None},
-        **_network(network),
+        **network,
     )
     if config.drafter not in ("llama-cpp", "transformers", "ngram"):
         raise ValueError(f"--drafter {config.drafter!r}: use llama-cpp, transformers or ngram")
