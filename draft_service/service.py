@@ -7,6 +7,7 @@ import time
 
 import torch
 from opentelemetry import trace
+from prometheus_client import Counter
 
 from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
 from draft_service.settings import DraftSettings
@@ -93,6 +94,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         metrics: ServiceMetrics,
         max_workers: int,
         grammar_aware_drafting: bool = True,
+        proactive_drafting: bool = True,
         rpc_delays_s: dict[str, float] | None = None,
     ):
         if default_drafter not in drafters:
@@ -105,6 +107,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_k = max_k
         self.metrics = metrics
         self.grammar_aware_drafting = grammar_aware_drafting
+        self.proactive_drafting = proactive_drafting
+        self.proactive_drafts = Counter(
+            "specdec_proactive_drafts",
+            "Proposals drafted before a Propose asked for them (proactive drafting), by outcome: started, or "
+            "used by the Propose that came next (the rest were cancelled by another one, or the session's end).",
+            ["outcome"],
+            registry=metrics.registry,
+        )
         self.rpc_delays_s = rpc_delays_s or {}  # the fault tests' hook (specdec.rpc.delay_hook): empty in production
         starters = {"propose": self._propose}  # no thread waits per call
         handlers = delayed_starters(starters, self.rpc_delays_s, max_workers)
@@ -182,10 +192,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         session, release = self.sessions.acquire(request.session_id)
 
         def done(proposal: Proposal | BaseException) -> None:
-            release()
             if isinstance(proposal, BaseException):
+                release()
                 reply(proposal)
                 return
+            try:
+                if self.proactive_drafting and session.draft_next(k, predicted, proposal):  # before others may call
+                    self.proactive_drafts.labels("started").inc()
+            finally:
+                release()
+            if proposal.proactive:
+                self.proactive_drafts.labels("used").inc()
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -193,6 +210,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         "specdec.num_drafted": len(proposal.tokens),
                         "specdec.draft_ahead": bool(predicted),
                         "specdec.num_branches": len(proposal.branches),
+                        "specdec.proactive": proposal.proactive,
                     }
                 )
             reply(_response(proposal, session.sampling.greedy, ms_since(start)))
@@ -250,6 +268,7 @@ def build(settings: DraftSettings, drafters: dict[str, Drafter] | None = None) -
         metrics,
         settings.max_workers,
         settings.grammar_aware_drafting,
+        settings.proactive_drafting,
         parse_delays(settings.debug_rpc_delay_ms),
     )
     for name, engine in servicer.engines.items():

@@ -107,3 +107,11 @@ class DraftSettings(SessionServiceSettings):
         "Off: they draft as without it, and the verify service cuts each proposal after its first token the "
         "grammar rejects (vLLM's and SGLang's behaviour); for comparison (specdec bench structured).",
     )
+    proactive_drafting: bool = Field(
+        True,
+        description="After answering a Propose, a model drafter drafts the Propose the coordinator sends next if "
+        "the whole proposal is accepted (SpecEdge's proactive drafting), and answers it with that at once: the "
+        "draft's forwards leave the round trip that carries the next proposal, which a network between the services "
+        "lengthens. A miss costs the drafter the forwards it cancels (they share its batched steps). Off: a Propose "
+        "is drafted when it arrives. Not with structured output or draft-ahead branches.",
+    )

@@ -3,9 +3,11 @@ for the most likely outcomes of that verification (branches).
 
 A proposal drafted ahead, on any branch, must be the one a plain Propose after the same committed
 tokens gives (greedy and seeded sampling alike), so the pipeline's output does not depend on
-whether a round's proposal was drafted ahead, on which branch, hit or missed."""
+whether a round's proposal was drafted ahead, on which branch, hit or missed; and so must one the
+draft service drafted proactively, before the Propose asked for it."""
 
 import asyncio
+import contextlib
 import types
 
 import pytest
@@ -28,16 +30,26 @@ PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]
 MAX_NEW = 40
 
 
+@contextlib.contextmanager
+def _two_sessions(drafter, sampling: SamplingParams):
+    """Two sessions of ``drafter`` prefilled with PROMPT, closed after."""
+    first, second = drafter.new_session(sampling), drafter.new_session(sampling)
+    try:
+        first.prefill(PROMPT)
+        second.prefill(PROMPT)
+        yield first, second
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
 def test_proposal_drafted_ahead_is_the_plain_proposal(tiny_drafters, sampling):
     """propose_ahead(predicted, K) = the bonus guess (the draft's argmax after predicted) and the
     K tokens (and, under sampling, the draft distributions) that propose(K) gives once predicted
     and that bonus are committed."""
     drafter = tiny_drafters["transformers"]
-    ahead, plain = drafter.new_session(sampling), drafter.new_session(sampling)
-    try:
-        ahead.prefill(PROMPT)
-        plain.prefill(PROMPT)
+    with _two_sessions(drafter, sampling) as (ahead, plain):
         predicted = ahead.propose(4).tokens
         branch = ahead.propose_ahead(predicted, 5)
         plain.sync(predicted)
@@ -57,9 +69,89 @@ def test_proposal_drafted_ahead_is_the_plain_proposal(tiny_drafters, sampling):
         fresh.prefill([*PROMPT, *committed])
         assert ahead.propose(3).tokens == fresh.propose(3).tokens
         fresh.close()
+
+
+def _same_proposal(ours, theirs, sampling: SamplingParams) -> None:
+    assert ours.proactive and not theirs.proactive
+    assert ours.tokens == theirs.tokens and ours.bonus_token_id == theirs.bonus_token_id
+    if not sampling.greedy:
+        torch.testing.assert_close(ours.probs, theirs.probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
+def test_proposal_drafted_proactively_is_the_draft_ahead_asked_for(tiny_drafters, sampling):
+    """draft_next drafts the draft-ahead expected next; that Propose gets it (marked proactive),
+    equal to what a session without proactive drafting proposes for the same call, also cut to a
+    smaller K and chained round after round; a Propose after another outcome cancels it and gets
+    the plain proposal after what was really committed (the KV rolled back)."""
+    drafter = tiny_drafters["transformers"]
+    with _two_sessions(drafter, sampling) as (proactive, reference):
+        first = reference.propose(4)
+        assert proactive.draft_next(4, [], proactive.propose(4))
+        second = proactive.propose_ahead(first.tokens, 4)  # after a plain Propose: the draft-ahead of its tokens
+        _same_proposal(second, reference.propose_ahead(first.tokens, 4), sampling)
+        assert proactive.draft_next(4, first.tokens, second)
+        outcome = [*first.tokens, second.bonus_token_id]
+        proactive.sync(outcome)
+        reference.sync(outcome)
+        third = proactive.propose_ahead(second.tokens, 3)  # its own continuation; K 4 -> 3: cut
+        _same_proposal(third, reference.propose_ahead(second.tokens, 3), sampling)
+        assert proactive.draft_next(3, second.tokens, third)
+        rejected = [*second.tokens[:1], (second.tokens[1] + 1) % 500]  # verification went elsewhere
+        proactive.sync(rejected)
+        missed = proactive.propose(3)
+        assert not missed.proactive
+        fresh = drafter.new_session(sampling)
+        fresh.prefill([*PROMPT, *outcome, *rejected])
+        assert missed.tokens == fresh.propose(3).tokens
+        fresh.close()
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
+def test_proposal_drafted_proactively_serves_a_plain_propose_after_its_bonus_guess(tiny_drafters, sampling):
+    """A coordinator that does not draft ahead asks for a plain proposal once verification has
+    committed the drafted tokens and a bonus token: when that is the token the proactive draft
+    guessed, the proposal drafted after it is the plain one (without a bonus guess of its own);
+    after another bonus token, the Propose gets a proposal of its own."""
+    drafter = tiny_drafters["transformers"]
+    with _two_sessions(drafter, sampling) as (proactive, reference):
+        drafted = reference.propose(4).tokens
+        assert proactive.draft_next(4, [], proactive.propose(4))
+        guess = reference.propose_ahead(drafted, 4).bonus_token_id
+        proactive.sync([*drafted, guess])
+        reference.sync([*drafted, guess])
+        served = proactive.propose(4)
+        _same_proposal(served, reference.propose(4), sampling)
+        assert served.bonus_token_id is None
+        assert proactive.draft_next(4, [], served)
+        other = (guess + 1) % 500
+        proactive.sync([*served.tokens, other])
+        reference.sync([*served.tokens, other])
+        own = proactive.propose(4)
+        assert not own.proactive and own.tokens == reference.propose(4).tokens
+
+
+def test_no_proactive_draft_where_its_state_is_shared_or_short(tiny_drafters):
+    """None after a short proposal, a draft-ahead without a bonus guess, with branches on, or past
+    the window; a session closed while one runs stops it first."""
+    drafter = tiny_drafters["transformers"]
+    session = drafter.new_session(SamplingParams())
+    try:
+        session.prefill(PROMPT)
+        proposal = session.propose(4)
+        assert not session.draft_next(5, [], proposal)  # 4 of 5 tokens: the draft ended early
+        assert not session.draft_next(4, [1, 2], base.Proposal(proposal.tokens))  # no bonus guessed
+        session.window = len(PROMPT) + 8
+        assert not session.draft_next(4, [], proposal)  # 12 + 4 + 1 + 4 tokens > 20
+        session.window = 1024
+        session.keep_alternatives()
+        assert not session.draft_next(4, [], proposal)
+        session.branching = False
+        assert session.draft_next(4, [], proposal)
+        running = session._next
     finally:
-        ahead.close()
-        plain.close()
+        session.close()
+    assert running is not None and running.ended.is_set() and running.work.cancelled
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
@@ -176,8 +268,10 @@ def test_draft_ahead_changes_no_token(tiny_pipeline, drafter, k, sampling):
     always the draft's argmax guess); and with three more branches, identical tokens again and,
     greedy, hits on the other branches too."""
     serial, serial_outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=False))
+    used = _proactive_drafts_used(tiny_pipeline)
     ahead, outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, draft_ahead=True))
     assert ahead == serial
+    assert _proactive_drafts_used(tiny_pipeline) > used  # the draft service drafts before it is asked too
     assert "+asked" in serial_outcomes and set(serial_outcomes) <= {"+asked", ""}  # "": a plain last round
     # a hit asks for nothing; a miss asks for its own proposal once the work ahead is done
     assert f"{HIT}:{MAIN}" in outcomes and f"{MISS}+asked" in outcomes, outcomes
@@ -188,6 +282,11 @@ def test_draft_ahead_changes_no_token(tiny_pipeline, drafter, k, sampling):
         # a round that misses the main branch may hit another: they turn misses into hits
         assert {f"{HIT}:{BONUS}", f"{HIT}:{RECOVERED}"} <= set(branch_outcomes), branch_outcomes
         assert branch_outcomes.count(f"{MISS}+asked") < outcomes.count(f"{MISS}+asked"), (branch_outcomes, outcomes)
+
+
+def _proactive_drafts_used(pipeline) -> float:
+    registry = pipeline.draft.servicer.metrics.registry
+    return registry.get_sample_value("specdec_proactive_drafts_total", {"outcome": "used"}) or 0.0
 
 
 def test_request_reports_draft_ahead(tiny_pipeline):

@@ -2,6 +2,8 @@
 
 import abc
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,9 @@ from specdec.timing import min_ms
 from specdec.token_ids import point_masses
 from specdec.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+CANCEL_WAIT_S = 10.0  # closing a session waits this long at most for its proactive draft to stop
 
 
 @dataclass
@@ -44,6 +48,14 @@ class Proposal:
     forced: list[bool] = field(default_factory=list)
     # draft-ahead: the proposals of the other outcomes drafted (ProposeRequest.num_branches)
     branches: list["Branch"] = field(default_factory=list)
+    proactive: bool = False  # drafted before the Propose asked for it (ModelDraftSession.draft_next)
+
+    def first(self, k: int) -> "Proposal":
+        """The proposal cut to its first ``k`` tokens, without branches: the one a proposal of
+        ``k`` tokens gives, since each draft token depends only on those before it (under sampling
+        too: one generator draws them in order)."""
+        probs = None if self.probs is None else self.probs[:k]
+        return Proposal(self.tokens[:k], probs, self.bonus_token_id, self.forced[:k], [], self.proactive)
 
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
@@ -128,6 +140,11 @@ class DraftSession(abc.ABC):
         """From now on, each proposal keeps its :class:`Alternative` per token, for the branches of
         the draft-ahead that follows it (``ProposeRequest.num_branches`` > 1)."""
 
+    def draft_next(self, k: int, predicted: Sequence[int], proposal: Proposal) -> bool:
+        """Proactive drafting (see :meth:`ModelDraftSession.draft_next`); here a no-op: a proposal
+        without a model costs no forward to hide. Returns whether it started a draft."""
+        return False
+
     def propose_ahead(
         self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
     ) -> Proposal:
@@ -199,13 +216,18 @@ class _Propose(Work):
     without a forward of their own (jump-forward; q a point mass on each) and are fed to the model
     with the next step."""
 
+    result: Proposal  # once done
+
     def __init__(
         self, session: "ModelDraftSession", k: int, predicted: Sequence[int] = (), guess_bonus: bool | None = None
     ):
         self.session, self.seq_id, self.k = session, session.kv_cache.seq_id, k
         self.context = [*session.committed, *predicted]
+        # read here, not at each step: a proactive draft runs while a Propose syncs the session
+        self.num_committed, self.branching = len(session.committed), session.branching
         self.predicted = list(predicted)
         self.grammar = session.grammar
+        self.cancelled = False  # set from another thread: the proposal ends at its next step
         self.started = False  # whether the first step (the uncached context) was fed
         self.num_fed = 0  # chosen tokens fed to the model
         self.bonus: int | None = None  # the guessed bonus token, drafting ahead
@@ -227,13 +249,13 @@ class _Propose(Work):
         """The uncached context (first step) and the chosen tokens not fed yet; no state changes
         here: the engine may ask again when a step's budget leaves this work for the next one."""
         kv_cache = self.session.kv_cache
-        fresh = [] if self.started else kv_cache.reconcile(self.context, len(self.session.committed))
+        fresh = [] if self.started else kv_cache.reconcile(self.context, self.num_committed)
         return kv_cache.step([*fresh, *self.chosen[self.num_fed :]])
 
     def finish_step(self, step: SequenceStep, logits: torch.Tensor) -> bool:
         self.session.kv_cache.appended(step)
         self.started, self.num_fed = True, len(self.chosen)
-        if len(self.tokens) >= self.k:  # forced tokens filled the proposal before this step
+        if len(self.tokens) >= self.k or self.cancelled:  # filled by forced tokens before this step, or cancelled
             return self._done()
         sampling = self.session.sampling
         scores = process(logits[-1:], sampling, [*self.context, *self.chosen])[0]  # as the target's
@@ -242,7 +264,7 @@ class _Propose(Work):
             if allowed is None:  # predicted tokens off the grammar: nothing valid to draft after them
                 return self._done()
             scores = scores.masked_fill(~torch.from_numpy(allowed).to(scores.device), float("-inf"))
-        branching = self.session.branching
+        branching = self.branching
         if self.guess_bonus and self.bonus is None:
             self.bonus = int(scores.argmax())
             self.chosen.append(self.bonus)
@@ -288,7 +310,7 @@ class _Propose(Work):
     def _done(self) -> bool:
         forced = self.forced if any(self.forced) else []
         self.result = Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, self.bonus, forced)
-        if self.session.branching:
+        if self.branching:
             self.session.alternatives[tuple(self.tokens)] = self.alternatives
         return True
 
@@ -310,6 +332,26 @@ def _likely_outcomes(
     if bonus is not None:
         outcomes.append((passing * bonus.prob, len(predicted), bonus.token))
     return [(n, token) for _, n, token in sorted(outcomes, key=lambda o: -o[0])]
+
+
+@dataclass(eq=False)
+class _DraftedNext:
+    """A proposal :meth:`ModelDraftSession.draft_next` started before a Propose asked for it: up to
+    ``k`` tokens after the session's first ``start`` committed tokens and ``ahead``, a bonus token
+    guessed first. ``outcome``: the proposal or the error, once its work ended (``ended`` is then
+    set); ``waiting``: the answer of a Propose that asked for it while it ran."""
+
+    start: int
+    ahead: list[int]
+    k: int
+    work: _Propose
+    outcome: Proposal | BaseException | None = None
+    waiting: Callable[[Proposal | BaseException], None] | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Not started: the engine drops it; running: it ends at its next step."""
+        self.work.cancelled = True
 
 
 class ModelDraftSession(DraftSession):
@@ -340,6 +382,8 @@ class ModelDraftSession(DraftSession):
         self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
         self.branching = False  # set by a draft-ahead for several branches: proposals keep their alternatives
         self.alternatives: dict[tuple[int, ...], list[Alternative | None]] = {}  # by proposal, the latest ones
+        self._next: _DraftedNext | None = None  # drafted proactively (draft_next), running or done
+        self._next_lock = threading.Lock()  # guards _next and its outcome: the engine's thread ends it
 
     def prefill(self, committed: Sequence[int]) -> None:
         super().prefill(committed)
@@ -382,8 +426,9 @@ class ModelDraftSession(DraftSession):
         done: Callable[[Proposal | BaseException], None],
     ) -> None:
         """Queues the proposal (:meth:`propose`, or :meth:`propose_ahead` and its branches one after
-        another) on the engine and returns; ``done`` is called from the engine's thread. Raises
-        InvalidArgument for a predicted id outside the vocabulary."""
+        another) on the engine and returns; ``done`` is called from the engine's thread. The
+        proposal drafted proactively (:meth:`draft_next`) answers instead when it is the one asked
+        for. Raises InvalidArgument for a predicted id outside the vocabulary."""
         start = time.monotonic()
         if predicted:
             check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
@@ -392,6 +437,40 @@ class ModelDraftSession(DraftSession):
         if len(self.committed) + (len(predicted) + 1 if predicted else 0) + k > self.window:
             done(Proposal([]))
             return
+        taken = self._take_next(predicted, k, num_branches)
+        if taken is None:
+            self._draft(k, predicted, num_branches, budget_s, start, done)
+            return
+        drafted, bonus = taken
+
+        def answer(outcome: Proposal | BaseException) -> None:
+            if isinstance(outcome, BaseException) or (bonus is not None and outcome.bonus_token_id != bonus):
+                # preempted, the engine stopping, or it guessed another bonus token: drafted now instead
+                self._draft(k, predicted, num_branches, budget_s, start, done)
+                return
+            proposal = outcome.first(k)
+            proposal.proactive = True
+            if bonus is not None:  # committed, not guessed: a plain Propose's proposal has none
+                proposal.bonus_token_id = None
+            done(proposal)
+
+        with self._next_lock:
+            if drafted.outcome is None:
+                drafted.waiting = answer
+                return
+        answer(drafted.outcome)
+
+    def _draft(
+        self,
+        k: int,
+        predicted: Sequence[int],
+        num_branches: int,
+        budget_s: float | None,
+        start: float,
+        done: Callable[[Proposal | BaseException], None],
+    ) -> None:
+        """Queues the proposal and its branches (see :meth:`start_proposal`); ``start``: the
+        Propose's time.monotonic(), from which ``budget_s`` counts."""
         work = _Propose(self, k, predicted)
 
         def drafted(proposal, _stats, error: BaseException | None) -> None:
@@ -405,6 +484,82 @@ class ModelDraftSession(DraftSession):
             self._draft_branches(proposal, predicted, k, outcomes, deadline, time.monotonic() - start, done)
 
         self.engine.submit(work, drafted)
+
+    def draft_next(self, k: int, predicted: Sequence[int], proposal: Proposal) -> bool:
+        """Proactive drafting (SpecEdge's proactive edge drafting: Park et al., "SpecEdge: Scalable
+        Edge-Assisted Serving Framework for Interactive LLMs", 2025): after answering a Propose
+        with ``proposal``, starts drafting the Propose the coordinator sends next if verification
+        accepts every token of ``proposal``: after ``committed + predicted + [bonus] + tokens``
+        (the bonus token the draft guessed; after ``committed + tokens`` without ``predicted``), a
+        bonus token guessed, then up to ``k`` tokens, as work of the engine like any proposal. The
+        Propose it serves is a draft-ahead after those tokens (a coordinator drafting ahead) or a
+        plain Propose after those and the bonus token it guessed (a coordinator that does not, and
+        a guess that was the target's token); it is answered at once when the draft is done, else
+        when it is: the draft's forwards leave the Propose's round trip. Any other Propose
+        cancels it (it ends at its next step; the next proposal rolls the KV back as after a
+        rejection), as does :meth:`close`.
+
+        Only after a full proposal (``k`` tokens: a short one ended at the window or had nothing
+        to draft), without structured output or branches (their state is shared by every
+        proposal of the session), and within the window. Call it before the answered Propose
+        releases the session. Returns whether it started a draft."""
+        if self.grammar is not None or self.branching or len(proposal.tokens) < k:
+            return False
+        bonus = proposal.bonus_token_id
+        if not predicted:
+            ahead = list(proposal.tokens)
+        elif bonus is None:
+            return False
+        else:
+            ahead = [*predicted, bonus, *proposal.tokens]
+        if len(self.committed) + len(ahead) + 1 + k > self.window:
+            return False
+        work = _Propose(self, k, ahead)
+        drafted = _DraftedNext(len(self.committed), ahead, k, work)
+        with self._next_lock:
+            replaced, self._next = self._next, drafted
+        if replaced is not None:
+            replaced.cancel()
+        self.engine.submit(
+            work,
+            lambda _result, _stats, error: self._drafted_next(drafted, work.result if error is None else error),
+            abandoned=lambda: work.cancelled,
+        )
+        return True
+
+    def _drafted_next(self, drafted: _DraftedNext, outcome: Proposal | BaseException) -> None:
+        """The end of a proactive draft (on the engine's thread): answers the Propose waiting for it."""
+        with self._next_lock:
+            drafted.outcome = outcome
+            waiting, drafted.waiting = drafted.waiting, None
+        drafted.ended.set()
+        if waiting is not None:
+            waiting(outcome)
+
+    def _take_next(self, predicted: Sequence[int], k: int, num_branches: int) -> tuple[_DraftedNext, int | None] | None:
+        """The proactive draft if this Propose (``predicted``, ``k``, ``num_branches``) asks for it:
+        at least ``k`` tokens, no branches, and the same tokens after the committed ones; or, for a
+        plain Propose (no ``predicted``), those and the bonus token the draft guesses first,
+        returned with it (the proposal serves only if its guess is that token). Otherwise the
+        draft is cancelled, and None. Compares the tokens past its ``start``: O(K)."""
+        with self._next_lock:
+            drafted, self._next = self._next, None
+        if drafted is None:
+            return None
+        context, n = [*self.committed[drafted.start :], *predicted], len(drafted.ahead)
+        if k <= drafted.k and num_branches <= 1 and len(self.committed) >= drafted.start:
+            if predicted and context == drafted.ahead:
+                return drafted, None
+            guessed = drafted.work.bonus  # None until its first step
+            if (
+                not predicted
+                and len(context) == n + 1
+                and context[:n] == drafted.ahead
+                and guessed in (None, context[n])
+            ):
+                return drafted, context[n]
+        drafted.cancel()
+        return None
 
     def _draft_branches(
         self,
@@ -450,6 +605,13 @@ class ModelDraftSession(DraftSession):
         return self.kv_cache.num_cached_tokens
 
     def close(self) -> None:
+        """Frees the session's KV, once a proactive draft still on the engine has stopped."""
+        with self._next_lock:
+            drafted, self._next = self._next, None
+        if drafted is not None:
+            drafted.cancel()
+            if not drafted.ended.wait(CANCEL_WAIT_S):
+                log.warning("a proactive draft did not stop within %g s; freeing its KV all the same", CANCEL_WAIT_S)
         self.engine.forget(self.kv_cache.seq_id)
         self.kv_cache.close()
 
