@@ -24,6 +24,7 @@ from draft_service.drafters import base
 from draft_service.drafters.base import Alternative, _likely_outcomes
 from specdec.rpc.errors import FailedPrecondition
 from specdec.sampling.sampling_params import SamplingParams
+from specdec.sampling.structured_output import StructuredOutput
 from specdec.v1 import coordinator_pb2
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]
@@ -132,10 +133,14 @@ def test_proposal_drafted_proactively_serves_a_plain_propose_after_its_bonus_gue
 
 
 def test_no_proactive_draft_where_its_state_is_shared_or_short(tiny_drafters):
-    """None after a short proposal, a draft-ahead without a bonus guess, with branches on, or past
-    the window; a session closed while one runs stops it first."""
+    """None after a short proposal, a draft-ahead without a bonus guess, past the window, or under
+    a grammar; a session closed while one runs stops it first."""
     drafter = tiny_drafters["transformers"]
     session = drafter.new_session(SamplingParams())
+    letters = StructuredOutput("regex", "[a-z ]{99}")
+    constrained = drafter.new_session(
+        SamplingParams(eos_token_ids=(2,), num_prompt_tokens=12, structured_output=letters)
+    )
     try:
         session.prefill(PROMPT)
         proposal = session.propose(4)
@@ -144,14 +149,35 @@ def test_no_proactive_draft_where_its_state_is_shared_or_short(tiny_drafters):
         session.window = len(PROMPT) + 8
         assert not session.draft_next(4, [], proposal)  # 12 + 4 + 1 + 4 tokens > 20
         session.window = 1024
-        session.keep_alternatives()
-        assert not session.draft_next(4, [], proposal)
-        session.branching = False
+        constrained.prefill(PROMPT)
+        assert constrained.grammar is not None
+        assert not constrained.draft_next(4, [], constrained.propose(4))
         assert session.draft_next(4, [], proposal)
         running = session._next
     finally:
         session.close()
+        constrained.close()
     assert running is not None and running.ended.is_set() and running.work.cancelled
+
+
+@pytest.mark.parametrize("num_branches", [1, 4])
+def test_proposal_drafted_proactively_is_the_main_branch_of_a_draft_ahead_for_branches(tiny_drafters, num_branches):
+    """A draft-ahead for several branches gets the proactive draft as its main branch and drafts
+    its other branches on arrival: the same main branch and the same branches as a session that
+    drafts them all when asked."""
+    drafter = tiny_drafters["transformers"]
+    with _two_sessions(drafter, SamplingParams()) as (proactive, reference):
+        for session in (proactive, reference):
+            session.keep_alternatives()
+        first = reference.propose(4)
+        assert proactive.draft_next(4, [], proactive.propose(4))
+        ours = proactive.propose_ahead(first.tokens, 4, num_branches=num_branches)
+        theirs = reference.propose_ahead(first.tokens, 4, num_branches=num_branches)
+        _same_proposal(ours, theirs, SamplingParams())
+        assert len(ours.branches) == len(theirs.branches) == num_branches - 1
+        for branch, expected in zip(ours.branches, theirs.branches, strict=True):
+            assert (branch.num_accepted, branch.next_token) == (expected.num_accepted, expected.next_token)
+            assert branch.proposal.tokens == expected.proposal.tokens
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)])
@@ -276,8 +302,10 @@ def test_draft_ahead_changes_no_token(tiny_pipeline, drafter, k, sampling):
     # a hit asks for nothing; a miss asks for its own proposal once the work ahead is done
     assert f"{HIT}:{MAIN}" in outcomes and f"{MISS}+asked" in outcomes, outcomes
     assert not [outcome for outcome in outcomes if outcome.startswith(HIT) and outcome.endswith("+asked")]
+    used = _proactive_drafts_used(tiny_pipeline)
     branched, branch_outcomes = asyncio.run(_generate(tiny_pipeline, drafter, k, sampling, True, branches=4))
     assert branched == serial
+    assert _proactive_drafts_used(tiny_pipeline) > used
     if sampling.greedy:  # the near copy's rejections: its second choice is often the target's token
         # a round that misses the main branch may hit another: they turn misses into hits
         assert {f"{HIT}:{BONUS}", f"{HIT}:{RECOVERED}"} <= set(branch_outcomes), branch_outcomes
@@ -296,7 +324,9 @@ def test_request_reports_draft_ahead(tiny_pipeline):
     request = coordinator_pb2.GenerateRequest(
         text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=4, drafter="self"
     )
+    used = _proactive_drafts_used(tiny_pipeline)
     completion = generate(tiny_pipeline.address, request, timeout_s=120)
+    assert _proactive_drafts_used(tiny_pipeline) > used  # the coordinator's defaults: draft-ahead with branches
     plain = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=0)
     assert completion.token_ids == generate(tiny_pipeline.address, plain, timeout_s=120).token_ids
     m = completion.metrics

@@ -345,6 +345,8 @@ class _DraftedNext:
     ahead: list[int]
     k: int
     work: _Propose
+    began: float = field(default_factory=time.monotonic)
+    took_s: float = 0.0  # from its start to its end, once ended
     outcome: Proposal | BaseException | None = None
     waiting: Callable[[Proposal | BaseException], None] | None = None
     ended: threading.Event = field(default_factory=threading.Event)
@@ -437,7 +439,7 @@ class ModelDraftSession(DraftSession):
         if len(self.committed) + (len(predicted) + 1 if predicted else 0) + k > self.window:
             done(Proposal([]))
             return
-        taken = self._take_next(predicted, k, num_branches)
+        taken = self._take_next(predicted, k)
         if taken is None:
             self._draft(k, predicted, num_branches, budget_s, start, done)
             return
@@ -452,7 +454,9 @@ class ModelDraftSession(DraftSession):
             proposal.proactive = True
             if bonus is not None:  # committed, not guessed: a plain Propose's proposal has none
                 proposal.bonus_token_id = None
-            done(proposal)
+            self._drafted_main(
+                drafted.work, proposal, k, predicted, num_branches, budget_s, start, drafted.took_s, done
+            )
 
         with self._next_lock:
             if drafted.outcome is None:
@@ -473,17 +477,39 @@ class ModelDraftSession(DraftSession):
         Propose's time.monotonic(), from which ``budget_s`` counts."""
         work = _Propose(self, k, predicted)
 
-        def drafted(proposal, _stats, error: BaseException | None) -> None:
-            if error is not None or not predicted:
-                done(error if error is not None else proposal)
+        def drafted(_proposal, _stats, error: BaseException | None) -> None:
+            if error is not None:
+                done(error)
                 return
-            alternatives = self.alternatives.get(tuple(predicted), [])
-            self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(proposal.tokens), [])}
-            outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)[: num_branches - 1]
-            deadline = None if budget_s is None else start + budget_s
-            self._draft_branches(proposal, predicted, k, outcomes, deadline, time.monotonic() - start, done)
+            last_s = time.monotonic() - start
+            self._drafted_main(work, work.result, k, predicted, num_branches, budget_s, start, last_s, done)
 
         self.engine.submit(work, drafted)
+
+    def _drafted_main(
+        self,
+        work: _Propose,
+        proposal: Proposal,
+        k: int,
+        predicted: Sequence[int],
+        num_branches: int,
+        budget_s: float | None,
+        start: float,
+        last_s: float,
+        done: Callable[[Proposal | BaseException], None],
+    ) -> None:
+        """Once the main branch (``proposal`` of ``k`` tokens, drafted by ``work`` now or
+        proactively, in ``last_s`` seconds) is drafted: drafting ahead, drafts the other
+        ``num_branches - 1`` most likely outcomes within the budget (see :meth:`propose_ahead`),
+        then ``done(proposal)``."""
+        if not predicted:
+            done(proposal)
+            return
+        alternatives = self.alternatives.get(tuple(predicted), [])
+        self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(work.result.tokens), [])}
+        outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)[: num_branches - 1]
+        deadline = None if budget_s is None else start + budget_s
+        self._draft_branches(proposal, predicted, k, outcomes, deadline, last_s, done)
 
     def draft_next(self, k: int, predicted: Sequence[int], proposal: Proposal) -> bool:
         """Proactive drafting (SpecEdge's proactive edge drafting: Park et al., "SpecEdge: Scalable
@@ -495,15 +521,17 @@ class ModelDraftSession(DraftSession):
         Propose it serves is a draft-ahead after those tokens (a coordinator drafting ahead) or a
         plain Propose after those and the bonus token it guessed (a coordinator that does not, and
         a guess that was the target's token); it is answered at once when the draft is done, else
-        when it is: the draft's forwards leave the Propose's round trip. Any other Propose
-        cancels it (it ends at its next step; the next proposal rolls the KV back as after a
-        rejection), as does :meth:`close`.
+        when it is: the draft's forwards leave the Propose's round trip. A Propose for branches
+        gets it as its main branch, its other branches drafted on arrival (within its budget, the
+        first expected to take as long as this draft did). Any other Propose cancels it (it ends
+        at its next step; the next proposal rolls the KV back as after a rejection), as does
+        :meth:`close`.
 
         Only after a full proposal (``k`` tokens: a short one ended at the window or had nothing
-        to draft), without structured output or branches (their state is shared by every
-        proposal of the session), and within the window. Call it before the answered Propose
-        releases the session. Returns whether it started a draft."""
-        if self.grammar is not None or self.branching or len(proposal.tokens) < k:
+        to draft), without structured output (its grammar state is advanced by the next Propose
+        while this draft would read it), and within the window. Call it before the answered
+        Propose releases the session. Returns whether it started a draft."""
+        if self.grammar is not None or len(proposal.tokens) < k:
             return False
         bonus = proposal.bonus_token_id
         if not predicted:
@@ -530,24 +558,24 @@ class ModelDraftSession(DraftSession):
     def _drafted_next(self, drafted: _DraftedNext, outcome: Proposal | BaseException) -> None:
         """The end of a proactive draft (on the engine's thread): answers the Propose waiting for it."""
         with self._next_lock:
-            drafted.outcome = outcome
+            drafted.outcome, drafted.took_s = outcome, time.monotonic() - drafted.began
             waiting, drafted.waiting = drafted.waiting, None
         drafted.ended.set()
         if waiting is not None:
             waiting(outcome)
 
-    def _take_next(self, predicted: Sequence[int], k: int, num_branches: int) -> tuple[_DraftedNext, int | None] | None:
-        """The proactive draft if this Propose (``predicted``, ``k``, ``num_branches``) asks for it:
-        at least ``k`` tokens, no branches, and the same tokens after the committed ones; or, for a
-        plain Propose (no ``predicted``), those and the bonus token the draft guesses first,
-        returned with it (the proposal serves only if its guess is that token). Otherwise the
-        draft is cancelled, and None. Compares the tokens past its ``start``: O(K)."""
+    def _take_next(self, predicted: Sequence[int], k: int) -> tuple[_DraftedNext, int | None] | None:
+        """The proactive draft if this Propose (``predicted``, ``k``) asks for its main branch: at
+        least ``k`` tokens after the same tokens past the committed ones; or, for a plain Propose
+        (no ``predicted``), after those and the bonus token the draft guesses first, returned with
+        it (the proposal serves only if its guess is that token). Otherwise the draft is
+        cancelled, and None. Compares the tokens past its ``start``: O(K)."""
         with self._next_lock:
             drafted, self._next = self._next, None
         if drafted is None:
             return None
         context, n = [*self.committed[drafted.start :], *predicted], len(drafted.ahead)
-        if k <= drafted.k and num_branches <= 1 and len(self.committed) >= drafted.start:
+        if k <= drafted.k and len(self.committed) >= drafted.start:
             if predicted and context == drafted.ahead:
                 return drafted, None
             guessed = drafted.work.bonus  # None until its first step
