@@ -113,5 +113,5 @@ class DraftSettings(SessionServiceSettings):
         "the whole proposal is accepted (SpecEdge's proactive drafting), and answers it with that at once: the "
         "draft's forwards leave the round trip that carries the next proposal, which a network between the services "
         "lengthens. A miss costs the drafter the forwards it cancels (they share its batched steps). Off: a Propose "
-        "is drafted when it arrives. Not with structured output or draft-ahead branches.",
+        "is drafted when it arrives. Not with structured output.",
     )
