@@ -575,7 +575,7 @@ class ModelDraftSession(DraftSession):
         if drafted is None:
             return None
         context, n = [*self.committed[drafted.start :], *predicted], len(drafted.ahead)
-        if k <= drafted.k and len(self.committed) >= drafted.start:
+        if k <= drafted.k:
             if predicted and context == drafted.ahead:
                 return drafted, None
             guessed = drafted.work.bonus  # None until its first step
