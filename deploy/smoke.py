@@ -342,17 +342,18 @@ def placements(metrics_port: int) -> dict[tuple[str, str], float]:
 def check_spread(address: str, metrics_port: int, deployments: list[Deployment]) -> str:
     """Sends two requests per replica at once (distinct prompts, so that prefix affinity does not
     hold them together; a fixed K, so that each opens a draft session, which adaptive K does only
-    where the draft pays; 64 tokens, so that a request outlasts its draft session's prefill, which
-    a request that ends first cancels, placing nothing; EOS ignored, since a haiku ends in 14-23
-    tokens, before a draft replica slowed by four other processes on the same cores had prefilled:
-    a replica left without a placement) and checks that the coordinator placed
-    sessions on every draft and verify replica, named by its host or its IP; returns
-    "SERVICE REPLICA COUNT, ..."; on failure the coordinator's log tail is in the error."""
+    where the draft pays; 128 tokens, so that a request outlasts its draft session's prefill, which
+    a request that ends first cancels, placing nothing: with 64, the draft replicas slowed by four
+    other processes on the same cores, and by their own proactive drafts, left one replica without
+    a placement in one run of two; EOS ignored, since a haiku ends in 14-23 tokens) and checks
+    that the coordinator placed sessions on every draft and verify replica, named by its host or
+    its IP; returns "SERVICE REPLICA COUNT, ..."; on failure the coordinator's log tail is in the
+    error."""
     replicated = [d for d in deployments if d.name.rsplit("-", 1)[0] in REPLICATED]
     requests = [
         coordinator_pb2.GenerateRequest(
             text=f"Request {i}: {PROMPT}",
-            max_new_tokens=64,
+            max_new_tokens=128,
             ignore_eos=True,
             temperature=0.0,
             num_speculative_tokens=4,
