@@ -55,7 +55,7 @@ class Proposal:
         ``k`` tokens gives, since each draft token depends only on those before it (under sampling
         too: one generator draws them in order)."""
         probs = None if self.probs is None else self.probs[:k]
-        return Proposal(self.tokens[:k], probs, self.bonus_token_id, self.forced[:k], [], self.proactive)
+        return Proposal(self.tokens[:k], probs, self.bonus_token_id, self.forced[:k])
 
     def distributions(self) -> list[common_pb2.TokenDistribution]:
         if self.probs is not None:
