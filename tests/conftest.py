@@ -63,20 +63,21 @@ SUMMARY: list[str] = []  # lines for the end of the run (measured figures worth 
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--soak",
+        "--long",
         action="store_true",
-        help="also run the soak test (tests/test_soak.py), left out of the suite for its time: scripts/soak.sh",
+        help="also run the long checks (marked long), left out of the suite for their time: scripts/long_checks.sh",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``soak`` run only with --soak (scripts/soak.sh): a long check run before
-    resolving a change to sessions, cancels, resume or memory, as deploy/smoke.sh is for deploy/."""
-    if config.getoption("--soak"):
+    """Tests marked ``long`` run only with --long (scripts/long_checks.sh): checks run before
+    resolving a change to sessions, cancels, resume, memory or fault recovery, as deploy/smoke.sh
+    is for deploy/."""
+    if config.getoption("--long"):
         return
-    skip = pytest.mark.skip(reason="a long check: run scripts/soak.sh (pytest --soak)")
+    skip = pytest.mark.skip(reason="a long check: run scripts/long_checks.sh (pytest --long)")
     for item in items:
-        if "soak" in item.keywords:
+        if "long" in item.keywords:
             item.add_marker(skip)
 
 

@@ -592,6 +592,7 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     assert "## CPU time per generated token, per process" in markdown and "coordinator CPU ms/token" in markdown
 
 
+@pytest.mark.long  # a smoke run of the bench: scripts/long_checks.sh
 def test_ceiling_on_tiny_models_through_the_openai_api(tmp_path):
     """--ceiling writes the near-free model (hidden 64, 2 layers, SmolLM2's tokenizer) and runs K = 0
     and the K = 4 self-draft on it; the K = 4 drafts are all accepted and the targets reported.

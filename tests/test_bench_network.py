@@ -1,7 +1,8 @@
 """`specdec bench batch1|concurrency --network-rtt-ms`: the delaying proxy on real ports in front of a real echo
 server (round-trip times, large payloads, many connections, closes both ways, jitter without
 reordering), the network settings and their refusals, and the reports' network figures from
-hand-made records."""
+hand-made records. Both modes through the proxies on the tiny models are smoke runs, long checks
+(scripts/long_checks.sh)."""
 
 import os
 import socket
@@ -512,6 +513,7 @@ def run_specdec_bench(tmp_path, tiny_models, mode, *args, categories=("qa", "mat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long  # a smoke run of the bench: scripts/long_checks.sh
 def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     """Every pipeline and pipeline/K=0 under RTT 0 and 20 ms in two topologies, on one set of
     services: identical to plain decoding; K = 0's decode rounds each cross the verify link, so
@@ -543,6 +545,7 @@ def test_batch1_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long  # a smoke run of the bench: scripts/long_checks.sh
 def test_load_cells_through_the_proxies_on_tiny_models(tmp_path, tiny_models):
     """The load mode under RTT 0 and 10 ms: a cell per method and setting, every output identical
     to the reference (K = 0 at RTT 0), a comparison table per setting and the network rows."""

@@ -42,10 +42,14 @@ def verify(tiny_target):
 @pytest.fixture(scope="module")
 def draft(tiny_drafters):
     """A draft service of at most 3 sessions with a transformers drafter (a paged KV pool under a
-    budget) and n-gram lookup (no model), serving /metrics, and its stub."""
+    budget) and n-gram lookup (no model), serving /metrics, and its stub. Without proactive drafting:
+    a proactive draft is a queued call too, started after the Propose is answered, and would race
+    the counts of the tests' own calls."""
     drafters = {name: tiny_drafters[name] for name in ("transformers", "ngram")}
     metrics_port = free_port()
-    settings = DraftSettings(port=0, default_drafter="transformers", max_sessions=3, metrics_port=metrics_port)
+    settings = DraftSettings(
+        port=0, default_drafter="transformers", max_sessions=3, metrics_port=metrics_port, proactive_drafting=False
+    )
     service = build_draft(settings, drafters=drafters)
     with grpc.insecure_channel(f"127.0.0.1:{service.port}") as channel:
         yield draft_pb2_grpc.DraftServiceStub(channel), metrics_port

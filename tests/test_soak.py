@@ -19,7 +19,7 @@ Afterwards it shows that:
 The figures (requests completed, cancelled, disconnected, resumed; memory before and after per
 service; sessions after) are printed at the end of the run.
 
-Not part of the suite's run (about 30 s on 2 cores): ``scripts/soak.sh`` runs it (``pytest --soak``),
+Not part of the suite's run (about 30 s on 2 cores): ``scripts/long_checks.sh`` runs it (``pytest --long``),
 before resolving a change to sessions, cancels, resume or memory.
 """
 
@@ -37,7 +37,7 @@ from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import SUMMARY, ProcessFleet, chat_ids, process_fleet, scrape
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.soak]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 SEED = 16
 STREAMS = 64  # concurrent client streams
