@@ -94,12 +94,14 @@ class FakeClient:
 )
 def test_the_cell_runner_sends_one_schedule_alike_for_every_method(tmp_path, pattern):
     """A fast and a slow method get the same prompts from the same clients, each request at its
-    scheduled time; in the closed loop a client's next request waits for its previous one."""
+    scheduled time (within 150 ms, half the slow method's latency: a loaded 2-core runner has
+    started a request 75 ms late); in the closed loop a client's next request waits for its
+    previous one."""
     prompts = [Question(i, "qa", f"p{i}") for i in range(3)]
     config = ConcurrencyConfig(questions=tmp_path, out=tmp_path, command="", max_new_tokens=5)
     schedule = pattern.schedule(2, 2)
     sent = {}
-    for client in (FakeClient("fast", 0.01), FakeClient("slow", 0.05)):
+    for client in (FakeClient("fast", 0.01), FakeClient("slow", 0.3)):
         records, wall_ms = asyncio.run(run_cell(client, schedule, prompts, config, lambda: None))
         assert wall_ms >= 1000 * client.latency_s
         sent[client.name] = sorted((r.client, r.question_id, r.start_ms) for r in records)
@@ -108,9 +110,9 @@ def test_the_cell_runner_sends_one_schedule_alike_for_every_method(tmp_path, pat
         assert [(c, q) for c, q, _ in records] == [(c, q) for c, q, _ in expected]  # the same prompts
         for (_, _, start_ms), (_, _, send_at_s) in zip(records, expected, strict=True):
             if send_at_s is not None:  # on time, whatever the method's speed
-                assert start_ms == pytest.approx(1000 * send_at_s, abs=40)
+                assert start_ms == pytest.approx(1000 * send_at_s, abs=150)
             else:  # the closed loop: after the client's previous request finished
-                assert start_ms >= 1000 * (0.01 if records is sent["fast"] else 0.05)
+                assert start_ms >= 1000 * (0.01 if records is sent["fast"] else 0.3)
 
 
 class RecordingClient(FakeClient):
