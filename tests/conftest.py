@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="a long check: run scripts/long_checks.sh (pytest --long)")
     for item in items:
-        if "long" in item.keywords:
+        if item.get_closest_marker("long"):
             item.add_marker(skip)
 
 
