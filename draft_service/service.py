@@ -192,15 +192,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         session, release = self.sessions.acquire(request.session_id)
 
         def done(proposal: Proposal | BaseException) -> None:
-            if isinstance(proposal, BaseException):
-                release()
-                reply(proposal)
-                return
             try:
-                if self.proactive_drafting and session.draft_next(k, predicted, proposal):  # before others may call
+                # a proactive draft starts while the session is held: no other call comes between
+                if (
+                    isinstance(proposal, Proposal)
+                    and self.proactive_drafting
+                    and session.draft_next(k, predicted, proposal)
+                ):
                     self.proactive_drafts.labels("started").inc()
             finally:
                 release()
+            if isinstance(proposal, BaseException):
+                reply(proposal)
+                return
             if proposal.proactive:
                 self.proactive_drafts.labels("used").inc()
             if span.is_recording():

@@ -575,17 +575,11 @@ class ModelDraftSession(DraftSession):
         if drafted is None:
             return None
         context, n = [*self.committed[drafted.start :], *predicted], len(drafted.ahead)
-        if k <= drafted.k:
-            if predicted and context == drafted.ahead:
-                return drafted, None
-            guessed = drafted.work.bonus  # None until its first step
-            if (
-                not predicted
-                and len(context) == n + 1
-                and context[:n] == drafted.ahead
-                and guessed in (None, context[n])
-            ):
-                return drafted, context[n]
+        if k <= drafted.k and predicted and context == drafted.ahead:
+            return drafted, None
+        after_bonus = not predicted and len(context) == n + 1 and context[:n] == drafted.ahead
+        if k <= drafted.k and after_bonus and drafted.work.bonus in (None, context[n]):  # None: not guessed yet
+            return drafted, context[n]
         drafted.cancel()
         return None
 
