@@ -280,6 +280,36 @@ def test_a_propose_never_answered_in_time_is_prefilled_again(tiny_pipeline):
         draft.stop(0)
 
 
+def test_a_sampling_request_that_starts_while_the_draft_is_down_counts_a_failure(tiny_pipeline):
+    """A sampling request that opened while another request had the draft marked down: its first
+    round opens the session then and waits for it; while the draft is still down, its plain rounds
+    count one draft failure (their tokens are another exact sample than the seed gives with the
+    draft), once for the stretch, and a proposal answered ends the stretch."""
+
+    async def run():
+        clients = clients_of(tiny_pipeline)
+        service, released = DraftService(clients, down_s=0.3), []
+        session = session_of(service, request(drafter="ngram", temperature=0.8), released, "down-at-start")
+        try:
+            service.mark_down(tiny_pipeline.draft_address)
+            session.open()  # skipped: the draft is down
+            await session.wait_for_prefill()  # still down: nothing to wait for
+            for round_number in (1, 2):
+                assert (await session.proposal(3, round_number, 0.0)).response is None
+            assert session.failures == 1
+            await asyncio.sleep(0.35)  # the down mark expires
+            await session.wait_for_prefill()  # as a first round: opens the session and waits for it
+            session.check_prefill()
+            assert session.available() and (await session.proposal(3, 3, 0.0)).response is not None
+            assert session.failures == 1
+        finally:
+            await session.release()
+            await asyncio.gather(*released)
+            await clients.close()
+
+    asyncio.run(run())
+
+
 def test_a_sampling_request_waits_one_deadline_for_its_draft_prefill(tiny_pipeline):
     """A sampling request's first round waits for its draft session's prefill (held 600 ms) at
     most a Propose deadline (250 ms): then its rounds go on without the draft, which counts as a

@@ -214,6 +214,7 @@ class DraftSide:
         self.seen = 0  # length of the committed prefix the session has seen
         self.retry_at = 0.0  # time.monotonic() before which the draft is not asked again
         self.failures = 0
+        self._failure_counted = False  # the draft's failure that keeps these rounds without it is counted
         self._prefill: asyncio.Future | None = None  # the background prefill
         self._late = False  # the session's last Propose missed its deadline: its late answer is awaited
         self.num_cached_tokens: int | None = None  # found in the draft's prefix cache at the first Prefill
@@ -260,6 +261,8 @@ class DraftSide:
         its rounds go on without the draft until the prefill finishes or fails. A wait that ends
         at the deadline counts as a draft failure (``RequestMetrics.num_draft_failures``): under
         sampling those rounds draw another exact sample than the same seed with the draft."""
+        if not self.request.sampling.greedy:
+            self.open()  # a draft down when the request opened may be back: its first round waits for it too
         if self._prefill is None:
             return
         forwards = math.ceil(len(self.committed) / TOKENS_PER_CATCH_UP_FORWARD)
@@ -327,6 +330,7 @@ class DraftSide:
         if isinstance(err, InvalidArgument | FailedPrecondition):
             raise err
         self.failures += 1
+        self._failure_counted = True
         self._late = isinstance(err, MissedDeadline) and self.session_id is not None
         moves = isinstance(err, Unavailable) and not self._late and not self.service.down()
         self.retry_at = time.monotonic() + (0.0 if moves else self.retry_s)  # another replica answers: at once
@@ -373,13 +377,26 @@ class DraftSide:
                 taken.call_ms = max(0.0, ms_since(asked) - response.compute_ms)
             wait_ms += taken.compute_ms
         elif response is None:
+            self._count_failure()
             self.open()  # this round is a plain one while the draft opens
+        if response is not None:
+            self._failure_counted = False
         if response is not None and response.token_ids and self.request.draft.drafts_ahead and self.available():
             proposed = list(response.token_ids[:k])
             if max_k is None or len(proposed) < max_k:
                 self._send_ahead(proposed, k, round_number)
         taken.response, taken.wait_ms = response, wait_ms
         return taken
+
+    def _count_failure(self) -> None:
+        """Counts a draft failure (``RequestMetrics.num_draft_failures``) for a round that runs
+        without the draft because the draft failed recently, for this request or (down: unreachable
+        or late for another request) for every request, once for each stretch of such rounds: under
+        sampling they draw another exact sample than the same seed with the draft, and a request
+        that counts no failure must be reproducible by its seed (docs/faults.md)."""
+        if self.uses_draft and self._failed_recently(self.replica or None) and not self._failure_counted:
+            self.failures += 1
+            self._failure_counted = True
 
     async def _proposal(self, k: int) -> tuple[draft_pb2.ProposeResponse | None, int]:
         """The draft's proposal and its bytes both ways; None when the draft service failed."""
