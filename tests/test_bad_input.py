@@ -76,6 +76,23 @@ def test_unknown_session_is_not_found_on_both_services(tiny_pipeline):
     still_serving(tiny_pipeline.address)
 
 
+def test_a_decode_that_overtook_the_one_before_it_is_a_failed_precondition(tiny_pipeline):
+    """A Decode saying which committed length it follows (a Decode sent ahead) fails with
+    FAILED_PRECONDITION when the session holds another, and commits nothing; the right one runs."""
+    with grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id="ahead", token_ids=[1, 2, 3]), timeout=10)
+        try:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Decode(verify_pb2.DecodeRequest(session_id="ahead", num_committed_tokens=4), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds 3 committed tokens, the Decode follows 4" in caught.value.details()
+            stub.Decode(verify_pb2.DecodeRequest(session_id="ahead", num_committed_tokens=3), timeout=10)
+            stub.Decode(verify_pb2.DecodeRequest(session_id="ahead", num_committed_tokens=4), timeout=10)
+        finally:
+            stub.Release(verify_pb2.VerifyServiceReleaseRequest(session_id="ahead"), timeout=10)
+
+
 def test_session_limit_is_resource_exhausted(tiny_pipeline):
     limit = tiny_pipeline.verify.servicer.sessions.max_sessions
     with grpc.insecure_channel(tiny_pipeline.verify_address, options=GRPC_OPTIONS) as channel:

@@ -258,6 +258,43 @@ def test_a_step_waits_for_its_last_sequences_a_share_of_its_time(share, together
     engine.stop()
 
 
+@pytest.mark.parametrize(("queued", "together"), [(1, True), (3, False)])
+def test_a_step_does_not_hold_the_many_queued_for_a_few_to_come(queued, together):
+    """A 100 ms step, a wait of half of it: ``queued`` sequences queue their next call as their
+    step ends (Decodes sent ahead), one comes back 30 ms later. One queued against one to come
+    waits for it (50 ms of one against a step of the other); three do not (150 ms against 100):
+    the late one joins the step after."""
+    lm = SlowLM(0.1)
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64, batch_wait_step_share=0.5)
+    late = queued + 1
+    finished = threading.Event()
+
+    def next_call(seq_id: int):
+        def done(result, stats, error) -> None:
+            then = (lambda *_: finished.set()) if seq_id == late else (lambda *_: None)
+            if seq_id == late:
+                threading.Timer(0.03, engine.submit, (Decode(seq_id, 1), then)).start()
+            else:
+                engine.submit(Decode(seq_id, 1), then)
+
+        return done
+
+    blocker = threading.Thread(target=engine.run, args=(Decode(0, 1),), daemon=True)
+    blocker.start()
+    while not engine._queue or not engine._queue[0].started:  # the blocker's step has begun
+        time.sleep(0.001)
+    for seq_id in range(1, late + 1):
+        engine.submit(Decode(seq_id, 1), next_call(seq_id))
+    lm.gate.set()
+    blocker.join(10)
+    engine.forget(0)  # its session closed: no step waits for it
+    assert finished.wait(10)
+    engine.stop()
+    everyone = [(seq_id, 1) for seq_id in range(1, late + 1)]
+    assert lm.steps[1] == everyone
+    assert (lm.steps[2] == everyone) == together, lm.steps
+
+
 @pytest.mark.parametrize("turnaround", [True, False])
 def test_a_step_waits_for_its_callers_measured_turnaround(turnaround):
     """Two sequences whose callers send each next call 30 and 60 ms after their step ends (a
@@ -293,6 +330,21 @@ def test_a_step_waits_for_its_callers_measured_turnaround(turnaround):
         assert shared[2:-1] == [True] * 4 and len(shared) == 7, lm.steps
     else:
         assert not any(shared[1:]), lm.steps
+    engine.stop()
+
+
+def test_a_call_queued_by_the_engines_thread_is_no_turnaround(lm):
+    """A call queued from a finished call's callback, on the engine's thread (a session's Decode
+    sent ahead, started as the one before it finished), did not turn around: it leaves the
+    measured turnaround alone, which only callers coming back count."""
+    engine = Engine(lm, max_num_seqs=8, max_num_batched_tokens=64, wait_for_turnaround=True)
+    finished = threading.Event()
+    lm.gate.set()
+    engine.submit(Decode(1, 1), lambda *_: engine.submit(Decode(1, 1), lambda *_: finished.set()))
+    assert finished.wait(10)
+    assert not engine._turnarounds and len(lm.steps) == 2
+    engine.submit(Decode(1, 1), lambda *_: None)  # a caller's next call: a turnaround
+    assert len(engine._turnarounds) == 1
     engine.stop()
 
 

@@ -1,6 +1,7 @@
 """The services' session registry (:mod:`specdec.rpc.sessions`)."""
 
 import threading
+import time
 
 import pytest
 
@@ -103,3 +104,59 @@ def test_a_janitor_that_dies_says_so(caplog):
     stop.set()
     assert deaths == ["the idle-session janitor: a bug in the janitor"]
     assert any(r.levelname == "CRITICAL" and r.exc_info for r in caplog.records)
+
+
+def test_calls_that_find_their_session_busy_wait_without_a_thread_and_start_in_order():
+    """start_when_free: a call that finds its session held is started by the release of the one
+    before it (on that thread), calls in the order they came; the caller's thread never waits."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    sessions.open("s", _Closable)
+    started: list[tuple[str, str]] = []
+    releases = []
+
+    def start(name: str):
+        def run(session, release) -> None:
+            started.append((name, threading.current_thread().name))
+            releases.append(release)
+
+        return run
+
+    for name in ("first", "second", "third"):
+        sessions.start_when_free("s", start(name), lambda err: pytest.fail(str(err)))
+    assert [name for name, _ in started] == ["first"]  # the others queued; this thread went on
+    releaser = threading.Thread(target=releases[0], name="engine")
+    releaser.start()
+    releaser.join(10)
+    assert started[1] == ("second", "engine")
+    releases[1]()
+    releases[2]()
+    with sessions.use("s") as session:  # free again once the last call gave it back
+        assert not session.closed
+
+
+def test_a_call_waiting_for_its_session_gets_not_found_when_it_is_released_or_lost():
+    """A session released (or found lost) while calls waited for it: each waiting call gets
+    NOT_FOUND through its ``fail``, none starts on the closed session; an unknown id fails at once."""
+    sessions = SessionRegistry(max_sessions=2, idle_timeout_s=60, lost=lost)
+    held = _Closable()
+    sessions.open("s", lambda: held)
+    failures: list[NotFound] = []
+    _, release = sessions.acquire("s")
+    sessions.start_when_free("s", lambda s, r: pytest.fail("started on a released session"), failures.append)
+    releasing = threading.Thread(target=sessions.release, args=("s",))
+    releasing.start()  # takes the id out, then waits for the lock, which the waiting call is handed first
+    deadline = time.monotonic() + 10
+    while len(sessions) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    release()
+    releasing.join(10)
+    assert held.closed and len(failures) == 1 and "released or lost while the call waited" in str(failures[0])
+    sessions.start_when_free("gone", lambda s, r: pytest.fail("started"), failures.append)
+    assert isinstance(failures[1], NotFound) and "not found" in str(failures[1])
+    lost_one = _Closable()
+    sessions.open("l", lambda: lost_one)
+    _, release = sessions.acquire("l")
+    sessions.start_when_free("l", lambda s, r: pytest.fail("started on a lost session"), failures.append)
+    lost_one.lost = "preempted: the KV budget is full"
+    release()
+    assert "preempted" in str(failures[2]) and lost_one.closed

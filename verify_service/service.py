@@ -1,8 +1,10 @@
 """The VerifyService gRPC servicer and its entry point (``specdec serve verify``)."""
 
+import functools
 import time
 
 import torch
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from specdec.engine import host_memory
@@ -143,21 +145,27 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         def respond(n: int, token: int, **fields) -> verify_pb2.DecodeResponse:
             return verify_pb2.DecodeResponse(token_id=token, **fields)
 
-        self._submit(request.session_id, lambda s: s.verification([], None), respond, timeout_s, abandoned, reply)
+        def decoding(session: TargetSession):
+            if request.HasField("num_committed_tokens") and request.num_committed_tokens != len(session.committed):
+                raise FailedPrecondition(
+                    f"session {request.session_id!r} holds {len(session.committed)} committed tokens, the Decode "
+                    f"follows {request.num_committed_tokens}: send it after the call before it is answered"
+                )
+            return session.verification([], None)
+
+        self._submit(request.session_id, decoding, respond, timeout_s, abandoned, reply)
 
     def _submit(self, session_id: str, work_of, respond, timeout_s: float | None, abandoned, reply: Reply) -> None:
         """Queues the session's verification (``work_of(session)``, holding the session until it
-        is done) on the engine; its outcome is replied as ``respond(n, token, compute_ms=, step=,
-        logprobs=)``. Raises NotFound, or what making the work raises (InvalidArgument)."""
-        start = time.perf_counter()
-        session, release = self.sessions.acquire(session_id)
-        try:
-            work = work_of(session)
-        except BaseException:
-            release()
-            raise
+        is done) on the engine once the session's previous call is done, without waiting for it
+        (:meth:`specdec.rpc.sessions.SessionRegistry.start_when_free`: a coordinator decoding ahead
+        sends a session's next Decode before the last is answered); its outcome is replied as
+        ``respond(n, token, compute_ms=, step=, logprobs=)``, and NotFound, or what making the
+        work raises (InvalidArgument), as the error. ``compute_ms`` counts from the moment the call
+        has its session: the time it waited for the session's previous call is that call's."""
+        called_in = otel_context.get_current()
 
-        def done(outcome, stats: StepStats, error: BaseException | None) -> None:
+        def done(work, release, start, outcome, stats: StepStats, error: BaseException | None) -> None:
             release()
             if error is not None:
                 reply(error)
@@ -165,7 +173,21 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             n, token = outcome
             reply(respond(n, token, compute_ms=ms_since(start), step=step_stats(stats), logprobs=work.logprobs))
 
-        self.target.engine.submit(work, done, timeout_s, abandoned)
+        def run(session: TargetSession, release) -> None:
+            start = time.perf_counter()
+            token = otel_context.attach(called_in)  # may run on the thread of the session's previous call
+            try:
+                work = work_of(session)
+            except Exception as err:  # the call's own error: replied, never raised on another call's thread
+                release()
+                reply(err)
+                return
+            else:
+                self.target.engine.submit(work, functools.partial(done, work, release, start), timeout_s, abandoned)
+            finally:
+                otel_context.detach(token)
+
+        self.sessions.start_when_free(session_id, run, reply)
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)

@@ -15,6 +15,9 @@ step's end to the next call of a sequence it served: within which three quarters
 came back, times 1.25), never past one step's forward time: a network between the callers and the
 service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
 the calls that would have joined it. Why both: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+No wait where the sequences already queued outweigh those still to come (their wait times their
+number against a step each for the late ones): most of the batch decodes ahead and a few turn
+around, and those few join the next step.
 
 Scheduling (vLLM's chunked prefill): work that decodes (a verify of K + 1 tokens, a decode step,
 a proposal's next token) goes first; a prefill takes what the token budget leaves, a chunk at a
@@ -219,7 +222,9 @@ class Engine:
                 self._ensure_thread()
                 self._queue.append(entry)
                 self._num_waiting += 1
-                if work.seq_id in self._recent[0]:  # served by the last step: its caller's turnaround
+                if work.seq_id in self._recent[0] and threading.current_thread() is not self._thread:
+                    # served by the last step: its caller's turnaround (not a call that waited here,
+                    # queued by the engine's thread as the one before it finished: decode ahead)
                     self._turnarounds.append(time.perf_counter() - self._step_end)
                 self._wake_for(work.seq_id)
         if stopped:
@@ -363,15 +368,22 @@ class Engine:
         together: up to ``batch_wait_ms``, ``batch_wait_step_share`` of the last step's forward
         time, or (``wait_for_turnaround``) 1.25 times the callers' turnaround
         (:meth:`_turnaround_s`) capped at that forward time, whichever is longest; with one
-        sequence about there is no batch to keep together, and nothing waits."""
+        sequence about there is no batch to keep together, and nothing waits. Nor where the
+        sequences already queued would lose more, waiting that long each, than those still to
+        come lose missing a step (a forward time each): most of the batch queued its next call
+        before the step ended (Decodes sent ahead) and a few turn around (a speculative round),
+        so they join the next step instead of holding every other."""
         recent = self._recent[0] | self._recent[1]
         if len(recent) < 2:
             return
         wait_s = max(self.batch_wait_s, self.batch_wait_step_share * self._step_s)
         if self.wait_for_turnaround:
             wait_s = max(wait_s, min(TURNAROUND_MARGIN * self._turnaround_s(), self._step_s))
+        awaited = recent - {e.work.seq_id for e in self._queue}
+        if (len(recent) - len(awaited)) * wait_s > len(awaited) * self._step_s:
+            return
         deadline = self._step_end + wait_s
-        self._awaited = recent - {e.work.seq_id for e in self._queue}  # emptied by the calls as they come
+        self._awaited = awaited  # emptied by the calls as they come
         while self._awaited and not self._stopped:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:

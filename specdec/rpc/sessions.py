@@ -1,11 +1,12 @@
 """Per-session state on a service: bounded in number, evicted when idle, dropped when its KV was
-preempted, used one call at a time."""
+preempted, used one call at a time (a session's calls in the order they came; a caller may send
+its next call before the last one is answered, :meth:`SessionRegistry.start_when_free`)."""
 
 import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -36,6 +37,9 @@ class _Entry(Generic[S]):
     session: S
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    # calls waiting for the lock without a thread (start_when_free), in arrival order; written
+    # holding the registry's lock: the lock is handed to the first of them instead of given back
+    waiting: deque[Callable[[], None]] = field(default_factory=deque)
 
 
 class SessionRegistry(Generic[S]):
@@ -122,7 +126,43 @@ class SessionRegistry(Generic[S]):
         """The session and the function that gives its lock back, held until then: a call served
         on another thread (an engine's, :meth:`specdec.engine.engine.Engine.submit`) gives it back there.
         Waits while another call holds it. Raises NotFound for an unknown id, and for a lost one
-        (which it releases)."""
+        (which it releases) or one released while the call waited."""
+        entry = self._entry(session_id)
+        entry.lock.acquire()
+        return self._held(session_id, entry), lambda: self._give_back(entry)
+
+    def start_when_free(
+        self, session_id: str, start: Callable[[S, Callable[[], None]], None], fail: Callable[[NotFound], None]
+    ) -> None:
+        """:meth:`acquire` without a thread waiting: calls ``start(session, release)`` holding the
+        session's lock, at once when no call holds it, else on the thread whose ``release`` gives
+        it up, so that a service reading many sessions' calls from one stream never waits for one
+        (a caller may send a session's next Decode before the last is answered: Decode ahead,
+        docs/architecture.md#one-round). A session's calls start in the order they came.
+        ``start`` must not raise (it runs on another call's thread) and must call ``release``
+        once. NotFound (an unknown id, a lost session, one released while the call waited) goes
+        to ``fail`` instead, at once or then."""
+        try:
+            entry = self._entry(session_id)
+        except NotFound as err:
+            fail(err)
+            return
+
+        def run() -> None:
+            try:
+                session = self._held(session_id, entry)
+            except NotFound as err:
+                fail(err)
+                return
+            start(session, lambda: self._give_back(entry))
+
+        with self._lock:
+            if entry.waiting or not entry.lock.acquire(blocking=False):
+                entry.waiting.append(run)
+                return
+        run()
+
+    def _entry(self, session_id: str) -> _Entry[S]:
         with self._lock:
             entry = self._entries.get(session_id)
         if entry is None:
@@ -130,18 +170,36 @@ class SessionRegistry(Generic[S]):
                 f"session {session_id!r} not found (released, or idle longer than "
                 f"{self.idle_timeout_s:g} s): prefill it again"
             )
-        entry.lock.acquire()
+        return entry
+
+    def _held(self, session_id: str, entry: _Entry[S]) -> S:
+        """The session of ``entry``, whose lock the caller now holds; raises NotFound (the lock
+        given back) for a lost session (released here) or one released while the call waited."""
         entry.last_used = time.monotonic()
         if (reason := self.lost(entry.session)) is not None:
             self._drop(session_id, entry)
-            entry.lock.release()
+            self._give_back(entry)
             raise NotFound(f"session {session_id!r} {reason}")
+        with self._lock:
+            released = self._entries.get(session_id) is not entry
+        if released:
+            self._give_back(entry)
+            raise NotFound(
+                f"session {session_id!r} was released or lost while the call waited for the one before "
+                "it: prefill it again"
+            )
+        return entry.session
 
-        def release() -> None:
-            entry.last_used = time.monotonic()
-            entry.lock.release()
-
-        return entry.session, release
+    def _give_back(self, entry: _Entry[S]) -> None:
+        """Gives a session's lock up: to the first call waiting for it (:meth:`start_when_free`),
+        started here, or back."""
+        entry.last_used = time.monotonic()
+        with self._lock:
+            waiter = entry.waiting.popleft() if entry.waiting else None
+            if waiter is None:
+                entry.lock.release()
+        if waiter is not None:
+            waiter()
 
     def release(self, session_id: str) -> bool:
         """Closes and removes a session; False if it did not exist (its id is then remembered, in
@@ -154,8 +212,11 @@ class SessionRegistry(Generic[S]):
                     self._released_unknown.popitem(last=False)  # the oldest
         if entry is None:
             return False
-        with entry.lock:
+        entry.lock.acquire()
+        try:
             entry.session.close()
+        finally:
+            self._give_back(entry)  # calls that waited for it fail with NotFound
         return True
 
     def release_lost(self) -> list[str]:
@@ -165,8 +226,11 @@ class SessionRegistry(Generic[S]):
                 (sid, e) for sid, e in self._entries.items() if not e.lock.locked() and self.lost(e.session) is not None
             ]
         for sid, entry in lost:
-            with entry.lock:
+            entry.lock.acquire()
+            try:
                 self._drop(sid, entry)
+            finally:
+                self._give_back(entry)
         return [sid for sid, _ in lost]
 
     def _drop(self, session_id: str, entry: _Entry[S]) -> None:
