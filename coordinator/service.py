@@ -320,6 +320,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.settings.draft_retry_s,
             self.settings.failover_timeout_s,
             running_requests=lambda: self._num_running,
+            decode_ahead=self.settings.decode_ahead,
         )
         return RunningRequest(
             resolved,

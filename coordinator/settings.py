@@ -231,6 +231,13 @@ class CoordinatorSettings(ServiceSettings):
         "that it is ready when verification goes that way (hiding the draft's time); off: every round drafts "
         "after the previous one is verified.",
     )
+    decode_ahead: bool = Field(
+        True,
+        description="Where a plain decode round is followed by another (K = 0, or adaptive K decoding plainly), "
+        "send the next round's Decode with this one's, before its answer: the verify service runs it in the next "
+        "step without waiting for the coordinator's turnaround (a network round trip in it); off: every Decode is "
+        "sent after the last one's answer.",
+    )
     grammar_aware_drafting: bool = Field(
         True,
         description="Structured output under adaptive K: the coordinator proposes the tokens the request's "

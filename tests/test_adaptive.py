@@ -304,6 +304,68 @@ def test_fallback_then_probe_then_recovery():
     assert policy.next_round(None)[1] > 0
 
 
+def test_plain_rounds_decode_ahead_until_a_probe_is_due():
+    """decodes_ahead: while plain decode is the best option the next round's Decode may go out
+    with this one's, but not when the next round should probe the draft, nor while a lookup's
+    match wins; the rounds decoded ahead count towards the probe, so a stretch of them ends in
+    one, as a stretch of plain rounds chosen one by one does."""
+    costs = StepCosts(0.0, list(FLAT), 2.0)
+    ngram = [AcceptanceModel([0.9] * 4)]
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.0] * 4), {NGRAM: ngram}, costs, probe_interval=4)
+    assert not policy.decodes_ahead({NGRAM: NgramMatch(1, [7, 8])})
+    assert policy.next_round(None) == (PLAIN, 0)
+    ahead = []
+    for _ in range(6):
+        ahead.append(policy.decodes_ahead(None))
+        if ahead[-1]:
+            policy.observe(dataclasses.replace(record(0, 0, 0), decoded_ahead=True), None, [1])
+    assert ahead[:3] == [True] * 3 and not ahead[-1]  # a free draft: a probe is due after 4 x 1.24 rounds
+    assert policy.next_round(None)[0] == "llama-cpp"
+
+
+def test_a_stretch_decoded_ahead_under_load_is_left_only_for_more_than_the_steps_it_misses():
+    """15 others in steps of 100 ms: rounds that turned around waited 90 ms for the step in
+    progress (the engine stepped without them, the others' next calls queued before), so a round
+    that turns around misses 0.9 of a step, and leaving a stretch of plain rounds decoded ahead
+    two such rounds. A lookup expected to commit 3.2 tokens wins where the engine waits for the
+    rounds that turn around (no wait for the step), but not against the missed steps; one
+    expected to commit 7.4 does. Alone, no step is missed."""
+
+    def lookup_request(others: int, rate: float, queue_ms: float = 90.0) -> AdaptiveK:
+        costs = StepCosts(0.0, [100.0] * 9, overhead_ms=8.0, batched_ms={16: 100.0, 32: 100.0}, weight=1.0)
+        turned_around = dataclasses.replace(
+            record(0, 0, 0), verify_ms=100.0, step_ms=100.0, wall_ms=108.0 + queue_ms, batch_size=16, queue_ms=queue_ms
+        )
+        costs.observe(turned_around, draft_call=False)
+        costs.observe(dataclasses.replace(turned_around, wall_ms=100.0, queue_ms=0.0, decoded_ahead=True), False)
+        policy = AdaptiveK(8, "", None, {NGRAM: [AcceptanceModel([rate] * 8)]}, costs)
+        policy.load = Load(others_seqs=others, others_tokens=others, round_tokens=1.0)
+        return policy
+
+    match = {NGRAM: NgramMatch(1, list(range(8)))}
+    assert lookup_request(15, 0.7).missed_steps() == pytest.approx(0.9)
+    assert lookup_request(15, 0.7, queue_ms=0.0).missed_steps() == lookup_request(0, 0.7).missed_steps() == 0
+    assert lookup_request(15, 0.7, queue_ms=0.0).next_round(match)[0] == NGRAM
+    assert not lookup_request(15, 0.7, queue_ms=0.0).decodes_ahead(match)
+    assert lookup_request(15, 0.7).decodes_ahead(match)
+    assert lookup_request(15, 0.95).next_round(match)[0] == NGRAM
+    assert not lookup_request(15, 0.95).decodes_ahead(match)
+
+
+def test_plain_rounds_decoded_ahead_price_plain_decode_without_the_turnaround():
+    """A plain round whose Decode went out with the round before starts its step before the
+    round does: what it leaves after the step (here 0) prices plain decode from then on, while
+    the speculative rounds keep the overhead they pay (a network round trip in it), so a round
+    trip makes speculation dearer against plain decode, as it is."""
+    costs = StepCosts(draft_ms_per_token=1.0, verify_ms=[50.0, 60.0], overhead_ms=20.0, weight=0.5)
+    assert costs.round_ms(0) == 70.0
+    ahead = dataclasses.replace(record(0, 0, 0), verify_ms=50.0, wall_ms=48.0, decoded_ahead=True)
+    costs.observe(ahead, draft_call=False)
+    assert costs.plain_overhead_ms == pytest.approx(10.0) and costs.overhead_ms == 20.0
+    costs.observe(ahead, draft_call=False)
+    assert costs.round_ms(0) == pytest.approx(55.0) and costs.round_ms(1, draft_call=False) == pytest.approx(80.0)
+
+
 def test_probes_are_rarer_where_a_probe_costs_more():
     """Probing takes at most 1/probe_interval of the fallback's time: a slow draft (a loaded
     machine) is probed less often than a fast one."""

@@ -18,7 +18,7 @@ from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
 from specdec.lookups.suffix import SuffixCache, SuffixIndex
 from specdec.sampling.sampling_params import SamplingParams
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import coordinator_pb2, verify_pb2
 from specdec_app.launcher import free_port
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
@@ -96,6 +96,44 @@ def test_plain_decode_k0_equals_plain_greedy(tiny_pipeline, references):
         assert completion.metrics.num_target_forwards == len(expected) - 1  # the first token: the prefill's
 
 
+def test_plain_decode_sends_each_decode_ahead_and_survives_a_lost_session(tiny_pipeline, references):
+    """K = 0: every round after the first takes the answer to a Decode sent with the round
+    before; the verify session released under it mid-stretch (as a restart or an eviction loses
+    it), a Decode sent ahead fails, the session is rebuilt from the committed log and decoded
+    again; later a stray Decode commits a token the coordinator never sees (as a Decode sent ahead
+    that it gave up on and the service ran late does), the next Decode fails its
+    ``num_committed_tokens`` and the session is rebuilt again. The output still equals plain
+    greedy decoding."""
+    ids, expected = next(iter(references.values()))
+
+    async def run() -> tuple[list[int], list, int]:
+        clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
+        request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 0, "", adaptive=False)
+        rounds = RequestRounds(DraftService(clients), VerifyReplicas(clients), "ahead", request, list(ids))
+        generated, _ = await rounds.prefill()
+        records = []
+        try:
+            while len(generated) < MAX_NEW:
+                if len(records) == 8:
+                    await clients.release_verify(rounds.verify.replica, rounds.verify.session_id)
+                if len(records) == 20:
+                    stray = verify_pb2.DecodeRequest(session_id=rounds.verify.session_id)
+                    await clients.decode(rounds.verify.replica, stray)
+                new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+                generated.extend(new)
+                records.append(record)
+        finally:
+            await rounds.release()
+            await clients.close()
+        return generated, records, rounds.verify.rebuilds
+
+    generated, records, rebuilds = asyncio.run(run())
+    assert generated[: until_eos(expected)] == expected
+    assert rebuilds == 2
+    assert not records[0].decoded_ahead and all(record.decoded_ahead for record in records[1:8])
+    assert sum(record.decoded_ahead for record in records[8:]) >= len(records[8:]) - 6
+
+
 def until_eos(expected: list[int]) -> int:
     """How many tokens of a generation to compare with the plain reference, which stops at EOS."""
     return expected.index(2) + 1 if 2 in expected else MAX_NEW
@@ -147,9 +185,11 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
     ("drafter", "draft_prefill_with_target"), [("transformers", True), ("ngram", True), ("transformers", False)]
 )
 def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, drafter, draft_prefill_with_target):
-    """The round loop with a different K each round, plain-decode rounds (K = 0) included, and half
-    the proposals from the coordinator's own n-gram and suffix lookups (hybrid drafting); the draft
-    prefilled beside the target, or after the first token (``--draft-shares-target-cores``)."""
+    """The round loop with a different K each round, plain-decode rounds (K = 0) included, half of
+    them sending the next round's Decode with theirs (decode ahead, whatever the next round's K
+    would have been), and half the proposals from the coordinator's own n-gram and suffix lookups
+    (hybrid drafting); the draft prefilled beside the target, or after the first token
+    (``--draft-shares-target-cores``)."""
     schedule = random.Random(7)
 
     class RandomPolicy:
@@ -166,6 +206,9 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             lookup = schedule.choice([NGRAM, SUFFIX]) if schedule.random() < 0.5 else None
             return (lookup if lookup in matches else drafter), k
 
+        def decodes_ahead(self, matches, draft_available: bool) -> bool:
+            return schedule.random() < 0.5
+
         def observe(self, record, matches, new) -> None:
             pass
 
@@ -175,7 +218,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         def observe_draft_prefill(self, num_tokens, ms) -> None:
             pass
 
-    async def run(clients: ServiceClients, prompt_ids: list[int]) -> list[int]:
+    async def run(clients: ServiceClients, prompt_ids: list[int]) -> tuple[list[int], list]:
         plan = DraftPlan(prefill_with_target=draft_prefill_with_target)
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False, draft=plan)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
@@ -187,8 +230,7 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             list(prompt_ids),
             lookups,
         )
-        generated, _ = await run_rounds(rounds, RandomPolicy())
-        return generated
+        return await run_rounds(rounds, RandomPolicy())
 
     async def run_all():
         clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
@@ -198,5 +240,6 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
             await clients.close()
 
     results = asyncio.run(run_all())
-    for got, (_, expected) in zip(results, references.values(), strict=True):
+    for (got, _), (_, expected) in zip(results, references.values(), strict=True):
         assert got[: until_eos(expected)] == expected
+    assert any(record.decoded_ahead for _, records in results for record in records)

@@ -47,7 +47,10 @@ class RoundRecord:
     draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call), and
     ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads, the
     network); ``ahead_call_ms``: the same of the Propose drafted ahead for this round (0 without
-    one), which ran beside the previous round's verify, off this round's critical path."""
+    one), which ran beside the previous round's verify, off this round's critical path;
+    ``decoded_ahead``: a plain round whose Decode was sent with the previous round's
+    (:class:`coordinator.speculation.rounds.RequestRounds`), so its step followed that one's
+    without waiting for a round trip."""
 
     drafter: str
     k: int
@@ -70,6 +73,7 @@ class RoundRecord:
     prefill_tokens: int = 0
     propose_call_ms: float = 0.0
     ahead_call_ms: float = 0.0
+    decoded_ahead: bool = False
 
     @property
     def num_forced(self) -> int:

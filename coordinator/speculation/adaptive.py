@@ -157,7 +157,15 @@ class StepCosts:
     for in a round or drafted ahead: a round that asks for its proposal waits for it whole, and a
     proposal drafted ahead is ready that much later than its forwards (:meth:`draft_wait_ms`);
     learnt from every answer so that a round trip measured under load does not linger once
-    few rounds ask (docs/architecture.md#design-decisions). Seeded from
+    few rounds ask (docs/architecture.md#design-decisions); ``plain_overhead_ms``, the rest of a
+    plain round whose Decode was sent with the round before (decode ahead,
+    :class:`coordinator.speculation.rounds.RequestRounds`: its step follows that one's without the
+    coordinator's turnaround, so about 0 where a round trip is shorter than a step), learnt from
+    those rounds, None until one ran (plain rounds are then priced with ``overhead_ms``);
+    ``missed_step_share``, the share of a step a round that turned around waited for the step in
+    progress (0 to 1: none, where the engine waits for its callers' turnaround; most of one, where
+    the others' next calls were queued before and it steps without the round), from the rounds
+    not decoded ahead that shared a step of decoding work (:meth:`AdaptiveK.missed_steps`). Seeded from
     the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
     rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
 
@@ -168,6 +176,8 @@ class StepCosts:
     batched_ms: dict[int, float] = field(default_factory=dict)
     draft_prefill_ms_per_token: float = 0.0
     propose_call_ms: float = 0.0
+    plain_overhead_ms: float | None = None
+    missed_step_share: float = 0.0
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(
@@ -184,14 +194,20 @@ class StepCosts:
 
         A plain decode step (k = 0) is taken to cost at most the cheapest verify round (the same
         forward over fewer tokens): a start-up measurement inflated by contention would otherwise
-        keep a request from ever falling back, and plain rounds never run would never correct it.
+        keep a request from ever falling back, and plain rounds never run would never correct it;
+        its overhead is that of plain rounds decoded ahead where some ran (:meth:`_overhead_ms`).
         """
         if k == 0:
             verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
         else:
             verify_ms = self._verify_ms(k, others_tokens)
         draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability) if draft_call and k > 0 else 0.0
-        return draft_ms + verify_ms + self.overhead_ms
+        return draft_ms + verify_ms + self._overhead_ms(k)
+
+    def _overhead_ms(self, k: int) -> float:
+        """The rest of a round of k drafts: a plain round's as learnt from plain rounds decoded
+        ahead, where some ran (a stretch of plain rounds decodes ahead but for its first)."""
+        return self.plain_overhead_ms if k == 0 and self.plain_overhead_ms is not None else self.overhead_ms
 
     def draft_wait_ms(self, drafted: int, verify_ms: float, hit_probability: float | None = None) -> float:
         """The round's expected wait for a model drafter's proposal of ``drafted`` forwarded tokens.
@@ -292,7 +308,9 @@ class StepCosts:
         probe after plain rounds) first feeds it what was committed without it, which priced a
         forward at several times its cost after long prompts (docs/architecture.md#design-decisions),
         so those only lower the estimate (:meth:`_observe_draft_forward`). A batched step that ran
-        prefill chunks too stays out of the step line (:meth:`step_ms`)."""
+        prefill chunks too stays out of the step line (:meth:`step_ms`). A plain round decoded ahead
+        (``record.decoded_ahead``) teaches ``plain_overhead_ms`` instead of ``overhead_ms``: its
+        turnaround overlapped the step before."""
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
@@ -311,7 +329,14 @@ class StepCosts:
             if call_ms > 0:
                 self.propose_call_ms = ema(self.propose_call_ms, call_ms, self.weight)
         overhead = record.wall_ms - record.draft_ms - record.propose_call_ms - verify_ms - record.queue_ms
-        self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
+        if record.decoded_ahead:  # the step began before the round did: at most the rest of the step
+            seed = self.overhead_ms if self.plain_overhead_ms is None else self.plain_overhead_ms
+            self.plain_overhead_ms = ema(seed, max(0.0, overhead), self.weight)
+        else:
+            self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
+            if record.batch_size > 1 and not record.prefill_tokens and record.step_ms > 0:
+                missed = min(1.0, record.queue_ms / record.step_ms)
+                self.missed_step_share = ema(self.missed_step_share, missed, self.weight)
         self._line = None
 
 
@@ -466,20 +491,29 @@ class AdaptiveK:
         return forced * self.acceptance.pass_probability(k + 1)
 
     def options(
-        self, matches: Matches | None, draft_available: bool = True, open_ms_per_token: float = 0.0
+        self,
+        matches: Matches | None,
+        draft_available: bool = True,
+        open_ms_per_token: float = 0.0,
+        missed_steps: float = 0.0,
     ) -> list[tuple[str, int, float]]:
         """(drafter, K, expected tokens per ms of the whole batch, see the module docstring) of
         every choice this round; the model drafter's only while ``draft_available``. With a
         forced-token match of f tokens, the model drafter's options are f forced tokens (free of
         draft cost) plus 1..``k_max`` drafted ones, up to ``k_limit``. ``open_ms_per_token``: the
         draft's ms to open its session spread over the request's remaining tokens, added to a
-        drafter round per token it is expected to commit (see :meth:`wants_drafter`)."""
+        drafter round per token it is expected to commit (see :meth:`wants_drafter`).
+        ``missed_steps``: steps the request misses choosing anything but plain decode, in which
+        the others commit their work without it (see :meth:`decodes_ahead`)."""
         k_max = min(self.k_max, self.k_limit)
         others, others_tokens = self.load.others_work(), self.load.others_tokens
+        missed_ms = missed_steps * self.costs.step_ms(others_tokens + 1) if missed_steps else 0.0
 
         def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0, hit: float | None = None) -> float:
             opening = tokens * open_ms_per_token if draft_call and k > 0 else 0.0
-            return (tokens + others) / (self.costs.round_ms(k, draft_call, others_tokens, free, hit) + opening)
+            missed = (missed_steps * others, missed_ms) if k > 0 else (0.0, 0.0)
+            round_ms = self.costs.round_ms(k, draft_call, others_tokens, free, hit)
+            return (tokens + others + missed[0]) / (round_ms + opening + missed[1])
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and self.acceptance is not None and draft_available:
@@ -504,8 +538,10 @@ class AdaptiveK:
         """The round's (drafter, K): ``self.drafter``, a lookup's name (propose
         ``matches[name].tokens[:K]``) or (PLAIN, 0). ``draft_available`` False (the draft session
         is not open yet, or the draft service failed recently): never the model drafter. K is at
-        most what the step budget gives the request (:meth:`_within_budget`), except a probe's."""
-        drafter, k = self._best(matches, draft_available)
+        most what the step budget gives the request (:meth:`_within_budget`), except a probe's.
+        Under load the options but plain decode also pay the step the plain round after them
+        misses (:meth:`missed_steps`)."""
+        drafter, k = self._best(matches, draft_available, missed_steps=self.missed_steps())
         if drafter == PLAIN and self.drafter and draft_available and self._probe_due() and self._could_win(matches):
             drafter, k = self.drafter, min(self._num_forced(matches) + min(self.probe_k, self.k_max), self.k_limit)
         else:
@@ -515,6 +551,32 @@ class AdaptiveK:
             self.lookup_ledger.charge(k, self._break_even(k))
         self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
+
+    def decodes_ahead(self, matches: Matches | None, draft_available: bool = True) -> bool:
+        """Whether a plain round may send the next round's Decode with its own (decode ahead,
+        :class:`coordinator.speculation.rounds.RequestRounds`): plain decode is the best option
+        for this round's ``matches`` and no probe of the model drafter is due, so the next round,
+        whose choice that Decode makes for it, most likely decodes too. Changes nothing: such a
+        round is counted as one without the drafter when observed (:meth:`observe`).
+
+        Leaving a stretch of plain rounds decoded ahead costs more than a round's overhead where
+        the verify engine steps without the request (:meth:`missed_steps`): its next round and
+        the plain round after it each turn around, and each misses a step. So the other options
+        are priced with those steps here (two whole ones: a lookup must then commit more than 3
+        tokens where plain decode commits 1 a step)."""
+        drafter, _ = self._best(matches, draft_available, missed_steps=2.0 * self.missed_steps())
+        if drafter != PLAIN:
+            return False
+        return not (self.drafter and draft_available and self._probe_due() and self._could_win(matches))
+
+    def missed_steps(self) -> float:
+        """Steps a round that turns around misses under load (not decoded ahead: it waits for the
+        step in progress where the verify engine steps without it, the others' next calls queued
+        before, :meth:`specdec.engine.engine.Engine._wait_for_previous`): the share of a step such
+        rounds waited (``StepCosts.missed_step_share``); 0 alone. Leaving a stretch decoded ahead
+        costs two such rounds (:meth:`decodes_ahead`); any other choice than plain decode one
+        more than plain decode (:meth:`next_round`: the plain round after it turns around too)."""
+        return self.costs.missed_step_share if self.load.others_seqs >= 1 else 0.0
 
     @property
     def lookups_on(self) -> bool:
@@ -608,8 +670,10 @@ class AdaptiveK:
         drafter, _ = dataclasses.replace(self, acceptance=always_right)._best(matches, True)
         return drafter == self.drafter
 
-    def _best(self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0) -> tuple[str, int]:
-        options = self.options(matches, draft_available, open_ms_per_token)
+    def _best(
+        self, matches: Matches | None, draft_available: bool, open_ms_per_token: float = 0.0, missed_steps: float = 0.0
+    ) -> tuple[str, int]:
+        options = self.options(matches, draft_available, open_ms_per_token, missed_steps)
         drafter, k, _ = max(options, key=lambda option: (option[2], -option[1]))
         return drafter, k
 
@@ -631,6 +695,8 @@ class AdaptiveK:
         """Learns from a finished round: its record, the lookups' matches looked up before it
         (used or not) and the tokens it committed."""
         draft_call = bool(self.drafter) and record.drafter == self.drafter
+        if record.decoded_ahead:  # chosen by the round before (decodes_ahead), not by next_round
+            self._rounds_without_drafter += 1
         if draft_call and self.acceptance is not None:
             self.acceptance.observe(*drafted_outcome(record))
         if record.drafter in self.lookups:

@@ -10,13 +10,16 @@ replica down, releases the old session in the background, prefills the committed
 (in that order) under a new session id (so a late call to the old one cannot collide), and
 retries the call; passes over the replicas repeat every RETRY_INTERVAL_S until
 ``failover_timeout_s`` has passed, and the request then fails with UNAVAILABLE. A retried call is
-exact: Verify and Decode depend only on the committed log and the per-position seed.
+exact: Verify and Decode depend only on the committed log and the per-position seed. A Decode
+sent ahead (:meth:`VerifySession.decode_ahead`) does not fail over: the round that takes it
+decodes again, failing over, when it failed or went to a session rebuilt since.
 """
 
 import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from coordinator.speculation.upstream import ServiceClients
 from specdec.rpc.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
@@ -70,6 +73,16 @@ class VerifyReplicas:
             if deadline is None or time.monotonic() >= deadline:
                 raise error
             await asyncio.sleep(RETRY_INTERVAL_S)
+
+
+@dataclass(frozen=True)
+class DecodeAhead:
+    """A Decode sent before the last call's answer (:meth:`VerifySession.decode_ahead`): the
+    session it went to, the request and the task awaiting its answer."""
+
+    session_id: str
+    request: verify_pb2.DecodeRequest
+    task: "asyncio.Future[verify_pb2.DecodeResponse]"
 
 
 class VerifySession:
@@ -162,24 +175,59 @@ class VerifySession:
         return await self._call(send)
 
     async def decode(self) -> tuple[verify_pb2.DecodeResponse, int]:
-        """One plain decode step, failing over as :meth:`verify`; the response and its bytes."""
+        """One plain decode step after the committed log, failing over as :meth:`verify`; the
+        response and its bytes. The Decode names the log's length
+        (``DecodeRequest.num_committed_tokens``): a session that committed more (a Decode sent
+        ahead that the coordinator gave up on, answered late) fails it with FAILED_PRECONDITION,
+        and is rebuilt from the log like a lost one, never decoded after tokens the log lacks."""
 
         def send(replica: str, session_id: str):
-            request = verify_pb2.DecodeRequest(session_id=session_id)
+            request = verify_pb2.DecodeRequest(session_id=session_id, num_committed_tokens=len(self.committed))
             return request, self.clients.decode(replica, request)
 
-        return await self._call(send)
+        return await self._call(send, FailedPrecondition)
 
-    async def _call(self, send: Callable[[str, str], tuple]) -> tuple:
+    def decode_ahead(self) -> "DecodeAhead":
+        """Sends a Decode on the session as it is now, without waiting for the one in flight (it
+        follows that one's token: ``num_committed_tokens`` the log's length plus 1) and without
+        failover (the round that takes its answer, :meth:`take`, fails over)."""
+        session_id, replica = self.session_id, self.replica
+        request = verify_pb2.DecodeRequest(session_id=session_id, num_committed_tokens=len(self.committed) + 1)
+        task = asyncio.ensure_future(self.clients.decode(replica, request))
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # taken, or dropped
+        return DecodeAhead(session_id, request, task)
+
+    def usable(self, ahead: "DecodeAhead") -> bool:
+        """Whether a Decode sent ahead may still answer for the session: sent on it as it is now
+        (not rebuilt since), and not known to have failed."""
+        task = ahead.task
+        failed = task.done() and (task.cancelled() or task.exception() is not None)
+        return ahead.session_id == self.session_id and not failed
+
+    async def take(self, ahead: "DecodeAhead") -> tuple[verify_pb2.DecodeResponse, int]:
+        """The answer to a Decode sent ahead, as :meth:`decode` returns it; when it failed or was
+        sent on a session since rebuilt, a Decode of its own (failing over)."""
+        try:
+            response = await ahead.task
+        except SpecdecError as err:
+            log.info("verify session %s: a Decode sent ahead failed (%s); decoding again", ahead.session_id, err)
+        else:
+            if ahead.session_id == self.session_id:
+                return response, ahead.request.ByteSize() + response.ByteSize()
+        return await self.decode()
+
+    async def _call(self, send: Callable[[str, str], tuple], *rebuild_on: type[SpecdecError]) -> tuple:
         """``send(replica, session_id)`` gives a request and the awaitable of its call; retried on a
-        rebuilt session until ``failover_timeout_s``."""
+        rebuilt session until ``failover_timeout_s`` after UNAVAILABLE, NOT_FOUND or the errors
+        ``rebuild_on`` names."""
         deadline = None
+        rebuilt: tuple[type[SpecdecError], ...] = (Unavailable, NotFound, *rebuild_on)
         while True:
             try:
                 request, call = send(self.replica, self.session_id)
                 response = await call
                 return response, request.ByteSize() + response.ByteSize()
-            except (Unavailable, NotFound) as err:
+            except rebuilt as err:
                 log.warning("verify session %s: %s; rebuilding it from the committed log", self.session_id, err)
                 if isinstance(err, Unavailable):
                     self.replicas.mark_down(self.replica)

@@ -21,6 +21,16 @@ verifier's; otherwise (a miss) the next round asks for a proposal as usual, and 
 back what it drafted ahead. Verification is unchanged, so output is too: under greedy decoding
 and seeded sampling a pre-drafted proposal is the one a plain Propose would have drawn.
 
+Decode ahead: a plain round's Decode carries no token of the coordinator's (the verify service
+decodes after what it committed), so where the next round will be plain too (the request's K is
+0, or adaptive K would choose plain decode now) its Decode is sent with this one, before this
+one's answer; the verify service runs a session's calls in the order they came
+(:meth:`specdec.rpc.sessions.SessionRegistry.start_when_free`), so the next step decodes it
+without waiting for the coordinator's turnaround, a network round trip in it (docs/architecture.md#one-round).
+Its answer is the next round's, whatever that round would have chosen; a Decode sent ahead that
+failed, or went to a session rebuilt since, is decoded again (``DecodeRequest.num_committed_tokens``
+keeps one that overtook the Decode before it from committing out of order).
+
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
 collide; the old one is released in the background):
@@ -46,7 +56,7 @@ from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.adaptive import AdaptiveK, Matches
 from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
-from coordinator.speculation.failover import VerifyReplicas, VerifySession
+from coordinator.speculation.failover import DecodeAhead, VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.lookups.ngram import NgramIndex, NgramMatch
 from specdec.lookups.suffix import SuffixIndex, SuffixMatch
@@ -87,7 +97,8 @@ class Verified:
     """The target's answer to a round: ``num_accepted`` draft tokens accepted, the ``new`` tokens
     (those, then the bonus or recovered token; a Decode's one token), their log-probabilities
     (one per new token with ``sampling.logprobs``), the target's compute ms, the engine step that
-    served it, and the protobuf bytes of the call both ways."""
+    served it, the protobuf bytes of the call both ways, and whether its Decode was sent ahead,
+    with the round before."""
 
     num_accepted: int
     new: list[int]
@@ -95,6 +106,7 @@ class Verified:
     verify_ms: float
     step: common_pb2.StepStats
     wire_bytes: int
+    decoded_ahead: bool = False
 
 
 def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) -> RoundRecord:
@@ -123,6 +135,7 @@ def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) ->
         draft_compute_ms=drafted.compute_ms,
         propose_call_ms=drafted.call_ms,
         ahead_call_ms=drafted.ahead_call_ms,
+        decoded_ahead=verified.decoded_ahead,
     )
 
 
@@ -152,6 +165,7 @@ class RequestRounds:
         draft_retry_s: float = 2.0,
         failover_timeout_s: float = 60.0,
         running_requests: Callable[[], int] = lambda: 1,
+        decode_ahead: bool = True,
     ):
         self.session_prefix = session_prefix
         self.request = request
@@ -178,6 +192,8 @@ class RequestRounds:
         )
         self.running_requests = running_requests
         self.num_rounds = 0
+        self.decode_ahead = decode_ahead
+        self._ahead: DecodeAhead | None = None  # the next round's Decode, sent with this round's
 
     def _new_session_id(self, service: str) -> str:
         self._generation += 1
@@ -276,7 +292,9 @@ class RequestRounds:
            previous round when verification went down its branch, else asked for now); none while
            the draft is unavailable, which makes the round a plain decode step;
         3. verify the proposal on the target (accepted tokens plus the bonus or recovered token,
-           with their log-probabilities when asked for), or decode one token when there is none;
+           with their log-probabilities when asked for), or decode one token when there is none
+           (its Decode sent with the last round's, or now, with the next round's where that will
+           decode too: decode ahead, see the module docstring);
         4. commit the new tokens to the log;
         5. let the policy learn from the outcome.
         """
@@ -289,9 +307,13 @@ class RequestRounds:
         if policy is not None and opened is not None:
             policy.observe_draft_prefill(*opened)
         matches = self._round_matches(policy, max_k)
-        proposer, k = self._choose(policy, matches, max_k)  # 1.
-        proposal = await self._propose(proposer, k, matches, start, max_k)  # 2.
-        verified = await self._verify_or_decode(proposal.tokens, proposal.distributions)  # 3.
+        if self._ahead is None:
+            proposer, k = self._choose(policy, matches, max_k)  # 1.
+            proposal = await self._propose(proposer, k, matches, start, max_k)  # 2.
+        else:  # its Decode went out with the last round's: a plain round, whatever 1. would choose
+            proposal = RoundProposal(proposer=PLAIN, k=0)
+        ahead = not proposal.tokens and self._decodes_ahead(policy, matches, max_k)
+        verified = await self._verify_or_decode(proposal.tokens, proposal.distributions, ahead)  # 3.
         if proposal.tokens:
             self.draft.observe_verify(verified.verify_ms)
         self.committed.extend(verified.new)  # 4.
@@ -346,18 +368,36 @@ class RequestRounds:
             drafted=drafted,
         )
 
+    def _decodes_ahead(self, policy: AdaptiveK | None, matches: Matches, max_k: int) -> bool:
+        """Whether a plain round sends the next round's Decode with its own: the request's budget
+        has a token for it (``max_k``, this round's, at least 1), and the next round will decode
+        too: the request's fixed K is 0, or adaptive K would choose plain decode for ``matches``
+        (:meth:`AdaptiveK.decodes_ahead`)."""
+        if not self.decode_ahead or max_k < 1:
+            return False
+        if policy is None:
+            return self.request.num_speculative_tokens == 0
+        return policy.decodes_ahead(matches, self.draft.available())
+
     async def _verify_or_decode(
-        self, proposal: list[int], distributions: list[common_pb2.TokenDistribution]
+        self, proposal: list[int], distributions: list[common_pb2.TokenDistribution], decode_ahead: bool
     ) -> Verified:
-        """The target's answer to ``proposal`` (a Verify), or to none (a Decode). Raises
-        FailedPrecondition when the request asks for log-probabilities and the verify service
-        returned others than one per new token (a service that predates them)."""
+        """The target's answer to ``proposal`` (a Verify), or to none (a Decode: the one sent ahead
+        with the last round's, or one sent now; with ``decode_ahead``, the next round's is sent
+        with it). Raises FailedPrecondition when the request asks for log-probabilities and the
+        verify service returned others than one per new token (a service that predates them)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not self.verify.usable(ahead):
+            ahead = None  # failed already: decoded again, before the next round's Decode goes out
         if proposal:
             verified, size = await self.verify.verify(proposal, distributions)
             n, new = verified.num_accepted, [*proposal[: verified.num_accepted], verified.next_token_id]
             reply: verify_pb2.VerifyResponse | verify_pb2.DecodeResponse = verified
         else:
-            reply, size = await self.verify.decode()
+            decoding = self.verify.take(ahead) if ahead else self.verify.decode()
+            sent = asyncio.ensure_future(decoding)  # sends this round's Decode before the next one's
+            self._ahead = self.verify.decode_ahead() if decode_ahead else None
+            reply, size = await sent
             n, new = 0, [reply.token_id]
         return Verified(
             num_accepted=n,
@@ -366,6 +406,7 @@ class RequestRounds:
             verify_ms=reply.compute_ms,
             step=reply.step,
             wire_bytes=size,
+            decoded_ahead=ahead is not None,
         )
 
     def _logprobs(self, reply, new: list[int]) -> list[common_pb2.TokenLogprobs]:
@@ -398,7 +439,11 @@ class RequestRounds:
 
     async def release(self) -> None:
         """Releases both sessions (:meth:`DraftSide.release`) and waits for the background
-        releases; failures are logged (the services' idle timeout reclaims what is left)."""
+        releases; failures are logged (the services' idle timeout reclaims what is left). A Decode
+        sent ahead for a round that never came (the request finished) is dropped."""
+        if self._ahead is not None:
+            self._ahead.task.cancel()
+            self._ahead = None
         await self.draft.release()
         self.verify.release()
         await self._releases.wait()
