@@ -28,8 +28,10 @@ one's answer; the verify service runs a session's calls in the order they came
 (:meth:`specdec.rpc.sessions.SessionRegistry.start_when_free`), so the next step decodes it
 without waiting for the coordinator's turnaround, a network round trip in it (docs/architecture.md#one-round).
 Its answer is the next round's, whatever that round would have chosen; a Decode sent ahead that
-failed, or went to a session rebuilt since, is decoded again (``DecodeRequest.num_committed_tokens``
-keeps one that overtook the Decode before it from committing out of order).
+failed, or went to a session rebuilt since, is decoded again. Every Decode names the committed
+length it follows (``DecodeRequest.num_committed_tokens``): one that overtook the Decode before it
+fails instead of committing out of order, and a session that committed a Decode given up on (run
+late) fails the next one and is rebuilt (:meth:`coordinator.speculation.failover.VerifySession.decode`).
 
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
