@@ -122,7 +122,7 @@ class MetricsRecorder:
             prefill_time_ms=self.prefill_ms,
             draft_time_ms=draft_ms,
             verify_time_ms=verify_ms,
-            coordination_time_ms=sum(r.wall_ms for r in self.rounds) - draft_ms - verify_ms,
+            coordination_time_ms=sum(max(0.0, r.wall_ms - r.draft_ms - r.verify_ms) for r in self.rounds),
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
             rounds_per_k=k_histogram(self.rounds),
             drafter_usage=drafter_usage(self.rounds),

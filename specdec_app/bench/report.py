@@ -308,11 +308,12 @@ NETWORK_NOTES = [
     "vs K=0: tokens/s over pipeline/K=0's under the same setting (and placement; in the load mode the same "
     "arrival pattern and N).",
     "coordination ms/round: RequestMetrics.coordination_time_ms summed / rounds (Verify and Decode calls): a "
-    "round's wall time less the time it waited for its draft proposal and less the verify service's compute. "
-    "It holds the Verify or Decode call's round trip, a Propose asked for in the round (on a draft-ahead "
-    "miss), gRPC and the coordinator's work; the part of a drafted-ahead Propose's round trip that the verify "
-    "did not hide is in the draft wait instead. over RTT 0: the same method's coordination ms/round at RTT 0 "
-    "subtracted (what the delay added to each round); / RTT: that in round trips.",
+    "round's wall time less the time it waited for its draft proposal and less the verify service's compute, "
+    "at least 0 (a Decode sent ahead ran before its round began). It holds the Verify or Decode call's round "
+    "trip, a Propose asked for in the round (on a draft-ahead miss), gRPC and the coordinator's work; the part "
+    "of a drafted-ahead Propose's round trip that the verify did not hide is in the draft wait instead. over "
+    "RTT 0: the same method's coordination ms/round at RTT 0 subtracted (what the delay added to each round); "
+    "/ RTT: that in round trips.",
     "bytes/round: RequestMetrics.round_wire_bytes summed / rounds: the rounds' Propose, Verify and Decode "
     "protobuf payloads both ways (no gRPC framing, prefill not included).",
 ]
