@@ -35,6 +35,11 @@ requests sharing a step do not each take the tokens that pay for one of them alo
 prefill chunks as the step's work, not as its overhead: the service must prefill them whatever
 this request does, and a draft token that slows the step delays them as much as it delays the
 others' decode tokens. Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+Plain rounds whose Decode went out with the round before (decode ahead,
+:class:`coordinator.speculation.rounds.RequestRounds`) pay no rest beyond their step
+(``StepCosts.plain_overhead_ms``); a round that turns around instead waits, under load, for the
+step in progress where the engine steps without it, so the options but plain decode also pay the
+steps they make the request miss (:meth:`AdaptiveK.missed_steps`).
 
 Hybrid drafting: every round the coordinator also looks the committed text's suffix up in its own
 model-free lookups (no network hop, no draft cost): the n-gram index (:mod:`specdec.lookups.ngram`, what
