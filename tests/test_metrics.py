@@ -46,10 +46,12 @@ def test_metrics_arithmetic():
 def test_a_round_decoded_ahead_adds_no_negative_coordination():
     """A plain round whose Decode went out with the round before began its step before the round
     did: its wall time (30 ms) is below the service's compute (40 ms), and it adds 0 to the
-    coordination time, not -10; a round that waited beyond its calls adds what it waited."""
+    coordination time, not -10; a round that waited beyond its calls adds what it waited. The
+    rounds decoded ahead are counted."""
     recorder = MetricsRecorder()
     plain = dict(drafter=PLAIN, k=0, num_drafted=0, num_accepted=0, draft_ms=0.0, verify_ms=40.0, wire_bytes=0)
     ahead = RoundRecord(**plain, wall_ms=30.0, decoded_ahead=True)
     turned_around = RoundRecord(**plain, wall_ms=45.0)
     recorder.rounds.extend([ahead, turned_around])
-    assert recorder.to_proto(num_generated=2).coordination_time_ms == pytest.approx(5.0)
+    metrics = recorder.to_proto(num_generated=2)
+    assert metrics.coordination_time_ms == pytest.approx(5.0) and metrics.num_rounds_decoded_ahead == 1

@@ -256,6 +256,7 @@ def test_round_attributes_add_up_to_the_request_metrics(traced_run, tiny_pipelin
     ahead = Counter(r["specdec.round.draft_ahead"] for r in rounds)
     assert ahead["hit"] == metrics.get("num_draft_ahead_hits", 0)
     assert ahead["hit"] + ahead["miss"] == metrics["num_draft_ahead_proposals"] > 0
+    assert sum(r["specdec.round.decoded_ahead"] for r in rounds) == metrics.get("num_rounds_decoded_ahead", 0)
     # the verify service's own acceptance spans agree with the coordinator's count
     acceptance = [s.attributes for s in spans if s.span.name == "acceptance"]
     assert sum(a["specdec.num_accepted"] for a in acceptance) == metrics["num_accepted_draft_tokens"]
@@ -364,6 +365,7 @@ def test_coordinator_counters_equal_the_request_metrics(traced_run):
     assert proposals > 0  # the transformers drafter drafts ahead
     assert value("specdec_draft_ahead_proposals_total", (("outcome", "hit"),)) == hits
     assert value("specdec_draft_ahead_proposals_total", (("outcome", "miss"),)) == proposals - hits
+    assert value("specdec_decoded_ahead_rounds_total") == m.get("num_rounds_decoded_ahead", 0)
 
 
 def test_session_gauges_kv_bytes_and_errors(traced_run):

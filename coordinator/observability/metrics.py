@@ -134,6 +134,7 @@ class MetricsRecorder:
             draft_ahead_hit_rate=hits / len(ahead) if ahead else 0.0,
             draft_ahead_hits_per_branch=collections.Counter(r.draft_ahead_branch for r in ahead_hits),
             num_draft_ahead_branches=sum(r.draft_ahead_branches for r in self.rounds),
+            num_rounds_decoded_ahead=sum(r.decoded_ahead for r in self.rounds),
             verify_costs=verify_costs(self.rounds),
             num_forced_draft_tokens=sum(r.num_forced for r in spec),
             **identity,

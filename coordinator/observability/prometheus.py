@@ -180,6 +180,11 @@ class CoordinatorMetrics(ServiceMetrics):
             "Proposals drafted ahead for other outcomes than the main branch (their draft forwards buy the bonus and "
             "recovered hits).",
         )
+        self.decoded_ahead = counter(
+            "specdec_decoded_ahead_rounds",
+            "Plain rounds whose Decode went out with the round before's (decode ahead): their step followed that "
+            "one's without waiting for the coordinator's turnaround.",
+        )
         self.draft_failures = counter(
             "specdec_draft_failures",
             "Times a request's draft service failed (the request went on without it for a while).",
@@ -232,9 +237,11 @@ class CoordinatorMetrics(ServiceMetrics):
         if record.draft_ahead_branch:
             self.draft_ahead_branch_hits.labels(record.draft_ahead_branch).inc()
         self.draft_ahead_branches.inc(record.draft_ahead_branches)
+        self.decoded_ahead.inc(record.decoded_ahead)
         self.round_draft_time.observe(record.draft_ms / 1000)
         self.round_verify_time.observe(record.verify_ms / 1000)
-        self.round_coordination_time.observe((record.wall_ms - record.draft_ms - record.verify_ms) / 1000)
+        # at least 0, as RequestMetrics.coordination_time_ms: a round decoded ahead began after its step did
+        self.round_coordination_time.observe(max(0.0, record.wall_ms - record.draft_ms - record.verify_ms) / 1000)
 
     def observe_faults(self, draft_failures: int, verify_rebuilds: int) -> None:
         """Counts a request's draft service failures and verify session rebuilds."""
