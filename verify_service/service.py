@@ -1,6 +1,5 @@
 """The VerifyService gRPC servicer and its entry point (``specdec serve verify``)."""
 
-import functools
 import time
 
 import torch
@@ -165,25 +164,24 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         has its session: the time it waited for the session's previous call is that call's."""
         called_in = otel_context.get_current()
 
-        def done(work, release, start, outcome, stats: StepStats, error: BaseException | None) -> None:
-            release()
-            if error is not None:
-                reply(error)
-                return
-            n, token = outcome
-            reply(respond(n, token, compute_ms=ms_since(start), step=step_stats(stats), logprobs=work.logprobs))
-
         def run(session: TargetSession, release) -> None:
             start = time.perf_counter()
+
+            def done(outcome, stats: StepStats, error: BaseException | None) -> None:
+                release()
+                if error is not None:
+                    reply(error)
+                    return
+                n, token = outcome
+                reply(respond(n, token, compute_ms=ms_since(start), step=step_stats(stats), logprobs=work.logprobs))
+
             token = otel_context.attach(called_in)  # may run on the thread of the session's previous call
             try:
                 work = work_of(session)
+                self.target.engine.submit(work, done, timeout_s, abandoned)
             except Exception as err:  # the call's own error: replied, never raised on another call's thread
                 release()
                 reply(err)
-                return
-            else:
-                self.target.engine.submit(work, functools.partial(done, work, release, start), timeout_s, abandoned)
             finally:
                 otel_context.detach(token)
 

@@ -76,6 +76,12 @@ class RoundRecord:
     decoded_ahead: bool = False
 
     @property
+    def coordination_ms(self) -> float:
+        """The round's wall time less its draft and verify times, at least 0: a round decoded ahead
+        began after its Decode's step did."""
+        return max(0.0, self.wall_ms - self.draft_ms - self.verify_ms)
+
+    @property
     def num_forced(self) -> int:
         """Proposed tokens the grammar forced."""
         return sum(self.forced[: self.num_drafted])
@@ -122,7 +128,7 @@ class MetricsRecorder:
             prefill_time_ms=self.prefill_ms,
             draft_time_ms=draft_ms,
             verify_time_ms=verify_ms,
-            coordination_time_ms=sum(max(0.0, r.wall_ms - r.draft_ms - r.verify_ms) for r in self.rounds),
+            coordination_time_ms=sum(r.coordination_ms for r in self.rounds),
             round_wire_bytes=sum(r.wire_bytes for r in self.rounds),
             rounds_per_k=k_histogram(self.rounds),
             drafter_usage=drafter_usage(self.rounds),

@@ -240,8 +240,7 @@ class CoordinatorMetrics(ServiceMetrics):
         self.decoded_ahead.inc(record.decoded_ahead)
         self.round_draft_time.observe(record.draft_ms / 1000)
         self.round_verify_time.observe(record.verify_ms / 1000)
-        # at least 0, as RequestMetrics.coordination_time_ms: a round decoded ahead began after its step did
-        self.round_coordination_time.observe(max(0.0, record.wall_ms - record.draft_ms - record.verify_ms) / 1000)
+        self.round_coordination_time.observe(record.coordination_ms / 1000)
 
     def observe_faults(self, draft_failures: int, verify_rebuilds: int) -> None:
         """Counts a request's draft service failures and verify session rebuilds."""

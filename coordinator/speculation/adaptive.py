@@ -513,12 +513,14 @@ class AdaptiveK:
         k_max = min(self.k_max, self.k_limit)
         others, others_tokens = self.load.others_work(), self.load.others_tokens
         missed_ms = missed_steps * self.costs.step_ms(others_tokens + 1) if missed_steps else 0.0
+        missed_tokens = missed_steps * others  # the others' work in the steps the request misses
 
         def goodput(tokens: float, k: int, draft_call: bool = True, free: int = 0, hit: float | None = None) -> float:
-            opening = tokens * open_ms_per_token if draft_call and k > 0 else 0.0
-            missed = (missed_steps * others, missed_ms) if k > 0 else (0.0, 0.0)
-            round_ms = self.costs.round_ms(k, draft_call, others_tokens, free, hit)
-            return (tokens + others + missed[0]) / (round_ms + opening + missed[1])
+            if k == 0:
+                return (tokens + others) / self.costs.round_ms(0, draft_call, others_tokens)
+            opening = tokens * open_ms_per_token if draft_call else 0.0
+            round_ms = self.costs.round_ms(k, draft_call, others_tokens, free, hit) + opening + missed_ms
+            return (tokens + others + missed_tokens) / round_ms
 
         options = [(PLAIN, 0, goodput(1.0, 0))]
         if self.drafter and self.acceptance is not None and draft_available:

@@ -187,7 +187,7 @@ class VerifySession:
 
         return await self._call(send, FailedPrecondition)
 
-    def decode_ahead(self) -> "DecodeAhead":
+    def decode_ahead(self) -> DecodeAhead:
         """Sends a Decode on the session as it is now, without waiting for the one in flight (it
         follows that one's token: ``num_committed_tokens`` the log's length plus 1) and without
         failover (the round that takes its answer, :meth:`take`, fails over)."""
@@ -197,24 +197,22 @@ class VerifySession:
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # taken, or dropped
         return DecodeAhead(session_id, request, task)
 
-    def usable(self, ahead: "DecodeAhead") -> bool:
+    def usable(self, ahead: DecodeAhead) -> bool:
         """Whether a Decode sent ahead may still answer for the session: sent on it as it is now
         (not rebuilt since), and not known to have failed."""
         task = ahead.task
         failed = task.done() and (task.cancelled() or task.exception() is not None)
         return ahead.session_id == self.session_id and not failed
 
-    async def take(self, ahead: "DecodeAhead") -> tuple[verify_pb2.DecodeResponse, int]:
-        """The answer to a Decode sent ahead, as :meth:`decode` returns it; when it failed or was
-        sent on a session since rebuilt, a Decode of its own (failing over)."""
+    async def take(self, ahead: DecodeAhead) -> tuple[verify_pb2.DecodeResponse, int]:
+        """The answer to a Decode sent ahead that was :meth:`usable` when its round began, as
+        :meth:`decode` returns it; when it fails, a Decode of its own (failing over)."""
         try:
             response = await ahead.task
         except SpecdecError as err:
             log.info("verify session %s: a Decode sent ahead failed (%s); decoding again", ahead.session_id, err)
-        else:
-            if ahead.session_id == self.session_id:
-                return response, ahead.request.ByteSize() + response.ByteSize()
-        return await self.decode()
+            return await self.decode()
+        return response, ahead.request.ByteSize() + response.ByteSize()
 
     async def _call(self, send: Callable[[str, str], tuple], *rebuild_on: type[SpecdecError]) -> tuple:
         """``send(replica, session_id)`` gives a request and the awaitable of its call; retried on a

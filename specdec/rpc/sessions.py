@@ -190,6 +190,15 @@ class SessionRegistry(Generic[S]):
             )
         return entry.session
 
+    @contextlib.contextmanager
+    def _holding(self, entry: _Entry[S]) -> Iterator[None]:
+        """Holds a session's lock, waiting for it, and gives it up as :meth:`_give_back` does."""
+        entry.lock.acquire()
+        try:
+            yield
+        finally:
+            self._give_back(entry)
+
     def _give_back(self, entry: _Entry[S]) -> None:
         """Gives a session's lock up: to the first call waiting for it (:meth:`start_when_free`),
         started here, or back."""
@@ -212,11 +221,8 @@ class SessionRegistry(Generic[S]):
                     self._released_unknown.popitem(last=False)  # the oldest
         if entry is None:
             return False
-        entry.lock.acquire()
-        try:
+        with self._holding(entry):  # calls that waited for it then fail with NotFound
             entry.session.close()
-        finally:
-            self._give_back(entry)  # calls that waited for it fail with NotFound
         return True
 
     def release_lost(self) -> list[str]:
@@ -226,11 +232,8 @@ class SessionRegistry(Generic[S]):
                 (sid, e) for sid, e in self._entries.items() if not e.lock.locked() and self.lost(e.session) is not None
             ]
         for sid, entry in lost:
-            entry.lock.acquire()
-            try:
+            with self._holding(entry):
                 self._drop(sid, entry)
-            finally:
-                self._give_back(entry)
         return [sid for sid, _ in lost]
 
     def _drop(self, session_id: str, entry: _Entry[S]) -> None:
