@@ -19,27 +19,38 @@ import collections
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
 from specdec.rpc.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
-from specdec.rpc.step_server import oneof_kinds
-from specdec.v1 import common_pb2
+from specdec.rpc.step_server import CallResult, oneof_kinds
+from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 MAX_LATE = 4096  # calls past their deadline whose late answer a stream still waits for
+
+# A Step stream's call message, of its service: VerifyCall (verify, decode) or DraftCall (propose).
+CallT = TypeVar("CallT", verify_pb2.VerifyCall, draft_pb2.DraftCall)
+CallT_contra = TypeVar("CallT_contra", verify_pb2.VerifyCall, draft_pb2.DraftCall, contravariant=True)
+
+
+class StepRequestClass(Protocol[CallT_contra]):
+    """A Step stream's request message class (``VerifyStepRequest``, ``DraftStepRequest``): built
+    from the calls one message carries."""
+
+    def __call__(self, *, calls: Iterable[CallT_contra]) -> Message: ...
 
 
 class MissedDeadline(Unavailable):
     """A call gave up at its deadline; the service may still run it and answer late (``on_late``)."""
 
 
-class StepStream:
+class StepStream(Generic[CallT]):
     """Calls over a Step stream that ``open_stream()`` opens (the stub's ``Step``, unary-free).
 
     Args:
@@ -58,17 +69,19 @@ class StepStream:
     def __init__(
         self,
         open_stream: Callable[[], grpc.aio.StreamStreamCall],
-        request_cls: type[Message],
-        call_cls: type[Message],
+        request_cls: StepRequestClass[CallT],
+        call_cls: type[CallT],
         service: str,
         where: str,
         on_load: Callable[[common_pb2.ServiceLoad], None] | None = None,
     ):
-        self.open_stream, self.request_cls, self.call_cls = open_stream, request_cls, call_cls
+        self.open_stream = open_stream
+        self.request_cls: StepRequestClass[CallT] = request_cls
+        self.call_cls: type[CallT] = call_cls
         self.kinds = oneof_kinds(call_cls, "call")
         self.service, self.where, self.on_load = service, where, on_load
         self._ids = itertools.count(1)
-        self._open: _OpenStream | None = None
+        self._open: _OpenStream[CallT] | None = None
 
     async def call(
         self, kind: str, request: Message, timeout_s: float, on_late: Callable[[float], None] | None = None
@@ -83,13 +96,13 @@ class StepStream:
             raise TypeError(f"a {kind!r} call of {self.call_cls.__name__} takes one of {sorted(self.kinds)}, typed")
         span_name = f"/{self.service}/{kind.capitalize()}"
         with tracer.start_as_current_span(span_name, kind=trace.SpanKind.CLIENT) as span:
-            header = common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000)
+            call = self.call_cls(header=common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000))
             if span.is_recording():  # tracing on: the service's span joins this trace
-                propagate.inject(header.trace_context)
+                propagate.inject(call.header.trace_context)
+            getattr(call, kind).CopyFrom(request)
             if self._open is None or self._open.failed:
                 self._open = _OpenStream(self.open_stream(), self.request_cls, self.where, self.on_load)
-            call = self.call_cls(header=header, **{kind: request})
-            result: Any = await self._open.send(call, timeout_s, on_late)
+            result = await self._open.send(call, timeout_s, on_late)
             outcome = result.WhichOneof("result")
             if outcome == "error":
                 raise from_status(status_code(result.error.code), result.error.message, self.where)
@@ -103,26 +116,27 @@ class StepStream:
             await self._open.close()
 
 
-class _OpenStream:
+class _OpenStream(Generic[CallT]):
     """One opened stream: the calls waiting to go out, the calls in flight, and the tasks that
     write and read it."""
 
     def __init__(
         self,
         stream: grpc.aio.StreamStreamCall,
-        request_cls: type[Message],
+        request_cls: StepRequestClass[CallT],
         where: str,
         on_load: Callable[[common_pb2.ServiceLoad], None] | None,
     ):
-        self.stream, self.request_cls, self.where, self.on_load = stream, request_cls, where, on_load
+        self.stream, self.where, self.on_load = stream, where, on_load
+        self.request_cls: StepRequestClass[CallT] = request_cls
         self.failed = False
-        self._outbox: list[Any] = []
-        self._pending: dict[int, asyncio.Future] = {}
+        self._outbox: list[CallT] = []
+        self._pending: dict[int, asyncio.Future[CallResult]] = {}
         self._late: collections.OrderedDict[int, tuple[float, Callable[[float], None]]] = collections.OrderedDict()
         self._wake = asyncio.Event()
         self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
-    async def send(self, call: Any, timeout_s: float, on_late: Callable[[float], None] | None) -> Message:
+    async def send(self, call: CallT, timeout_s: float, on_late: Callable[[float], None] | None) -> CallResult:
         call_id = call.header.call_id
         loop = asyncio.get_running_loop()
         future, start = loop.create_future(), loop.time()

@@ -34,7 +34,7 @@ from opentelemetry import propagate, trace
 from specdec.handoff import Outbox
 from specdec.observability.prom import ServiceMetrics
 from specdec.rpc.errors import InvalidArgument, SpecdecError, status_code
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -44,6 +44,8 @@ Reply = Callable[[Message | BaseException], None]
 # A starter: (request, timeout in seconds or None, abandoned() -> the caller went away, reply);
 # returns at once and replies later, from any thread, or raises the error the call fails with.
 Starter = Callable[[Any, float | None, Callable[[], bool], Reply], None]
+# A Step stream's result message, of its service: one per call, its response or its error.
+CallResult = verify_pb2.VerifyCallResult | draft_pb2.DraftCallResult
 _END = object()  # the caller closed its side of the stream
 POLL_S = 1.0  # how often a stream waiting for results checks that its caller is still there, seconds
 
@@ -83,7 +85,7 @@ class StepCalls:
         self,
         service: str,
         handlers: Mapping[str, Starter],
-        result_cls: type[Message],
+        result_cls: type[CallResult],
         metrics: ServiceMetrics,
     ):
         kinds = set(oneof_kinds(result_cls, "result")) - {"error"}
@@ -141,10 +143,12 @@ class StepCalls:
         except Exception as err:  # any failure is the call's result
             reply(err)
 
-    def _result(self, call_id: int, kind: str | None, name: str, outcome: Message | BaseException) -> Message:
+    def _result(self, call_id: int, kind: str | None, name: str, outcome: Message | BaseException) -> CallResult:
         """The result message of a call: its response, or the CallError its error maps to."""
         if isinstance(outcome, Message):
-            return self.result_cls(call_id=call_id, **{kind or "": outcome})
+            result = self.result_cls(call_id=call_id)
+            getattr(result, kind or "").CopyFrom(outcome)
+            return result
         if isinstance(outcome, SpecdecError):
             error = common_pb2.CallError(code=outcome.code.value[0], message=str(outcome))
         else:  # a bug: the caller gets INTERNAL, the log the traceback
