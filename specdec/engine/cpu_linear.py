@@ -21,21 +21,52 @@ where a weight is shared (an LM head tied to the input embedding, as SmolLM2's):
 keeps the original and the packed copy is extra (vocabulary x hidden x the dtype's bytes).
 """
 
+import functools
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_runs(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs oneDNN's packed linear in ``dtype`` (one of :data:`DTYPES`): float32 on
+    any, bfloat16 only with the instructions oneDNN's bfloat16 path needs, AVX-512 BW, VL and DQ or
+    AVX-NE-CONVERT (torch's ``mkldnn_bf16_device_check``, which packing a bfloat16 weight asserts:
+    an AVX2-only CPU such as AMD's Zen 2 fails it)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packable_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of ``model``'s weights where they are on the CPU in one of :data:`DTYPES` and this
+    torch is built with oneDNN; else None."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype not in DTYPES:
+        return None
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+    return weight.dtype
 
 
 def available(model: torch.nn.Module) -> bool:
     """Whether :func:`pack_linears` applies to ``model``: its weights on the CPU in float32 or
-    bfloat16, and this torch built with oneDNN."""
-    weight = next(model.parameters(), None)
-    return (
-        weight is not None
-        and weight.device.type == "cpu"
-        and weight.dtype in DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    bfloat16, this torch built with oneDNN, and this CPU able to run the weights' dtype there
+    (:func:`cpu_runs`)."""
+    dtype = _packable_dtype(model)
+    return dtype is not None and cpu_runs(dtype)
+
+
+@functools.cache
+def _log_cpu_cannot(dtype: torch.dtype) -> None:
+    """Says once per process and dtype that the linear layers stay on aten on this CPU."""
+    name = str(dtype).removeprefix("torch.")
+    log.warning(
+        "the %s linear layers stay on aten's linear: this CPU (%s) lacks what oneDNN's %s path needs "
+        "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT); float32 weights would be packed",
+        name,
+        torch.backends.cpu.get_cpu_capability(),
+        name,
     )
 
 
@@ -60,8 +91,13 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Replaces every ``torch.nn.Linear`` of ``model`` by a :class:`PackedLinear` of its weight, in
-    place; returns how many. Does nothing (returns 0) where :func:`available` is False."""
-    if not available(model):
+    place; returns how many. Does nothing (returns 0) where :func:`available` is False, and says so
+    once (a warning) where only the CPU stands in the way."""
+    dtype = _packable_dtype(model)
+    if dtype is None:
+        return 0
+    if not cpu_runs(dtype):
+        _log_cpu_cannot(dtype)
         return 0
     linears = [
         (parent, name, child)
