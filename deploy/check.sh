@@ -6,8 +6,9 @@
 #      kubernetes-validate (schemas ship in the package), custom resources against deploy/schemas;
 #   3. checkov on the rendered manifests and on the Dockerfiles (offline: --skip-download);
 #   4. hadolint on the Dockerfiles.
-# Any finding fails. The tools live in .venv-deploy (deploy/requirements-check.txt), apart from
-# .venv: checkov would downgrade packages that torch and transformers use there.
+# Any finding fails. The tools live in .venv-deploy at the versions locked in
+# deploy/requirements-check.txt (scripts/lock.sh writes it), apart from .venv: checkov would downgrade
+# packages that torch and transformers use there.
 # `deploy/check.sh --install-only` installs the tools and stops (scripts/test.sh does that during
 # its set-up, beside the main install, so the test does not pay for it).
 set -euo pipefail
@@ -16,7 +17,7 @@ KUBERNETES_VERSION=${KUBERNETES_VERSION:-1.32.0}
 venv=.venv-deploy
 out=.deploy-check
 
-# (Re)install the tools when the pinned list changes.
+# (Re)install the tools when the lock changes.
 if ! cmp -s deploy/requirements-check.txt "$venv/requirements-check.txt" 2>/dev/null; then
   echo "== installing the check's tools into $venv"
   rm -rf "$venv"

@@ -6,11 +6,11 @@
 # pairwise-covering half), and the smoke runs of `specdec bench` under a network and of its
 # ceiling mode over the OpenAI API on the tiny models. Run them before resolving a change to
 # sessions, cancels, resume, memory, fault recovery or the bench. Needs the project's .venv
-# (scripts/setup.sh); extra arguments go to pytest.
+# (scripts/setup.sh --test); extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
-  echo "scripts/long_checks.sh: no .venv; run scripts/setup.sh first" >&2
+  echo "scripts/long_checks.sh: no .venv; run scripts/setup.sh --test first" >&2
   exit 1
 fi
 export HF_HUB_OFFLINE=1

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--store", choices=("redis", "memory"), default="redis", help="the request store")
     options = parser.parse_args()
     if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is not installed: run scripts/setup.sh")
+        raise SystemExit("redis-server is not installed: run scripts/setup.sh --test")
     model = str(near_free_model())
     folder = Path(tempfile.mkdtemp(prefix="specdec-scaling-"))
     store, url = redis_server(folder)

