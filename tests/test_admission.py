@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
+from coordinator.api.auth import owner_hash
 from coordinator.api.client import generate
 from coordinator.request_store.store import MemoryStore, RedisStore
 from coordinator.settings import CoordinatorSettings
@@ -184,6 +185,36 @@ def test_a_dead_coordinators_leases_expire(redis_server):
     asyncio.run(scenario())
 
 
+def test_while_the_store_is_down_each_coordinator_admits_its_share():
+    """Redis unreachable: each of two coordinators (max_coordinator_replicas = 2) admits 2 // 2 = 1 of
+    a client's requests, so the client runs 2, its limit, not 2 on each; the refusal names both
+    settings."""
+    errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
+    dead = RedisServer()  # never started: nothing listens on its port
+
+    async def scenario():
+        stores = [RedisStore(dead.url, 60, errors, timeout_s=0.2) for _ in range(2)]
+        limits = [ClientLimit(store, 2, replicas=2) for store in stores]
+        hold = asyncio.Event()
+        running = [asyncio.ensure_future(drain(limit, "key a", hold=hold)) for limit in limits]
+        await asyncio.sleep(0.3)
+        refusals = []
+        for limit in limits:
+            with pytest.raises(Overloaded) as refused:
+                await drain(limit, "key a")
+            refusals.append(str(refused.value))
+        await drain(limits[0], "key b")  # another client has its own share
+        hold.set()
+        await asyncio.gather(*running)
+        for limit, store in zip(limits, stores, strict=True):
+            limit.close()
+            await store.close()
+        return refusals
+
+    for refusal in asyncio.run(scenario()):
+        assert "cannot be reached" in refusal and "max_coordinator_replicas" in refusal, refusal
+
+
 def test_leases_are_renewed_while_a_request_runs(redis_server):
     async def scenario():
         first_store, second_store = stores(redis_server)
@@ -318,3 +349,72 @@ def test_a_full_verify_service_queues_requests_fairly(tiny_pipeline, tiny_models
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
         assert outputs[name] == plain_greedy(plain_target_model, list(ids), 48), name
+
+
+def test_one_key_filling_the_store_leaves_another_key_its_resume_and_its_limit(tiny_pipeline, tiny_models):
+    """Key A sends request after request with the largest records it may (a long prompt, every
+    token's 20 most likely alternatives) to two coordinators sharing a Redis that has room for
+    about 1 MB more (maxmemory, noeviction: nothing evicted), more than that in all: A keeps at
+    most its running and max_finished_requests_per_client ended records, Redis never fills, and
+    key B still resumes its request, starts new ones on both coordinators and is held to its own
+    limit over both."""
+    store = RedisServer()
+    store.start()
+    fields = dict(
+        redis_url=store.url,
+        max_streams_per_client=2,
+        max_coordinator_replicas=2,
+        max_finished_requests_per_client=4,
+        stream_stall_timeout_s=30.0,
+    )
+    one = coordinator(tiny_models, tiny_pipeline.verify_address, tiny_pipeline.draft_address, **fields)
+    two = coordinator(tiny_models, tiny_pipeline.verify_address, tiny_pipeline.draft_address, **fields)
+    addresses = [f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"]
+    short = coordinator_pb2.GenerateRequest(text="Hello there.", max_new_tokens=16, ignore_eos=True, temperature=0)
+    held = []
+    try:
+        b_request = coordinator_pb2.GenerateRequest(request_id="b-kept")
+        b_request.MergeFrom(short)
+        b_tokens = generate(addresses[0], b_request, timeout_s=60, api_key=KEYS[1]).token_ids
+        client = store.client()
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1_000_000)
+        largest = coordinator_pb2.GenerateRequest(
+            text="word " * 350, max_new_tokens=128, ignore_eos=True, logprobs=True, top_logprobs=20
+        )
+
+        errors: list[grpc.RpcError] = []
+
+        def flood(address: str) -> None:
+            for _ in range(30):
+                try:
+                    generate(address, largest, timeout_s=60, api_key=KEYS[0])
+                except grpc.RpcError as err:
+                    errors.append(err)
+
+        floods = [threading.Thread(target=flood, args=(address,)) for address in addresses]
+        for thread in floods:
+            thread.start()
+        for thread in floods:
+            thread.join(300)
+        owner_a = owner_hash(KEYS[0])
+        assert not errors, errors
+        assert len(client.keys(f"specdec:request:{{{owner_a}/*}}")) <= 2 + 4
+        resume = coordinator_pb2.GenerateRequest(request_id="b-kept", resume_from=3)
+        assert generate(addresses[1], resume, timeout_s=60, api_key=KEYS[1]).token_ids == b_tokens[3:]
+        for address in addresses:
+            assert len(generate(address, short, timeout_s=60, api_key=KEYS[1]).token_ids) == 16
+        long = coordinator_pb2.GenerateRequest(text="Go on.", max_new_tokens=256, ignore_eos=True)
+        for address in addresses:
+            held.append(stalled_stream(address, long, KEYS[1]))
+        for address in addresses:
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(address, short, timeout_s=60, api_key=KEYS[1])
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_streams_per_client" in refused.value.details()
+    finally:
+        for channel, call in held:
+            call.cancel()
+            channel.close()
+        one.stop()
+        two.stop()
+        store.kill()
