@@ -418,3 +418,43 @@ def test_one_key_filling_the_store_leaves_another_key_its_resume_and_its_limit(t
         one.stop()
         two.stop()
         store.kill()
+
+
+def test_a_client_reading_just_under_the_stall_bound_is_cut_by_its_total_wait(tiny_pipeline, tiny_models):
+    """A client with a 1 KiB window that reads a message every 0.5 s: its messages (every token's
+    20 likeliest alternatives) fill the window, so each write waits about 2 s for it, under the
+    5 s stall bound of one message, and the request would hold its sessions for minutes (41
+    tokens in 20 s without the bound). Past max_stream_wait_s (3 s) of waiting in all, the stream
+    is cut (UNAVAILABLE naming the setting) and its sessions released."""
+    thread = coordinator(
+        tiny_models,
+        tiny_pipeline.verify_address,
+        tiny_pipeline.draft_address,
+        stream_stall_timeout_s=5.0,
+        max_stream_wait_s=3.0,
+    )
+    long = coordinator_pb2.GenerateRequest(
+        text="Tell me everything.",
+        max_new_tokens=256,
+        ignore_eos=True,
+        num_speculative_tokens=0,
+        logprobs=True,
+        top_logprobs=20,
+    )
+    channel, call = stalled_stream(f"127.0.0.1:{thread.port}", long, KEYS[0])
+    start, received = time.monotonic(), 0
+    try:
+        with pytest.raises(grpc.RpcError) as cut:
+            for response in call:
+                received += len(response.token_ids)
+                assert time.monotonic() - start < 20, f"the slow reader held its request for 20 s ({received} tokens)"
+                time.sleep(0.5)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "max_stream_wait_s" in cut.value.details()
+        deadline = time.monotonic() + 5
+        while len(tiny_pipeline.verify.servicer.sessions):
+            assert time.monotonic() < deadline, "the cut stream kept its session"
+            time.sleep(0.1)
+    finally:
+        call.cancel()
+        channel.close()
+        thread.stop()
