@@ -458,3 +458,37 @@ def test_a_client_reading_just_under_the_stall_bound_is_cut_by_its_total_wait(ti
         call.cancel()
         channel.close()
         thread.stop()
+
+
+def test_a_key_on_two_coordinators_gets_no_more_than_a_key_on_one(tiny_pipeline, tiny_models, small_verify):
+    """Two sessions of room on the verify service; key A sends from two clients to each of two
+    coordinators, key B from two clients to one of them, short requests back to back for 10 s.
+    The verify service keeps the room that appears for the key holding fewer sessions, so A is
+    admitted about as often as B, not about twice as often (each coordinator's queue is its own)."""
+    one = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
+    two = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
+    request = coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=24, ignore_eos=True, num_speculative_tokens=0)
+    done = {"a": 0, "b": 0}
+    errors: list[grpc.RpcError] = []
+    stop = time.monotonic() + 10
+
+    def client(key: str, port: int) -> None:
+        while time.monotonic() < stop:
+            try:
+                generate(f"127.0.0.1:{port}", request, timeout_s=60, api_key=KEYS[key == "b"])
+                done[key] += 1
+            except grpc.RpcError as err:
+                errors.append(err)
+
+    ports = [("a", one.port), ("a", one.port), ("a", two.port), ("a", two.port), ("b", one.port), ("b", one.port)]
+    threads = [threading.Thread(target=client, args=target) for target in ports]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        one.stop()
+        two.stop()
+    assert not errors, errors
+    assert done["b"] >= 10 and done["a"] <= 1.4 * done["b"], done

@@ -14,8 +14,11 @@ the verify service is full. Both APIs (gRPC Generate and the HTTP API) admit thr
   the waiting requests retry in round-robin order across clients (deficit round-robin with a
   quantum of one request, as Shreedhar & Varghese 1995 with equal packets), one at a time, when
   room may have appeared: a request ended here, or ``retry_s`` passed (another coordinator's
-  request may have ended). While anyone waits, new requests queue behind them rather than take
-  the room first. Bounded in length (``max_queued_requests``) and in wait (``queue_timeout_s``).
+  request may have ended); a client whose try is refused goes last and the next one tries at
+  once, each client once per such moment (the verify service keeps room for the client holding
+  fewer sessions, :mod:`specdec.rpc.sessions`, which may be the next one here). While anyone
+  waits, new requests queue behind them rather than take the room first. Bounded in length
+  (``max_queued_requests``) and in wait (``queue_timeout_s``).
   A running request whose verify session must be rebuilt (its replica lost it: preempted,
   restarted) waits here too, as one of its client's, ahead of that client's new requests, until its
   ``failover_timeout_s`` (running requests bound how many, so the length bound leaves it out).
@@ -180,6 +183,7 @@ class FairQueue:
         self.max_queued, self.timeout_s, self.retry_s = max_queued, timeout_s, retry_s
         self.waiting, self.wait_time = waiting, wait_time
         self._queues: collections.OrderedDict[str, collections.deque[_Waiter]] = collections.OrderedDict()
+        self._tries_left = 0  # clients that may still try, one after another, since room may have appeared
         self._ticking: asyncio.Task | None = None
 
     def __len__(self) -> int:
@@ -217,7 +221,8 @@ class FairQueue:
                 task.cancel()
                 raise
             if task.done() and isinstance(task.exception(), ResourceExhausted):
-                continue  # still full: the same request tries first when room may have appeared
+                self._refused(waiter)
+                continue
             self._served(waiter)
             try:
                 return await task
@@ -284,10 +289,21 @@ class FairQueue:
                 del self._queues[waiter.client]
             self.waiting.set(len(self))
 
+    def _refused(self, waiter: _Waiter) -> None:
+        """``waiter``'s try was refused: its client goes last in the round-robin and, until each
+        waiting client has tried once since room may have appeared, the next one tries at once (the
+        verify service may keep the room for a client holding fewer sessions than this one)."""
+        if waiter.client in self._queues:
+            self._queues.move_to_end(waiter.client)
+        self._tries_left -= 1
+        if self._tries_left > 0:
+            next(iter(self._queues.values()))[0].turn.set()
+
     def room(self) -> None:
         """Room may have appeared on the verify service: the request at the head of the
-        round-robin tries again."""
+        round-robin tries again (and, refused, the next client's: :meth:`_refused`)."""
         if self._queues:
+            self._tries_left = len(self._queues)
             next(iter(self._queues.values()))[0].turn.set()
 
     def _tick_while_waiting(self) -> None:
