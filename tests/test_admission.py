@@ -4,6 +4,7 @@ streams whose clients stop reading; the algorithms alone first, then through rea
 services and Redis."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -19,8 +20,8 @@ from coordinator.settings import CoordinatorSettings
 from specdec.engine.models import load_causal_lm
 from specdec.rpc.errors import ResourceExhausted
 from specdec.rpc.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import CoordinatorThread, RedisServer, plain_greedy
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
+from tests.conftest import CoordinatorThread, RedisServer, chat_ids, plain_greedy
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings
 from verify_service.target import Target
@@ -492,3 +493,60 @@ def test_a_key_on_two_coordinators_gets_no_more_than_a_key_on_one(tiny_pipeline,
         two.stop()
     assert not errors, errors
     assert done["b"] >= 10 and done["a"] <= 1.4 * done["b"], done
+
+
+def test_a_rebuilt_session_waits_its_turn_behind_those_waiting(
+    tiny_pipeline, tiny_models, small_verify, redis_server, plain_target_model
+):
+    """Two sessions of room, both taken (key A's stalled stream, key B's long request), and key A's
+    short request waiting in the queue. B's session is lost (released on the verify service): its
+    rebuild queues behind A's waiting request, which gets the room first, instead of taking the
+    room at once; B then finishes with one rebuild and its plain output."""
+    thread = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address, redis_url=redis_server.url)
+    address = f"127.0.0.1:{thread.port}"
+    stalled = stalled_stream(address, coordinator_pb2.GenerateRequest(text="Go on.", max_new_tokens=256), KEYS[0])
+    times: dict[str, list[float]] = {"b": [], "a": []}
+    results: dict[str, coordinator_pb2.GenerateResponse] = {}
+    b_request = coordinator_pb2.GenerateRequest(
+        request_id="b-long", text="A long tale.", max_new_tokens=256, ignore_eos=True, num_speculative_tokens=0
+    )
+
+    def read(name: str, request, key: str) -> None:
+        tokens = []
+        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+                request, timeout=120, metadata=[("authorization", f"Bearer {key}")]
+            )
+            for response in call:
+                times[name].append(time.monotonic())
+                tokens.extend(response.token_ids)
+                if response.HasField("metrics"):
+                    results[name] = coordinator_pb2.GenerateResponse(token_ids=tokens, metrics=response.metrics)
+
+    short = coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=16, ignore_eos=True, num_speculative_tokens=0)
+    readers = [threading.Thread(target=read, args=("b", b_request, KEYS[1]))]
+    try:
+        readers[0].start()
+        while len(times["b"]) < 5:
+            time.sleep(0.01)
+        readers.append(threading.Thread(target=read, args=("a", short, KEYS[0])))
+        readers[1].start()
+        time.sleep(0.3)  # A's short request waits in the queue
+        assert not times["a"] and b_request.max_new_tokens > len(times["b"]) > 5
+        record = redis_server.client().hget(f"specdec:request:{{{owner_hash(KEYS[1])}/b-long}}", "sessions")
+        with grpc.insecure_channel(small_verify, options=GRPC_OPTIONS) as channel:
+            verify_pb2_grpc.VerifyServiceStub(channel).Release(
+                verify_pb2.VerifyServiceReleaseRequest(session_id=json.loads(record)["verify"]), timeout=10
+            )
+        for reader in readers:
+            reader.join(120)
+    finally:
+        stalled[1].cancel()
+        stalled[0].close()
+        thread.stop()
+    gaps = [later - earlier for earlier, later in zip(times["b"], times["b"][1:], strict=False)]
+    b_resumed = times["b"][gaps.index(max(gaps)) + 1]  # B's first message from its rebuilt session
+    assert times["a"][0] < b_resumed, "the rebuilt session took the room ahead of the waiting request"
+    assert results["b"].metrics.num_verify_rebuilds == 1
+    prompt = chat_ids(tiny_pipeline.target.tokenizer, "A long tale.")
+    assert list(results["b"].token_ids) == plain_greedy(plain_target_model, prompt, 256)
