@@ -13,12 +13,14 @@ Then, on a second stack with a Redis request store (``redis-server`` on this mac
 verify KV budget:
 
 7. key ka sends request after request with the largest records it may, into a Redis with room for
-   300 KB more, while key kb starts and resumes its own;
+   2 MB more (its 8 ended and 16 running records take about 200 KB, its connections the rest), while
+   key kb starts and resumes its own;
 8. key ka's long requests put the verify KV budget under pressure while key kb's short ones run.
 
     .venv/bin/python scripts/abuse_check.py
 """
 
+import collections
 import concurrent.futures
 import http.client
 import json
@@ -206,9 +208,9 @@ def prompts(http_port: int) -> None:
 def store_fill(grpc_address: str, store: redis.Redis) -> None:
     kept = coordinator_pb2.GenerateRequest(request_id="kb-kept", text="Hello.", max_new_tokens=16, ignore_eos=True)
     kept_tokens = generate(grpc_address, kept, timeout_s=300, api_key="kb").token_ids
-    store.config_set("maxmemory", store.info("memory")["used_memory"] + 300_000)
+    store.config_set("maxmemory", store.info("memory")["used_memory"] + 2_000_000)
     largest = coordinator_pb2.GenerateRequest(
-        text="word " * 300, max_new_tokens=32, ignore_eos=True, logprobs=True, top_logprobs=20
+        text="word " * 100, max_new_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=20
     )
 
     def send(_: int) -> str:
@@ -216,7 +218,7 @@ def store_fill(grpc_address: str, store: redis.Redis) -> None:
             generate(grpc_address, largest, timeout_s=300, api_key="ka")
             return "OK"
         except grpc.RpcError as err:
-            return err.code().name
+            return f"{err.code().name} ({err.details()[:60]})"
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -231,7 +233,8 @@ def store_fill(grpc_address: str, store: redis.Redis) -> None:
     )
     print(
         f"7. ka sends 80 requests of its largest records in {took:.0f} s: {outcomes.count('OK')} served, "
-        f"{len(outcomes) - outcomes.count('OK')} refused; ka keeps {len(kept_by_ka)} records; Redis uses "
+        f"refused: {dict(collections.Counter(o for o in outcomes if o != 'OK'))}; ka keeps {len(kept_by_ka)} "
+        "records; Redis uses "
         f"{memory['used_memory']} of {memory['maxmemory']} bytes; kb's resume "
         f"{'identical' if resumed else 'DIFFERENT'}, kb's new request {new} tokens"
     )
@@ -270,7 +273,8 @@ def kv_pressure(grpc_address: str) -> None:
 
 def pressure_checks() -> None:
     """Checks 7 and 8, on a stack with a Redis request store and a verify KV budget of 24 blocks of
-    SmolLM2 (16 tokens x 46,080 bytes each); ka keeps at most 8 ended requests (a sized deployment)."""
+    SmolLM2 (16 tokens x 46,080 bytes each), drafting with n-gram lookup only (the KV under test is
+    the target's); ka keeps at most 8 ended requests (a sized deployment)."""
     if shutil.which("redis-server") is None:
         print("7-8. skipped: redis-server is not installed (scripts/setup.sh --test installs it)")
         return
@@ -297,6 +301,7 @@ def pressure_checks() -> None:
         extra_args={
             "coordinator": ["--max-finished-requests-per-client", "8"],
             "verify": ["--kv-cache-max-bytes", str(24 * 16 * 46_080)],
+            "draft": ["--drafters", "ngram", "--default-drafter", "ngram"],
         },
     )
     cluster.start_all()
