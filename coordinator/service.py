@@ -209,14 +209,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         resolved = dataclasses.replace(resolved, cache_salt=cache_salt(owner, request.cache_salt, shared))
         policy = None
         if resolved.adaptive:
-            owner = "" if shared else owner
+            estimates_of = "" if shared else owner  # whose acceptance estimates it starts from and adds to
             drafter = None  # the request's lookup alone
             if resolved.uses_draft_service:
                 assert draft_info is not None  # resolve() refuses a drafter of a draft service never reached
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
             with contextlib.suppress(StoreUnavailable):
-                priors = await self.store.load_priors(verify_info.model, owner)
-                self.adaptive.set_priors(verify_info.model, priors, owner)
+                priors = await self.store.load_priors(verify_info.model, estimates_of)
+                self.adaptive.set_priors(verify_info.model, priors, estimates_of)
             lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
             policy = self.adaptive.policy(
                 drafter,
@@ -225,7 +225,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 {name: lengths[name] for name in self._lookup_names(resolved)},
                 self._num_running - 1,
                 hidden_behind_verify=resolved.draft.hidden_behind_verify,
-                owner=owner,
+                owner=estimates_of,
             )
         return resolved, verify_info, policy
 

@@ -4,13 +4,16 @@ nothing of what another key's requests left in the verify and draft services' pr
 cached prompt tokens) while its own repeat still hits; a request's own cache_salt partitions
 within its key (gRPC and the HTTP body); ``--shared-caches`` shares them again; and neither suffix
 cache (the draft service's drafter, the coordinator's own lookup) drafts one key's outputs for
-another. Greedy output stays plain greedy decoding's throughout."""
+another; adaptive K's estimates are stored per key. Greedy output stays plain greedy decoding's
+throughout."""
 
+import time
 import uuid
 
 import httpx
 import pytest
 
+from coordinator.api.auth import owner_hash
 from coordinator.api.cache_salt import cache_salt
 from coordinator.api.client import Completion, generate
 from coordinator.settings import CoordinatorSettings
@@ -187,3 +190,25 @@ def test_a_key_is_never_drafted_another_keys_output(suffix_tenants, tiny_pipelin
     again = run("ka")
     assert other.num_accepted_draft_tokens == first.num_accepted_draft_tokens
     assert again.num_accepted_draft_tokens > other.num_accepted_draft_tokens
+
+
+def test_an_adaptive_request_keeps_its_estimates_under_its_owner(tiny_pipeline, tiny_models, redis_server):
+    """The coordinator saves an adaptive request's acceptance estimates in the request store under
+    its key's owner, where the next request of that key (on any coordinator) starts from them and
+    no other key's does."""
+    keyed = coordinator(tiny_pipeline, tiny_models.target_dir, redis_url=redis_server.url)
+    target = str(tiny_models.target_dir)
+    client = redis_server.client()
+    ka, kb = (f"specdec:acceptance-of:{owner_hash(key)}:{target}".encode() for key in KEYS)
+    client.delete(ka, kb, f"specdec:acceptance:{target}")
+    try:
+        request = coordinator_pb2.GenerateRequest(text="Count from one to twenty.", max_new_tokens=24)
+        generate(f"127.0.0.1:{keyed.port}", request, timeout_s=120, api_key="ka")
+        deadline = time.monotonic() + 10
+        while not client.exists(ka):  # written after the request, in the background
+            assert time.monotonic() < deadline, f"no estimates of ka's: {client.keys('specdec:acceptance*')}"
+            time.sleep(0.05)
+        assert b"ngram/1" in client.hgetall(ka)
+        assert not client.exists(kb) and not client.exists(f"specdec:acceptance:{target}")
+    finally:
+        keyed.stop()
