@@ -7,7 +7,11 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 3. key ka opens 40 streams at once (its limit: 32) while key kb asks for a completion;
 4. a gRPC stream whose client stops reading (the coordinator started with a 5 s stall bound);
 5. an 8 MiB body without a key, sent as headers only; a request header that never ends;
-6. a token-id prompt against the same text; JSON nested 100,000 deep.
+6. a token-id prompt against the same text; JSON nested 100,000 deep;
+7. key ka sends a system prompt of about 1,000 tokens no one sent before (then again with another
+   question, and a second turn), then key kb sends it: the prompt tokens each finds cached and its
+   time to first token, kb's against a prompt of the same length that no one sent (a coordinator
+   with `--shared-caches` gives kb ka's).
 
 Then, on a second stack with a Redis request store (``redis-server`` on this machine) and a small
 verify KV budget:
@@ -31,6 +35,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
 import grpc
 import redis
@@ -315,6 +321,38 @@ def pressure_checks() -> None:
         server.wait()
 
 
+def cross_tenant_prefix(grpc_address: str) -> None:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    text = (Path(__file__).parents[1] / "benchmarks/conversation/system_prompt.txt").read_text()
+
+    def system_prompt() -> str:  # about 1,000 tokens that no one sent before
+        return tokenizer.decode(tokenizer(f"Session {uuid.uuid4().hex}. {text} {text}").input_ids[:1000])
+
+    def ask(key: str, *messages: tuple[str, str]) -> tuple[str, int, float]:
+        request = coordinator_pb2.GenerateRequest(
+            chat=coordinator_pb2.ChatMessages(
+                messages=[coordinator_pb2.ChatMessage(role=role, content=content) for role, content in messages]
+            ),
+            max_new_tokens=16,
+            temperature=0,
+        )
+        completion = generate(grpc_address, request, timeout_s=300, api_key=key)
+        return completion.text, completion.metrics.num_cached_prompt_tokens, completion.metrics.time_to_first_token_ms
+
+    theirs, fresh = ("system", system_prompt()), ("system", system_prompt())
+    question = ("user", "What is our refund policy?")
+    answer, *first = ask("ka", theirs, question)
+    again = ask("ka", theirs, ("user", "How do I reset my password?"))[1:]
+    turn = ask("ka", theirs, question, ("assistant", answer), ("user", "And for digital goods?"))[1:]
+    other, control = ask("kb", theirs, question)[1:], ask("kb", fresh, question)[1:]
+    print(
+        "7. ka's ~1,000-token system prompt (cached prompt tokens, TTFT): "
+        f"ka first {first[0]}, {first[1]:.0f} ms; ka again (another question) {again[0]}, {again[1]:.0f} ms; "
+        f"ka's second turn {turn[0]}, {turn[1]:.0f} ms;\n   kb with ka's {other[0]}, {other[1]:.0f} ms; "
+        f"kb with one no one sent {control[0]}, {control[1]:.0f} ms"
+    )
+
+
 def main() -> None:
     os.environ["SPECDEC_API_KEYS"] = ",".join(KEYS)
     os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"  # ka and kb: short on purpose
@@ -336,6 +374,7 @@ def main() -> None:
         stalled_stream(grpc_address, metrics_port)
         before_the_body(cluster.http_port)
         prompts(cluster.http_port)
+        cross_tenant_prefix(grpc_address)
     finally:
         cluster.stop()
     pressure_checks()
