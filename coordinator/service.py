@@ -21,11 +21,11 @@ from opentelemetry import trace
 
 from coordinator.api import choices
 from coordinator.api import request as request_validation
-from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
-from coordinator.api.auth import ApiKeys, Caller, peer_host
+from coordinator.api.admission import ClientLimit, FairQueue, Overloaded, owner_tag
+from coordinator.api.auth import MIN_KEY_BITS, ApiKeys, Caller, key_bits, peer_host
 from coordinator.api.cache_salt import cache_salt
 from coordinator.api.http_api import HttpServer, HttpTimeouts, create_app
-from coordinator.api.output import StreamOutput, written
+from coordinator.api.output import StreamOutput, read_within, written
 from coordinator.api.request import LOOKUPS, ResolvedRequest
 from coordinator.observability.metrics import MetricsRecorder
 from coordinator.observability.prometheus import CoordinatorMetrics
@@ -58,7 +58,7 @@ from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
 from specdec.lookups.suffix import SuffixCache, SuffixIndex
-from specdec.rpc.errors import AlreadyExists, NotFound, SpecdecError
+from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, SpecdecError
 from specdec.rpc.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
 from specdec.rpc.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.timing import ms_since
@@ -113,8 +113,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_tokens=settings.suffix_max_cached_tokens,
             max_partitions=settings.suffix_max_cache_partitions,
         )
-        self.keys = ApiKeys(settings.api_keys)
-        self.client_limit = ClientLimit(store, settings.max_streams_per_client)
+        self.keys = ApiKeys(settings.api_keys, settings.owner_hash_secret)
+        self.client_limit = ClientLimit(store, settings.max_streams_per_client, settings.max_coordinator_replicas)
         self.queue = FairQueue(
             settings.max_queued_requests, settings.queue_timeout_s, metrics.num_requests_waiting, metrics.queue_time
         )
@@ -146,8 +146,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The messages of one request of ``caller``, admitted (:mod:`coordinator.api.admission`):
         counted against the caller's running requests until it ends (Overloaded at the first step
-        beyond them), and queued while the verify service is full. Both APIs call it."""
-        return self.client_limit.run(caller.client, self.responses(request, caller), self.num_choices(request))
+        beyond them), and queued while the verify service is full; cut (StreamStalled) once its
+        client has kept it waiting ``max_stream_wait_s`` in all. Both APIs call it."""
+        responses = read_within(self.responses(request, caller), self.settings.max_stream_wait_s)
+        return self.client_limit.run(caller.client, responses, self.num_choices(request))
+
+    def _check_stored_size(self, request: coordinator_pb2.GenerateRequest) -> None:
+        """Drops ``request``'s unknown fields (nothing reads them; the store would keep them) and
+        raises InvalidArgument when the rest is larger than the store keeps (max_stored_request_bytes)."""
+        request.DiscardUnknownFields()
+        size, limit = request.ByteSize(), self.settings.max_stored_request_bytes
+        if size > limit:
+            raise InvalidArgument(
+                f"the request is {size} bytes, more than the request store keeps, {limit} bytes "
+                "(max_stored_request_bytes): shorten the prompt, or raise --max-stored-request-bytes"
+            )
 
     def num_choices(self, request: coordinator_pb2.GenerateRequest) -> int:
         """The request's n, or 1 when it is out of range (:meth:`responses` then refuses it)."""
@@ -167,6 +180,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         requests: list[coordinator_pb2.GenerateRequest] = []
         try:
             check_request_id(request)
+            self._check_stored_size(request)
             requests = choices.choice_requests(request, request.request_id or uuid.uuid4().hex, self.settings.max_n)
             self._num_running += len(requests)
             if len(requests) == 1:
@@ -276,7 +290,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             response.index, response.request_id = index, request.request_id
             yield response
             return
-        running = await self._open(request, stored, index, caller.owner)
+        running = await self._open(request, stored, index, caller)
         outcome, first = CANCELLED, True
         try:
             async for response in self._stream(running, caller.client, prefilled):
@@ -291,13 +305,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finally:
             self._close(running, outcome)
 
-    async def _open(self, request, stored: StoredRequest | None, index: int, owner: str) -> RunningRequest:
-        """Validates a new request of ``owner`` (choice ``index`` of its request) or a resumed
+    async def _open(self, request, stored: StoredRequest | None, index: int, caller: Caller) -> RunningRequest:
+        """Validates a new request of ``caller`` (choice ``index`` of its request) or a resumed
         ``stored`` one, writes its record to the store and makes its rounds' state. Raises what
         :meth:`_resolve` raises, FAILED_PRECONDITION for a resume on another target,
-        ALREADY_EXISTS for a new request whose id the owner already uses."""
+        ALREADY_EXISTS for a new request whose id the owner already uses, RESOURCE_EXHAUSTED
+        (StoreFull) when the store is full. While the store cannot be reached a new request goes
+        on unchecked (:meth:`RequestJournal.create`)."""
         request_id = request.request_id
-        resolved, verify_info, policy = await self._resolve(stored.request if stored else request, owner)
+        resolved, verify_info, policy = await self._resolve(stored.request if stored else request, caller.owner)
         resuming = stored is not None
         if stored is not None:
             check_same_target(stored, verify_info)
@@ -308,12 +324,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             original.seed = resolved.sampling.seed  # a resume draws the same numbers
             original.max_new_tokens = resolved.max_new_tokens  # whatever the resuming coordinator's default
             stored = StoredRequest(
-                request_id, original, verify_info.model, verify_info.vocab_fingerprint, choice=index, owner=owner
+                request_id, original, verify_info.model, verify_info.vocab_fingerprint, choice=index, owner=caller.owner
             )
         resumed, resumed_logprobs, left_behind = list(stored.generated), list(stored.logprobs), dict(stored.sessions)
         stored.generated, stored.logprobs, stored.status = [], [], RUNNING
-        journal = RequestJournal(self.store, stored)
-        if not resuming and not await journal.create():
+        journal = RequestJournal(self.store, stored, caller.client, claimed=resuming)
+        if not resuming and await journal.create() is False:
             raise AlreadyExists(f"request_id {request_id!r} is in use: choose another, or set resume_from to resume it")
         output = StreamOutput(
             self.tokenizer,
@@ -335,6 +351,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.settings.failover_timeout_s,
             running_requests=lambda: self._num_running,
             decode_ahead=self.settings.decode_ahead,
+            owner=owner_tag(caller.client),
         )
         return RunningRequest(
             resolved,
@@ -497,12 +514,14 @@ async def serve(
             settings.redis_url,
             settings.request_ttl_s,
             metrics.store_errors,
+            max_finished_per_client=settings.max_finished_requests_per_client,
             ssl_ca_certs=settings.redis_tls_ca_file,
             ssl_certfile=settings.redis_tls_cert_file,
             ssl_keyfile=settings.redis_tls_key_file,
         )
     else:
-        store = MemoryStore(settings.request_ttl_s)
+        store = MemoryStore(settings.request_ttl_s, settings.max_finished_requests_per_client)
+    _warn_of_weak_keys(settings)
     servicer = CoordinatorServicer(settings, tokenizer, clients, metrics, store)
 
     def register(server):
@@ -554,6 +573,22 @@ async def serve(
         await clients.close()
         await store.close()
         metrics.close()
+
+
+def _warn_of_weak_keys(settings: CoordinatorSettings) -> None:
+    """Logs what weakens the API keys a deployment chose to run with (docs/security.md)."""
+    if not settings.api_keys:
+        return
+    if settings.allow_short_api_keys and any(key_bits(key) < MIN_KEY_BITS for key in settings.api_keys):
+        log.warning(
+            "API keys under %d bits (--allow-short-api-keys): they can be guessed; for tests and demos only",
+            MIN_KEY_BITS,
+        )
+    if not settings.owner_hash_secret:
+        log.warning(
+            "no --owner-hash-secret: requests are stored under a public hash of their API key, which anyone reading "
+            "the request store's key names can test a guessed key against; give every coordinator the same secret"
+        )
 
 
 def _internal_tls(settings: CoordinatorSettings) -> Reloading[grpc.ChannelCredentials] | None:

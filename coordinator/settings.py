@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from coordinator.api.auth import MIN_KEY_BITS, key_bits
 from specdec.engine.model_files import DEFAULT_MODEL
 from specdec.lookups.ngram import NgramIndex
 from specdec.rpc.tls import check_client_files
@@ -355,6 +356,53 @@ class CoordinatorSettings(ServiceSettings):
         3600.0,
         description="How long the request store keeps a request after its last write (resumable that long), seconds.",
     )
+    max_stored_request_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="Largest request the request store keeps, in bytes: the GenerateRequest as sent (the HTTP API's "
+        "as it builds it), unknown protobuf fields dropped; a larger one gets INVALID_ARGUMENT (HTTP 400) before any "
+        "work. With max_new_tokens_limit and max_logprobs it bounds a stored record "
+        "(docs/scaling.md#the-request-stores-memory).",
+    )
+    max_finished_requests_per_client: int = Field(
+        256,
+        ge=0,
+        description="Ended requests (finished, failed or cancelled) the request store keeps per client, resumable "
+        "for request_ttl_s; the client's oldest beyond it is dropped (a resume of it gets NOT_FOUND). With "
+        "max_streams_per_client (its running ones) it bounds what one client keeps in the store; 0 = no bound but "
+        "request_ttl_s.",
+    )
+    max_coordinator_replicas: int = Field(
+        1,
+        ge=1,
+        description="The most coordinator replicas that run at once (an autoscaler's maxReplicas). While the request "
+        "store cannot be reached each coordinator admits max_streams_per_client / this (rounded down) of a client's "
+        "requests, counted alone, so that together they stay within the limit; 0 of them (a limit below the "
+        "replicas) gets RESOURCE_EXHAUSTED until the store answers.",
+    )
+    owner_hash_secret: str = Field(
+        "",
+        description="The secret the owner hash of an API key is keyed with (HMAC-SHA256): the name a request is "
+        "stored under in the request store. Every coordinator sharing a store needs the same one (Kubernetes: the "
+        "Secret of the API keys); changing it makes the stored requests unreachable (a resume gets NOT_FOUND). "
+        "Empty: a public constant, with a warning at start: anyone reading Redis's key names could then test a "
+        "guessed key offline.",
+    )
+    allow_short_api_keys: bool = Field(
+        False,
+        description="INSECURE: start with API keys under 128 bits (key length x log2 of its alphabet: digits, lower "
+        "and upper case letters, other characters); off, such a key stops the start. For tests and demos only: a "
+        "short key can be guessed, online or, from its owner hash, offline.",
+    )
+    max_stream_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="The most a request's client may keep the coordinator waiting in all, summed over its messages "
+        "(each one's wait bounded by stream_stall_timeout_s): the time from a message's handing to the API to its "
+        "written; past it the stream is cut (UNAVAILABLE; over HTTP the connection closes) and its request "
+        "cancelled, its sessions released. A reader that keeps up waits for nothing; one that reads a message every "
+        "29 s no longer holds its sessions for ever, seconds.",
+    )
 
     def grammar_limits(self) -> GrammarLimits:
         """The structured-output limits of ``grammar_<field>``, every request checked against them."""
@@ -383,6 +431,20 @@ class CoordinatorSettings(ServiceSettings):
             "set keys",
             "callers without an API key",
         )
+        return self
+
+    @model_validator(mode="after")
+    def _strong_api_keys(self):  # after _read_api_key_file, which adds the file's keys
+        """Fails the start on an API key under MIN_KEY_BITS, unless allow_short_api_keys; the
+        message names the key by its place, never the key."""
+        weak = [i for i, key in enumerate(self.api_keys, 1) if key_bits(key) < MIN_KEY_BITS]
+        if weak and not self.allow_short_api_keys:
+            raise ValueError(
+                f"API key number {', '.join(map(str, weak))} of {len(self.api_keys)} (--api-key, then --api-key-file) "
+                f"has under {MIN_KEY_BITS} bits (length x log2 of its alphabet): use random keys of at least 22 "
+                "base64 or 32 hex characters (openssl rand -hex 32), or start with --allow-short-api-keys "
+                "(insecure: tests and demos only)"
+            )
         return self
 
     @model_validator(mode="after")

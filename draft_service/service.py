@@ -159,7 +159,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise
             return session
 
-        session = self.sessions.open(request.session_id, open_session, abandoned=lambda: not context.is_active())
+        session = self.sessions.open(
+            request.session_id, open_session, abandoned=lambda: not context.is_active(), owner=request.owner
+        )
         return draft_pb2.DraftServicePrefillResponse(
             compute_ms=ms_since(start), num_cached_tokens=session.num_cached_tokens()
         )

@@ -13,14 +13,25 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
    time to first token, kb's against a prompt of the same length that no one sent (a coordinator
    with `--shared-caches` gives kb ka's).
 
+Then, on a second stack with a Redis request store (``redis-server`` on this machine) and a small
+verify KV budget:
+
+7. key ka sends request after request with the largest records it may, into a Redis with room for
+   2 MB more (its 8 ended and 16 running records take about 200 KB, its connections the rest), while
+   key kb starts and resumes its own;
+8. key ka's long requests put the verify KV budget under pressure while key kb's short ones run.
+
     .venv/bin/python scripts/abuse_check.py
 """
 
+import collections
 import concurrent.futures
 import http.client
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -28,7 +39,9 @@ import uuid
 from pathlib import Path
 
 import grpc
+import redis
 
+from coordinator.api.auth import owner_hash
 from coordinator.api.client import generate
 from specdec.engine.model_files import DEFAULT_MODEL, load_tokenizer
 from specdec.rpc.server import GRPC_OPTIONS
@@ -198,6 +211,116 @@ def prompts(http_port: int) -> None:
     print(f"   JSON nested 100,000 deep: {status} ({body['error']['message']})")
 
 
+def store_fill(grpc_address: str, store: redis.Redis) -> None:
+    kept = coordinator_pb2.GenerateRequest(request_id="kb-kept", text="Hello.", max_new_tokens=16, ignore_eos=True)
+    kept_tokens = generate(grpc_address, kept, timeout_s=300, api_key="kb").token_ids
+    store.config_set("maxmemory", store.info("memory")["used_memory"] + 2_000_000)
+    largest = coordinator_pb2.GenerateRequest(
+        text="word " * 100, max_new_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=20
+    )
+
+    def send(_: int) -> str:
+        try:
+            generate(grpc_address, largest, timeout_s=300, api_key="ka")
+            return "OK"
+        except grpc.RpcError as err:
+            return f"{err.code().name} ({err.details()[:60]})"
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(send, range(80)))
+    took = time.perf_counter() - started
+    kept_by_ka = store.keys(f"specdec:request:{{{owner_hash('ka')}/*}}")
+    memory = store.info("memory")
+    resume = coordinator_pb2.GenerateRequest(request_id="kb-kept", resume_from=4)
+    resumed = generate(grpc_address, resume, timeout_s=300, api_key="kb").token_ids == kept_tokens[4:]
+    new = len(
+        generate(grpc_address, coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=8), 300, "kb").token_ids
+    )
+    print(
+        f"7. ka sends 80 requests of its largest records in {took:.0f} s: {outcomes.count('OK')} served, "
+        f"refused: {dict(collections.Counter(o for o in outcomes if o != 'OK'))}; ka keeps {len(kept_by_ka)} "
+        "records; Redis uses "
+        f"{memory['used_memory']} of {memory['maxmemory']} bytes; kb's resume "
+        f"{'identical' if resumed else 'DIFFERENT'}, kb's new request {new} tokens"
+    )
+
+
+def kv_pressure(grpc_address: str) -> None:
+    done = threading.Event()
+    longs: list[int] = []
+
+    def keep_sending(i: int) -> None:
+        request = coordinator_pb2.GenerateRequest(
+            text=f"Write a long essay about topic {i}.", max_new_tokens=160, ignore_eos=True, num_speculative_tokens=0
+        )
+        while not done.is_set():
+            longs.append(generate(grpc_address, request, timeout_s=600, api_key="ka").metrics.num_verify_rebuilds)
+
+    senders = [threading.Thread(target=keep_sending, args=(i,)) for i in range(3)]
+    for sender in senders:
+        sender.start()
+    time.sleep(5)
+    shorts, started = [], time.perf_counter()
+    for i in range(4):
+        request = coordinator_pb2.GenerateRequest(
+            text=f"Name a colour ({i}).", max_new_tokens=24, ignore_eos=True, num_speculative_tokens=0
+        )
+        shorts.append(generate(grpc_address, request, timeout_s=600, api_key="kb").metrics.num_verify_rebuilds)
+    took = time.perf_counter() - started
+    done.set()
+    for sender in senders:
+        sender.join(600)
+    print(
+        f"8. under ka's KV pressure ({len(longs)} long requests, rebuilds {longs}): kb's 4 short requests took "
+        f"{took:.0f} s, rebuilds {shorts}"
+    )
+
+
+def pressure_checks() -> None:
+    """Checks 7 and 8, on a stack with a Redis request store and a verify KV budget of 24 blocks of
+    SmolLM2 (16 tokens x 46,080 bytes each), drafting with n-gram lookup only (the KV under test is
+    the target's); ka keeps at most 8 ended requests (a sized deployment)."""
+    if shutil.which("redis-server") is None:
+        print("7-8. skipped: redis-server is not installed (scripts/setup.sh --test installs it)")
+        return
+    redis_port = free_port()
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(redis_port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    os.environ["SPECDEC_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    cluster = LocalCluster(
+        coordinator_port=free_port(),
+        draft_port=free_port(),
+        verify_port=free_port(),
+        extra_args={
+            "coordinator": ["--max-finished-requests-per-client", "8"],
+            "verify": ["--kv-cache-max-bytes", str(24 * 16 * 46_080)],
+            "draft": ["--drafters", "ngram", "--default-drafter", "ngram"],
+        },
+    )
+    cluster.start_all()
+    try:
+        store_fill(cluster.address("coordinator"), redis.Redis(port=redis_port))
+        kv_pressure(cluster.address("coordinator"))
+    finally:
+        cluster.stop()
+        del os.environ["SPECDEC_REDIS_URL"]
+        server.kill()
+        server.wait()
+
+
 def cross_tenant_prefix(grpc_address: str) -> None:
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     text = (Path(__file__).parents[1] / "benchmarks/conversation/system_prompt.txt").read_text()
@@ -232,6 +355,7 @@ def cross_tenant_prefix(grpc_address: str) -> None:
 
 def main() -> None:
     os.environ["SPECDEC_API_KEYS"] = ",".join(KEYS)
+    os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"  # ka and kb: short on purpose
     metrics_port = free_port()
     cluster = LocalCluster(
         coordinator_port=free_port(),
@@ -253,6 +377,7 @@ def main() -> None:
         cross_tenant_prefix(grpc_address)
     finally:
         cluster.stop()
+    pressure_checks()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # --insecure setting); tests/test_secure_default.py clears these to check that refusal.
 INSECURE_VARIABLES = ("SPECDEC_COORDINATOR_INSECURE", "SPECDEC_DRAFT_INSECURE", "SPECDEC_VERIFY_INSECURE")
 os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
+# Tests name their API keys for what they are ("ka", "key-a"): short keys, which a coordinator
+# otherwise refuses to start with (tests/test_secure_default.py checks that refusal).
+os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"
 torch.set_num_threads(2)
 
 from coordinator.api.client import Completion, generate  # noqa: E402
@@ -316,7 +319,9 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
 
 class RedisServer:
     """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty.
-    ``args``: more of its flags (a manifest's); ``password``: the one they set (``--requirepass``)."""
+    Its memory policy is the manifests' (``noeviction``: a full Redis refuses writes, evicts
+    nothing), its memory unbounded unless ``args`` (more of its flags, a manifest's) give a
+    ``--maxmemory``; ``password``: the one they set (``--requirepass``)."""
 
     def __init__(self, args: tuple[str, ...] = (), password: str | None = None):
         if shutil.which("redis-server") is None:
@@ -330,6 +335,8 @@ class RedisServer:
         self.process = subprocess.Popen(
             [
                 "redis-server",
+                "--maxmemory-policy",
+                "noeviction",
                 *self.args,
                 "--port",
                 str(self.port),

@@ -4,6 +4,7 @@ streams whose clients stop reading; the algorithms alone first, then through rea
 services and Redis."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -12,14 +13,15 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
+from coordinator.api.auth import owner_hash
 from coordinator.api.client import generate
 from coordinator.request_store.store import MemoryStore, RedisStore
 from coordinator.settings import CoordinatorSettings
 from specdec.engine.models import load_causal_lm
 from specdec.rpc.errors import ResourceExhausted
 from specdec.rpc.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import CoordinatorThread, RedisServer, plain_greedy
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
+from tests.conftest import CoordinatorThread, RedisServer, chat_ids, plain_greedy
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings
 from verify_service.target import Target
@@ -184,6 +186,36 @@ def test_a_dead_coordinators_leases_expire(redis_server):
     asyncio.run(scenario())
 
 
+def test_while_the_store_is_down_each_coordinator_admits_its_share():
+    """Redis unreachable: each of two coordinators (max_coordinator_replicas = 2) admits 2 // 2 = 1 of
+    a client's requests, so the client runs 2, its limit, not 2 on each; the refusal names both
+    settings."""
+    errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
+    dead = RedisServer()  # never started: nothing listens on its port
+
+    async def scenario():
+        stores = [RedisStore(dead.url, 60, errors, timeout_s=0.2) for _ in range(2)]
+        limits = [ClientLimit(store, 2, replicas=2) for store in stores]
+        hold = asyncio.Event()
+        running = [asyncio.ensure_future(drain(limit, "key a", hold=hold)) for limit in limits]
+        await asyncio.sleep(0.3)
+        refusals = []
+        for limit in limits:
+            with pytest.raises(Overloaded) as refused:
+                await drain(limit, "key a")
+            refusals.append(str(refused.value))
+        await drain(limits[0], "key b")  # another client has its own share
+        hold.set()
+        await asyncio.gather(*running)
+        for limit, store in zip(limits, stores, strict=True):
+            limit.close()
+            await store.close()
+        return refusals
+
+    for refusal in asyncio.run(scenario()):
+        assert "cannot be reached" in refusal and "max_coordinator_replicas" in refusal, refusal
+
+
 def test_leases_are_renewed_while_a_request_runs(redis_server):
     async def scenario():
         first_store, second_store = stores(redis_server)
@@ -318,3 +350,203 @@ def test_a_full_verify_service_queues_requests_fairly(tiny_pipeline, tiny_models
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
         assert outputs[name] == plain_greedy(plain_target_model, list(ids), 48), name
+
+
+def test_one_key_filling_the_store_leaves_another_key_its_resume_and_its_limit(tiny_pipeline, tiny_models):
+    """Key A sends request after request with the largest records it may (a long prompt, every
+    token's 20 most likely alternatives) to two coordinators sharing a Redis that has room for
+    about 1 MB more (maxmemory, noeviction: nothing evicted), more than that in all: A keeps at
+    most its running and max_finished_requests_per_client ended records, Redis never fills, and
+    key B still resumes its request, starts new ones on both coordinators and is held to its own
+    limit over both."""
+    store = RedisServer()
+    store.start()
+    fields = dict(
+        redis_url=store.url,
+        max_streams_per_client=2,
+        max_coordinator_replicas=2,
+        max_finished_requests_per_client=4,
+        stream_stall_timeout_s=30.0,
+    )
+    one = coordinator(tiny_models, tiny_pipeline.verify_address, tiny_pipeline.draft_address, **fields)
+    two = coordinator(tiny_models, tiny_pipeline.verify_address, tiny_pipeline.draft_address, **fields)
+    addresses = [f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"]
+    short = coordinator_pb2.GenerateRequest(text="Hello there.", max_new_tokens=16, ignore_eos=True, temperature=0)
+    held = []
+    try:
+        b_request = coordinator_pb2.GenerateRequest(request_id="b-kept")
+        b_request.MergeFrom(short)
+        b_tokens = generate(addresses[0], b_request, timeout_s=60, api_key=KEYS[1]).token_ids
+        client = store.client()
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1_000_000)
+        largest = coordinator_pb2.GenerateRequest(
+            text="word " * 350, max_new_tokens=128, ignore_eos=True, logprobs=True, top_logprobs=20
+        )
+
+        errors: list[grpc.RpcError] = []
+
+        def flood(address: str) -> None:
+            for _ in range(30):
+                try:
+                    generate(address, largest, timeout_s=60, api_key=KEYS[0])
+                except grpc.RpcError as err:
+                    errors.append(err)
+
+        floods = [threading.Thread(target=flood, args=(address,)) for address in addresses]
+        for thread in floods:
+            thread.start()
+        for thread in floods:
+            thread.join(300)
+        owner_a = owner_hash(KEYS[0])
+        assert not errors, errors
+        assert len(client.keys(f"specdec:request:{{{owner_a}/*}}")) <= 2 + 4
+        resume = coordinator_pb2.GenerateRequest(request_id="b-kept", resume_from=3)
+        assert generate(addresses[1], resume, timeout_s=60, api_key=KEYS[1]).token_ids == b_tokens[3:]
+        for address in addresses:
+            assert len(generate(address, short, timeout_s=60, api_key=KEYS[1]).token_ids) == 16
+        long = coordinator_pb2.GenerateRequest(text="Go on.", max_new_tokens=256, ignore_eos=True)
+        for address in addresses:
+            held.append(stalled_stream(address, long, KEYS[1]))
+        for address in addresses:
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(address, short, timeout_s=60, api_key=KEYS[1])
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_streams_per_client" in refused.value.details()
+    finally:
+        for channel, call in held:
+            call.cancel()
+            channel.close()
+        one.stop()
+        two.stop()
+        store.kill()
+
+
+def test_a_client_reading_just_under_the_stall_bound_is_cut_by_its_total_wait(tiny_pipeline, tiny_models):
+    """A client with a 1 KiB window that reads a message every 0.5 s: its messages (every token's
+    20 likeliest alternatives) fill the window, so each write waits about 2 s for it, under the
+    5 s stall bound of one message, and the request would hold its sessions for minutes (41
+    tokens in 20 s without the bound). Past max_stream_wait_s (3 s) of waiting in all, the stream
+    is cut (UNAVAILABLE naming the setting) and its sessions released."""
+    thread = coordinator(
+        tiny_models,
+        tiny_pipeline.verify_address,
+        tiny_pipeline.draft_address,
+        stream_stall_timeout_s=5.0,
+        max_stream_wait_s=3.0,
+    )
+    long = coordinator_pb2.GenerateRequest(
+        text="Tell me everything.",
+        max_new_tokens=256,
+        ignore_eos=True,
+        num_speculative_tokens=0,
+        logprobs=True,
+        top_logprobs=20,
+    )
+    channel, call = stalled_stream(f"127.0.0.1:{thread.port}", long, KEYS[0])
+    start, received = time.monotonic(), 0
+    try:
+        with pytest.raises(grpc.RpcError) as cut:
+            for response in call:
+                received += len(response.token_ids)
+                assert time.monotonic() - start < 20, f"the slow reader held its request for 20 s ({received} tokens)"
+                time.sleep(0.5)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "max_stream_wait_s" in cut.value.details()
+        deadline = time.monotonic() + 5
+        while len(tiny_pipeline.verify.servicer.sessions):
+            assert time.monotonic() < deadline, "the cut stream kept its session"
+            time.sleep(0.1)
+    finally:
+        call.cancel()
+        channel.close()
+        thread.stop()
+
+
+def test_a_key_on_two_coordinators_gets_no_more_than_a_key_on_one(tiny_pipeline, tiny_models, small_verify):
+    """Two sessions of room on the verify service; key A sends from two clients to each of two
+    coordinators, key B from two clients to one of them, short requests back to back for 10 s.
+    The verify service keeps the room that appears for the key holding fewer sessions, so A is
+    admitted about as often as B, not about twice as often (each coordinator's queue is its own)."""
+    one = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
+    two = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
+    request = coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=24, ignore_eos=True, num_speculative_tokens=0)
+    done = {"a": 0, "b": 0}
+    errors: list[grpc.RpcError] = []
+    stop = time.monotonic() + 10
+
+    def client(key: str, port: int) -> None:
+        while time.monotonic() < stop:
+            try:
+                generate(f"127.0.0.1:{port}", request, timeout_s=60, api_key=KEYS[key == "b"])
+                done[key] += 1
+            except grpc.RpcError as err:
+                errors.append(err)
+
+    ports = [("a", one.port), ("a", one.port), ("a", two.port), ("a", two.port), ("b", one.port), ("b", one.port)]
+    threads = [threading.Thread(target=client, args=target) for target in ports]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        one.stop()
+        two.stop()
+    assert not errors, errors
+    assert done["b"] >= 10 and done["a"] <= 1.4 * done["b"], done
+
+
+def test_a_rebuilt_session_waits_its_turn_behind_those_waiting(
+    tiny_pipeline, tiny_models, small_verify, redis_server, plain_target_model
+):
+    """Two sessions of room, both taken (key A's stalled stream, key B's long request), and key A's
+    short request waiting in the queue. B's session is lost (released on the verify service): its
+    rebuild queues behind A's waiting request, which gets the room first, instead of taking the
+    room at once; B then finishes with one rebuild and its plain output."""
+    thread = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address, redis_url=redis_server.url)
+    address = f"127.0.0.1:{thread.port}"
+    stalled = stalled_stream(address, coordinator_pb2.GenerateRequest(text="Go on.", max_new_tokens=256), KEYS[0])
+    times: dict[str, list[float]] = {"b": [], "a": []}
+    results: dict[str, coordinator_pb2.GenerateResponse] = {}
+    b_request = coordinator_pb2.GenerateRequest(
+        request_id="b-long", text="A long tale.", max_new_tokens=256, ignore_eos=True, num_speculative_tokens=0
+    )
+
+    def read(name: str, request, key: str) -> None:
+        tokens = []
+        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(
+                request, timeout=120, metadata=[("authorization", f"Bearer {key}")]
+            )
+            for response in call:
+                times[name].append(time.monotonic())
+                tokens.extend(response.token_ids)
+                if response.HasField("metrics"):
+                    results[name] = coordinator_pb2.GenerateResponse(token_ids=tokens, metrics=response.metrics)
+
+    short = coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=16, ignore_eos=True, num_speculative_tokens=0)
+    readers = [threading.Thread(target=read, args=("b", b_request, KEYS[1]))]
+    try:
+        readers[0].start()
+        while len(times["b"]) < 5:
+            time.sleep(0.01)
+        readers.append(threading.Thread(target=read, args=("a", short, KEYS[0])))
+        readers[1].start()
+        time.sleep(0.3)  # A's short request waits in the queue
+        assert not times["a"] and b_request.max_new_tokens > len(times["b"]) > 5
+        record = redis_server.client().hget(f"specdec:request:{{{owner_hash(KEYS[1])}/b-long}}", "sessions")
+        with grpc.insecure_channel(small_verify, options=GRPC_OPTIONS) as channel:
+            verify_pb2_grpc.VerifyServiceStub(channel).Release(
+                verify_pb2.VerifyServiceReleaseRequest(session_id=json.loads(record)["verify"]), timeout=10
+            )
+        for reader in readers:
+            reader.join(120)
+    finally:
+        stalled[1].cancel()
+        stalled[0].close()
+        thread.stop()
+    gaps = [later - earlier for earlier, later in zip(times["b"], times["b"][1:], strict=False)]
+    b_resumed = times["b"][gaps.index(max(gaps)) + 1]  # B's first message from its rebuilt session
+    assert times["a"][0] < b_resumed, "the rebuilt session took the room ahead of the waiting request"
+    assert results["b"].metrics.num_verify_rebuilds == 1
+    prompt = chat_ids(tiny_pipeline.target.tokenizer, "A long tale.")
+    assert list(results["b"].token_ids) == plain_greedy(plain_target_model, prompt, 256)

@@ -157,3 +157,66 @@ def test_a_prompt_no_budget_can_hold_fails_at_once_rather_than_queueing(small_bu
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "raise --kv-cache-max-bytes" in caught.value.details() and time.monotonic() - started < 10
     assert not len(verify.servicer.sessions)
+
+
+LONG_NEW, SHORT_NEW = 200, 64
+
+
+def test_one_keys_long_requests_do_not_make_another_keys_short_ones_re_prefill(
+    tiny_models, plain_target_model, smollm2_tokenizer
+):
+    """KV pressure from key A: three clients sending long requests one after another, which
+    together outgrow a budget of 32 blocks (each fits alone). Key B's short requests, admitted
+    while A's run, are never preempted: A, holding the most KV, gives first (when the most
+    recently admitted session gave first, a third of B's were rebuilt); every output equals plain
+    decoding."""
+    target = budget_target(tiny_models, 32)
+    verify = start_verify(target)
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address="127.0.0.1:1",  # no draft: plain decoding, the KV pressure alone
+            verify_addresses=[f"127.0.0.1:{verify.port}"],
+            tokenizer=str(tiny_models.target_dir),
+            api_keys=["key-a", "key-b"],
+            draft_retry_s=600,
+        )
+    )
+    address = f"127.0.0.1:{coordinator.port}"
+    long_prompts = [f"word {'word ' * 20}{i}" for i in range(3)]
+    short_prompts = [f"Short story {i}." for i in range(6)]
+    completions: dict[str, list] = {}
+    b_done = threading.Event()
+
+    def run(name: str, key: str, prompt: str, max_new: int) -> None:
+        request = coordinator_pb2.GenerateRequest(
+            text=prompt, max_new_tokens=max_new, ignore_eos=True, num_speculative_tokens=0
+        )
+        completions.setdefault(name, []).append(generate(address, request, timeout_s=180, api_key=key))
+
+    def keep_sending(name: str, prompt: str) -> None:
+        while not b_done.is_set():
+            run(name, "key-a", prompt, LONG_NEW)
+
+    try:
+        longs = [threading.Thread(target=keep_sending, args=(f"a{i}", p)) for i, p in enumerate(long_prompts)]
+        for thread in longs:
+            thread.start()
+        time.sleep(0.5)
+        for i, prompt in enumerate(short_prompts):  # one after another while A's grow
+            run(f"b{i}", "key-b", prompt, SHORT_NEW)
+        b_done.set()
+        for thread in longs:
+            thread.join(180)
+    finally:
+        coordinator.stop()
+        verify.stop(0)
+    rebuilds = {name: [c.metrics.num_verify_rebuilds for c in done] for name, done in completions.items()}
+    assert all(rebuilds[f"b{i}"] == [0] for i in range(len(short_prompts))), rebuilds  # B never held the most
+    assert target.lm.kv_usage().num_preemptions >= 1
+    for name, prompt, max_new in [
+        *((f"a{i}", p, LONG_NEW) for i, p in enumerate(long_prompts)),
+        *((f"b{i}", p, SHORT_NEW) for i, p in enumerate(short_prompts)),
+    ]:
+        expected = plain_greedy(plain_target_model, chat_ids(smollm2_tokenizer, prompt), max_new)
+        assert all(c.token_ids == expected for c in completions[name]), name

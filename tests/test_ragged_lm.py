@@ -43,8 +43,8 @@ class Checked:
         self.lm = RaggedLM(build(), num_blocks, prefix_cache_max_tokens, kv_cache_max_bytes)
         self.tokens: dict[int, list[int]] = {}
 
-    def allocate(self) -> int:
-        seq_id = self.lm.allocate()
+    def allocate(self, owner: str = "") -> int:
+        seq_id = self.lm.allocate(owner)
         self.tokens[seq_id] = []
         return seq_id
 
@@ -312,6 +312,28 @@ def test_a_sequence_that_cannot_grow_preempts_the_most_recently_admitted():
     assert checked.lm.lost(middle) and not skipped.any() and checked.lm.lost(oldest) is None
     assert checked.lm.kv_usage().num_preemptions == 2
     checked.step({oldest: random_tokens(2 * BLOCK_SIZE, generator)})  # the preempted sequences' blocks serve it
+
+
+def test_the_owner_holding_the_most_kv_gives_first():
+    """Owner A's two long sequences and owner B's short one, admitted last, fill a budget of eight
+    blocks. When A's first grows, A's newest is preempted, not B's (the newest of all); when B's
+    grows, A's last one gives too. Owners holding as many blocks: the newest sequence gives, as
+    without owners."""
+    checked, generator = budgeted(8), torch.Generator().manual_seed(15)
+    a_first, a_second, b_short = checked.allocate("a"), checked.allocate("a"), checked.allocate("b")
+    checked.step(
+        {a_first: random_tokens(3 * BLOCK_SIZE, generator), a_second: random_tokens(3 * BLOCK_SIZE, generator)}
+    )
+    checked.step({b_short: random_tokens(2 * BLOCK_SIZE, generator)})
+    checked.step({a_first: random_tokens(1, generator)})
+    assert checked.lm.lost(a_second) and checked.lm.lost(b_short) is None and checked.lm.lost(a_first) is None
+    checked.step({b_short: random_tokens(3 * BLOCK_SIZE, generator)})  # 5 blocks: A's 4 must give
+    assert checked.lm.lost(a_first) and checked.lm.lost(b_short) is None
+    even, generator = budgeted(4), torch.Generator().manual_seed(16)
+    older, newer = even.allocate("a"), even.allocate("b")
+    even.step({older: random_tokens(2 * BLOCK_SIZE, generator), newer: random_tokens(2 * BLOCK_SIZE, generator)})
+    even.step({older: random_tokens(1, generator)})
+    assert even.lm.lost(newer) and even.lm.lost(older) is None
 
 
 def test_the_pool_shrinks_back_as_sequences_end():

@@ -6,6 +6,7 @@ with ``--insecure`` exactly where it would refuse otherwise. Every test here run
 variables tests/conftest.py sets for the other tests, and without API keys in the environment."""
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from coordinator.api.auth import ApiKeys, owner_hash
 from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
@@ -167,3 +169,30 @@ def test_specdec_up_tls_leaves_only_the_coordinator_insecure(tiny_models, tmp_pa
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(60)
+
+
+def test_api_keys_under_128_bits_are_refused_unless_allowed(monkeypatch, tmp_path):
+    """A key under 128 bits (length x log2 of its alphabet) stops the start, named by its place
+    (never the key itself), with what to do; --allow-short-api-keys lets it through."""
+    monkeypatch.delenv("SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS", raising=False)
+    strong = secrets.token_urlsafe(16)  # 22 characters, 128 random bits
+    assert CoordinatorSettings(api_keys=[strong, secrets.token_hex(16)]).api_keys[0] == strong
+    keys = tmp_path / "keys"
+    keys.write_text(f"{strong}\n0123456789abcdef0123\n")  # 20 hex characters: 80 bits
+    with pytest.raises(ValidationError) as refused:
+        CoordinatorSettings(api_keys=["ka"], api_key_file=str(keys))
+    (error,) = refused.value.errors()
+    message = error["msg"]
+    for words in ("API key number 1, 3 of 3", "under 128 bits", "--allow-short-api-keys", "openssl rand -hex 32"):
+        assert words in message, message
+    assert "ka" not in message.replace("--api-key", "") and "0123456789" not in message
+    assert CoordinatorSettings(api_keys=["ka"], allow_short_api_keys=True).api_keys == ["ka"]
+
+
+def test_the_owner_hash_is_keyed_with_the_deployments_secret():
+    """Coordinators with the same owner_hash_secret store a key's requests under the same owner;
+    another secret, or none (the public constant), gives another owner."""
+    key = secrets.token_urlsafe(16)
+    owners = [ApiKeys([key], secret).caller(f"Bearer {key}", "h").owner for secret in ("s1", "s1", "s2", "")]
+    assert owners[0] == owners[1] and len(set(owners)) == 3
+    assert owners[3] == owner_hash(key)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from specdec.rpc.errors import AlreadyExists, NotFound, ResourceExhausted
-from specdec.rpc.sessions import SessionRegistry
+from specdec.rpc.sessions import FAIR_SHARE_WINDOW_S, SessionRegistry
 
 
 class _Closable:
@@ -160,3 +160,26 @@ def test_a_call_waiting_for_its_session_gets_not_found_when_it_is_released_or_lo
     lost_one.lost = "preempted: the KV budget is full"
     release()
     assert "preempted" in str(failures[2]) and lost_one.closed
+
+
+def test_room_goes_to_the_owner_holding_fewer_sessions():
+    """Four sessions of room, owner A holding three and B one: B's Prefill refused for want of room
+    marks B waiting, so when one of A's ends A's next Prefill is refused (room kept for B) and B's
+    gets in; once B no longer waits, or its mark is older than the window, A is not held back."""
+    sessions = SessionRegistry(max_sessions=4, idle_timeout_s=60)
+    for i in range(3):
+        sessions.open(f"a{i}", _Closable, owner="a")
+    sessions.open("b0", _Closable, owner="b")
+    with pytest.raises(ResourceExhausted, match="limit is 4"):
+        sessions.open("b1", _Closable, owner="b")
+    sessions.release("a0")
+    with pytest.raises(ResourceExhausted, match=r"room is kept for another caller .* holds 1 sessions"):
+        sessions.open("a3", _Closable, owner="a")
+    sessions.open("b1", _Closable, owner="b")  # B got the room
+    sessions.release("b1")
+    sessions.open("a3", _Closable, owner="a")  # B holds fewer, but no longer waits
+    with pytest.raises(ResourceExhausted, match="limit is 4"):
+        sessions.open("b2", _Closable, owner="b")  # B waits again
+    sessions.release("a3")
+    time.sleep(FAIR_SHARE_WINDOW_S + 0.1)
+    sessions.open("a4", _Closable, owner="a")  # B's mark expired: A is not held back

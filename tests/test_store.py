@@ -5,9 +5,13 @@ text a resumed stream sends."""
 import asyncio
 import time
 
+import grpc
 import pytest
+import redis
+from google.protobuf.internal import encoder, wire_format
 from prometheus_client import CollectorRegistry, Counter
 
+from coordinator.api.client import generate
 from coordinator.api.output import StreamOutput
 from coordinator.request_store.store import (
     FINISHED,
@@ -16,9 +20,12 @@ from coordinator.request_store.store import (
     RedisStore,
     RequestJournal,
     StoredRequest,
+    StoreFull,
     StoreUnavailable,
 )
+from coordinator.settings import CoordinatorSettings
 from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import CoordinatorThread, RedisServer
 
 
 def error_counter() -> Counter:
@@ -177,6 +184,100 @@ def test_journal_survives_redis_loss_and_rewrites_the_record(redis_server):
     assert errors.labels("append")._value.get() >= 1 and errors.labels("load")._value.get() == 1
 
 
+def test_a_clients_ended_requests_beyond_its_bound_are_dropped_oldest_first(with_store):
+    """One client keeps at most max_finished_per_client ended requests: the oldest one's record is
+    dropped when another ends; another client's and the running ones are not touched."""
+
+    async def scenario(store):
+        store.max_finished_per_client = 3
+        for i in range(6):
+            journal = RequestJournal(store, record(f"a-{i}", [i]), client="key a")
+            assert await journal.create()
+            await journal.end(FINISHED)
+        other = RequestJournal(store, record("b-0", [1]), client="key b")
+        assert await other.create()
+        await other.end(FINISHED)
+        running = RequestJournal(store, record("a-running"), client="key a")
+        assert await running.create()
+        await running.commit([7])
+        kept = [i for i in range(6) if await store.load(f"a-{i}") is not None]
+        assert kept == [3, 4, 5]
+        assert (await store.load("b-0")).generated == [1]
+        assert (await store.load("a-running")).generated == [7]
+
+    with_store(scenario)
+
+
+def fill(client: redis.Redis) -> None:
+    """Makes Redis full: 1 MB more in small values, then its maxmemory 256 KiB below what it uses
+    (with the policy noeviction it refuses writes that add memory from then on)."""
+    client.mset({f"filler:{i}": b"x" * 1000 for i in range(1000)})
+    client.config_set("maxmemory", client.info("memory")["used_memory"] - 262144)
+
+
+def test_a_full_redis_refuses_new_records_but_not_the_leases():
+    """Redis full (maxmemory, noeviction): a new record gets StoreFull (RESOURCE_EXHAUSTED naming the
+    settings), while a running request's record still grows and loads, the leases are still taken,
+    renewed and given back, and the store is not taken for down after the refusal."""
+    server = RedisServer()
+    server.start()
+    errors = error_counter()
+
+    async def scenario():
+        store = RedisStore(server.url, 60, errors, retry_after_s=30)
+        try:
+            await store.put(record("kept", [1, 2]))
+            fill(server.client())
+            with pytest.raises(StoreFull) as full:
+                await store.create(record("new"))
+            assert await store.acquire_leases("key a", ["l1", "l2"], 2, 30) is None
+            assert await store.acquire_leases("key a", ["l3"], 2, 30) == 2  # the limit holds
+            await store.renew_leases({"key a": ["l1", "l2"]}, 30)
+            await store.release_leases("key a", ["l1"])
+            assert await store.acquire_leases("key a", ["l3"], 2, 30) is None
+            assert await store.append("kept", [3], {"verify": "s1"}) == 3
+            loaded = await store.load("kept")
+            assert (loaded.generated, loaded.sessions) == ([1, 2, 3], {"verify": "s1"})
+            return full.value
+        finally:
+            await store.close()
+
+    try:
+        full = asyncio.run(scenario())
+    finally:
+        server.kill()
+    assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for setting in ("--max-finished-requests-per-client", "--max-stored-request-bytes", "--request-ttl-s"):
+        assert setting in str(full)
+    assert errors.labels("create")._value.get() == 1
+    assert sum(errors.labels(operation)._value.get() for operation in ("append", "load", "acquire_leases")) == 0
+
+
+def test_create_never_claims_an_id_it_could_not_check(redis_server):
+    """Two requests of one id started while Redis is down: create answers None (unchecked), not
+    True; when Redis is back the first to write claims the id and the other never writes over it."""
+
+    async def scenario():
+        store = RedisStore(redis_server.url, 60, error_counter(), retry_after_s=0.2)
+        first, second = RequestJournal(store, record("twice")), RequestJournal(store, record("twice"))
+        redis_server.kill()
+        try:
+            assert await first.create() is None and await second.create() is None
+        finally:
+            redis_server.start()
+        await asyncio.sleep(0.3)
+        await first.commit([1, 1])
+        await second.commit([2, 2, 2])
+        await second.end(FINISHED)
+        await first.commit([1])
+        loaded = await store.load("twice")
+        await store.close()
+        return loaded
+
+    loaded = asyncio.run(scenario())
+    assert loaded.generated == [1, 1, 1] and loaded.status == RUNNING
+
+
 def test_resumed_text_continues_exactly(smollm2_tokenizer):
     """For every max_new_tokens and every resume position p, the text a first stream sent with
     its first p tokens (in messages of 3 tokens) plus what a resumed stream sends from p equals
@@ -211,3 +312,55 @@ def test_resumed_text_continues_exactly(smollm2_tokenizer):
             assert first_text + rest_text == whole_text, (max_new, p)
     assert finishes == {coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH}
     assert "STOP" not in whole_text and "🚀" in whole_text
+
+
+# --- through a real coordinator ------------------------------------------------------------------
+
+
+def unknown_field(number: int, size: int) -> bytes:
+    """A length-delimited protobuf field that GenerateRequest does not define, ``size`` bytes of payload."""
+    return encoder.TagBytes(number, wire_format.WIRETYPE_LENGTH_DELIMITED) + encoder._VarintBytes(size) + b"x" * size
+
+
+def generate_raw(address: str, message: bytes) -> list[coordinator_pb2.GenerateResponse]:
+    """A Generate call whose request is ``message`` as given (any bytes a client may send)."""
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20)]) as channel:
+        call = channel.unary_stream(
+            "/specdec.v1.CoordinatorService/Generate",
+            request_serializer=lambda raw: raw,
+            response_deserializer=coordinator_pb2.GenerateResponse.FromString,
+        )
+        return list(call(message, timeout=60))
+
+
+def test_unknown_fields_are_not_stored_and_the_stored_size_is_bounded(tiny_pipeline, tiny_models, redis_server):
+    """A GenerateRequest carrying 4 MB of fields it does not define is served and stored without
+    them (it was stored whole, 4 MB, written at its start and again at its end); a request whose
+    known fields pass max_stored_request_bytes gets INVALID_ARGUMENT naming the setting, before
+    any work."""
+    coordinator = CoordinatorThread(
+        CoordinatorSettings(
+            port=0,
+            draft_address=tiny_pipeline.draft_address,
+            verify_addresses=[tiny_pipeline.verify_address],
+            tokenizer=str(tiny_models.target_dir),
+            redis_url=redis_server.url,
+            max_stored_request_bytes=4096,
+        )
+    )
+    address = f"127.0.0.1:{coordinator.port}"
+    request = coordinator_pb2.GenerateRequest(
+        request_id="padded", text="hi", max_new_tokens=8, ignore_eos=True, num_speculative_tokens=0
+    )
+    try:
+        responses = generate_raw(address, request.SerializeToString() + unknown_field(999, 4_000_000))
+        assert sum(len(response.token_ids) for response in responses) == 8
+        stored = redis_server.client().hget("specdec:request:{padded}", "request")
+        assert len(stored) < 100, len(stored)
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(address, coordinator_pb2.GenerateRequest(text="hi " * 2000, max_new_tokens=8), timeout_s=60)
+    finally:
+        coordinator.stop()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_stored_request_bytes" in refused.value.details()
+    assert "--max-stored-request-bytes" in refused.value.details()

@@ -95,9 +95,16 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             session = self.sessions.open(
                 request.session_id,
                 lambda: self.target.new_session(
-                    request.token_ids, sampling, context.time_remaining(), abandoned, request.decode, request.cache_salt
+                    request.token_ids,
+                    sampling,
+                    context.time_remaining(),
+                    abandoned,
+                    request.decode,
+                    request.cache_salt,
+                    request.owner,
                 ),
                 abandoned=abandoned,
+                owner=request.owner,
             )
         except OverBudget as err:  # waiting for room would not help
             raise FailedPrecondition(str(err)) from None

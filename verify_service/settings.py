@@ -69,9 +69,10 @@ class VerifySettings(SessionServiceSettings):
         description="KV cache budget of the target, bytes: its paged KV pool grows up to it and never past it. A "
         "Prefill whose context's KV cannot be had within it (free, evictable prefix-cache and not yet allocated "
         "blocks, 1% kept free for the running sessions to grow) gets RESOURCE_EXHAUSTED; a running session that "
-        "cannot grow preempts the most recently admitted one, whose next call gets NOT_FOUND (the coordinator "
-        "rebuilds it); the pool shrinks back as sessions end. 0 = automatic: 0.9 of the GPU memory free after the "
-        "model loads, or on a CPU 0.4 of the memory available then (MemAvailable, or a cgroup's limit if lower).",
+        "cannot grow preempts the most recently admitted session of the owner (the coordinator's client) holding "
+        "the most KV, whose next call gets NOT_FOUND (the coordinator rebuilds it); the pool shrinks back as "
+        "sessions end. 0 = automatic: 0.9 of the GPU memory free after the model loads, or on a CPU 0.4 of the "
+        "memory available then (MemAvailable, or a cgroup's limit if lower).",
     )
     prefix_cache_max_tokens: int = Field(
         DEFAULT_MAX_TOKENS,

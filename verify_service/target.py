@@ -211,9 +211,11 @@ class Target:
         abandoned: Callable[[], bool] | None = None,
         decode: bool = False,
         cache_salt: str = "",
+        owner: str = "",
     ) -> "TargetSession":
-        """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
-        :meth:`specdec.engine.engine.Engine.run`; ``decode``: and the first decode step, see
+        """Opens a session of ``owner`` (:meth:`specdec.engine.batching.BatchedLM.allocate`: under
+        KV pressure the owner holding the most KV gives first) and runs prefill (``timeout_s`` and
+        ``abandoned`` as in :meth:`specdec.engine.engine.Engine.run`; ``decode``: and the first decode step, see
         :meth:`TargetSession.prefill`; the tokens found in the prefix cache, in its partition
         ``cache_salt``, are the session's ``kv_cache.num_cached_tokens``). Raises InvalidArgument
         for an empty or too long context or ids out of range or top_logprobs above the vocabulary
@@ -230,7 +232,7 @@ class Target:
             raise InvalidArgument(
                 f"top_logprobs is {sampling.top_logprobs}: it must not exceed the vocabulary size ({self.vocab_size})"
             )
-        session = TargetSession(self, sampling, cache_salt)
+        session = TargetSession(self, sampling, cache_salt, owner)
         try:
             session.prefill(committed, timeout_s, abandoned, decode)
         except BaseException:
@@ -392,12 +394,12 @@ class TargetSession:
     ``last_logprobs``: with ``sampling.logprobs``, the log-probabilities of the tokens the last
     :meth:`verify` committed, one per token."""
 
-    def __init__(self, target: Target, sampling: SamplingParams, cache_salt: str = ""):
+    def __init__(self, target: Target, sampling: SamplingParams, cache_salt: str = "", owner: str = ""):
         self.target = target
         self.sampling = sampling
         self.committed: list[int] = []
         self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
-        self.kv_cache = SequenceKV(target.lm, cache_salt)
+        self.kv_cache = SequenceKV(target.lm, cache_salt, owner)
         self.last_step = StepStats()
         self.last_logprobs: list[common_pb2.TokenLogprobs] = []
 

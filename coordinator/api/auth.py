@@ -11,6 +11,7 @@ checked by :class:`ApiKeyMiddleware` before any of the body is read.
 
 import hashlib
 import hmac
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,9 +25,15 @@ HOW = (
     "send `Authorization: Bearer <key>` (gRPC: `authorization` metadata) with a key the "
     "coordinator was started with (--api-key)"
 )
-# The key of the owner hash: fixed, so every coordinator replica derives the same owner from the
-# same API key without sharing another secret; the store never holds a key itself.
+# The key of the owner hash when the deployment gives no secret of its own (owner_hash_secret): a
+# public constant, so that every coordinator replica derives the same owner from the same API key
+# without sharing another secret; the store never holds a key itself. With it, anyone who reads
+# Redis's key names can test a guessed key offline: hence keys of at least MIN_KEY_BITS.
 OWNER_HASH_KEY = b"specdec/request-owner/v1"
+MIN_KEY_BITS = 128  # an API key's least strength (as a 22-character base64 or 32-character hex secret)
+# the character classes a key's alphabet is estimated from, with their sizes: digits, a-z, A-Z, the rest
+_CLASSES = ((str.isdigit, 10), (str.islower, 26), (str.isupper, 26))
+_OTHER_CHARACTERS = 33  # printable ASCII that is neither a letter nor a digit
 # HTTP paths open without a key
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 
@@ -35,10 +42,21 @@ class Unauthenticated(SpecdecError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-def owner_hash(api_key: str) -> str:
-    """The owner a request started with ``api_key`` is stored under: HMAC-SHA256 of the key, 128
-    bits in hex."""
-    return hmac.new(OWNER_HASH_KEY, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+def owner_hash(api_key: str, secret: bytes = OWNER_HASH_KEY) -> str:
+    """The owner a request started with ``api_key`` is stored under: HMAC-SHA256 of the key keyed
+    with ``secret`` (the deployment's owner_hash_secret, else the public OWNER_HASH_KEY), 128 bits
+    in hex."""
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def key_bits(api_key: str) -> float:
+    """An upper bound of ``api_key``'s strength in bits: its length times log2 of the size of its
+    alphabet, the character classes it uses (digits 10, a-z 26, A-Z 26, anything else 33). A key
+    drawn at random from that alphabet has this strength; a chosen one has less."""
+    alphabet = sum(size for is_class, size in _CLASSES if any(map(is_class, api_key)))
+    if any(not any(is_class(c) for is_class, _ in _CLASSES) for c in api_key):
+        alphabet += _OTHER_CHARACTERS
+    return len(api_key) * math.log2(alphabet) if alphabet > 1 else 0.0
 
 
 def peer_host(peer: str) -> str:
@@ -64,8 +82,9 @@ class Caller:
 class ApiKeys:
     """The accepted keys; empty: no authentication."""
 
-    def __init__(self, keys: Iterable[str]):
+    def __init__(self, keys: Iterable[str], owner_hash_secret: str = ""):
         self._keys = [key.encode() for key in keys]
+        self._secret = owner_hash_secret.encode() or OWNER_HASH_KEY
 
     def __bool__(self) -> bool:
         return bool(self._keys)
@@ -93,7 +112,7 @@ class ApiKeys:
         key = self.check(authorization)
         if key is None:
             return Caller("", f"host {host}")
-        owner = owner_hash(key)
+        owner = owner_hash(key, self._secret)
         return Caller(owner, f"key {owner}")
 
 

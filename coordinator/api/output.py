@@ -2,13 +2,17 @@
 asked for, their text, the stop conditions, and the part of it the client has not received yet."""
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Sequence
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
+from typing import TypeVar
 
 from coordinator.api.text import IncrementalDetokenizer
 from specdec.rpc.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
 STOP, LENGTH = coordinator_pb2.FINISH_REASON_STOP, coordinator_pb2.FINISH_REASON_LENGTH
+T = TypeVar("T")
 
 
 class StreamStalled(Unavailable):
@@ -28,6 +32,25 @@ async def written(write: Awaitable[None], stall_timeout_s: float) -> None:
             f"the client read nothing for {stall_timeout_s:g} s (stream_stall_timeout_s): the stream was cut "
             "and its request cancelled"
         ) from None
+
+
+async def read_within(responses: AsyncGenerator[T, None], max_wait_s: float) -> AsyncGenerator[T, None]:
+    """``responses`` while its consumer (the API writing each message to its client, which waits
+    while the client reads nothing) takes at most ``max_wait_s`` seconds in all between receiving
+    a message and asking for the next; past that, StreamStalled once the message's write is done
+    (each write is bounded by its own stall timeout, :func:`written`), which cancels the request
+    (closing this closes ``responses``) and releases its sessions."""
+    waited = 0.0
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            handed = time.monotonic()
+            yield response
+            waited += time.monotonic() - handed
+            if waited > max_wait_s:
+                raise StreamStalled(
+                    f"the client kept its stream waiting {waited:.1f} s in all, more than {max_wait_s:g} s "
+                    "(max_stream_wait_s): the stream was cut and its request cancelled; read the stream as it comes"
+                )
 
 
 class StreamOutput:

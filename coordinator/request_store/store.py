@@ -27,15 +27,28 @@ cluster slot; ``<id>`` is the store id):
                                    starts are per owner: coordinator.speculation.adaptive.AdaptiveState)
     specdec:running:{<client>}     sorted set: the client's running requests' leases -> their
                                    expiry (unix ms), see :meth:`RequestStore.acquire_leases`
+    specdec:finished:{<client>}    sorted set: the store ids of the client's ended requests -> when
+                                   they ended (unix ms), see :meth:`RequestStore.retire`
+
+What one client can keep there is bounded: its running requests by its leases
+(``max_streams_per_client``), its ended ones by ``max_finished_per_client`` (the oldest dropped
+beyond it), each record by the coordinator's ``max_stored_request_bytes`` (and the tokens a request
+may generate); unknown protobuf fields are never stored. Every key has a TTL. Redis is meant to run
+with ``maxmemory-policy noeviction`` (docs/scaling.md#the-request-stores-memory): nothing is evicted,
+and a write Redis refuses for being full raises :class:`StoreFull`. The leases' scripts (and the
+trimming of ended requests, which frees memory) run even then (Redis's ``allow-oom`` script flag),
+so a full store never breaks the per-client limit.
 
 A RedisStore that fails (unreachable, or slower than ``timeout_s``) raises
 :class:`StoreUnavailable` after logging it and counting it in ``errors`` (a Prometheus counter
 labelled by operation), and raises it at once for ``retry_after_s`` seconds instead of waiting on
-a dead server again.
+a dead server again. A full store raises StoreFull (counted too) and is asked again at once: it
+is up, and other writes (appends of running requests that fit, releases) still succeed.
 """
 
 import abc
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -44,10 +57,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 from urllib.parse import urlsplit, urlunsplit
 
+import grpc
 import numpy as np
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
 from specdec.rpc.errors import Unavailable
@@ -61,6 +76,13 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 class StoreUnavailable(Unavailable):
     """The request store could not be reached."""
+
+
+class StoreFull(StoreUnavailable):
+    """The request store refused a write for being full (Redis's ``maxmemory`` under the
+    ``noeviction`` policy): RESOURCE_EXHAUSTED (HTTP 429) to a new request."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def store_id(owner: str, request_id: str) -> str:
@@ -146,10 +168,12 @@ def logprobs_bytes(logprobs: list[common_pb2.TokenLogprobs]) -> bytes:
 
 
 class RequestStore(abc.ABC):
-    """Where requests and acceptance estimates live. Every method may raise StoreUnavailable."""
+    """Where requests and acceptance estimates live, each request ``ttl_s`` seconds after its last
+    write and, per client, at most ``max_finished_per_client`` ended requests (0: no bound but the
+    TTL). Every method may raise StoreUnavailable (StoreFull among them)."""
 
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
+    def __init__(self, ttl_s: float, max_finished_per_client: int = 0):
+        self.ttl_s, self.max_finished_per_client = ttl_s, max_finished_per_client
 
     @abc.abstractmethod
     async def create(self, record: StoredRequest) -> bool:
@@ -172,6 +196,11 @@ class RequestStore(abc.ABC):
         store id ``stored_as`` (:attr:`StoredRequest.store_id`) (and replaces its ``sessions``,
         unless None); returns how many tokens it holds now, or 0 when
         the record was missing (the store lost it): then :meth:`put` it again."""
+
+    @abc.abstractmethod
+    async def retire(self, client: str, stored_as: str) -> None:
+        """Counts the ended request under the store id ``stored_as`` among ``client``'s ended
+        requests, and drops the records of its oldest beyond ``max_finished_per_client``."""
 
     @abc.abstractmethod
     async def load(self, stored_as: str) -> StoredRequest | None:
@@ -208,9 +237,11 @@ class RequestStore(abc.ABC):
 class MemoryStore(RequestStore):
     """The store inside this process (no Redis). Never raises."""
 
-    def __init__(self, ttl_s: float):
-        super().__init__(ttl_s)
+    def __init__(self, ttl_s: float, max_finished_per_client: int = 0):
+        super().__init__(ttl_s, max_finished_per_client)
         self._requests: dict[str, tuple[StoredRequest, float]] = {}  # id -> (record, expiry)
+        # client -> store ids of its ended requests, the oldest first
+        self._finished: dict[str, dict[str, None]] = {}
         self._priors: dict[tuple[str, str], dict[str, list[float]]] = {}  # by (target, owner)
         self._leases: dict[str, dict[str, float]] = {}  # client -> lease id -> expiry (time.monotonic())
 
@@ -249,6 +280,19 @@ class MemoryStore(RequestStore):
         self._requests[stored_as] = (record, time.monotonic() + self.ttl_s)
         return len(record.generated)
 
+    async def retire(self, client: str, stored_as: str) -> None:
+        finished = self._finished.setdefault(client, {})
+        finished.pop(stored_as, None)
+        finished[stored_as] = None
+        for gone in [i for i in finished if self._live(i) is None]:  # expired meanwhile
+            del finished[gone]
+        while self.max_finished_per_client and len(finished) > self.max_finished_per_client:
+            oldest = next(iter(finished))
+            del finished[oldest]
+            self._requests.pop(oldest, None)
+        if not finished:
+            del self._finished[client]
+
     async def load(self, stored_as: str) -> StoredRequest | None:
         record = self._live(stored_as)
         return copy.deepcopy(record) if record else None
@@ -281,16 +325,56 @@ class MemoryStore(RequestStore):
             self._leases.pop(client, None)
 
 
+# The scripts run when Redis is full too (allow-oom): their sets are small and bounded (a client's
+# leases, its ended requests), and the per-client limit must hold whatever the other records take.
 # Takes ARGV[4:] as leases of the client whose sorted set (lease -> expiry, unix ms) is KEYS[1], unless
 # that would take it past ARGV[2]; ARGV[1] is now and ARGV[3] the new leases' expiry (unix ms).
 # Returns -1 when taken, else the leases it holds.
-_ACQUIRE_LEASES = """
+_ACQUIRE_LEASES = """#!lua flags=allow-oom
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local held = redis.call('ZCARD', KEYS[1])
 if held + #ARGV - 3 > tonumber(ARGV[2]) then return held end
 for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 return -1
+"""
+# Gives the leases ARGV[2:] of the client whose sorted set is KEYS[1] the expiry ARGV[1] (unix ms),
+# those it still holds only.
+_RENEW_LEASES = """#!lua flags=allow-oom
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
+redis.call('PEXPIREAT', KEYS[1], ARGV[1])
+return 0
+"""
+# Appends ARGV[2] (token ids) to the request whose keys are KEYS[1:3] (header, tokens, logprobs),
+# sets its updated_at to ARGV[3] and, unless empty, its sessions to ARGV[4], appends ARGV[5] (logprobs
+# bytes) unless empty and gives every key ARGV[1] more seconds; nothing when its header is gone (the
+# store lost it: 0). Returns the tokens' bytes. A running request's record grows on a full Redis too.
+_APPEND = """#!lua flags=allow-oom
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local length = redis.call('APPEND', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'sessions', ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('APPEND', KEYS[3], ARGV[5]) end
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return length
+"""
+# A request's header (as HGETALL's flat list), tokens and logprobs, read at once; on a full Redis too
+# (a transaction is refused there: its queue would take memory).
+_LOAD = """#!lua flags=no-writes
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('GET', KEYS[3])}
+"""
+# Adds ARGV[3] to the client's ended requests (sorted set KEYS[1]: store id -> when it ended, unix
+# ms; ARGV[1] is now), forgets those ended more than ARGV[2] ms ago (expired), and returns the
+# oldest beyond the ARGV[4] most recent (their records are the caller's to delete).
+_RETIRE = """#!lua flags=allow-oom
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1] - ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[4])
+if tonumber(ARGV[4]) == 0 or over <= 0 then return {} end
+local oldest = redis.call('ZRANGE', KEYS[1], 0, over - 1)
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
+return oldest
 """
 
 
@@ -304,7 +388,16 @@ def _without_password(url: str) -> str:
 
 # The store operations: the `operation` label of specdec_session_store_errors_total.
 Operation = Literal[
-    "create", "put", "append", "load", "load_priors", "save_priors", "acquire_leases", "renew_leases", "release_leases"
+    "create",
+    "put",
+    "append",
+    "retire",
+    "load",
+    "load_priors",
+    "save_priors",
+    "acquire_leases",
+    "renew_leases",
+    "release_leases",
 ]
 
 
@@ -317,9 +410,16 @@ class RedisStore(RequestStore):
     client certificate)."""
 
     def __init__(
-        self, url: str, ttl_s: float, errors, timeout_s: float = 1.0, retry_after_s: float = 1.0, **ssl_options: str
+        self,
+        url: str,
+        ttl_s: float,
+        errors,
+        timeout_s: float = 1.0,
+        retry_after_s: float = 1.0,
+        max_finished_per_client: int = 0,
+        **ssl_options: str,
     ):
-        super().__init__(ttl_s)
+        super().__init__(ttl_s, max_finished_per_client)
         ssl: dict[str, Any] = {name: value for name, value in ssl_options.items() if value}
         # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
         self.redis = redis.Redis.from_url(
@@ -327,8 +427,13 @@ class RedisStore(RequestStore):
         )
         self.url = _without_password(url)  # logged and in error messages
         self._acquire_leases = self.redis.register_script(_ACQUIRE_LEASES)
+        self._renew_leases = self.redis.register_script(_RENEW_LEASES)
+        self._retire = self.redis.register_script(_RETIRE)
+        self._append = self.redis.register_script(_APPEND)
+        self._load = self.redis.register_script(_LOAD)
         self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
+        self._full_logged = 0.0  # when a refusal for being full was last logged (time.monotonic())
         # every operation's series exported at 0 from the start: a panel shows "no errors" rather
         # than nothing, and rate() sees the first error (a series born at 1 has no increase)
         for operation in get_args(Operation):
@@ -341,6 +446,18 @@ class RedisStore(RequestStore):
             raise StoreUnavailable(f"the request store at {self.url} failed less than {self.retry_after_s:g} s ago")
         try:
             return await asyncio.wait_for(make_call(), self.timeout_s)
+        except OutOfMemoryError:  # full, not down: asked again at once
+            self.errors.labels(operation).inc()
+            if time.monotonic() >= self._full_logged + self.retry_after_s:
+                self._full_logged = time.monotonic()
+                log.error(
+                    "request store at %s is full (Redis maxmemory) on %s: new requests are refused", self.url, operation
+                )
+            raise StoreFull(
+                f"the request store at {self.url} is full (its Redis maxmemory, policy noeviction): retry later; the "
+                "operator sizes Redis's maxmemory by docs/scaling.md#the-request-stores-memory, or lowers "
+                "--max-finished-requests-per-client, --max-stored-request-bytes or --request-ttl-s"
+            ) from None
         except (redis.RedisError, OSError, TimeoutError) as err:
             if time.monotonic() >= self._down_until:
                 log.error(
@@ -398,36 +515,36 @@ class RedisStore(RequestStore):
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
     ) -> int:
-        header, token_key, logprobs_key = self._keys(stored_as)
-        fields: dict[FieldT, EncodableT] = {"updated_at": time.time()}
-        if sessions is not None:
-            fields["sessions"] = json.dumps(sessions)
+        args: list[EncodableT] = [
+            int(self.ttl_s),
+            np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
+            time.time(),
+            "" if sessions is None else json.dumps(sessions),
+            logprobs_bytes(logprobs) if logprobs else b"",
+        ]
+        length = await self._run("append", lambda: self._append(keys=self._keys(stored_as), args=args))
+        return length // TOKEN_DTYPE.itemsize
 
-        async def call():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.append(token_key, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
-                pipe.hset(header, mapping=fields)
-                pipe.hlen(header)
-                if logprobs:
-                    pipe.append(logprobs_key, logprobs_bytes(logprobs))
-                for key in (header, token_key, logprobs_key):
-                    pipe.expire(key, int(self.ttl_s))
-                return await pipe.execute()
+    async def retire(self, client: str, stored_as: str) -> None:
+        now_ms, ttl_ms = int(time.time() * 1000), int(self.ttl_s * 1000)
+        args: list[EncodableT] = [now_ms, ttl_ms, stored_as, self.max_finished_per_client]
+        key = f"specdec:finished:{{{client}}}"
+        oldest = await self._run("retire", lambda: self._retire(keys=[key], args=args))
+        if oldest:  # one DEL per record: their keys are in other cluster slots
 
-        length, _, num_fields, *_ = await self._run("append", call)
-        return length // TOKEN_DTYPE.itemsize if num_fields > len(fields) else 0  # only these fields: the rest lost
+            async def drop():
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for gone in oldest:
+                        pipe.delete(*self._keys(gone.decode()))
+                    await pipe.execute()
+
+            await self._run("retire", drop)
 
     async def load(self, stored_as: str) -> StoredRequest | None:
-        header, tokens, logprobs = self._keys(stored_as)
-
-        async def call():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hgetall(header)
-                pipe.get(tokens)
-                pipe.get(logprobs)
-                return await pipe.execute()
-
-        fields, token_bytes, stored_logprobs = await self._run("load", call)
+        flat, token_bytes, stored_logprobs = await self._run(
+            "load", lambda: self._load(keys=self._keys(stored_as), args=[])
+        )
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
         if not fields.get(b"request"):
             return None
         return StoredRequest.from_redis(stored_as, fields, token_bytes, stored_logprobs)
@@ -462,8 +579,7 @@ class RedisStore(RequestStore):
         async def call():
             async with self.redis.pipeline(transaction=False) as pipe:
                 for client, ids in leases.items():
-                    pipe.zadd(self._leases_key(client), dict.fromkeys(ids, expiry_ms), xx=True)
-                    pipe.pexpireat(self._leases_key(client), expiry_ms)
+                    await self._renew_leases(keys=[self._leases_key(client)], args=[expiry_ms, *ids], client=pipe)
                 await pipe.execute()
 
         await self._run("renew_leases", call)
@@ -479,23 +595,33 @@ class RedisStore(RequestStore):
 class RequestJournal:
     """Keeps one running request's record in the store: written whole at the start, its tokens
     appended every round before the client receives them (so the stored log is never behind the
-    client), and written whole at the end. A store failure is never raised (RedisStore logs and
-    counts it): the request goes on from memory, and the first write after the store answers again
-    writes the whole record, so a restarted, empty Redis gets it back."""
+    client), and written whole at the end, then counted among ``client``'s ended requests
+    (:meth:`RequestStore.retire`). A store failure after the start is never raised (RedisStore
+    logs and counts it): the request goes on from memory, and the first write after the store
+    answers again writes the whole record, so a restarted, empty Redis gets it back. A record
+    whose id the store could not check at the start (:meth:`create` answered None) is claimed
+    then instead, never written over another request's of the same id."""
 
     store: RequestStore
     record: StoredRequest
+    client: str = ""
     _stored: int | None = None  # tokens the store holds; None: the whole record must be written
+    claimed: bool = False  # the store holds (or held) this request's record under its id: True for a resume
+    _taken: bool = False  # another request had claimed the id: nothing of this one is written
 
-    async def create(self) -> bool:
-        """Writes the new request's record; False when its id is already stored. While the store
-        is unreachable the id cannot be checked: True, and the record is written later."""
+    async def create(self) -> bool | None:
+        """Writes the new request's record: True, or False (nothing written) when its id is already
+        stored. None while the store is unreachable: the id is unchecked, and the record is
+        claimed (written only where the id is still free) when the store answers again. Raises
+        StoreFull when the store is full."""
         try:
             if not await self.store.create(self.record):
                 return False
-            self._stored = len(self.record.generated)
+        except StoreFull:
+            raise
         except StoreUnavailable:
-            self._stored = None
+            return None
+        self._stored, self.claimed = len(self.record.generated), True
         return True
 
     async def commit(
@@ -526,10 +652,15 @@ class RequestJournal:
         self.record.sessions = {}
         self._stored = None
         await self._sync()
+        if self.claimed and not self._taken:
+            with contextlib.suppress(StoreUnavailable):  # unretired, it expires with its TTL
+                await self.store.retire(self.client, self.record.store_id)
 
     async def _sync(self, sessions: dict[str, str] | None = None) -> None:
         record = self.record
         record.updated_at = time.time()
+        if self._taken:
+            return
         try:
             if self._stored is not None:
                 new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
@@ -539,7 +670,16 @@ class RequestJournal:
                 if held == len(record.generated):
                     self._stored = held
                     return
-            await self.store.put(record)
-            self._stored = len(record.generated)
+            if self.claimed:
+                await self.store.put(record)
+            elif not await self.store.create(record):
+                self._taken = True
+                log.warning(
+                    "request %s: its id was taken while the request store was unreachable; this request is not "
+                    "stored (it cannot be resumed)",
+                    record.request_id,
+                )
+                return
+            self._stored, self.claimed = len(record.generated), True
         except StoreUnavailable:
             self._stored = None

@@ -188,7 +188,8 @@ class DraftSide:
     (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
     ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
-    ``retry_s`` seconds without the draft after a failure. With the request's plan
+    ``retry_s`` seconds without the draft after a failure; ``owner`` the tag of the request's client
+    its sessions carry (DraftServicePrefillRequest.owner). With the request's plan
     (``request.draft``, :class:`coordinator.api.request.DraftPlan`) drafting ahead, it drafts the
     next round while this one verifies, for up to ``branches`` outcomes of its verification, as
     many as the draft can draft while the target verifies (:meth:`observe_verify`).
@@ -202,10 +203,11 @@ class DraftSide:
         new_session_id: Callable[[], str],
         in_background: Callable[[Callable[[], Awaitable]], None],
         retry_s: float = 2.0,
+        owner: str = "",
     ):
         self.service, self.request, self.committed = service, request, committed
         self.new_session_id, self.in_background = new_session_id, in_background
-        self.retry_s = retry_s
+        self.retry_s, self.owner = retry_s, owner
         self.uses_draft = request.uses_draft_service
         self.verify_ms = 0.0  # the recent rounds' verify calls, ms: the time a draft-ahead has (0: unknown)
         self.session_id: str | None = None  # None: no open session
@@ -297,6 +299,7 @@ class DraftSide:
             token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
             cache_salt=cache_salt,
+            owner=self.owner,
         )
         seen, start = len(self.committed), time.perf_counter()  # rounds may commit more while the prefill runs
         placement = self.service.placement

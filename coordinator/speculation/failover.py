@@ -18,8 +18,9 @@ decodes again, failing over, when it failed or went to a session rebuilt since.
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from coordinator.speculation.upstream import ServiceClients
 from specdec.rpc.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecdecError, Unavailable
@@ -75,6 +76,20 @@ class VerifyReplicas:
             await asyncio.sleep(RETRY_INTERVAL_S)
 
 
+class Admit(Protocol):
+    """Runs a verify session's opening (``attempt``, the function that makes the call) once it is
+    let in: the coordinator's fair queue (:meth:`coordinator.api.admission.FairQueue.run`, bound to
+    the request's client). ``rebuild_deadline`` (time.monotonic()): the opening rebuilds a running
+    request's session, which waits until then."""
+
+    def __call__(
+        self,
+        attempt: Callable[[], Awaitable[verify_pb2.VerifyServicePrefillResponse]],
+        *,
+        rebuild_deadline: float | None = None,
+    ) -> Awaitable[verify_pb2.VerifyServicePrefillResponse]: ...
+
+
 @dataclass(frozen=True)
 class DecodeAhead:
     """A Decode sent before the last call's answer (:meth:`VerifySession.decode_ahead`): the
@@ -90,7 +105,10 @@ class VerifySession:
     ``replicas``). ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
     names each new session; ``in_background`` runs a Release (a function that makes the call)
     without waiting for it; ``cache_salt``: the partition of the replicas' prefix caches its
-    sessions use (:func:`coordinator.api.cache_salt.cache_salt`)."""
+    sessions use (:func:`coordinator.api.cache_salt.cache_salt`); ``owner``: the tag of the request's
+    client its sessions carry (VerifyServicePrefillRequest.owner). ``admit``: how a rebuild waits for
+    room (the coordinator's fair queue, set with the request's first Prefill; None: it retries every
+    RETRY_INTERVAL_S)."""
 
     def __init__(
         self,
@@ -101,10 +119,12 @@ class VerifySession:
         in_background: Callable,
         failover_timeout_s: float,
         cache_salt: str = "",
+        owner: str = "",
     ):
         self.replicas, self.clients = replicas, replicas.clients
         self.cache_salt = cache_salt
-        self.committed, self.sampling = committed, sampling
+        self.committed, self.sampling, self.owner = committed, sampling, owner
+        self.admit: Admit | None = None
         self.new_session_id, self.in_background = new_session_id, in_background
         self.failover_timeout_s = failover_timeout_s
         self.replica = ""  # the verify replica holding session_id (its host:port)
@@ -133,6 +153,7 @@ class VerifySession:
             sampling=self.sampling.to_proto(),
             decode=decode,
             cache_salt=self.cache_salt,
+            owner=self.owner,
         )
         error: SpecdecError = self.replicas.none_found()
         placement = self.replicas.placement
@@ -238,8 +259,17 @@ class VerifySession:
                     self.replicas.mark_down(self.replica)
                 self.release()
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
-                await self.open(deadline, wait_while_full=True)
+                await self._rebuild(deadline)
                 self.rebuilds += 1
+
+    async def _rebuild(self, deadline: float) -> None:
+        """Prefills the committed log again on a replica by ``deadline`` (time.monotonic()), waiting
+        its turn in ``admit`` (the fair queue, as the request's client) while every replica is full,
+        as a new request does."""
+        if self.admit is None:
+            await self.open(deadline, wait_while_full=True)
+        else:
+            await self.admit(lambda: self.open(deadline), rebuild_deadline=deadline)
 
     def release(self) -> None:
         """Releases the session in the background (nothing when none is open)."""

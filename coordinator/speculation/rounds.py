@@ -58,7 +58,7 @@ from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.adaptive import AdaptiveK, Matches
 from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
-from coordinator.speculation.failover import DecodeAhead, VerifyReplicas, VerifySession
+from coordinator.speculation.failover import Admit, DecodeAhead, VerifyReplicas, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.lookups.ngram import NgramIndex, NgramMatch
 from specdec.lookups.suffix import SuffixIndex, SuffixMatch
@@ -71,11 +71,6 @@ from specdec.v1 import common_pb2, verify_pb2
 log = logging.getLogger(__name__)
 RELEASE_RETRY_S = 1.0  # the pause before another try of a Release the service did not answer, seconds
 INDEX_CHUNK = 64  # prompt tokens the lookups index between two turns of the event loop (about 1 ms)
-# Runs a verify session's opening (the function that makes the call) until it is let in
-Admit = Callable[
-    [Callable[[], Awaitable[verify_pb2.VerifyServicePrefillResponse]]],
-    Awaitable[verify_pb2.VerifyServicePrefillResponse],
-]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,9 +147,11 @@ class RequestRounds:
     stored ones); ``lookups``: the coordinator's own model-free lookups by name (hybrid drafting
     under adaptive K); ``draft_retry_s``, ``failover_timeout_s`` in seconds; ``running_requests()``: the
     requests the coordinator runs now, this one included (the load the first token's decision on
-    the draft counts, see :meth:`prefill`). How the request uses the draft (draft-ahead, when its
-    session prefills) is its plan, ``request.draft`` (:class:`coordinator.api.request.DraftPlan`).
-    Each round's record says whether its proposal was drafted ahead (``RoundRecord.draft_ahead``)."""
+    the draft counts, see :meth:`prefill`); ``owner``: the tag of the request's client that its
+    sessions carry (:func:`coordinator.api.admission.owner_tag`). How the request uses the draft
+    (draft-ahead, when its session prefills) is its plan, ``request.draft``
+    (:class:`coordinator.api.request.DraftPlan`). Each round's record says whether its proposal was
+    drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
         self,
@@ -168,6 +165,7 @@ class RequestRounds:
         failover_timeout_s: float = 60.0,
         running_requests: Callable[[], int] = lambda: 1,
         decode_ahead: bool = True,
+        owner: str = "",
     ):
         self.session_prefix = session_prefix
         self.request = request
@@ -183,6 +181,7 @@ class RequestRounds:
             lambda: self._new_session_id("d"),
             self._in_background,
             draft_retry_s,
+            owner,
         )
         self.verify = VerifySession(
             replicas,
@@ -192,6 +191,7 @@ class RequestRounds:
             self._in_background,
             failover_timeout_s,
             request.cache_salt,
+            owner,
         )
         self.running_requests = running_requests
         self.num_rounds = 0
@@ -213,7 +213,8 @@ class RequestRounds:
         RESOURCE_EXHAUSTED when no replica takes it; waits for a replica to answer up to
         ``failover_timeout_s`` (the only one may be restarting). ``admit(open)`` runs the opening
         (``open()``, retried while every replica is full: the coordinator's fair queue,
-        :class:`coordinator.api.admission.FairQueue`); None: once.
+        :class:`coordinator.api.admission.FairQueue`); None: once. Rebuilds of the session wait
+        their turn in ``admit`` too.
 
         The draft session (when the request uses one) is prefilled in the background when the
         first round may use it (:meth:`DraftSide.opens_at_once` under ``policy``, None for a
@@ -240,6 +241,7 @@ class RequestRounds:
         def open_verify() -> Awaitable[verify_pb2.VerifyServicePrefillResponse]:
             return self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
 
+        self.verify.admit = admit
         try:
             response = await (admit(open_verify) if admit else open_verify())
         finally:

@@ -250,7 +250,7 @@ class LlamaCppLM(BatchedLM):
         """Every token's text in id order (for the vocabulary fingerprint)."""
         return [llama_cpp.llama_vocab_get_text(self._vocab, i).decode("utf-8") for i in range(self.vocab_size)]
 
-    def allocate(self) -> int:
+    def allocate(self, owner: str = "") -> int:  # llama.cpp's KV is allocated up front: nothing is preempted
         with self._lock:
             if len(self._seqs) + len(self._unplaced) >= self.max_num_seqs:
                 raise ResourceExhausted(

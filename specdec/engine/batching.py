@@ -50,9 +50,10 @@ class BatchedLM(abc.ABC):
     prefix_caching: bool = False
 
     @abc.abstractmethod
-    def allocate(self) -> int:
-        """A new, empty sequence's id. Raises :class:`specdec.rpc.errors.ResourceExhausted` when the
-        store has no room for another."""
+    def allocate(self, owner: str = "") -> int:
+        """A new, empty sequence's id; ``owner`` (an opaque tag: whom its session serves) decides,
+        in a store that preempts, whose sequence gives first. Raises
+        :class:`specdec.rpc.errors.ResourceExhausted` when the store has no room for another."""
 
     @abc.abstractmethod
     def free(self, seq_id: int) -> None:

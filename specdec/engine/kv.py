@@ -47,7 +47,8 @@ tracer = trace.get_tracer(__name__)
 class SequenceKV:
     """One session's sequence in a :class:`specdec.engine.batching.BatchedLM`, with the bookkeeping rule
     of the module docstring. A batched step feeds it through :meth:`step` and :meth:`appended`;
-    :meth:`extend` runs a forward of this sequence alone.
+    :meth:`extend` runs a forward of this sequence alone. ``owner``: whom the session serves (see
+    :meth:`specdec.engine.batching.BatchedLM.allocate`).
 
     ``cache_salt``: the partition of the store's prefix cache the sequence finds its prefix in
     and shares its own KV in ("": the unsalted one).
@@ -55,10 +56,10 @@ class SequenceKV:
     Raises ResourceExhausted (from the model's KV store) when no sequence can be allocated.
     """
 
-    def __init__(self, lm: BatchedLM, cache_salt: str = ""):
+    def __init__(self, lm: BatchedLM, cache_salt: str = "", owner: str = ""):
         self.lm = lm
         self.cache_salt = cache_salt
-        self.seq_id = lm.allocate()
+        self.seq_id = lm.allocate(owner)
         self.cached_tokens: list[int] = []
         self._agreed = 0  # leading cached tokens known to equal the committed log
         self.num_cached_tokens = 0  # committed tokens found in the prefix cache (attach_prefix)

@@ -30,8 +30,10 @@ default: :mod:`specdec.engine.kv_budget`):
   left for the running sequences to grow into; else RESOURCE_EXHAUSTED, before any work runs,
   saying whether the context could ever fit.
 - *Preemption* (vLLM's recompute preemption, in :meth:`RaggedLM.forward`): when a step cannot
-  have the blocks a sequence's new tokens need, the most recently admitted sequence that holds
-  any (it may be the one asking) is preempted: its KV is dropped, its step (if in this one) does
+  have the blocks a sequence's new tokens need, a sequence of the owner whose sequences hold the
+  most blocks (each sequence's owner given at :meth:`RaggedLM.allocate`: the coordinator's client,
+  so that one key's long requests give first, not another key's short ones), its most recently
+  admitted that holds any (it may be the one asking), is preempted: its KV is dropped, its step (if in this one) does
   not run, and :meth:`RaggedLM.lost` says why, so the engine fails its calls (NOT_FOUND; a
   prefill, RESOURCE_EXHAUSTED) and the service drops its session, which the coordinator rebuilds
   from its committed log. The other sequences of the step run.
@@ -136,6 +138,7 @@ class _Sequence:
     cache_salt: str = ROOT
     promised: int = 0
     lost: str | None = None
+    owner: str = ""
 
     @property
     def outstanding(self) -> int:
@@ -369,7 +372,7 @@ class RaggedLM(BatchedLM):
             for _ in range(config.num_hidden_layers)
         ]
         self._free = list(range(self._first_blocks))  # a heap: the lowest free block first, so the pool stays compact
-        self._sequences: dict[int, _Sequence] = {}  # in admission (allocation) order: the last is preempted first
+        self._sequences: dict[int, _Sequence] = {}  # in admission (allocation) order
         # the sequences with blocks promised and not taken yet (still prefilling): those the budget's
         # arithmetic sums over, so that it costs no sum over every sequence
         self._prefilling: set[_Sequence] = set()
@@ -385,10 +388,10 @@ class RaggedLM(BatchedLM):
         # from other threads
         self._lock = threading.Lock()
 
-    def allocate(self) -> int:
+    def allocate(self, owner: str = "") -> int:
         with self._lock:
             seq_id, self._next_id = self._next_id, self._next_id + 1
-            self._sequences[seq_id] = _Sequence()
+            self._sequences[seq_id] = _Sequence(owner=owner)
         return seq_id
 
     def free(self, seq_id: int) -> None:
@@ -556,27 +559,42 @@ class RaggedLM(BatchedLM):
         return self.max_blocks - self._used_blocks()
 
     def _make_room(self, sequence: _Sequence, length: int) -> None:
-        """Gives ``sequence`` the blocks of ``length`` positions, preempting the most recently
-        admitted sequences that hold any until they fit (``sequence`` itself, when it is its turn:
-        it then takes nothing)."""
+        """Gives ``sequence`` the blocks of ``length`` positions, preempting sequences
+        (:meth:`_victim`) until they fit (``sequence`` itself, when it is its turn: it then takes
+        nothing)."""
         needed = -(-length // BLOCK_SIZE) - len(sequence.blocks)
         if needed <= 0:  # most steps: the new tokens fit the last block (and no sum over the sequences)
             return
         while needed > self._available() + sequence.outstanding:
-            victim = next((s for s in reversed(self._sequences.values()) if s.holds_kv), sequence)
+            victim = self._victim() or sequence
             self._preempt(victim)
             if victim is sequence:
                 return
         self._reserve(sequence, length)
+
+    def _victim(self) -> _Sequence | None:
+        """The sequence to preempt: the most recently admitted one holding KV of the owner whose
+        sequences hold the most blocks (taken or promised); of owners holding as many, the one
+        admitted last. None when no sequence holds any."""
+        held: dict[str, int] = {}
+        newest: dict[str, tuple[int, _Sequence]] = {}
+        for order, candidate in enumerate(self._sequences.values()):  # in admission order
+            if candidate.holds_kv:
+                held[candidate.owner] = held.get(candidate.owner, 0) + max(len(candidate.blocks), candidate.promised)
+                newest[candidate.owner] = (order, candidate)
+        if not held:
+            return None
+        owner = max(held, key=lambda o: (held[o], newest[o][0]))
+        return newest[owner][1]
 
     def _preempt(self, sequence: _Sequence) -> None:
         """Drops the sequence's KV (vLLM's recompute preemption: it is computed again from the
         committed log when its session is rebuilt)."""
         sequence.lost = (
             f"preempted: the KV budget of the {self.name} ({SETTING} = {self.kv_cache_max_bytes} bytes) was full "
-            "when a running session needed room to grow, and this session was the most recently admitted; prefill "
-            "it again (the coordinator rebuilds it from its committed log), or raise --kv-cache-max-bytes or lower "
-            "max_sessions"
+            "when a running session needed room to grow, and this session was the most recently admitted of the "
+            "owner holding the most KV; prefill it again (the coordinator rebuilds it from its committed log), or "
+            "raise --kv-cache-max-bytes or lower max_sessions"
         )
         self._prefilling.discard(sequence)
         self._release(sequence)

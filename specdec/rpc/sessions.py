@@ -1,7 +1,16 @@
 """Per-session state on a service: bounded in number, evicted when idle, dropped when its KV was
 preempted, used one call at a time (a session's calls in the order they came; a caller may send
-its next call before the last one is answered, :meth:`SessionRegistry.start_when_free`)."""
+its next call before the last one is answered, :meth:`SessionRegistry.start_when_free`).
 
+Fair by owner: each session serves an owner (the coordinator's client, an opaque tag in its
+Prefill). A Prefill refused for want of room (sessions, or the KV budget) marks its owner as
+waiting for :data:`FAIR_SHARE_WINDOW_S`; meanwhile an owner that holds more sessions than a waiting
+one is refused too, so that the room that appears goes to the owner holding fewer (max-min fair
+shares of the sessions). The service sees the Prefills of every coordinator replica, so this holds
+across them: a key that reaches many coordinators gets no more of the service than one that
+reaches one."""
+
+import collections
 import contextlib
 import logging
 import threading
@@ -19,6 +28,10 @@ log = logging.getLogger(__name__)
 # (session ids are never reused, so remembering one cannot harm a later session). Such a Prefill
 # runs in one of the service's few handler threads: far fewer than this are ever pending.
 MAX_RELEASED_UNKNOWN = 4096
+# How long an owner refused for want of room counts as waiting, seconds: longer than the coordinator's
+# retries of a waiting request (every 0.25 s), short enough that room kept for an owner that gave up
+# is soon given to others.
+FAIR_SHARE_WINDOW_S = 1.0
 
 
 class Session(Protocol):
@@ -35,6 +48,7 @@ S = TypeVar("S", bound=Session)
 @dataclass
 class _Entry(Generic[S]):
     session: S
+    owner: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     # calls waiting for the lock without a thread (start_when_free), in arrival order; written
@@ -59,7 +73,8 @@ class SessionRegistry(Generic[S]):
         self.lost = lost or (lambda session: None)
         self._entries: dict[str, _Entry[S]] = {}
         self._released_unknown: OrderedDict[str, bool] = OrderedDict()  # released before they were open
-        self._opening: set[str] = set()  # sessions whose Prefill (the factory) is running
+        self._opening: dict[str, str] = {}  # sessions whose Prefill (the factory) is running -> their owner
+        self._waiting: dict[str, float] = {}  # owners refused for want of room -> when (time.monotonic())
         self._lock = threading.Lock()
         self.num_evicted = 0  # sessions released for being idle, not by a Release
 
@@ -77,8 +92,11 @@ class SessionRegistry(Generic[S]):
             sessions = [entry.session for entry in self._entries.values()]
         return sum(session.kv_cache_bytes() for session in sessions)
 
-    def open(self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False) -> S:
-        """Creates a session and returns it. No session outlives a Prefill its caller gave up on: ``abandoned``
+    def open(
+        self, session_id: str, factory: Callable[[], S], abandoned: Callable[[], bool] = lambda: False, owner: str = ""
+    ) -> S:
+        """Creates a session of ``owner`` and returns it (fairly by owner: see the module docstring).
+        No session outlives a Prefill its caller gave up on: ``abandoned``
         is asked once it exists (after the prefill in ``factory``), and True (the caller cancelled
         meanwhile) releases it at once; so does a Release of ``session_id`` that came before the
         session existed (the caller's cancel was not seen, or came too late to fail the call).
@@ -94,24 +112,48 @@ class SessionRegistry(Generic[S]):
             if session_id in self._entries or session_id in self._opening:
                 raise AlreadyExists(f"session {session_id!r} already exists: release it first")
             if len(self._entries) + len(self._opening) >= self.max_sessions:
+                self._waiting[owner] = time.monotonic()
                 raise ResourceExhausted(
                     f"{len(self._entries) + len(self._opening)} sessions are open, the limit is "
                     f"{self.max_sessions}: retry later or raise max_sessions"
                 )
-            self._opening.add(session_id)
+            if (fewer := self._waiting_with_fewer(owner)) is not None:
+                self._waiting[owner] = time.monotonic()
+                raise ResourceExhausted(
+                    f"room is kept for another caller that was refused for want of it and holds {fewer} sessions, "
+                    "fewer than this one's (fair shares by owner): retry later or raise max_sessions"
+                )
+            self._opening[session_id] = owner
         try:
             session = factory()
-        except BaseException:
+        except BaseException as err:
             with self._lock:
-                self._opening.discard(session_id)
+                del self._opening[session_id]
+                if isinstance(err, ResourceExhausted):  # the KV budget is full: waiting for room too
+                    self._waiting[owner] = time.monotonic()
             raise
         with self._lock:  # from opening to open in one step: no moment where the id is free
-            self._opening.discard(session_id)
-            entry = self._entries[session_id] = _Entry(session)
+            del self._opening[session_id]
+            self._waiting.pop(owner, None)  # it got room
+            entry = self._entries[session_id] = _Entry(session, owner)
             released_early = self._released_unknown.pop(session_id, False)
         if released_early or abandoned():
             self.release(session_id)
         return entry.session
+
+    def _waiting_with_fewer(self, owner: str) -> int | None:
+        """The fewest sessions held by another owner refused for want of room in the last
+        FAIR_SHARE_WINDOW_S, when that is fewer than ``owner`` holds; else None (holding the lock)."""
+        now = time.monotonic()
+        for gone in [o for o, at in self._waiting.items() if now - at > FAIR_SHARE_WINDOW_S]:
+            del self._waiting[gone]
+        others = [o for o in self._waiting if o != owner]
+        if not others:
+            return None
+        held = collections.Counter(entry.owner for entry in self._entries.values())
+        held.update(self._opening.values())
+        fewest = min(held[o] for o in others)
+        return fewest if fewest < held[owner] else None
 
     @contextlib.contextmanager
     def use(self, session_id: str) -> Iterator[S]:
