@@ -1,5 +1,7 @@
-"""The HTTP API's request body limit: a body over ``max_bytes`` gets 413 in OpenAI's error shape,
-naming the setting, before the app parses it.
+"""The HTTP API's bounds on request bodies, in OpenAI's error shape naming the setting, before the
+app parses them: a body over ``max_bytes`` gets 413 (:class:`BodyLimit`), and a client with too
+many bodies still arriving gets 429 (:class:`PendingBodies`). The deadline on a body's arrival is
+the connection's (:class:`coordinator.api.http_api.BoundedHttpProtocol`).
 
 Starlette (1.10) and FastAPI (0.165) have a ``max_body_size`` of their own, but answer a declared
 Content-Length over it with a plain-text "Content Too Large" that replaces the app's response, so a
@@ -7,6 +9,9 @@ client can neither parse it as an OpenAI error nor learn what to change; uvicorn
 This middleware refuses a declared Content-Length at once and counts the bytes of a chunked body
 as the app reads them.
 """
+
+from collections import Counter
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -46,3 +51,58 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class PendingBodies:
+    """ASGI middleware: at most ``max_per_client`` requests of one client (``client(scope)``: its
+    API key's or its address's name) may have a body still arriving. A request with a body
+    (Content-Length over 0, or chunked) counts from its header until the app has read the body's
+    last bytes or answered; one more of the same client is answered ``answer(HTTPException(429))``
+    (an ASGI app) without reading its body. A body that arrives at once counts only for the moment
+    it takes to read, so this bounds what slow senders hold, not how many requests a client sends."""
+
+    def __init__(self, app: ASGIApp, max_per_client: int, client: Callable[[Scope], str], answer):
+        self.app, self.max_per_client, self.client, self.answer = app, max_per_client, client, answer
+        self.pending: Counter[str] = Counter()
+
+    @staticmethod
+    def _has_body(scope: Scope) -> bool:
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "")
+        return (length.isdigit() and int(length) > 0) or "chunked" in headers.get("transfer-encoding", "").lower()
+
+    def _too_many(self) -> HTTPException:
+        return HTTPException(
+            429,
+            f"this client already sends {self.max_per_client} request bodies that have not arrived yet, the "
+            "coordinator's limit per client (http_max_pending_bodies_per_client): send each body at once, or "
+            "raise --http-max-pending-bodies-per-client",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.max_per_client or not self._has_body(scope):
+            return await self.app(scope, receive, send)
+        client = self.client(scope)
+        if self.pending[client] >= self.max_per_client:
+            return await self.answer(self._too_many())(scope, receive, send)
+        self.pending[client] += 1
+        counted = True
+
+        def arrived() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.pending[client] -= 1
+                if not self.pending[client]:
+                    del self.pending[client]
+
+        async def reading() -> Message:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                arrived()
+            return message
+
+        try:
+            await self.app(scope, reading, send)
+        finally:
+            arrived()
