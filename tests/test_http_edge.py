@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
+from coordinator.api.body_limit import count_items
 from coordinator.api.client import generate_choices
 from coordinator.settings import CoordinatorSettings
 from specdec.engine.models import load_causal_lm
@@ -179,9 +180,35 @@ def test_too_many_chat_messages_are_refused_before_they_are_parsed(edge, tiny_mo
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * count}).encode()
         status, _, got = exchange(edge.http_port, head("/v1/chat/completions", length=len(body)) + b"\r\n" + body)
         assert status == 400 and got["error"]["param"] == "messages", got
-        assert f"messages has {count} messages" in got["error"]["message"]
+        assert f"messages has more than {MAX_MESSAGES} messages" in got["error"]["message"]
         assert "--max-chat-messages" in got["error"]["message"]
     served(edge.http_port, str(tiny_models.target_dir))
+
+
+def test_a_chat_with_more_braces_than_the_limit_but_few_messages_is_served(edge, tiny_models):
+    """Its messages are counted one by one (the body has more objects than the limit), and it runs."""
+    content = "int main() { return 0; } " * (MAX_MESSAGES + 1)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    data = body.encode()
+    status, _, got = exchange(edge.http_port, head("/v1/chat/completions", length=len(data)) + b"\r\n" + data)
+    assert status == 200 and got["usage"]["completion_tokens"] == 2, got
+
+
+@pytest.mark.parametrize(
+    "body,count",
+    [
+        (b'{"messages": [1, 2, 3]}', 3),
+        (b'{"messages": [1, 2], "messages": [1, 2, 3, 4, 5, 6, 7]}', 5),  # json takes the last: so does the count
+        (b'{"model": {"messages": [1, 2, 3, 4, 5, 6]}, "messages": []}', 0),  # only the top level's
+        (b' {\n"messages" :\t[ {"role": "user"} , {} ] }', 2),
+        (b"[1, 2]", None),
+        (b'{"messages": [1, 2', None),
+        (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+        (b"\xff", None),
+    ],
+)
+def test_count_items(body, count):
+    assert count_items(body, "messages", 4) == count
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ Work is bounded before it is done: a connection's request header must arrive wit
 ``http_header_timeout_s`` and stay within ``http_max_header_bytes`` and ``http_max_headers`` (431),
 its body within ``http_body_timeout_s`` of it (408) (:class:`BoundedHttpProtocol`); the API key is
 checked before the body is read (:class:`coordinator.api.auth.ApiKeyMiddleware`), a client may have
-at most ``http_max_pending_bodies_per_client`` bodies still arriving (429) and a body's size is
-counted as it is read (413) (:mod:`coordinator.api.body_limit`); a chat request's messages are
-counted before they are parsed (``max_chat_messages``, 400); a request naming an unknown model is
+at most ``http_max_pending_bodies_per_client`` bodies still arriving (429), a body's size is
+counted as it is read (413) and a chat's messages before its JSON is decoded (``max_chat_messages``,
+400) (:mod:`coordinator.api.body_limit`); a request naming an unknown model is
 answered from the names known (:class:`ModelNames`, 404). Idle keep-alive connections close after
 ``http_keep_alive_timeout_s``, and at most ``http_max_connections`` connections are served (503
 beyond, uvicorn's ``limit_concurrency``). JSON nested too deep to parse is a 400 (FastAPI's), in
@@ -47,7 +47,7 @@ from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from coordinator.api.auth import ApiKeyMiddleware, ApiKeys, Unauthenticated
-from coordinator.api.body_limit import BodyLimit, PendingBodies
+from coordinator.api.body_limit import BodyLimit, ChatMessagesLimit, PendingBodies
 from coordinator.api.client import FINISH_REASONS, Completion
 from coordinator.api.logprobs import RequestLogprobs
 from coordinator.api.openai_schema import (
@@ -56,12 +56,11 @@ from coordinator.api.openai_schema import (
     CompletionRequest,
     ResponseShape,
     StreamOptions,
-    chat_request_model,
     specdec_metrics,
     usage,
 )
 from coordinator.api.output import StreamStalled, written
-from coordinator.api.request import prompt_ids, too_many_messages
+from coordinator.api.request import prompt_ids
 from coordinator.settings import CoordinatorSettings
 from specdec.rpc.errors import SpecdecError
 from specdec.rpc.server import SHUTDOWN_GRACE_S
@@ -227,14 +226,15 @@ def _sse(data: dict) -> str:
 def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
     """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`, whose
     ``keys`` and ``settings`` it takes); request bodies over ``max_body_bytes`` get 413, and a
-    client's bodies still arriving past ``http_max_pending_bodies_per_client`` 429
-    (:mod:`coordinator.api.body_limit`); chat requests over ``max_chat_messages`` messages 400
-    before their messages are parsed."""
+    client's bodies still arriving past ``http_max_pending_bodies_per_client`` 429, and chat
+    requests over ``max_chat_messages`` messages 400 before their JSON is decoded
+    (:mod:`coordinator.api.body_limit`)."""
     settings = servicer.settings
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(
-        BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
+        ChatMessagesLimit, path="/v1/chat/completions", max_messages=settings.max_chat_messages, answer=_refused_body
     )
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, answer=_refused_body)
     app.add_middleware(
         PendingBodies,
         max_per_client=settings.http_max_pending_bodies_per_client,
@@ -246,7 +246,6 @@ def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> 
     app.add_middleware(ApiKeyMiddleware, keys=servicer.keys, answer=lambda err: _error(ApiError.from_specdec(err)))
     models = ModelNames(servicer.replicas.info, served_model_names)
     started = int(time.time())
-    Chat = chat_request_model(settings.max_chat_messages)
 
     @app.get("/health")
     async def health() -> dict:
@@ -262,7 +261,7 @@ def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> 
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: Chat, http: Request):  # type: ignore[valid-type]  # a model made at run time
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         return await _complete(body, http, chat=True)
 
     @app.post("/v1/completions")
@@ -400,6 +399,13 @@ def _error(err: ApiError, close: bool = False) -> JSONResponse:
     return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
 
 
+def _refused_body(err: HTTPException) -> JSONResponse:
+    """A body refused by :mod:`coordinator.api.body_limit`: 413, or 400 for a chat's messages."""
+    if err.status_code == 400:
+        return _error(ApiError(400, err.detail, "messages", "invalid_value"))
+    return _error(ApiError(err.status_code, err.detail, None, None))
+
+
 def _validation_message(err: RequestValidationError) -> ApiError:
     """A 400 for the first field pydantic refused, naming it: ``messages[0].role: Field required``."""
     first = err.errors()[0]
@@ -408,10 +414,6 @@ def _validation_message(err: RequestValidationError) -> ApiError:
         return ApiError(
             400, f"the request body is not valid JSON ({detail}): send one JSON object", None, "invalid_json"
         )
-    if first.get("type") == "too_long" and tuple(first.get("loc", ())) == ("body", "messages"):
-        ctx = first.get("ctx", {})
-        message = too_many_messages("messages", ctx.get("actual_length", 0), ctx.get("max_length", 0))
-        return ApiError(400, message, "messages", "invalid_value")
     path = ""
     for part in first.get("loc", ())[1:]:  # after "body"
         path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.client import Completion
 from specdec.rpc.errors import SpecdecError
@@ -401,14 +401,6 @@ class ChatCompletionRequest(_Request):
                 texts.append(part.text)
             content = "\n".join(texts)
         return coordinator_pb2.ChatMessage(role=ROLES[message.role], content=content or "")
-
-
-def chat_request_model(max_messages: int) -> type[ChatCompletionRequest]:
-    """ChatCompletionRequest with at most ``max_messages`` messages. pydantic checks a list's
-    length before its items, so a longer list is refused (a ``too_long`` error on ``messages``)
-    without a message parsed: 200,000 messages take about 7 ms to refuse, 0.6 s to parse."""
-    messages = (list[ChatMessage], Field(min_length=1, max_length=max_messages))
-    return create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, messages=messages)
 
 
 class CompletionRequest(_Request):

@@ -119,8 +119,9 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]
     return list(ids["input_ids"])
 
 
-def too_many_messages(field: str, num_messages: int, max_chat_messages: int) -> str:
-    """The error message of a chat of ``num_messages`` messages in ``field``, more than the limit."""
+def too_many_messages(field: str, num_messages: int | str, max_chat_messages: int) -> str:
+    """The error message of a chat of ``num_messages`` messages (a number, or "more than N") in
+    ``field``, more than the limit."""
     return (
         f"{field} has {num_messages} messages: at most {max_chat_messages} are allowed (the coordinator's "
         "--max-chat-messages)"
