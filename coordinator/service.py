@@ -7,6 +7,7 @@ round (attributes: :func:`coordinator.observability.tracing.round_attributes`), 
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -22,6 +23,7 @@ from coordinator.api import choices
 from coordinator.api import request as request_validation
 from coordinator.api.admission import ClientLimit, FairQueue, Overloaded
 from coordinator.api.auth import ApiKeys, Caller, peer_host
+from coordinator.api.cache_salt import cache_salt
 from coordinator.api.http_api import HttpLimits, HttpServer, create_app
 from coordinator.api.output import StreamOutput, written
 from coordinator.api.request import LOOKUPS, ResolvedRequest
@@ -104,9 +106,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(probe_interval=settings.probe_interval, step_budget=settings.step_budget)
-        # the outputs of earlier and running requests, for suffix lookups (raises ValueError for negative bounds)
+        # the outputs of earlier and running requests, for suffix lookups, partitioned by cache salt
+        # (raises ValueError for negative bounds)
         self.suffix_cache = SuffixCache(
-            max_requests=settings.suffix_max_cached_requests, max_tokens=settings.suffix_max_cached_tokens
+            max_requests=settings.suffix_max_cached_requests,
+            max_tokens=settings.suffix_max_cached_tokens,
+            max_partitions=settings.suffix_max_cache_partitions,
         )
         self.keys = ApiKeys(settings.api_keys)
         self.client_limit = ClientLimit(store, settings.max_streams_per_client)
@@ -183,8 +188,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.metrics.num_requests_running.dec()
             self._num_running -= len(requests)
 
-    async def _resolve(self, request):
-        """The validated request, the target's GetInfo and, under adaptive K, the request's policy."""
+    async def _resolve(self, request, owner: str):
+        """The validated request of ``owner``, its cache salt set
+        (:func:`coordinator.api.cache_salt.cache_salt`), the target's GetInfo and, under adaptive
+        K, the request's policy, warm-started from the owner's estimates (every owner's with
+        ``shared_caches``)."""
         verify_info, draft_info = await asyncio.gather(
             self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_service.info()
         )
@@ -197,14 +205,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             verify_info,
             draft_info,
         )
+        shared = self.settings.shared_caches
+        resolved = dataclasses.replace(resolved, cache_salt=cache_salt(owner, request.cache_salt, shared))
         policy = None
         if resolved.adaptive:
+            estimates_of = "" if shared else owner  # whose acceptance estimates it starts from and adds to
             drafter = None  # the request's lookup alone
             if resolved.uses_draft_service:
                 assert draft_info is not None  # resolve() refuses a drafter of a draft service never reached
                 drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
             with contextlib.suppress(StoreUnavailable):
-                self.adaptive.set_priors(verify_info.model, await self.store.load_priors(verify_info.model))
+                priors = await self.store.load_priors(verify_info.model, estimates_of)
+                self.adaptive.set_priors(verify_info.model, priors, estimates_of)
             lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
             policy = self.adaptive.policy(
                 drafter,
@@ -213,6 +225,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 {name: lengths[name] for name in self._lookup_names(resolved)},
                 self._num_running - 1,
                 hidden_behind_verify=resolved.draft.hidden_behind_verify,
+                owner=estimates_of,
             )
         return resolved, verify_info, policy
 
@@ -225,10 +238,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return list(self.settings.hybrid_lookups) if self.settings.hybrid or not resolved.drafter else []
 
     def _new_lookup(self, name: str, resolved):
-        """A new request's index of lookup ``name`` (the suffix one shares the coordinator's output cache)."""
+        """A new request's index of lookup ``name`` (the suffix one shares the coordinator's output
+        cache, in the request's partition)."""
         if name == NGRAM:
             return NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
-        return SuffixIndex(self.suffix_cache, len(resolved.prompt_ids))
+        return SuffixIndex(self.suffix_cache, len(resolved.prompt_ids), cache_salt=resolved.cache_salt)
 
     async def _stored(self, request, owner: str) -> StoredRequest | None:
         """The stored request a resume continues (None for a new request), looked up among
@@ -283,7 +297,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         :meth:`_resolve` raises, FAILED_PRECONDITION for a resume on another target,
         ALREADY_EXISTS for a new request whose id the owner already uses."""
         request_id = request.request_id
-        resolved, verify_info, policy = await self._resolve(stored.request if stored else request)
+        resolved, verify_info, policy = await self._resolve(stored.request if stored else request, owner)
         resuming = stored is not None
         if stored is not None:
             check_same_target(stored, verify_info)
@@ -395,7 +409,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics.observe_faults(rounds.draft.failures, rounds.verify.rebuilds)
         if running.policy:
             self.adaptive.remember(running.policy)
-            self._background.run(self._save_priors(running.target))
+            self._background.run(self._save_priors(running.target, running.policy.owner))
 
     def close(self) -> None:
         """Stops the admission's background tasks (lease renewals, the queue's retries)."""
@@ -444,9 +458,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         response.metrics.CopyFrom(stored.metrics)
         return response
 
-    async def _save_priors(self, target: str) -> None:
+    async def _save_priors(self, target: str, owner: str) -> None:
         with contextlib.suppress(StoreUnavailable):
-            await self.store.save_priors(target, self.adaptive.priors_of(target))
+            await self.store.save_priors(target, self.adaptive.priors_of(target, owner), owner)
 
 
 async def serve(

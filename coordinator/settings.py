@@ -154,6 +154,14 @@ class CoordinatorSettings(ServiceSettings):
         description="A file of further API keys, one per line (blank lines and # comments skipped); a file that "
         "cannot be read stops the coordinator's start.",
     )
+    shared_caches: bool = Field(
+        False,
+        description="Share the services' prefix caches, the suffix lookup's cache of outputs and the learnt "
+        "acceptance estimates across API keys (a trusted deployment whose keys all serve one tenant). Off: each "
+        "key has a partition of its own, so no key's cached tokens, timings or draft proposals depend on "
+        "another's prompts or outputs (docs/security.md#tenants-and-the-caches). A request's own cache_salt "
+        "partitions either way.",
+    )
     draft_addresses: CommaSeparated = Field(
         [],
         description="host:port of every draft replica (a draft pool), comma-separated; a host may be a DNS name, "
@@ -232,6 +240,13 @@ class CoordinatorSettings(ServiceSettings):
     )
     suffix_max_cached_tokens: int = Field(
         16384, description="...and at most this many tokens, the oldest output evicted first."
+    )
+    suffix_max_cache_partitions: int = Field(
+        64,
+        ge=1,
+        description="Partitions of that cache (one per cache salt: an API key's, or one a request names), a "
+        "request drafting only from its own partition's outputs; a new one drops the least recently used whole. "
+        "The requests and tokens above bound all partitions together, the partition holding most giving first.",
     )
     draft_shares_target_cores: bool = Field(
         False,

@@ -43,6 +43,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.suffix_min_token_prob,
                 settings.suffix_max_cached_requests,
                 settings.suffix_max_cached_tokens,
+                settings.suffix_max_cache_partitions,
             )
         elif name == "llama-cpp":
             from draft_service.drafters.llama_cpp import LlamaCppDrafter
@@ -150,7 +151,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             sampling = dataclasses.replace(sampling, structured_output=None)
 
         def open_session() -> DraftSession:
-            session = drafter.new_session(sampling)
+            session = drafter.new_session(sampling, request.cache_salt)
             try:
                 session.prefill(request.token_ids)
             except BaseException:

@@ -53,7 +53,8 @@ class DraftSettings(SessionServiceSettings):
     enable_prefix_caching: bool = Field(
         True,
         description="Prefix caching for the model drafters: a prefill reuses the KV of the longest prefix of its "
-        "context that an earlier or a concurrent session computed. llama-cpp: token by token, from the sequences "
+        "context that an earlier or a concurrent session of the same cache salt (the tenant's partition, sent by "
+        "the coordinator) computed. llama-cpp: token by token, from the sequences "
         "of freed sessions (kept until a new session takes their sequence) or of live ones; transformers: whole "
         "blocks of 16 committed tokens, bounded by prefix_cache_max_tokens.",
     )
@@ -95,10 +96,21 @@ class DraftSettings(SessionServiceSettings):
         0.1, description="Lowest estimated probability of a suffix drafter's proposed token (running product)."
     )
     suffix_max_cached_requests: int = Field(
-        256, description="Outputs the suffix drafter's shared cache holds, oldest evicted first (0: off)."
+        256,
+        description="Outputs the suffix drafter's shared cache holds over all its partitions, the oldest of the "
+        "partition holding most evicted first (0: off).",
     )
     suffix_max_cached_tokens: int = Field(
-        16384, description="Tokens the suffix drafter's shared cache holds, oldest output evicted first."
+        16384,
+        description="Tokens the suffix drafter's shared cache holds over all its partitions, the oldest output of "
+        "the partition holding most evicted first.",
+    )
+    suffix_max_cache_partitions: int = Field(
+        64,
+        ge=1,
+        description="Partitions of the suffix drafter's shared cache (one per cache salt: a tenant's, or one a "
+        "request names); a new one drops the least recently used whole. A session drafts only from its own "
+        "partition's outputs.",
     )
     grammar_aware_drafting: bool = Field(
         True,

@@ -10,7 +10,11 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 6. a token-id prompt against the same text; JSON nested 100,000 deep;
 7. key ka sends 1,100 bodies that never end; 8. four bodies of 200,000 chat messages at once;
 9. 2,000 requests naming unknown models; 10. a 1 MB request header, and one of 10,000 fields;
-   each while /health is probed every 20 ms and key kb asks for a completion.
+   each while /health is probed every 20 ms and key kb asks for a completion;
+11. key ka sends a system prompt of about 1,000 tokens no one sent before (then again with another
+   question, and a second turn), then key kb sends it: the prompt tokens each finds cached and its
+   time to first token, kb's against a prompt of the same length that no one sent (a coordinator
+   with `--shared-caches` gives kb ka's).
 
     .venv/bin/python scripts/abuse_check.py
 """
@@ -24,6 +28,8 @@ import socket
 import threading
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
 import grpc
 
@@ -313,6 +319,38 @@ def huge_headers(http_port: int) -> None:
         print(f"10. {name}: {statuses[0]} in {took:.0f} ms ({message[:100]})")
 
 
+def cross_tenant_prefix(grpc_address: str) -> None:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    text = (Path(__file__).parents[1] / "benchmarks/conversation/system_prompt.txt").read_text()
+
+    def system_prompt() -> str:  # about 1,000 tokens that no one sent before
+        return tokenizer.decode(tokenizer(f"Session {uuid.uuid4().hex}. {text} {text}").input_ids[:1000])
+
+    def ask(key: str, *messages: tuple[str, str]) -> tuple[str, int, float]:
+        request = coordinator_pb2.GenerateRequest(
+            chat=coordinator_pb2.ChatMessages(
+                messages=[coordinator_pb2.ChatMessage(role=role, content=content) for role, content in messages]
+            ),
+            max_new_tokens=16,
+            temperature=0,
+        )
+        completion = generate(grpc_address, request, timeout_s=300, api_key=key)
+        return completion.text, completion.metrics.num_cached_prompt_tokens, completion.metrics.time_to_first_token_ms
+
+    theirs, fresh = ("system", system_prompt()), ("system", system_prompt())
+    question = ("user", "What is our refund policy?")
+    answer, *first = ask("ka", theirs, question)
+    again = ask("ka", theirs, ("user", "How do I reset my password?"))[1:]
+    turn = ask("ka", theirs, question, ("assistant", answer), ("user", "And for digital goods?"))[1:]
+    other, control = ask("kb", theirs, question)[1:], ask("kb", fresh, question)[1:]
+    print(
+        "11. ka's ~1,000-token system prompt (cached prompt tokens, TTFT): "
+        f"ka first {first[0]}, {first[1]:.0f} ms; ka again (another question) {again[0]}, {again[1]:.0f} ms; "
+        f"ka's second turn {turn[0]}, {turn[1]:.0f} ms;\n    kb with ka's {other[0]}, {other[1]:.0f} ms; "
+        f"kb with one no one sent {control[0]}, {control[1]:.0f} ms"
+    )
+
+
 def main() -> None:
     os.environ["SPECDEC_API_KEYS"] = ",".join(KEYS)
     metrics_port = free_port()
@@ -337,6 +375,7 @@ def main() -> None:
         many_chat_messages(cluster.http_port)
         unknown_models(cluster.http_port)
         huge_headers(cluster.http_port)
+        cross_tenant_prefix(grpc_address)
     finally:
         cluster.stop()
 

@@ -539,6 +539,27 @@ def test_sessions_warm_start_from_the_previous_ones():
     assert lookup_only.drafter is None and lookup_only.lookups[NGRAM][1].rates == [0.75] * 4
 
 
+def test_an_owner_warm_starts_from_its_own_requests_alone():
+    """Warm starts are per owner: requests of ka whose drafts all failed lower ka's estimates, not
+    kb's, whose requests start from the priors; kb's own requests still teach kb's."""
+    state = AdaptiveState(prior_rate=0.8)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
+    for _ in range(5):  # an attacker's requests, every draft rejected
+        steering = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="ka")
+        steering.acceptance.rates = [0.0] * 4
+        steering.lookups[NGRAM][0].rates = [0.0] * 4
+        state.remember(steering)
+    victim = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="kb")
+    assert victim.acceptance.rates == [0.8] * 4
+    assert [m.rates for m in victim.lookups[NGRAM]] == [[0.5] * 4] * 2
+    assert state.policy(drafter, target, k_max=4, lookups={}, owner="ka").acceptance.rates[0] < 0.1
+    assert state.priors_of("t", "kb")["llama-cpp"] == [0.8] * 4
+    victim.acceptance.rates = [1.0] * 4
+    state.remember(victim)
+    assert state.policy(drafter, target, k_max=4, lookups={}, owner="kb").acceptance.rates == [0.9] * 4
+
+
 # a verify service measured alone and at a step of 16 sequences (GetInfo)
 BATCHING_TARGET = verify_pb2.VerifyServiceGetInfoResponse(
     model="t",

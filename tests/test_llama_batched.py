@@ -139,11 +139,11 @@ def caching(drafter):
     lm.close()
 
 
-def prefill(lm: LlamaCppLM, context: list[int]) -> tuple[int, int]:
-    """A new sequence: its prefix from the cache, then the rest of ``context`` but its last token
-    (as a session's prefill); its handle and the tokens found."""
+def prefill(lm: LlamaCppLM, context: list[int], cache_salt: str = "") -> tuple[int, int]:
+    """A new sequence of ``cache_salt``: its prefix from the cache, then the rest of ``context`` but
+    its last token (as a session's prefill); its handle and the tokens found."""
     seq = lm.allocate()
-    found = lm.attach_prefix(seq, context[:-1])
+    found = lm.attach_prefix(seq, context[:-1], cache_salt)
     if found < len(context) - 1:
         lm.forward([SequenceStep(seq, context[found:-1], 0)])
     return seq, found
@@ -222,6 +222,27 @@ def test_a_donor_away_from_the_live_ids_is_copied_next_to_them(caching, alone):
     finally:
         caching.free(new)
         caching.free(live)
+
+
+@pytest.mark.real_model
+def test_a_donor_lends_only_to_sessions_of_its_own_cache_salt(caching, alone):
+    """Neither a freed sequence (in place) nor a live one (by a copy) lends its prefix to a session
+    of another salt, which computes the context itself; one of the same salt finds it."""
+    shared = [*PROMPTS[0], *PROMPTS[2]]  # 18 tokens: worth a copy (MIN_COPIED_TOKENS)
+    live, _ = prefill(caching, [*shared, 5, 6], "ka")
+    freed, _ = prefill(caching, [*shared, 7, 8], "ka")
+    caching.free(freed)
+    other, found = prefill(caching, [*shared, 2000, 3], "kb")
+    try:
+        assert found == 0
+        (logits,) = caching.forward([SequenceStep(other, [3])])
+        assert_close(logits[-1], fresh_logits(alone, [[*shared, 2000, 3]])[0])
+    finally:
+        caching.free(other)
+    same, found = prefill(caching, [*shared, 2000, 3], "ka")
+    assert found == len(shared)
+    caching.free(same)
+    caching.free(live)
 
 
 @pytest.mark.real_model

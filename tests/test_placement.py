@@ -32,6 +32,20 @@ def test_block_chains_name_prefixes():
     assert block_chain(b[:16] + a[16:32])[1] != block_chain(a)[1]  # the same block after another one
 
 
+def test_a_prompt_follows_only_the_blocks_of_its_own_cache_salt():
+    """The services' caches are partitioned by cache salt, and so is what placement remembers of
+    them: another salt's prompt matches nothing of the blocks placed for this one."""
+    a = prompt(1, 64)
+    assert block_chain(a, cache_salt="ka") != block_chain(a) and block_chain(a, cache_salt="kb") != block_chain(
+        a, cache_salt="ka"
+    )
+    placement = Placement()
+    placement.opening("r1", a, "ka")
+    state = placement.state("r1")
+    assert state.matched_blocks(block_chain(a, cache_salt="ka")) == 4
+    assert state.matched_blocks(block_chain(a, cache_salt="kb")) == state.matched_blocks(block_chain(a)) == 0
+
+
 def test_sessions_without_a_shared_prefix_spread_evenly():
     counts = place(Placement(), [prompt(i) for i in range(48)])
     assert max(counts.values()) - min(counts.values()) <= 2, counts  # ties within a session go by hash

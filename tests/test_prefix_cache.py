@@ -8,6 +8,7 @@ never written) and test_llama_batched.py (llama.cpp donors)."""
 import uuid
 
 import pytest
+import torch
 
 from coordinator.api.client import generate
 from specdec.engine.prefix_cache import ROOT, PrefixCache
@@ -24,9 +25,11 @@ def blocks_of(tokens: list[int]) -> list[list[int]]:
     return [tokens[i : i + B] for i in range(0, len(tokens) - B + 1, B)]
 
 
-def register_chain(cache: PrefixCache, tokens: list[int], first_block: int) -> list[int]:
-    """Registers ``tokens``' full blocks as blocks first_block, first_block + 1, ...; their nodes."""
-    nodes, parent = [], ROOT
+def register_chain(cache: PrefixCache, tokens: list[int], first_block: int, cache_salt: str = ROOT) -> list[int]:
+    """Registers ``tokens``' full blocks as blocks first_block, first_block + 1, ... of a sequence
+    of ``cache_salt``; their nodes."""
+    nodes: list[int] = []
+    parent: int | str = cache_salt
     for i, block_tokens in enumerate(blocks_of(tokens)):
         parent = cache.register(parent, block_tokens, first_block + i)
         nodes.append(parent)
@@ -89,6 +92,19 @@ def test_keys_hold_the_token_ids_and_a_block_holds_a_whole_block():
         PrefixCache(0, 1)
 
 
+def test_sequences_of_different_cache_salts_never_share_a_block():
+    """vLLM's cache_salt: the salt is the first block's parent, so a chain registered under one
+    salt is found under that salt only, and the same tokens under another salt are another chain."""
+    cache = PrefixCache(B, max_blocks=8)
+    tokens = list(range(50, 62))
+    nodes = register_chain(cache, tokens, first_block=0, cache_salt="ka")
+    assert cache.match(tokens, "ka") == ([0, 1, 2], nodes)
+    assert cache.match(tokens, "kb") == ([], []) and cache.match(tokens) == ([], [])
+    theirs = register_chain(cache, tokens, first_block=3, cache_salt="kb")  # computed again: blocks of its own
+    assert not set(theirs) & set(nodes)
+    assert cache.match(tokens, "kb") == ([3, 4, 5], theirs)
+
+
 def unique_tokens(count: int) -> list[int]:
     """Token ids no other test's context begins with (the tiny target's cache is shared)."""
     start = uuid.uuid4().int % 40000 + 1000
@@ -119,6 +135,25 @@ def test_a_prefill_attaches_the_cached_prefix_and_counts_it(tiny_target):
         assert sample("specdec_prefix_cache_tokens", {"engine": "verify"}) >= 4 * BLOCK_SIZE  # kept for later
     finally:
         tiny_target.engine.metrics = saved
+
+
+def test_a_session_finds_only_its_own_salts_prefix(tiny_target):
+    """The verify side: a session salted otherwise computes the whole context again (0 cached),
+    while one of the first session's salt finds it; each session's logits stay a fresh prefill's."""
+    context = unique_tokens(3 * BLOCK_SIZE + 5)
+    first = tiny_target.new_session(context, SamplingParams(), cache_salt="ka")
+    other = tiny_target.new_session(context, SamplingParams(), cache_salt="kb")
+    unsalted = tiny_target.new_session(context, SamplingParams())
+    same = tiny_target.new_session(context, SamplingParams(), cache_salt="ka")
+    sessions = [first, other, unsalted, same]
+    try:
+        assert [s.kv_cache.num_cached_tokens for s in sessions] == [0, 0, 0, 3 * BLOCK_SIZE]
+        logits = [s.next_logits() for s in sessions]
+        for row in logits[1:]:
+            assert torch.allclose(row, logits[0], atol=1e-5)
+    finally:
+        for session in sessions:
+            session.close()
 
 
 MAX_NEW = 24  # rounds enough for the draft session, prefilled in the background, to be in use

@@ -137,6 +137,18 @@ def test_acceptance_priors_are_shared(with_store):
     with_store(scenario)
 
 
+def test_acceptance_priors_are_kept_per_owner(with_store):
+    async def scenario(store):
+        target = f"target-{time.monotonic_ns()}"
+        await store.save_priors(target, {"llama-cpp": [0.1]}, owner="ka")
+        await store.save_priors(target, {"llama-cpp": [0.9]}, owner="kb")
+        assert await store.load_priors(target, "ka") == {"llama-cpp": [0.1]}
+        assert await store.load_priors(target, "kb") == {"llama-cpp": [0.9]}
+        assert await store.load_priors(target) == {}  # the requests of no owner: none yet
+
+    with_store(scenario)
+
+
 def test_journal_survives_redis_loss_and_rewrites_the_record(redis_server):
     """While Redis is down the journal's writes fail (counted, not raised); the first write after
     it returns, empty, puts the whole record back."""

@@ -11,7 +11,15 @@ from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
-from specdec.lookups.suffix import ROOT, ProposalLimits, SuffixCache, SuffixIndex, SuffixMatch, SuffixTree
+from specdec.lookups.suffix import (
+    MAX_SPARE_NODES,
+    ROOT,
+    ProposalLimits,
+    SuffixCache,
+    SuffixIndex,
+    SuffixMatch,
+    SuffixTree,
+)
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
@@ -94,26 +102,72 @@ def test_cache_evicts_the_oldest_output_beyond_its_bounds():
     cache = SuffixCache(max_depth=16, max_requests=2, max_tokens=1000)
     for i in range(3):
         index([0], cache).lookup([0, 100 + i, 200 + i, 300 + i], 4)
-    assert list(cache.tree.sequences.values()) == [[101, 201, 301], [102, 202, 302]]
+    assert list(cache.partitions[""].sequences.values()) == [[101, 201, 301], [102, 202, 302]]
     assert index([0, 100], cache).lookup([0, 100], 4) is None  # evicted
     assert index([0, 101], cache).lookup([0, 101], 4).tokens == [201, 301]
 
     by_tokens = SuffixCache(max_depth=16, max_requests=100, max_tokens=5)
     for i in range(3):
         index([0], by_tokens).lookup([0, 2 * i, 2 * i + 1], 4)
-    assert list(by_tokens.tree.sequences.values()) == [[2, 3], [4, 5]] and by_tokens.tree.num_tokens == 4
+    assert (
+        list(by_tokens.partitions[""].sequences.values()) == [[2, 3], [4, 5]]
+        and by_tokens.partitions[""].num_tokens == 4
+    )
     # the running request's output keeps growing past the bound: the oldest goes first, then itself
     running = index([0], by_tokens)
     running.lookup([0, *range(50, 54)], 1)
-    assert list(by_tokens.tree.sequences.values()) == [[50, 51, 52, 53]]
+    assert list(by_tokens.partitions[""].sequences.values()) == [[50, 51, 52, 53]]
     running.lookup([0, *range(50, 60)], 1)
-    assert by_tokens.tree.num_tokens == 0 and not by_tokens.tree.sequences
+    assert by_tokens.partitions[""].num_tokens == 0 and not by_tokens.partitions[""].sequences
+
+
+def salted(prompt: list[int], cache: SuffixCache, cache_salt: str) -> SuffixIndex:
+    return SuffixIndex(cache, len(prompt), UNLIMITED, cache_salt)
+
+
+def test_a_partition_drafts_only_its_own_outputs():
+    """One tenant's output is proposed to a later request of its own salt, never to another's."""
+    cache = SuffixCache(max_depth=16, max_requests=8, max_tokens=1000)
+    salted([9, 2, 3], cache, "ka").lookup([9, 2, 3, 60, 61, 62, 63], 4)
+    assert salted([7], cache, "kb").lookup([7, 60, 61], 4) is None
+    assert index([7], cache).lookup([7, 60, 61], 4) is None  # nor to the unsalted partition
+    assert salted([7], cache, "ka").lookup([7, 60, 61], 4).tokens == [62, 63]
+
+
+def test_the_largest_partition_gives_first_and_the_least_recently_used_goes_whole():
+    """Over the bound in tokens, the partition holding most loses its oldest output, not the small
+    one's; past max_partitions a new salt drops the least recently used partition."""
+    cache = SuffixCache(max_depth=16, max_requests=100, max_tokens=8, max_partitions=2)
+    salted([0], cache, "small").lookup([0, 1, 2], 1)
+    big = salted([0], cache, "big")
+    big.lookup([0, 10, 11, 12], 1)
+    salted([0], cache, "big").lookup([0, 20, 21, 22], 1)  # 8 tokens: at the bound
+    salted([0], cache, "big").lookup([0, 30, 31], 1)
+    assert list(cache.partitions["small"].sequences.values()) == [[1, 2]]
+    assert list(cache.partitions["big"].sequences.values()) == [[20, 21, 22], [30, 31]]
+    big.lookup([0, 10, 11, 12, 13], 1)  # evicted: adds no more
+    assert salted([5], cache, "small").lookup([5, 1], 1).tokens == [2]  # "small" used last
+    salted([0], cache, "new").lookup([0, 40], 1)
+    assert list(cache.partitions) == ["small", "new"]  # "big" dropped whole
+
+
+def test_a_partition_gives_back_the_memory_of_what_it_evicted():
+    """A partition that held many tokens and then few keeps few nodes: its tree is built again."""
+    cache = SuffixCache(max_depth=16, max_requests=100, max_tokens=MAX_SPARE_NODES // 4, max_partitions=2)
+    tokens = list(range(1000, 1000 + MAX_SPARE_NODES // 4))
+    salted([0], cache, "ka").lookup([0, *tokens], 1)
+    grown = len(cache.partitions["ka"]._counts)
+    assert grown > MAX_SPARE_NODES
+    salted([0], cache, "kb").lookup([0, *range(10)], 1)  # ka's output goes: its nodes with it
+    assert not cache.partitions["ka"].sequences
+    assert len(cache.partitions["ka"]._counts) < grown // 4
+    assert shape(cache.partitions["kb"]) == shape(cache.partitions["kb"].rebuilt())
 
 
 def test_a_disabled_cache_holds_nothing():
     cache = SuffixCache(max_depth=16, max_requests=0)
     index([1], cache).lookup([1, 2, 3, 2], 2)
-    assert not cache.tree.sequences and cache.tree.children(ROOT) == {}
+    assert not cache.partitions
 
 
 def test_incremental_updates_and_removal_equal_a_fresh_build():
@@ -206,6 +260,20 @@ def test_drafter_sessions_share_their_outputs():
     second.prefill([4, 70, 71])
     proposal = second.propose(4)
     assert proposal.tokens == [72, 73] and proposal.probs is None  # a point mass on each token
+
+
+def test_drafter_sessions_of_another_salt_do_not_share_outputs():
+    drafter = SuffixDrafter()
+    first = drafter.new_session(SamplingParams(), "ka")
+    first.prefill([1, 2, 3])
+    first.sync([70, 71, 72, 73])
+    first.propose(4)  # its output goes to the cache, in ka's partition
+    other = drafter.new_session(SamplingParams(), "kb")
+    other.prefill([4, 70, 71])
+    assert other.propose(4).tokens == []
+    same = drafter.new_session(SamplingParams(), "ka")
+    same.prefill([4, 70, 71])
+    assert same.propose(4).tokens == [72, 73]
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             session = self.sessions.open(
                 request.session_id,
                 lambda: self.target.new_session(
-                    request.token_ids, sampling, context.time_remaining(), abandoned, request.decode
+                    request.token_ids, sampling, context.time_remaining(), abandoned, request.decode, request.cache_salt
                 ),
                 abandoned=abandoned,
             )

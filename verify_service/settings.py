@@ -59,8 +59,9 @@ class VerifySettings(SessionServiceSettings):
     enable_prefix_caching: bool = Field(
         True,
         description="Prefix caching: a prefill reuses the KV of the longest prefix of its context (whole blocks "
-        "of 16 committed tokens) that an earlier or a concurrent session computed (a shared system prompt, a "
-        "chat's earlier turns) instead of computing it again.",
+        "of 16 committed tokens) that an earlier or a concurrent session of the same cache salt computed (a shared "
+        "system prompt, a chat's earlier turns) instead of computing it again; the coordinator salts each session "
+        "with its tenant's partition, so a tenant never finds another's.",
     )
     kv_cache_max_bytes: int = Field(
         0,

@@ -210,13 +210,14 @@ class Target:
         timeout_s: float | None = None,
         abandoned: Callable[[], bool] | None = None,
         decode: bool = False,
+        cache_salt: str = "",
     ) -> "TargetSession":
         """Opens a session and runs prefill (``timeout_s`` and ``abandoned`` as in
         :meth:`specdec.engine.engine.Engine.run`; ``decode``: and the first decode step, see
-        :meth:`TargetSession.prefill`; the tokens found in the prefix cache are the session's
-        ``kv_cache.num_cached_tokens``). Raises InvalidArgument for an empty or too long context
-        or ids out of range or top_logprobs above the vocabulary size, Unavailable when the deadline
-        passes first."""
+        :meth:`TargetSession.prefill`; the tokens found in the prefix cache, in its partition
+        ``cache_salt``, are the session's ``kv_cache.num_cached_tokens``). Raises InvalidArgument
+        for an empty or too long context or ids out of range or top_logprobs above the vocabulary
+        size, Unavailable when the deadline passes first."""
         if not committed:
             raise InvalidArgument("token_ids is empty: prefill needs at least one token")
         if len(committed) >= self.max_context_length:
@@ -229,7 +230,7 @@ class Target:
             raise InvalidArgument(
                 f"top_logprobs is {sampling.top_logprobs}: it must not exceed the vocabulary size ({self.vocab_size})"
             )
-        session = TargetSession(self, sampling)
+        session = TargetSession(self, sampling, cache_salt)
         try:
             session.prefill(committed, timeout_s, abandoned, decode)
         except BaseException:
@@ -386,16 +387,17 @@ class _FirstToken(_Verify):
 
 
 class TargetSession:
-    """One request's committed tokens and its sequence in the target's KV store. ``last_step``:
-    the step that served the last call; ``last_logprobs``: with ``sampling.logprobs``, the
-    log-probabilities of the tokens the last :meth:`verify` committed, one per token."""
+    """One request's committed tokens and its sequence in the target's KV store, in the prefix
+    cache's partition ``cache_salt``. ``last_step``: the step that served the last call;
+    ``last_logprobs``: with ``sampling.logprobs``, the log-probabilities of the tokens the last
+    :meth:`verify` committed, one per token."""
 
-    def __init__(self, target: Target, sampling: SamplingParams):
+    def __init__(self, target: Target, sampling: SamplingParams, cache_salt: str = ""):
         self.target = target
         self.sampling = sampling
         self.committed: list[int] = []
         self.grammar: GrammarMatcher | None = None  # with structured output: the state after committed
-        self.kv_cache = SequenceKV(target.lm)
+        self.kv_cache = SequenceKV(target.lm, cache_salt)
         self.last_step = StepStats()
         self.last_logprobs: list[common_pb2.TokenLogprobs] = []
 

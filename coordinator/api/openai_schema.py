@@ -237,8 +237,8 @@ class StructuredOutputs(BaseModel):
 
 class _Request(BaseModel):
     """Fields of both endpoints. ``top_k``, ``num_speculative_tokens``, ``drafter``,
-    ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``structured_outputs`` are
-    vLLM-style extensions (in the OpenAI SDK: ``extra_body``)."""
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``structured_outputs`` and
+    ``cache_salt`` are vLLM-style extensions (in the OpenAI SDK: ``extra_body``)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -262,6 +262,7 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = None
 
     def check_supported(self) -> None:
         """Raises ApiError (400) for a field specdec does not implement, naming it."""
@@ -332,6 +333,7 @@ class _Request(BaseModel):
             ("repetition_penalty", self.repetition_penalty, "repetition_penalty"),
             ("min_tokens", self.min_tokens, "min_tokens"),
             ("ignore_eos", self.ignore_eos, "ignore_eos"),
+            ("cache_salt", self.cache_salt, "cache_salt"),
         ]:
             if value is not None:
                 _set(request, name, value, param)

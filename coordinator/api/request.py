@@ -71,6 +71,9 @@ class ResolvedRequest:
     grammar_tokenizer: LLTokenizer | None = None
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
     draft: DraftPlan = DraftPlan()  # how it uses the draft service (when it does: uses_draft_service)
+    # the partition of the services' shared caches it uses (coordinator.api.cache_salt): set by the
+    # coordinator from the caller's owner and the request's cache_salt, never the API key itself
+    cache_salt: str = ""
 
     @property
     def uses_draft_service(self) -> bool:

@@ -23,6 +23,8 @@ cluster slot; ``<id>`` is the store id):
                                      GenerateResponse carrying only them (appending such bytes
                                      appends to the list: protobuf merges repeated fields)
     specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
+    specdec:acceptance-of:<owner>:<target>  the same, of one owner's requests (adaptive K's warm
+                                   starts are per owner: coordinator.speculation.adaptive.AdaptiveState)
     specdec:running:{<client>}     sorted set: the client's running requests' leases -> their
                                    expiry (unix ms), see :meth:`RequestStore.acquire_leases`
 
@@ -177,12 +179,13 @@ class RequestStore(abc.ABC):
         or expired)."""
 
     @abc.abstractmethod
-    async def load_priors(self, target: str) -> dict[str, list[float]]:
-        """Per-position acceptance rates per drafter (``ngram/<n>`` for n-gram lookup) for ``target``."""
+    async def load_priors(self, target: str, owner: str = "") -> dict[str, list[float]]:
+        """Per-position acceptance rates per drafter (``ngram/<n>`` for n-gram lookup) for
+        ``target``, learnt from ``owner``'s requests ("": the requests of no owner)."""
 
     @abc.abstractmethod
-    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        """Replaces the rates of the drafters in ``priors`` for ``target``."""
+    async def save_priors(self, target: str, priors: dict[str, list[float]], owner: str = "") -> None:
+        """Replaces the rates of the drafters in ``priors`` for ``target`` and ``owner``."""
 
     @abc.abstractmethod
     async def acquire_leases(self, client: str, leases: list[str], limit: int, ttl_s: float) -> int | None:
@@ -208,7 +211,7 @@ class MemoryStore(RequestStore):
     def __init__(self, ttl_s: float):
         super().__init__(ttl_s)
         self._requests: dict[str, tuple[StoredRequest, float]] = {}  # id -> (record, expiry)
-        self._priors: dict[str, dict[str, list[float]]] = {}
+        self._priors: dict[tuple[str, str], dict[str, list[float]]] = {}  # by (target, owner)
         self._leases: dict[str, dict[str, float]] = {}  # client -> lease id -> expiry (time.monotonic())
 
     def _live(self, stored_as: str) -> StoredRequest | None:
@@ -250,11 +253,11 @@ class MemoryStore(RequestStore):
         record = self._live(stored_as)
         return copy.deepcopy(record) if record else None
 
-    async def load_priors(self, target: str) -> dict[str, list[float]]:
-        return copy.deepcopy(self._priors.get(target, {}))
+    async def load_priors(self, target: str, owner: str = "") -> dict[str, list[float]]:
+        return copy.deepcopy(self._priors.get((target, owner), {}))
 
-    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        self._priors.setdefault(target, {}).update(copy.deepcopy(priors))
+    async def save_priors(self, target: str, priors: dict[str, list[float]], owner: str = "") -> None:
+        self._priors.setdefault((target, owner), {}).update(copy.deepcopy(priors))
 
     async def acquire_leases(self, client: str, leases: list[str], limit: int, ttl_s: float) -> int | None:
         now = time.monotonic()
@@ -429,13 +432,17 @@ class RedisStore(RequestStore):
             return None
         return StoredRequest.from_redis(stored_as, fields, token_bytes, stored_logprobs)
 
-    async def load_priors(self, target: str) -> dict[str, list[float]]:
-        fields = await self._run("load_priors", lambda: self.redis.hgetall(f"specdec:acceptance:{target}"))
+    @staticmethod
+    def _priors_key(target: str, owner: str) -> str:
+        return f"specdec:acceptance-of:{owner}:{target}" if owner else f"specdec:acceptance:{target}"
+
+    async def load_priors(self, target: str, owner: str = "") -> dict[str, list[float]]:
+        fields = await self._run("load_priors", lambda: self.redis.hgetall(self._priors_key(target, owner)))
         return {key.decode(): json.loads(value) for key, value in fields.items()}
 
-    async def save_priors(self, target: str, priors: dict[str, list[float]]) -> None:
+    async def save_priors(self, target: str, priors: dict[str, list[float]], owner: str = "") -> None:
         mapping: dict[FieldT, EncodableT] = {source: json.dumps(rates) for source, rates in priors.items()}
-        await self._run("save_priors", lambda: self.redis.hset(f"specdec:acceptance:{target}", mapping=mapping))
+        await self._run("save_priors", lambda: self.redis.hset(self._priors_key(target, owner), mapping=mapping))
 
     @staticmethod
     def _leases_key(client: str) -> str:

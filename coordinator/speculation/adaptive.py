@@ -444,6 +444,7 @@ class AdaptiveK:
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
     hidden_behind_verify: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
     bids: MutableMapping["AdaptiveK", Bid] | None = None  # the step budget's bids on this target (None: off)
+    owner: str = ""  # whose warm starts it began from and blends into (AdaptiveState.remember)
     lookup_ledger: LookupLedger = field(default_factory=LookupLedger)
     _rounds_without_drafter: int = 0
 
@@ -757,7 +758,13 @@ class AdaptiveState:
     ``forced_prior_rate`` seeds the forced-token lookup's: high, as the target is masked by the same
     grammar, so a forced token fails only where the grammar also allows another tokenization of
     the same text; it is observed every round too. ``step_budget``: the requests on one target
-    bid for one speculation budget per step (``bids``, by target model; :meth:`AdaptiveK._within_budget`)."""
+    bid for one speculation budget per step (``bids``, by target model; :meth:`AdaptiveK._within_budget`).
+
+    Warm starts are kept per owner (the API key's owner hash; "" without keys, or for every key
+    with ``--shared-caches``): a request starts from, and blends into, its own owner's only, so no
+    tenant's requests can steer another's estimates (say, lower its K with requests whose drafts
+    all fail; docs/security.md#tenants-and-the-caches). Step costs stay shared: they measure the
+    services, which every request meets alike."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
@@ -766,7 +773,7 @@ class AdaptiveState:
     request_weight: float = 0.5
     step_budget: bool = True
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
-    priors: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    priors: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # by (source, target, owner)
     bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
 
     def policy(
@@ -777,6 +784,7 @@ class AdaptiveState:
         lookups: Mapping[str, int],
         others: int = 0,
         hidden_behind_verify: bool = False,
+        owner: str = "",
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
@@ -785,7 +793,7 @@ class AdaptiveState:
         load it assumes until its first round reports the service's. ``hidden_behind_verify``: the
         request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
         prices its rounds; not where the draft shares the target's cores: its forwards ahead then
-        slow the verify they would hide behind)."""
+        slow the verify they would hide behind). ``owner``: whose warm starts it uses."""
         name = drafter.name if drafter else None
         key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
@@ -802,10 +810,10 @@ class AdaptiveState:
         return AdaptiveK(
             k_max,
             name,
-            self._warm_start(name, target.model, k_max, self.prior_rate) if name else None,
+            self._warm_start(name, target.model, k_max, self.prior_rate, owner) if name else None,
             {
                 lookup: [
-                    self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate)
+                    self._warm_start(f"{lookup}/{n}", target.model, k_max, self.lookup_prior_rate, owner)
                     for n in range(1, lengths + 1)
                 ]
                 for lookup, lengths in lookups.items()
@@ -814,25 +822,31 @@ class AdaptiveState:
             target.model,
             self.probe_interval,
             load=Load(others_seqs=others, others_tokens=others),
-            forced=self._warm_start(FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate),
+            forced=self._warm_start(
+                FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate, owner
+            ),
             hidden_behind_verify=hidden_behind_verify,
             bids=self.bids.setdefault(target.model, weakref.WeakKeyDictionary()) if self.step_budget else None,
+            owner=owner,
         )
 
-    def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float) -> AcceptanceModel:
-        prior = self.priors.setdefault((source, target), [])
+    def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float, owner: str) -> AcceptanceModel:
+        prior = self.priors.setdefault((source, target, owner), [])
         prior += [prior_rate] * (k_max - len(prior))
         return AcceptanceModel(prior[:k_max])
 
-    def priors_of(self, target: str) -> dict[str, list[float]]:
-        """The warm starts for ``target`` by source (drafter, ``ngram/<n>``, ``forced``), for the request store."""
-        return {source: list(rates) for (source, model), rates in self.priors.items() if model == target}
+    def priors_of(self, target: str, owner: str = "") -> dict[str, list[float]]:
+        """``owner``'s warm starts for ``target`` by source (drafter, ``ngram/<n>``, ``forced``),
+        for the request store."""
+        return {
+            source: list(rates) for (source, model, of), rates in self.priors.items() if (model, of) == (target, owner)
+        }
 
-    def set_priors(self, target: str, priors: dict[str, list[float]]) -> None:
-        """Replaces warm starts for ``target`` with those from the request store (every coordinator
-        replica's requests blend into them)."""
+    def set_priors(self, target: str, priors: dict[str, list[float]], owner: str = "") -> None:
+        """Replaces ``owner``'s warm starts for ``target`` with those from the request store (every
+        coordinator replica's requests of that owner blend into them)."""
         for source, rates in priors.items():
-            self.priors[(source, target)] = list(rates)
+            self.priors[(source, target, owner)] = list(rates)
 
     def remember(self, policy: AdaptiveK) -> None:
         """Blends an ended request's acceptance estimates into the warm starts, and takes its bid
@@ -840,6 +854,6 @@ class AdaptiveState:
         if policy.bids is not None:
             policy.bids.pop(policy, None)
         for source, model in policy.acceptance_models().items():
-            prior = self.priors[(source, policy.target)]
+            prior = self.priors[(source, policy.target, policy.owner)]
             for i, rate in enumerate(model.rates):
                 prior[i] = ema(prior[i], rate, self.request_weight)

@@ -63,11 +63,11 @@ class DraftService:
         """Records that a call found ``replica`` unreachable or late."""
         self._down_until[replica] = time.monotonic() + self.down_s
 
-    def order(self, prompt: Sequence[int] = ()) -> list[str]:
-        """The replicas in the order to open a session over ``prompt`` on (placement's choice
-        first), those down last."""
+    def order(self, prompt: Sequence[int] = (), cache_salt: str = "") -> list[str]:
+        """The replicas in the order to open a session over ``prompt`` of ``cache_salt`` on
+        (placement's choice first), those down last."""
         replicas = self.clients.draft_replicas.addresses
-        return self.placement.rank(replicas, prompt, [r for r in replicas if self.down(r)])
+        return self.placement.rank(replicas, prompt, [r for r in replicas if self.down(r)], cache_salt)
 
     async def _marking_down(self, replica: str, call: Awaitable):
         try:
@@ -286,7 +286,8 @@ class DraftSide:
     async def _open(self) -> tuple[int, float]:
         """Prefills a new session with the committed log; returns the tokens the draft computed and
         the Prefill's ms."""
-        session_id, order = self.new_session_id(), self.service.order(self.committed)
+        cache_salt = self.request.cache_salt
+        session_id, order = self.new_session_id(), self.service.order(self.committed, cache_salt)
         if not order:
             raise Unavailable("no draft replica found")
         replica = order[0]  # a failure marks it down: the next try goes to another
@@ -295,10 +296,11 @@ class DraftSide:
             drafter=self.request.drafter,
             token_ids=self.committed,
             sampling=self.request.sampling.to_proto(),
+            cache_salt=cache_salt,
         )
         seen, start = len(self.committed), time.perf_counter()  # rounds may commit more while the prefill runs
         placement = self.service.placement
-        placement.opening(replica, self.committed[:seen])
+        placement.opening(replica, self.committed[:seen], cache_salt)
         try:
             response = await self.service.prefill(replica, request)
         except BaseException as err:

@@ -40,14 +40,14 @@ class VerifyReplicas:
         self.placement = clients.placements["verify"]
         self._down_until: dict[str, float] = {}
 
-    def order(self, prompt: Sequence[int] = ()) -> list[str]:
+    def order(self, prompt: Sequence[int] = (), cache_salt: str = "") -> list[str]:
         """Every verify replica discovery finds, in the order to try them for a session over
-        ``prompt`` (placement's choice first), those that failed in the last ``down_s`` seconds
-        last."""
+        ``prompt`` of ``cache_salt`` (placement's choice first), those that failed in the last
+        ``down_s`` seconds last."""
         now = time.monotonic()
         replicas = self.clients.verify_replicas.addresses
         down = [r for r in replicas if self._down_until.get(r, 0.0) > now]
-        return self.placement.rank(replicas, prompt, down)
+        return self.placement.rank(replicas, prompt, down, cache_salt)
 
     def mark_down(self, replica: str) -> None:
         """Records that a verify replica failed a call."""
@@ -89,7 +89,8 @@ class VerifySession:
     """A request's session on the verify service: its id and the replica holding it (one of
     ``replicas``). ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
     names each new session; ``in_background`` runs a Release (a function that makes the call)
-    without waiting for it."""
+    without waiting for it; ``cache_salt``: the partition of the replicas' prefix caches its
+    sessions use (:func:`coordinator.api.cache_salt.cache_salt`)."""
 
     def __init__(
         self,
@@ -99,8 +100,10 @@ class VerifySession:
         new_session_id: Callable[[], str],
         in_background: Callable,
         failover_timeout_s: float,
+        cache_salt: str = "",
     ):
         self.replicas, self.clients = replicas, replicas.clients
+        self.cache_salt = cache_salt
         self.committed, self.sampling = committed, sampling
         self.new_session_id, self.in_background = new_session_id, in_background
         self.failover_timeout_s = failover_timeout_s
@@ -125,14 +128,18 @@ class VerifySession:
         open it."""
         session_id = self.new_session_id()
         request = verify_pb2.VerifyServicePrefillRequest(
-            session_id=session_id, token_ids=self.committed, sampling=self.sampling.to_proto(), decode=decode
+            session_id=session_id,
+            token_ids=self.committed,
+            sampling=self.sampling.to_proto(),
+            decode=decode,
+            cache_salt=self.cache_salt,
         )
         error: SpecdecError = self.replicas.none_found()
         placement = self.replicas.placement
         while True:
             unreachable = not self.clients.verify_replicas.addresses  # none found yet: discovery may find some
-            for replica in self.replicas.order(self.committed):
-                placement.opening(replica, self.committed)
+            for replica in self.replicas.order(self.committed, self.cache_salt):
+                placement.opening(replica, self.committed, self.cache_salt)
                 try:
                     response = await self.clients.prefill_verify(replica, request)
                 except (ResourceExhausted, FailedPrecondition) as err:  # full now; or its KV budget too small ever

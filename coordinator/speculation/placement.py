@@ -9,8 +9,9 @@ replica:
   it there, and only there. The coordinator remembers, per replica, the block chains of the
   prompts it placed there (blocks of :data:`BLOCK_SIZE` tokens, each named by the hash of the
   whole prefix it ends, so a chain matches only from the start: the key the services' prefix
-  caches use), at most ``memory_blocks`` per replica, least recently placed forgotten first. A
-  prompt's match on a replica is its leading blocks found there. The services' own caches may
+  caches use; keyed with the request's cache salt, as the services' caches are partitioned by it,
+  so a tenant's prompts follow only its own), at most ``memory_blocks`` per replica, least recently
+  placed forgotten first. A prompt's match on a replica is its leading blocks found there. The services' own caches may
   have evicted what this remembers, or hold what another coordinator placed: a guess, as SGLang's
   cache-aware router's radix trees and llm-d's prefix scorer are, which only costs a prefill that
   might have been skipped.
@@ -72,10 +73,10 @@ LATENCY_TTL_S = 2.0
 HASH_MIDDLE_FROM_BLOCKS = 8
 
 
-def block_chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+def block_chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE, cache_salt: str = "") -> list[bytes]:
     """The names of ``tokens``' whole leading blocks: entry i hashes blocks 0..i (so equal names
-    mean equal prefixes), 16 bytes each."""
-    chain, digest = [], hashlib.blake2b(digest_size=16)
+    mean equal prefixes of the same ``cache_salt``, the hash's key), 16 bytes each."""
+    chain, digest = [], hashlib.blake2b(digest_size=16, key=cache_salt.encode())
     for end in range(block_size, len(tokens) + 1, block_size):
         digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[end - block_size : end]))
         chain.append(digest.copy().digest())
@@ -172,15 +173,17 @@ class Placement:
         for gone in [r for r in self._replicas if r not in kept]:
             del self._replicas[gone]
 
-    def rank(self, replicas: Sequence[str], prompt: Sequence[int], down: Iterable[str] = ()) -> list[str]:
-        """``replicas`` in the order to try them for a new session over ``prompt``: the choice
-        first, the rest by weighted load, those in ``down`` last."""
+    def rank(
+        self, replicas: Sequence[str], prompt: Sequence[int], down: Iterable[str] = (), cache_salt: str = ""
+    ) -> list[str]:
+        """``replicas`` in the order to try them for a new session over ``prompt`` of ``cache_salt``:
+        the choice first, the rest by weighted load, those in ``down`` last."""
         down = set(down)
         if self.policy == "round-robin":
             start = next(self._turn) % max(1, len(replicas))
             rotated = [*replicas[start:], *replicas[:start]]
             return [*(r for r in rotated if r not in down), *(r for r in rotated if r in down)]
-        chain = block_chain(prompt)
+        chain = block_chain(prompt, cache_salt=cache_salt)
         key = _hash_key(chain, prompt)
         by_hash = sorted(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
         up = [r for r in by_hash if r not in down]
@@ -217,14 +220,14 @@ class Placement:
             costs[r] = state.base_load() * slowness + 1
         return costs
 
-    def opening(self, replica: str, prompt: Sequence[int]) -> None:
-        """A session over ``prompt`` is being opened on ``replica`` (its Prefill sent): it counts
+    def opening(self, replica: str, prompt: Sequence[int], cache_salt: str = "") -> None:
+        """A session over ``prompt`` of ``cache_salt`` is being opened on ``replica`` (its Prefill sent): it counts
         there from now on, so the next choices of a burst see it, and its blocks are remembered
         there, so the burst's requests with the same prefix follow it. :meth:`closed` if the
         Prefill fails, :meth:`opened` when it succeeds."""
         state = self.state(replica)
         state.sessions += 1
-        for name in block_chain(prompt):
+        for name in block_chain(prompt, cache_salt=cache_salt):
             state.blocks[name] = None
             state.blocks.move_to_end(name)
         while len(state.blocks) > self.memory_blocks:

@@ -191,6 +191,7 @@ class RequestRounds:
             lambda: self._new_session_id("v"),
             self._in_background,
             failover_timeout_s,
+            request.cache_salt,
         )
         self.running_requests = running_requests
         self.num_rounds = 0

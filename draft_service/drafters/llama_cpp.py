@@ -34,7 +34,10 @@ recently freed donor (evicted). Then, when another sequence, live or freed, hold
 of the context by at least :data:`MIN_COPIED_TOKENS` tokens, ``llama_memory_seq_cp`` copies it
 over: with a stream per sequence llama.cpp copies the source's whole stream (``n_ctx`` x the
 bytes per token; exact, done at the next ``llama_decode``);
-last, the cells past the prefix found are removed. So a donor that only shares a beginning with
+last, the cells past the prefix found are removed. A donor lends only to a session of the same cache
+salt (the tenant's partition, :meth:`LlamaCppLM.attach_prefix`): a sequence of another salt counts
+as holding nothing of the context (its cells are removed when it is taken). So a donor that only
+shares a beginning with
 the new context (a system prompt) lends it by a copy and stays whole for its own next turn, which
 later finds it in place; at batch 1 every earlier session waits as a donor in its own sequence
 (up to ``max_num_seqs`` - 1 of them); the cache costs no memory beyond the context llama.cpp
@@ -42,6 +45,7 @@ allocates up front.
 """
 
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -63,6 +67,7 @@ from specdec.rpc.errors import ResourceExhausted
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.token_ids import common_prefix_length
 
+log = logging.getLogger(__name__)
 _backend_lock = threading.Lock()
 _backend_ready = False
 
@@ -126,6 +131,27 @@ def requantized(path: str, type_name: str) -> str:
     return str(target)
 
 
+def build_has_amx() -> bool:
+    """Whether this llama.cpp build runs its AMX kernels (compiled for a CPU with AMX-INT8, as
+    ``-march=native`` does on Intel's Sapphire Rapids and later). They crash there in batched
+    decodes (a segmentation fault in ``ggml_backend_amx_mul_mat``: llama.cpp #20824, with a fix
+    proposed in llama.cpp #26954: worker threads lack the AMX tile-data permission), so
+    :class:`LlamaCppLM` keeps the weights out of the AMX buffer type where the build has them;
+    ``scripts/setup.sh`` builds llama.cpp without them (``-mno-amx-*``)."""
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+
+
+@functools.cache
+def _log_amx_avoided() -> None:
+    """Says once per process that the weights skip llama.cpp's extra buffer types."""
+    log.warning(
+        "this llama.cpp build has AMX kernels, which crash in batched decodes (llama.cpp #20824): the draft's "
+        "weights stay in plain CPU buffers (no AMX, no repacked kernels; slower). Rebuild llama-cpp-python "
+        "without them: CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' pip install "
+        "--force-reinstall --no-cache-dir --no-deps llama-cpp-python (scripts/setup.sh does that on a fresh .venv)"
+    )
+
+
 def kv_bytes_per_token(model) -> int:
     """KV bytes of one cached token of a llama.cpp model (``llama_model_p``): layers x (key + value)
     x KV heads x head size (hidden size / heads) x 2 bytes (llama.cpp's default f16 cache). An
@@ -177,6 +203,9 @@ class LlamaCppLM(BatchedLM):
         _init_backend()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
+        if build_has_amx():  # the extra buffer types are AMX's and the repacked kernels': both off
+            model_params.use_extra_bufts = False
+            _log_amx_avoided()
         self._model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path}")
@@ -211,6 +240,7 @@ class LlamaCppLM(BatchedLM):
         self._seqs: dict[int, int] = {}  # handle -> llama.cpp sequence id
         self._unplaced: set[int] = set()  # handles without a llama.cpp sequence yet
         self._tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # the tokens each sequence's cells hold
+        self._salts = [""] * max_num_seqs  # the cache salt of the session each sequence holds or held last
         self._freed_at = [0] * max_num_seqs  # when each free sequence was freed (a count of frees): LRU
         self._num_frees = 0
         self._free_seqs = set(range(max_num_seqs))
@@ -264,25 +294,31 @@ class LlamaCppLM(BatchedLM):
     def cache_bytes(self, seq_id: int) -> int:
         return self.length(seq_id) * self.bytes_per_token if seq_id in self._seqs else 0
 
-    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Places the new sequence (see the module docstring); returns the tokens it starts with."""
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Places the new sequence (see the module docstring), taking a prefix only from sequences
+        of ``cache_salt``; returns the tokens it starts with."""
         with self._lock:
             if seq_id not in self._unplaced:
                 raise ValueError(f"sequence {seq_id} is not new: a prefix attaches to a new one")
-            return self._place(seq_id, token_ids if self.prefix_caching else ())
+            return self._place(seq_id, token_ids if self.prefix_caching else (), cache_salt)
 
     def prefix_cache_tokens(self) -> int:
         return sum(len(self._tokens[seq]) for seq in list(self._free_seqs))
 
-    def _place(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def _place(self, seq_id: int, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Gives a new handle its llama.cpp sequence, holding the longest prefix of ``token_ids``
-        that a donor offers (module docstring); returns that prefix's length (lock held)."""
+        that a donor of ``cache_salt`` offers (module docstring); returns that prefix's length
+        (lock held)."""
         live = set(self._seqs.values())
+
+        def shared(seq: int) -> int:
+            """The tokens of the context that sequence ``seq`` may lend."""
+            return common_prefix_length(self._tokens[seq], token_ids) if self._salts[seq] == cache_salt else 0
 
         def preference(seq: int) -> tuple:
             isolated = 1 - ((seq - 1) in live) - ((seq + 1) in live)
             held = len(self._tokens[seq])
-            whole = held > 0 and common_prefix_length(self._tokens[seq], token_ids) == held  # nothing of it dropped
+            whole = held > 0 and shared(seq) == held  # nothing of it dropped
             evicts = self._freed_at[seq] if held else -1  # empty first, then the least recently freed
             return isolated, not whole, -held if whole else 0, evicts, seq
 
@@ -290,8 +326,9 @@ class LlamaCppLM(BatchedLM):
         self._free_seqs.remove(seq)
         self._unplaced.remove(seq_id)
         self._seqs[seq_id] = seq
-        found = common_prefix_length(self._tokens[seq], token_ids)
-        donors = [(common_prefix_length(self._tokens[other], token_ids), other) for other in range(self.max_num_seqs)]
+        found = shared(seq)
+        self._salts[seq] = cache_salt
+        donors = [(shared(other), other) for other in range(self.max_num_seqs)]
         longest, donor = max((d for d in donors if d[1] != seq), default=(0, seq))
         if longest >= found + MIN_COPIED_TOKENS:
             llama_cpp.llama_memory_seq_cp(self.memory, donor, seq, -1, -1)  # the whole stream, at the next decode
@@ -423,5 +460,5 @@ class LlamaCppDrafter(Drafter):
         tokenizer = load_tokenizer(spec)
         self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [tokenizer.eos_token_id])
 
-    def new_session(self, sampling: SamplingParams) -> ModelDraftSession:
-        return ModelDraftSession(sampling, SequenceKV(self.lm), self.n_ctx, self.engine, self.vocabulary)
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> ModelDraftSession:
+        return ModelDraftSession(sampling, SequenceKV(self.lm, cache_salt), self.n_ctx, self.engine, self.vocabulary)

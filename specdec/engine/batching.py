@@ -78,10 +78,12 @@ class BatchedLM(abc.ABC):
         """Bytes the KV of one sequence's cached positions takes (0 for an unknown id); positions
         shared through the prefix cache count in every sequence that holds them."""
 
-    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Prefix caching: gives the new, empty sequence ``seq_id`` the KV of the longest prefix of
-        ``token_ids`` the store holds (computed for an earlier or another sequence; nothing is
-        recomputed) and returns its length in tokens; the caller then appends only the rest."""
+        ``token_ids`` the store holds (computed for an earlier or another sequence of the same
+        ``cache_salt``, the partition of a tenant: never another's; nothing is recomputed) and
+        returns its length in tokens; the caller then appends only the rest. The sequence's own
+        KV is shared under ``cache_salt`` too."""
         return 0
 
     def commit(self, seq_id: int, length: int) -> None:  # noqa: B027 (a no-op for a store that shares nothing)

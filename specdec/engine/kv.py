@@ -18,7 +18,9 @@ Prefix caching (docs/architecture.md#prefix-caching): a new sequence first takes
 model's KV store the longest prefix of its context that the store holds already
 (:meth:`SequenceKV.attach_prefix`, at most all committed tokens but the last, by the rule above), and
 prefills only the rest; every reconcile tells the store which cached positions are committed for
-good (all but the last committed token: never rolled back), which it may then share.
+good (all but the last committed token: never rolled back), which it may then share. Only with
+sequences of the same *cache salt* (``SequenceKV.cache_salt``, the tenant's partition that the
+coordinator sends with each Prefill: docs/security.md#tenants-and-the-caches).
 
 Admission (docs/architecture.md#kv-memory-a-budget-in-bytes): then, before any of its work runs, the
 store admits the sequence by the KV its whole committed context takes, or refuses it with
@@ -47,11 +49,15 @@ class SequenceKV:
     of the module docstring. A batched step feeds it through :meth:`step` and :meth:`appended`;
     :meth:`extend` runs a forward of this sequence alone.
 
+    ``cache_salt``: the partition of the store's prefix cache the sequence finds its prefix in
+    and shares its own KV in ("": the unsalted one).
+
     Raises ResourceExhausted (from the model's KV store) when no sequence can be allocated.
     """
 
-    def __init__(self, lm: BatchedLM):
+    def __init__(self, lm: BatchedLM, cache_salt: str = ""):
         self.lm = lm
+        self.cache_salt = cache_salt
         self.seq_id = lm.allocate()
         self.cached_tokens: list[int] = []
         self._agreed = 0  # leading cached tokens known to equal the committed log
@@ -59,9 +65,10 @@ class SequenceKV:
 
     def attach_prefix(self, committed: Sequence[int]) -> int:
         """For a new sequence: takes the KV of the longest prefix of ``committed`` but its last
-        token that the model's store holds (:meth:`specdec.engine.batching.BatchedLM.attach_prefix`);
-        returns its length in tokens, also kept as ``num_cached_tokens``."""
-        found = self.lm.attach_prefix(self.seq_id, committed[:-1])
+        token that the model's store holds under the sequence's cache salt
+        (:meth:`specdec.engine.batching.BatchedLM.attach_prefix`); returns its length in tokens,
+        also kept as ``num_cached_tokens``."""
+        found = self.lm.attach_prefix(self.seq_id, committed[:-1], self.cache_salt)
         self.cached_tokens = list(committed[:found])
         self._agreed = self.num_cached_tokens = found
         return found

@@ -15,6 +15,13 @@ and the parent's *node*, a number given to each registered block once and never 
 names exactly one chain of token ids and no collision can happen; the dictionary hashes the key
 for its lookup and then compares it whole.
 
+Partitions (vLLM's ``cache_salt``): a sequence's first block has no parent node; its key names
+the sequence's *cache salt* instead, a string (:data:`ROOT`, empty, for a sequence without one).
+Every later block's key names its parent's node, so two sequences of different salts never share
+a block, whatever their tokens: the services salt each session with its tenant's
+(docs/security.md#tenants-and-the-caches), so a tenant finds only the blocks its own sessions
+computed.
+
 Sharing: a registered block counts the live sequences that hold it (``refs``); none writes into
 it (its positions are committed). When the last one lets go, the block stays cached, unreferenced
 and *evictable*, until a new sequence finds it again or the store needs its memory: evictable
@@ -32,10 +39,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ROOT = -1  # the parent node of a sequence's first block
+ROOT = ""  # the parent of a sequence's first block without a cache salt (with one: the salt)
 DEFAULT_MAX_TOKENS = 16384  # tokens kept for freed sequences by default (the services' --prefix-cache-max-tokens)
 
-Key = tuple[int, tuple[int, ...]]  # (parent node, the block's token ids)
+Parent = int | str  # a block's parent: the node of the block before it, or for a first block its cache salt
+Key = tuple[Parent, tuple[int, ...]]  # (parent, the block's token ids)
 
 
 @dataclass
@@ -61,13 +69,14 @@ class PrefixCache:
         self._evictable: OrderedDict[int, _Cached] = OrderedDict()  # by block, least recently released first
         self._next_node = 0
 
-    def match(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The longest chain of registered blocks that ``token_ids`` begins with, each now held
-        once more (by the caller's sequence). Returns its block ids and their nodes, in position
-        order (``len(blocks) * block_size`` tokens matched)."""
+    def match(self, token_ids: Sequence[int], cache_salt: str = ROOT) -> tuple[list[int], list[int]]:
+        """The longest chain of registered blocks that ``token_ids`` begins with, registered by
+        sequences of ``cache_salt``, each now held once more (by the caller's sequence). Returns
+        its block ids and their nodes, in position order (``len(blocks) * block_size`` tokens
+        matched)."""
         blocks: list[int] = []
         nodes: list[int] = []
-        parent = ROOT
+        parent: Parent = cache_salt
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             cached = self._by_key.get((parent, tuple(token_ids[start : start + self.block_size])))
             if cached is None:
@@ -80,9 +89,10 @@ class PrefixCache:
             parent = cached.node
         return blocks, nodes
 
-    def register(self, parent: int, token_ids: Sequence[int], block: int) -> int:
+    def register(self, parent: Parent, token_ids: Sequence[int], block: int) -> int:
         """Registers ``block``, full of the committed ``token_ids`` after the chain ending in node
-        ``parent`` (ROOT for a sequence's first block), as held by its sequence. Returns the node
+        ``parent`` (for a sequence's first block: its cache salt, ROOT without one), as held by
+        its sequence. Returns the node
         that the sequence's next block names as its parent: a new one, or, when the same chain is
         registered already (computed twice), that one's (``block`` then stays the sequence's own)."""
         if len(token_ids) != self.block_size:

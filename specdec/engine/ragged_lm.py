@@ -50,7 +50,8 @@ default: :mod:`specdec.engine.kv_budget`):
 Prefix caching (:mod:`specdec.engine.prefix_cache`, on with ``prefix_cache_max_tokens``): a sequence's
 blocks full of committed tokens are registered as they fill (:meth:`RaggedLM.commit`), and a new
 sequence whose context begins with the same tokens takes those blocks into its block table
-(:meth:`RaggedLM.attach_prefix`), shared, never written again. A freed sequence's registered
+(:meth:`RaggedLM.attach_prefix`), shared, never written again, when both have the same cache salt
+(a tenant's partition, set at that attach). A freed sequence's registered
 blocks stay in the pool, evictable, up to ``prefix_cache_max_tokens`` tokens. A sequence that
 needs a block takes a free one, else evicts the least recently released cached block, and only
 when none is left does the pool double: the cache lives in blocks no sequence uses and never makes
@@ -124,14 +125,15 @@ MAX_CONTEXT_RATIO = 2.0  # longest / shortest context of the sequences one padde
 class _Sequence:
     """One sequence in the pool: its block table (block ids, in position order), cached length,
     the tokens at its cached positions, the prefix cache's nodes of its first blocks (those
-    registered or found there: committed, shared, never written), the blocks it was promised at
-    admission (its whole table, taken as its prefill's steps run) and, once preempted, why (it
-    then holds nothing until it is freed)."""
+    registered or found there: committed, shared, never written) and the cache salt they are
+    registered under, the blocks it was promised at admission (its whole table, taken as its
+    prefill's steps run) and, once preempted, why (it then holds nothing until it is freed)."""
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
+    cache_salt: str = ROOT
     promised: int = 0
     lost: str | None = None
 
@@ -413,15 +415,17 @@ class RaggedLM(BatchedLM):
         sequence = self._sequences.get(seq_id)
         return sequence.length * self.bytes_per_token if sequence else 0
 
-    def attach_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Whole blocks only: the longest chain of registered blocks ``token_ids`` begins with."""
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int], cache_salt: str = ROOT) -> int:
+        """Whole blocks only: the longest chain of registered blocks of ``cache_salt`` that
+        ``token_ids`` begins with; the sequence's own blocks are registered under that salt."""
         if self._cache is None:
             return 0
         with self._lock:
             sequence = self._sequences[seq_id]
             if sequence.length:
                 raise ValueError(f"sequence {seq_id} holds {sequence.length} tokens: a prefix attaches to a new one")
-            sequence.blocks, sequence.nodes = self._cache.match(token_ids)
+            sequence.cache_salt = cache_salt
+            sequence.blocks, sequence.nodes = self._cache.match(token_ids, cache_salt)
             sequence.length = len(sequence.blocks) * BLOCK_SIZE
             sequence.tokens = list(token_ids[: sequence.length])
         return sequence.length
@@ -481,7 +485,7 @@ class RaggedLM(BatchedLM):
             if self._sequences.get(seq_id) is not sequence:  # freed meanwhile
                 return
             for index in range(len(sequence.nodes), min(length, sequence.length) // BLOCK_SIZE):
-                parent = sequence.nodes[-1] if sequence.nodes else ROOT
+                parent = sequence.nodes[-1] if sequence.nodes else sequence.cache_salt
                 tokens = sequence.tokens[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
                 sequence.nodes.append(self._cache.register(parent, tokens, sequence.blocks[index]))
 

@@ -5,8 +5,10 @@ Follows Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergin
 with our own code. Two kinds of suffix tree, both cut at ``max_depth`` tokens:
 
 - one per request (:class:`SuffixIndex`), over its prompt and its output so far;
-- one shared by all requests (:class:`SuffixCache`), over the outputs of previous and running
-  requests, bounded in requests and tokens, evicting the oldest output first.
+- one shared by the requests of one cache salt (:class:`SuffixCache`, a partition per salt: a
+  tenant drafts only from its own outputs, docs/security.md#tenants-and-the-caches), over the
+  outputs of its previous and running requests, bounded in requests and tokens over all
+  partitions, evicting the oldest output of the largest partition first.
 
 A proposal starts at every suffix of the context that a tree holds (n tokens, the match length)
 and follows the most frequent next token. Each token's probability is estimated from counts, as
@@ -20,6 +22,7 @@ Model-free like :mod:`specdec.lookups.ngram`, which proposes what followed the l
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +62,10 @@ class ProposalLimits:
 
 ROOT = 0  # the node of every tree's empty string
 UNKNOWN = -1  # a node's most frequent child not known: none yet, or to be found again
+# A tree whose removed nodes (kept for reuse) outnumber its live ones by more than this is built
+# again without them (:meth:`SuffixCache._evict`), so that a partition that once held many tokens
+# does not keep their memory: the cache's bound in tokens bounds its memory whatever the partitions.
+MAX_SPARE_NODES = 4096
 
 
 class SuffixTree:
@@ -94,6 +101,20 @@ class SuffixTree:
         self._best: list[int] = [UNKNOWN]  # by node: the token of its most frequent child
         self._free: list[int] = []  # removed nodes, reused
         self._open: dict[Hashable, list[int]] = {}
+
+    @property
+    def num_spare_nodes(self) -> int:
+        """How many more removed nodes (kept for reuse: their memory is not given back) than live
+        ones the tree holds."""
+        return 2 * len(self._free) - len(self._counts)
+
+    def rebuilt(self) -> "SuffixTree":
+        """A tree of the same sequences and open suffixes without the removed nodes:
+        O(tokens * max_depth)."""
+        tree = SuffixTree(self.max_depth)
+        for key, tokens in self.sequences.items():
+            tree.extend(key, tokens)
+        return tree
 
     def children(self, node: int) -> dict[int, int]:
         """The node's children, by the token that follows its string (not to be changed)."""
@@ -220,62 +241,104 @@ class SuffixTree:
         return tokens, probs
 
 
-class SuffixCache:
-    """The outputs of previous and running requests in one :class:`SuffixTree`, shared by their
-    :class:`SuffixIndex` (thread-safe).
+OutputKey = tuple[str, int]  # an output's cache salt and number in the cache
 
-    Bounded: at most ``max_requests`` outputs and ``max_tokens`` tokens, the oldest output evicted
-    first (a running request's too: it then adds no more). ``max_requests`` = 0 disables it.
-    Raises ValueError for a negative bound or max_depth < 2.
+
+class SuffixCache:
+    """The outputs of previous and running requests, one :class:`SuffixTree` per *partition* (a
+    cache salt: a tenant's, docs/security.md#tenants-and-the-caches), shared by the
+    :class:`SuffixIndex` of the requests of that salt, which draft from it alone (thread-safe).
+
+    Bounded: at most ``max_requests`` outputs and ``max_tokens`` tokens over all partitions;
+    beyond either bound the oldest output of the partition holding the most of it (outputs, or
+    tokens) is evicted (a running request's too: it then adds no more), so one partition's growth
+    evicts its own outputs before those of a smaller one. At most ``max_partitions`` partitions:
+    a new one drops the least recently used (opened or proposed from) whole. A partition's tree
+    is built again once its spare nodes pass :data:`MAX_SPARE_NODES`, so the memory follows the
+    tokens held. ``max_requests`` = 0 disables it. Raises ValueError for a negative bound, fewer
+    than 1 partition or max_depth < 2.
     """
 
-    def __init__(self, max_depth: int = 24, max_requests: int = 256, max_tokens: int = 16384):
+    def __init__(self, max_depth: int = 24, max_requests: int = 256, max_tokens: int = 16384, max_partitions: int = 64):
         if max_requests < 0 or max_tokens < 0:
             raise ValueError(f"suffix cache bounds ({max_requests} requests, {max_tokens} tokens) must not be negative")
-        self.tree = SuffixTree(max_depth)
+        if max_partitions < 1:
+            raise ValueError(f"suffix cache partitions ({max_partitions}) must be at least 1")
+        SuffixTree(max_depth)  # validates it
         self.max_depth, self.max_requests, self.max_tokens = max_depth, max_requests, max_tokens
+        self.max_partitions = max_partitions
+        self.partitions: OrderedDict[str, SuffixTree] = OrderedDict()  # by cache salt, least recently used first
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
-    def open(self) -> int | None:
-        """Starts a new request's output; returns its key (None while the cache is disabled)."""
+    def open(self, cache_salt: str = "") -> OutputKey | None:
+        """Starts a new request's output in partition ``cache_salt``; returns its key (None while
+        the cache is disabled)."""
         if self.max_requests == 0:
             return None
         with self._lock:
-            key = next(self._keys)
-            self.tree.extend(key, [])
+            if cache_salt not in self.partitions and len(self.partitions) >= self.max_partitions:
+                self.partitions.popitem(last=False)
+            tree = self.partitions.setdefault(cache_salt, SuffixTree(self.max_depth))
+            self.partitions.move_to_end(cache_salt)
+            key = (cache_salt, next(self._keys))
+            tree.extend(key, [])
             self._evict()
         return key
 
-    def extend(self, key: int, tokens: Sequence[int]) -> None:
+    def extend(self, key: OutputKey, tokens: Sequence[int]) -> None:
         """Appends ``tokens`` to the output ``key`` unless it was evicted."""
         with self._lock:
-            if key in self.tree.sequences:
-                self.tree.extend(key, tokens)
+            tree = self.partitions.get(key[0])
+            if tree is not None and key in tree.sequences:
+                tree.extend(key, tokens)
                 self._evict()
 
     def _evict(self) -> None:
-        sequences = self.tree.sequences
-        while len(sequences) > self.max_requests or self.tree.num_tokens > self.max_tokens:
-            self.tree.remove(next(iter(sequences)))
+        while True:
+            trees = self.partitions.values()
+            if sum(len(tree.sequences) for tree in trees) > self.max_requests:
+                largest = max(self.partitions.items(), key=lambda item: len(item[1].sequences))
+            elif sum(tree.num_tokens for tree in trees) > self.max_tokens:
+                largest = max(self.partitions.items(), key=lambda item: item[1].num_tokens)
+            else:
+                return
+            cache_salt, tree = largest
+            tree.remove(next(iter(tree.sequences)))
+            if tree.num_spare_nodes > MAX_SPARE_NODES:
+                self.partitions[cache_salt] = tree.rebuilt()
 
-    def propose(self, context: Sequence[int], k: int, limits: ProposalLimits) -> SuffixMatch | None:
-        """:meth:`SuffixTree.propose` over the cached outputs."""
+    def propose(
+        self, context: Sequence[int], k: int, limits: ProposalLimits, cache_salt: str = ""
+    ) -> SuffixMatch | None:
+        """:meth:`SuffixTree.propose` over the cached outputs of partition ``cache_salt``."""
         with self._lock:
-            return self.tree.propose(context, k, limits)
+            tree = self.partitions.get(cache_salt)
+            if tree is None:
+                return None
+            self.partitions.move_to_end(cache_salt)
+            return tree.propose(context, k, limits)
 
 
 class SuffixIndex:
-    """One request's suffix tree over its prompt and output, proposing from it and ``cache``.
+    """One request's suffix tree over its prompt and output, proposing from it and from the
+    partition ``cache_salt`` of ``cache``.
 
-    The tokens after the first ``num_prompt_tokens`` are the request's output and enter ``cache``
-    too (from the first of them on, it holds a place in the cache).
+    The tokens after the first ``num_prompt_tokens`` are the request's output and enter that
+    partition too (from the first of them on, it holds a place in the cache).
     """
 
-    def __init__(self, cache: SuffixCache, num_prompt_tokens: int, limits: ProposalLimits = ProposalLimits()):
+    def __init__(
+        self,
+        cache: SuffixCache,
+        num_prompt_tokens: int,
+        limits: ProposalLimits = ProposalLimits(),
+        cache_salt: str = "",
+    ):
         self.cache, self.num_prompt_tokens, self.limits = cache, num_prompt_tokens, limits
+        self.cache_salt = cache_salt
         self.tree = SuffixTree(cache.max_depth)
-        self._output_key: int | None = None
+        self._output_key: OutputKey | None = None
         self._indexed = 0
 
     def _index(self, tokens: Sequence[int]) -> None:
@@ -283,7 +346,7 @@ class SuffixIndex:
         output = tokens[max(self._indexed, self.num_prompt_tokens) :]
         if output:
             if self._output_key is None:
-                self._output_key = self.cache.open()
+                self._output_key = self.cache.open(self.cache_salt)
             if self._output_key is not None:
                 self.cache.extend(self._output_key, output)
         self._indexed = len(tokens)
@@ -297,7 +360,7 @@ class SuffixIndex:
         if k < 1:
             return None
         own = self.tree.best_proposal(self.tree.suffixes(0), k, self.limits)  # the tree's sequence is ``tokens``
-        shared = self.cache.propose(tokens, k, self.limits)
+        shared = self.cache.propose(tokens, k, self.limits, self.cache_salt)
         if own is None or (shared is not None and shared.score > own.score):
             return shared
         return own
