@@ -24,7 +24,7 @@ from coordinator.api import request as request_validation
 from coordinator.api.admission import ClientLimit, FairQueue, Overloaded, owner_tag
 from coordinator.api.auth import MIN_KEY_BITS, ApiKeys, Caller, key_bits, peer_host
 from coordinator.api.cache_salt import cache_salt
-from coordinator.api.http_api import HttpServer, HttpTimeouts, create_app
+from coordinator.api.http_api import HttpLimits, HttpServer, create_app
 from coordinator.api.output import StreamOutput, read_within, written
 from coordinator.api.request import LOOKUPS, ResolvedRequest
 from coordinator.observability.metrics import MetricsRecorder
@@ -535,10 +535,7 @@ async def serve(
             files = (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
             ssl_context = ReloadingSSLContext(*files)
         app = create_app(servicer, settings.served_model_name, settings.max_request_bytes)
-        timeouts = HttpTimeouts(
-            settings.http_header_timeout_s, settings.http_keep_alive_timeout_s, settings.http_max_connections
-        )
-        http = HttpServer(app, settings.host, settings.http_port, ssl_context, timeouts)
+        http = HttpServer(app, settings.host, settings.http_port, ssl_context, HttpLimits.of(settings))
         await http.start()
         scheme = "https" if ssl_context else "http"
         log.info("serving the OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, settings.host, settings.http_port)

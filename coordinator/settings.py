@@ -101,6 +101,36 @@ class CoordinatorSettings(ServiceSettings):
         description="HTTP connections (and requests in progress) the HTTP API serves at once; a request past it "
         "gets 503 (uvicorn's limit_concurrency).",
     )
+    http_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An HTTP request's whole body must arrive within this long of its header, seconds; a slower "
+        "one gets 408 and its connection is closed: slow senders cannot hold a connection mid-body.",
+    )
+    http_max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        description="Largest HTTP request header a client may send (the request line and every header field), "
+        "bytes; a larger one gets 431 and its connection is closed.",
+    )
+    http_max_headers: int = Field(
+        100,
+        ge=1,
+        description="Most header fields an HTTP request may have; more gets 431 and its connection is closed.",
+    )
+    http_max_pending_bodies_per_client: int = Field(
+        32,
+        ge=0,
+        description="HTTP requests of one client (its API key when keys are set, else its IP address) whose body "
+        "is still arriving, at once; one more gets 429 with Retry-After and its connection is closed, so one client "
+        "cannot park connections mid-body and starve the others. 0 = no limit.",
+    )
+    max_chat_messages: int = Field(
+        2048,
+        ge=1,
+        description="Most messages a chat request may give (gRPC chat.messages, HTTP messages), checked before "
+        "they are parsed or templated; more gets INVALID_ARGUMENT (HTTP 400).",
+    )
     max_n: int = Field(
         8,
         ge=1,

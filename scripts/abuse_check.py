@@ -8,7 +8,10 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 4. a gRPC stream whose client stops reading (the coordinator started with a 5 s stall bound);
 5. an 8 MiB body without a key, sent as headers only; a request header that never ends;
 6. a token-id prompt against the same text; JSON nested 100,000 deep;
-7. key ka sends a system prompt of about 1,000 tokens no one sent before (then again with another
+7. key ka sends 1,100 bodies that never end; 8. four bodies of 200,000 chat messages at once;
+9. 2,000 requests naming unknown models; 10. a 1 MB request header, and one of 10,000 fields;
+   each while /health is probed every 20 ms and key kb asks for a completion;
+11. key ka sends a system prompt of about 1,000 tokens no one sent before (then again with another
    question, and a second turn), then key kb sends it: the prompt tokens each finds cached and its
    time to first token, kb's against a prompt of the same length that no one sent (a coordinator
    with `--shared-caches` gives kb ka's).
@@ -26,6 +29,7 @@ verify KV budget:
 
 import collections
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -321,6 +325,123 @@ def pressure_checks() -> None:
         server.wait()
 
 
+def other_key_completion(http_port: int) -> str:
+    """Key kb's chat completion: its status and time."""
+    started = time.perf_counter()
+    status, _, _ = post(http_port, "/v1/chat/completions", chat("Say hi."), "kb")
+    return f"{status} in {time.perf_counter() - started:.2f} s"
+
+
+def first_error(sockets: list[socket.socket]) -> tuple[list[int], str]:
+    """The status of each socket's response (0: none yet) and the first error message."""
+    statuses, message = [], ""
+    for sock in sockets:
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, ConnectionResetError):
+            data = b""
+        status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+        statuses.append(status)
+        if status and not message:
+            message = json.loads(data.partition(b"\r\n\r\n")[2])["error"]["message"]
+    return statuses, message
+
+
+def never_ending_bodies(http_port: int, count: int = 1100) -> None:
+    """Key ka opens ``count`` connections, each sending a header that declares a 1,000-byte body
+    and 10 bytes of it, then nothing."""
+    probe = HealthProbe(http_port)
+    started = time.perf_counter()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Authorization: Bearer ka\r\nContent-Length: 1000\r\n\r\n{"model": '
+    )
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", http_port), timeout=5)
+        sock.sendall(head)
+        sockets.append(sock)
+    opened = time.perf_counter() - started
+    time.sleep(1.0)
+    for sock in sockets:
+        sock.setblocking(False)
+    statuses, message = first_error(sockets)
+    other = other_key_completion(http_port)
+    parked = [sock for sock, status in zip(sockets, statuses, strict=True) if not status]
+    for sock in parked:
+        sock.setblocking(True)
+        sock.settimeout(60)
+    waited = time.perf_counter()
+    late, _ = first_error(parked)  # each blocks until its answer: the body deadline's
+    print(
+        f"7. ka: {count} bodies that never end (opened in {opened:.1f} s): {statuses.count(429)} got 429 at once "
+        f"({message[:110]}); {len(parked)} parked, then {late.count(408)} got 408 after "
+        f"{time.perf_counter() - waited + 1.0:.0f} s more; kb meanwhile: {other}; slowest /health "
+        f"{probe.stop() * 1000:.0f} ms"
+    )
+    for sock in sockets:
+        sock.close()
+
+
+def many_chat_messages(http_port: int, bodies: int = 4, messages: int = 200_000) -> None:
+    """Key ka sends ``bodies`` chat completions of ``messages`` empty messages each, at once."""
+    body = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": ""}] * messages}).encode()
+    probe = HealthProbe(http_port)
+
+    def send(_: int) -> tuple[int, float, str]:
+        started = time.perf_counter()
+        status, answer, _ = post(http_port, "/v1/chat/completions", body, "ka")
+        return status, time.perf_counter() - started, answer.get("error", {}).get("message", "")
+
+    with concurrent.futures.ThreadPoolExecutor(bodies) as pool:
+        sent = pool.map(send, range(bodies))
+        other = other_key_completion(http_port)
+        results = list(sent)
+    print(
+        f"8. ka: {bodies} bodies of {messages:,} chat messages ({len(body) / 1e6:.1f} MB) at once: "
+        f"{sorted({status for status, _, _ in results})} in {max(took for _, took, _ in results) * 1000:.0f} ms at "
+        f"most ({results[0][2][:100]}); kb meanwhile: {other}; slowest /health {probe.stop() * 1000:.0f} ms"
+    )
+
+
+def unknown_models(http_port: int, count: int = 2000) -> None:
+    """Key ka asks for ``count`` completions, 16 at a time, each naming a model no one serves."""
+    probe = HealthProbe(http_port)
+
+    def send(i: int) -> int:
+        body = json.dumps({"model": f"no-such-model-{i}", "prompt": "hi", "max_tokens": 1}).encode()
+        return post(http_port, "/v1/completions", body, "ka")[0]
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        sent = pool.map(send, range(count))
+        other = other_key_completion(http_port)
+        statuses = list(sent)
+    took = time.perf_counter() - started
+    _, answer, _ = post(http_port, "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), "ka")
+    print(
+        f"9. ka: {count} requests naming unknown models in {took:.1f} s ({took / count * 1000:.2f} ms each): "
+        f"{sorted(set(statuses))} ({answer['error']['message'][:90]}); kb meanwhile: {other}; slowest /health "
+        f"{probe.stop() * 1000:.0f} ms"
+    )
+
+
+def huge_headers(http_port: int) -> None:
+    """A request header of 1 MB, and one of 10,000 fields, from key ka."""
+    for name, fields in (
+        ("a 1 MB header", [f"X-Pad: {'a' * 1_000_000}"]),
+        ("10,000 header fields", [f"X-{i}: v" for i in range(10_000)]),
+    ):
+        data = "\r\n".join(["GET /v1/models HTTP/1.1", "Host: x", "Authorization: Bearer ka", *fields, "", ""])
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", http_port), timeout=30) as sock:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # answered and closed before its end
+                sock.sendall(data.encode())
+            statuses, message = first_error([sock])
+        took = (time.perf_counter() - started) * 1000
+        print(f"10. {name}: {statuses[0]} in {took:.0f} ms ({message[:100]})")
+
+
 def cross_tenant_prefix(grpc_address: str) -> None:
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     text = (Path(__file__).parents[1] / "benchmarks/conversation/system_prompt.txt").read_text()
@@ -346,9 +467,9 @@ def cross_tenant_prefix(grpc_address: str) -> None:
     turn = ask("ka", theirs, question, ("assistant", answer), ("user", "And for digital goods?"))[1:]
     other, control = ask("kb", theirs, question)[1:], ask("kb", fresh, question)[1:]
     print(
-        "7. ka's ~1,000-token system prompt (cached prompt tokens, TTFT): "
+        "11. ka's ~1,000-token system prompt (cached prompt tokens, TTFT): "
         f"ka first {first[0]}, {first[1]:.0f} ms; ka again (another question) {again[0]}, {again[1]:.0f} ms; "
-        f"ka's second turn {turn[0]}, {turn[1]:.0f} ms;\n   kb with ka's {other[0]}, {other[1]:.0f} ms; "
+        f"ka's second turn {turn[0]}, {turn[1]:.0f} ms;\n    kb with ka's {other[0]}, {other[1]:.0f} ms; "
         f"kb with one no one sent {control[0]}, {control[1]:.0f} ms"
     )
 
@@ -374,6 +495,10 @@ def main() -> None:
         stalled_stream(grpc_address, metrics_port)
         before_the_body(cluster.http_port)
         prompts(cluster.http_port)
+        never_ending_bodies(cluster.http_port)
+        many_chat_messages(cluster.http_port)
+        unknown_models(cluster.http_port)
+        huge_headers(cluster.http_port)
         cross_tenant_prefix(grpc_address)
     finally:
         cluster.stop()

@@ -11,23 +11,29 @@ stream for ``stream_stall_timeout_s``. ``GET /v1/models`` lists the target and i
 ``--served-model-name`` aliases; ``GET /health`` is open even with API keys set, as is the OpenAPI
 document, ``GET /openapi.json`` (what schema fuzzers and client generators read).
 
-Work is bounded before it is done: the API key is checked before the body is read
-(:class:`coordinator.api.auth.ApiKeyMiddleware`), the body's size as it is read
-(:mod:`coordinator.api.body_limit`), a connection's request header must arrive within
-``http_header_timeout_s`` (:class:`HeaderTimeoutProtocol`), idle keep-alive connections close
-after ``http_keep_alive_timeout_s``, and at most ``http_max_connections`` connections are served
-(503 beyond, uvicorn's ``limit_concurrency``). JSON nested too deep to parse is a 400 (FastAPI's), in
+Work is bounded before it is done: a connection's request header must arrive within
+``http_header_timeout_s`` and stay within ``http_max_header_bytes`` and ``http_max_headers`` (431),
+its body within ``http_body_timeout_s`` of it (408) (:class:`BoundedHttpProtocol`); the API key is
+checked before the body is read (:class:`coordinator.api.auth.ApiKeyMiddleware`), a client may have
+at most ``http_max_pending_bodies_per_client`` bodies still arriving (429), a body's size is
+counted as it is read (413) and a chat's messages before its JSON is decoded (``max_chat_messages``,
+400) (:mod:`coordinator.api.body_limit`); a request naming an unknown model is
+answered from the names known (:class:`ModelNames`, 404). Idle keep-alive connections close after
+``http_keep_alive_timeout_s``, and at most ``http_max_connections`` connections are served (503
+beyond, uvicorn's ``limit_concurrency``). JSON nested too deep to parse is a 400 (FastAPI's), in
 OpenAI's error shape.
 """
 
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TypeVar
 
 import uvicorn
@@ -35,11 +41,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from coordinator.api.auth import ApiKeyMiddleware
-from coordinator.api.body_limit import BodyLimit
+from coordinator.api.auth import ApiKeyMiddleware, ApiKeys, Unauthenticated
+from coordinator.api.body_limit import BodyLimit, ChatMessagesLimit, PendingBodies
 from coordinator.api.client import FINISH_REASONS, Completion
 from coordinator.api.logprobs import RequestLogprobs
 from coordinator.api.openai_schema import (
@@ -53,6 +61,7 @@ from coordinator.api.openai_schema import (
 )
 from coordinator.api.output import StreamStalled, written
 from coordinator.api.request import prompt_ids
+from coordinator.settings import CoordinatorSettings
 from specdec.rpc.errors import SpecdecError
 from specdec.rpc.server import SHUTDOWN_GRACE_S
 from specdec.rpc.tls import ReloadingSSLContext
@@ -62,30 +71,63 @@ tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
 # FastAPI's detail when parsing a body fails other than as invalid JSON (nesting past the parser's depth)
 UNPARSED = "There was an error parsing the body"
+# Seconds between GetInfo calls that learn the target's name when requests name unknown models
+MODEL_NAMES_REFRESH_S = 5.0
 
 
 class ModelNames:
     """The names a request's ``model`` may take: the target's (from the verify service's GetInfo,
-    which ``verify_info()`` gives, fetched again only when a request names an unknown model) and
-    the configured aliases."""
+    which ``verify_info()`` gives) and the configured aliases. A name outside them is answered
+    from this set: the target's name is fetched again at most every ``refresh_s`` seconds (it
+    changes only when the verify replicas are replaced by another model's), so a flood of unknown
+    names costs no call upstream."""
 
     def __init__(
-        self, verify_info: Callable[[], Awaitable[verify_pb2.VerifyServiceGetInfoResponse]], aliases: list[str]
+        self,
+        verify_info: Callable[[], Awaitable[verify_pb2.VerifyServiceGetInfoResponse]],
+        aliases: list[str],
+        refresh_s: float = MODEL_NAMES_REFRESH_S,
     ):
-        self.verify_info, self.aliases = verify_info, list(aliases)
+        self.verify_info, self.aliases, self.refresh_s = verify_info, list(aliases), refresh_s
         self.target: str | None = None
+        self.fetched = -math.inf  # time.monotonic() of the last GetInfo, answered or not
+        self.error: SpecdecError | None = None  # the last GetInfo's, when it failed
+        self.fetching = asyncio.Lock()  # concurrent misses share one GetInfo
 
-    async def names(self, refresh: bool = False) -> list[str]:
-        """Raises Unavailable when no verify replica answers."""
-        if self.target is None or refresh:
-            self.target = (await self.verify_info()).model
+    async def names(self) -> list[str]:
+        """Raises Unavailable when the target's name is not known yet and no verify replica answers."""
+        if self.target is None:
+            await self._fetch()
+        assert self.target is not None  # _fetch raised otherwise
         return [self.target, *self.aliases]
 
+    async def _fetch(self) -> None:
+        """Learns the target's name, unless a GetInfo was made in the last ``refresh_s`` seconds:
+        a failed one keeps the name known before. Raises what GetInfo raised (that one's error, for
+        that long) while no name is known."""
+        async with self.fetching:
+            if time.monotonic() - self.fetched < self.refresh_s:
+                if self.target is None and self.error is not None:
+                    raise self.error.with_traceback(None)
+                return
+            self.fetched = time.monotonic()
+            try:
+                self.target, self.error = (await self.verify_info()).model, None
+            except SpecdecError as err:
+                self.error = err
+                if self.target is None:
+                    raise
+
     async def check(self, name: str) -> None:
-        if name in self.aliases or name == self.target or name in await self.names(refresh=True):
+        """Raises ApiError (404, OpenAI's model_not_found) naming the served models for a name
+        outside them, and Unavailable (see :meth:`names`)."""
+        if name in self.aliases or name == self.target:
             return
-        served = ", ".join(await self.names())
-        raise ApiError(404, f"model {name!r} does not exist: this server serves {served}", "model", "model_not_found")
+        await self._fetch()
+        served = await self.names()
+        if name not in served:
+            message = f"model {name!r} does not exist: this server serves {', '.join(served)}"
+            raise ApiError(404, message, "model", "model_not_found")
 
 
 class _Steps:
@@ -183,11 +225,22 @@ def _sse(data: dict) -> str:
 
 def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> FastAPI:
     """The HTTP API of ``servicer`` (a :class:`coordinator.service.CoordinatorServicer`, whose
-    ``keys`` it takes); request bodies over ``max_body_bytes`` get 413
+    ``keys`` and ``settings`` it takes); request bodies over ``max_body_bytes`` get 413, and a
+    client's bodies still arriving past ``http_max_pending_bodies_per_client`` 429, and chat
+    requests over ``max_chat_messages`` messages 400 before their JSON is decoded
     (:mod:`coordinator.api.body_limit`)."""
+    settings = servicer.settings
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(
-        BodyLimit, max_bytes=max_body_bytes, answer=lambda err: _error(ApiError(413, err.detail, None, None))
+        ChatMessagesLimit, path="/v1/chat/completions", max_messages=settings.max_chat_messages, answer=_refused_body
+    )
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, answer=_refused_body)
+    app.add_middleware(
+        PendingBodies,
+        max_per_client=settings.http_max_pending_bodies_per_client,
+        client=lambda scope: _client(servicer.keys, scope),
+        # its body is left unread: the connection closes rather than read it to the end
+        answer=lambda err: _error(ApiError(429, err.detail, None, "too_many_pending_bodies", "1"), close=True),
     )
     # added last, so it runs first: a call without a key is answered before its body is read
     app.add_middleware(ApiKeyMiddleware, keys=servicer.keys, answer=lambda err: _error(ApiError.from_specdec(err)))
@@ -260,6 +313,16 @@ def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> 
     return app
 
 
+def _client(keys: ApiKeys, scope: Scope) -> str:
+    """Who sends a request, for the limits per client: its API key's owner, or its IP address
+    when the coordinator has no keys (or the request none, on a path open without one)."""
+    host = scope["client"][0] if scope.get("client") else ""
+    try:
+        return keys.caller(Headers(scope=scope).get("authorization"), host).client
+    except Unauthenticated:
+        return f"host {host}"
+
+
 def _server_span(http: Request) -> trace.Span:
     """The span of an HTTP call's request, its parent the caller's trace."""
     return tracer.start_span(
@@ -326,11 +389,21 @@ async def _events(
         await steps.close()
 
 
-def _error(err: ApiError) -> JSONResponse:
+def _error(err: ApiError, close: bool = False) -> JSONResponse:
+    """``err`` as a response; ``close``: the connection closes after it."""
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
     if err.retry_after is not None:
         headers["Retry-After"] = err.retry_after
+    if close:
+        headers["Connection"] = "close"
     return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
+
+
+def _refused_body(err: HTTPException) -> JSONResponse:
+    """A body refused by :mod:`coordinator.api.body_limit`: 413, or 400 for a chat's messages."""
+    if err.status_code == 400:
+        return _error(ApiError(400, err.detail, "messages", "invalid_value"))
+    return _error(ApiError(err.status_code, err.detail, None, None))
 
 
 def _validation_message(err: RequestValidationError) -> ApiError:
@@ -380,45 +453,191 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 @dataclass(frozen=True)
-class HttpTimeouts:
-    """The HTTP server's bounds on its clients: seconds for a request's header to arrive
-    (``header_s``) and for an idle keep-alive connection to stay open (``keep_alive_s``); the most
-    connections served at once (``max_connections``, 503 beyond)."""
+class HttpLimits:
+    """The HTTP server's bounds on its clients, each a coordinator setting: seconds for a request's
+    header to arrive (``header_s``), for its body to arrive after it (``body_s``) and for an idle
+    keep-alive connection to stay open (``keep_alive_s``); the largest header in bytes
+    (``max_header_bytes``) and in fields (``max_headers``); the most connections served at once
+    (``max_connections``, 503 beyond)."""
 
     header_s: float = 10.0
+    body_s: float = 30.0
     keep_alive_s: float = 5.0
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
     max_connections: int = 1024
 
+    @classmethod
+    def of(cls, settings: CoordinatorSettings) -> "HttpLimits":
+        return cls(
+            header_s=settings.http_header_timeout_s,
+            body_s=settings.http_body_timeout_s,
+            keep_alive_s=settings.http_keep_alive_timeout_s,
+            max_header_bytes=settings.http_max_header_bytes,
+            max_headers=settings.http_max_headers,
+            max_connections=settings.http_max_connections,
+        )
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol (its default) with a deadline on each request's header: a
-    connection that has not sent a whole request header ``header_timeout_s`` seconds after it
-    opened, or after its previous response ended, is closed, so a client sending its header
-    slowly (slowloris) cannot hold connections. uvicorn has no such setting; its keep-alive
-    timeout only covers a connection that sends nothing at all after a response."""
 
-    header_timeout_s = 10.0  # set per server by :class:`HttpServer` (uvicorn builds the protocol itself)
+class _HeaderTooLarge(Exception):
+    """Stops the parser at a header over the limits (:meth:`BoundedHttpProtocol._count`)."""
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its default) with bounds on what a client sends before the
+    app answers; uvicorn has none of them, nor has httptools (it takes headers of any size and
+    number), and h11's size limit (``h11_max_incomplete_event_size``) answers a bare 400.
+
+    - A deadline on each request's header: a connection that has not sent a whole request header
+      ``header_s`` seconds after it opened, or after its previous response ended, is closed, so a
+      client sending its header slowly (slowloris) cannot hold connections (uvicorn's keep-alive
+      timeout only covers a connection that sends nothing at all after a response).
+    - A deadline on its body: the whole body must arrive within ``body_s`` seconds of the header,
+      else 408 (the connection then closes; the app sees the client leave).
+    - A header over ``max_header_bytes`` bytes or ``max_headers`` fields gets 431, as soon as the
+      bytes received show it, before it is parsed to the end.
+
+    The refusals are in OpenAI's error shape and name their setting."""
+
+    limits = HttpLimits()  # set per server by :class:`HttpServer` (uvicorn builds the protocol itself)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_too_slow)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+        self._body_complete = True  # no request in progress
+        self._next_header()
+        self._arm(self.limits.header_s, self._header_too_slow)
+
+    def _arm(self, delay_s: float, expired: Callable[[], None]) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(delay_s, expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _next_header(self) -> None:
+        """From here on the bytes received are the next request's header."""
+        self._header_bytes = self._header_received = self._num_headers = 0
+        self._in_header = True
+        self._header_refusal: ApiError | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_header:
+            self._header_received += len(data)
+        super().data_received(data)
+        # a header still unfinished after more bytes than the limit: refused before it ends
+        if self._in_header and self._header_received > self.limits.max_header_bytes and not self._refused:
+            self._refuse_header(self._too_large())
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url), 0)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4, 1)  # "name: value\r\n"
+        super().on_header(name, value)
+
+    def _count(self, num_bytes: int, num_headers: int) -> None:
+        self._header_bytes += num_bytes
+        self._num_headers += num_headers
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._header_refusal = self._too_large()
+        elif self._num_headers > self.limits.max_headers:
+            self._header_refusal = ApiError(
+                431,
+                f"the request has more than {self.limits.max_headers} header fields, the coordinator's limit "
+                "(http_max_headers): send fewer, or raise --http-max-headers",
+                None,
+                "header_too_large",
+            )
+        if self._header_refusal is not None:
+            raise _HeaderTooLarge()  # the parser stops; uvicorn answers through send_400_response
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            431,
+            f"the request header exceeds the coordinator's limit of {self.limits.max_header_bytes} bytes "
+            "(http_max_header_bytes): send fewer or shorter header fields, or raise --http-max-header-bytes",
+            None,
+            "header_too_large",
+        )
+
+    def send_400_response(self, msg: str) -> None:
+        if self._header_refusal is None:
+            super().send_400_response(msg)
+        else:  # the parser stopped at a header over the limits
+            self._refuse_header(self._header_refusal)
 
     def on_headers_complete(self) -> None:
-        self._header_deadline.cancel()
+        self._in_header, self._body_complete = False, False
+        self._arm(self.limits.body_s, self._body_too_slow)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._body_complete = True
+        self._disarm()
+        super().on_message_complete()
+        self._next_header()
+        if self.cycle is not None and self.cycle.response_complete:  # answered before its body arrived (401, 429)
+            self._arm(self.limits.header_s, self._header_too_slow)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_too_slow)
+        # the next header's deadline, once the request is done both ways (a body still arriving
+        # keeps its own; a pipelined request started by super() gets one when it is answered)
+        if not self.transport.is_closing() and self._body_complete and self.cycle.response_complete:
+            self._arm(self.limits.header_s, self._header_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._header_deadline.cancel()
+        self._disarm()
         super().connection_lost(exc)
 
     def _header_too_slow(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _body_too_slow(self) -> None:
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_started:  # answered already: nothing to say
+            self.transport.close()
+            return
+        self.cycle.disconnected = True  # the app reading the body sees the client leave
+        self.cycle.message_event.set()
+        self._refuse(
+            ApiError(
+                408,
+                f"the request body did not arrive within {self.limits.body_s:g} s of its header, the coordinator's "
+                "limit (http_body_timeout_s): send the body at once, or raise --http-body-timeout-s",
+                None,
+                "request_timeout",
+            )
+        )
+
+    def _refuse_header(self, err: ApiError) -> None:
+        """Refuses a header over the limits: answers ``err`` unless a response to an earlier
+        request on the connection is still due (the client would take it for that one's)."""
+        if self.cycle is None or self.cycle.response_complete:
+            self._refuse(err)
+        else:
+            self._refused = True
+            self.transport.close()
+
+    def _refuse(self, err: ApiError) -> None:
+        """Answers ``err`` and closes the connection."""
+        self._refused = True
+        body = json.dumps(err.to_json()).encode()
+        head = (
+            f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -439,7 +658,7 @@ class HttpServer:
         host: str,
         port: int,
         ssl_context: ReloadingSSLContext | None = None,
-        timeouts: HttpTimeouts = HttpTimeouts(),
+        limits: HttpLimits = HttpLimits(),
     ):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -450,14 +669,14 @@ class HttpServer:
                 f"cannot serve HTTP on {host}:{port} ({err.strerror}): choose another "
                 "--http-port, or 0 to turn the HTTP API off",
             ) from None
-        protocol = type("HeaderTimeout", (HeaderTimeoutProtocol,), {"header_timeout_s": timeouts.header_s})
+        protocol = type("Bounded", (BoundedHttpProtocol,), {"limits": limits})
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
             http=protocol,
-            timeout_keep_alive=timeouts.keep_alive_s,  # type: ignore[arg-type]  # seconds, a float works
-            limit_concurrency=timeouts.max_connections,
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # seconds, a float works
+            limit_concurrency=limits.max_connections,
             log_config=None,
             lifespan="off",
             access_log=False,

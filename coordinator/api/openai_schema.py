@@ -47,6 +47,7 @@ _PARAMS = [
     ("max_new_tokens", "max_tokens"),
     ("prompt (", "max_tokens"),
     ("prompt", "prompt"),
+    ("chat", "prompt"),
     ("token_ids", "prompt"),
     ("stop", "stop"),
     ("temperature", "temperature"),
@@ -139,6 +140,7 @@ NEUTRAL = {
     "include_stop_str_in_output": _off,
     "skip_special_tokens": lambda v: v is None or v is True,
 }
+# The body's roles, as the chat template's (coordinator.api.request.CHAT_ROLES)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from llguidance import LLTokenizer
 
+from coordinator.api.prompt_bound import token_bound
 from coordinator.settings import CoordinatorSettings
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -16,6 +17,8 @@ from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
+# The roles a chat message may have: those the chat templates know (OpenAI's developer is a system message)
+CHAT_ROLES = ("system", "user", "assistant")
 LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
 DEFAULT_LIMITS = GrammarLimits()
 
@@ -119,32 +122,50 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]
     return list(ids["input_ids"])
 
 
-@functools.cache
-def _longest_token_bytes(tokenizer) -> int | None:
-    """The UTF-8 length of the tokenizer's longest token string, at least the bytes of text any one
-    token stands for (a byte-level token's string spells each byte in one character of 1 or 2
-    bytes). None when the tokenizer normalizes text first: a normalizer may shorten it, and then
-    the text's bytes bound nothing."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
-        return None
-    return max(len(token.encode()) for token in tokenizer.get_vocab())
+def too_many_messages(field: str, num_messages: int | str, max_chat_messages: int) -> str:
+    """The error message of a chat of ``num_messages`` messages (a number, or "more than N") in
+    ``field``, more than the limit."""
+    return (
+        f"{field} has {num_messages} messages: at most {max_chat_messages} are allowed (the coordinator's "
+        "--max-chat-messages)"
+    )
+
+
+def check_chat(request: coordinator_pb2.GenerateRequest, max_chat_messages: int) -> None:
+    """Refuses, before the chat template sees them, more chat messages than ``max_chat_messages``
+    and a role outside CHAT_ROLES (a template puts the role in the prompt's text: a free-form one
+    could forge turns or special tokens). Raises InvalidArgument."""
+    if request.WhichOneof("prompt") != "chat":
+        return
+    messages = request.chat.messages
+    if len(messages) > max_chat_messages:
+        raise InvalidArgument(too_many_messages("chat", len(messages), max_chat_messages))
+    bad = next((i for i, m in enumerate(messages) if m.role not in CHAT_ROLES), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"chat.messages[{bad}].role is {messages[bad].role[:64]!r}: it must be one of {', '.join(CHAT_ROLES)}"
+        )
 
 
 def check_prompt_bytes(request: coordinator_pb2.GenerateRequest, tokenizer, window: int) -> None:
-    """Refuses, before any tokenizing, a text prompt too long in bytes to fit the context window
-    of ``window`` tokens whatever its tokens: each token stands for at most the longest token's
-    bytes, so it has at least bytes / that many tokens. Raises InvalidArgument."""
-    longest = _longest_token_bytes(tokenizer)
-    if longest is None or request.WhichOneof("prompt") == "token_ids":
+    """Refuses, before any tokenizing, a text prompt too long to fit the context window of
+    ``window`` tokens whatever its tokens: it has at least the tokens
+    :mod:`coordinator.api.prompt_bound` finds from its bytes (after the tokenizer's normalizer),
+    and a chat's template adds more. No check where that bound would not hold for the tokenizer.
+    Raises InvalidArgument."""
+    bound = token_bound(tokenizer)
+    if bound is None or request.WhichOneof("prompt") == "token_ids":
         return
     contents = [request.text] if request.WhichOneof("prompt") != "chat" else [m.content for m in request.chat.messages]
-    num_bytes = sum(len(content.encode()) for content in contents)
-    if -(-num_bytes // longest) >= window:
-        raise InvalidArgument(
-            f"prompt has {num_bytes} bytes, at least {-(-num_bytes // longest)} tokens; the target's context "
-            f"window is {window}: shorten the prompt"
-        )
+    num_tokens = 0
+    for content in contents:
+        num_tokens += bound.min_tokens(content, enough=window - num_tokens)
+        if num_tokens >= window:
+            num_bytes = sum(len(content.encode()) for content in contents)
+            raise InvalidArgument(
+                f"prompt has {num_bytes} bytes, at least {num_tokens} tokens; the target's context window is "
+                f"{window}: shorten the prompt"
+            )
 
 
 def check_stop(request: coordinator_pb2.GenerateRequest, max_stop_strings: int, max_stop_string_bytes: int) -> None:
@@ -174,8 +195,8 @@ def resolve(
     """Checks every field and fills in defaults. ``draft_info`` None: the draft service's drafters
     are unknown (it was never reached), and the request runs without it. Tokenizes the prompt and
     compiles its grammar: CPU work that grows with the request, bounded by the checks before it
-    (stop strings, the prompt's bytes against the context window); the coordinator runs it off its
-    event loop.
+    (stop strings, chat messages, the prompt's bytes against the context window); the coordinator
+    runs it off its event loop.
 
     Raises:
         InvalidArgument: a field out of range (the message names it and the allowed range).
@@ -189,6 +210,7 @@ def resolve(
         )
     window = verify_info.max_context_length
     check_stop(request, settings.max_stop_strings, settings.max_stop_string_bytes)
+    check_chat(request, settings.max_chat_messages)
     check_prompt_bytes(request, tokenizer, window)
     ids = prompt_ids(request, tokenizer)
     bad = next((i for i in ids if not 0 <= i < verify_info.vocab_size), None)
