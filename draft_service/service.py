@@ -151,7 +151,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             sampling = dataclasses.replace(sampling, structured_output=None)
 
         def open_session() -> DraftSession:
-            session = drafter.new_session(sampling, request.cache_salt)
+            session = drafter.new_session(sampling, request.cache_salt, request.owner)
             try:
                 session.prefill(request.token_ids)
             except BaseException:

@@ -173,7 +173,7 @@ class WrongDrafter(Drafter):
 
     name = "wrong"
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> DraftSession:
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> DraftSession:
         return _WrongSession(sampling)
 
 
@@ -193,7 +193,7 @@ class SwitchingDrafter(Drafter):
         self.wrong_from, self.wrong_to = wrong_from, wrong_to
         self.script: list[int] = []
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> DraftSession:
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> DraftSession:
         return _SwitchingSession(sampling, self)
 
 

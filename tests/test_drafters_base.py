@@ -1,5 +1,5 @@
 """The model drafters' session (:mod:`draft_service.drafters.base`), on the tiny transformers
-draft: its context window."""
+draft: its context window, and the owner its KV store preempts by."""
 
 from specdec.sampling.sampling_params import SamplingParams
 
@@ -10,3 +10,14 @@ def test_model_draft_proposes_nothing_beyond_its_window(tiny_drafters):
     assert len(session.propose(4).tokens) == 4  # 508 + 4 fits
     session.sync([7])
     assert session.propose(4).tokens == []  # 509 + 4 would not: the round becomes a plain decode
+
+
+def test_a_model_drafts_sessions_carry_their_owner_into_its_kv_store(tiny_drafters, monkeypatch):
+    """A session's owner reaches the drafter's KV store, whose preemption takes from the owner
+    holding the most (tests/test_ragged_lm.py shows the choice)."""
+    drafter = tiny_drafters["transformers"]
+    allocate, owners = drafter.lm.allocate, []
+    monkeypatch.setattr(drafter.lm, "allocate", lambda owner="": owners.append(owner) or allocate(owner))
+    drafter.new_session(SamplingParams(), cache_salt="salt", owner="a").close()
+    drafter.new_session(SamplingParams()).close()
+    assert owners == ["a", ""]

@@ -185,10 +185,12 @@ class Drafter(abc.ABC):
     engine: Engine | None = None  # the engine loop of a model drafter's batched steps
 
     @abc.abstractmethod
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> DraftSession:
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> DraftSession:
         """A new session. ``cache_salt``: the partition of the drafter's caches shared across
         sessions (a model's prefix cache, the suffix drafter's outputs) that the session reads
-        and adds to: the tenant's (docs/security.md#tenants-and-the-caches)."""
+        and adds to: the tenant's (docs/security.md#tenants-and-the-caches). ``owner``: whom it
+        serves (an opaque tag): a model's KV store that must preempt takes from the owner holding
+        the most (:meth:`specdec.engine.batching.BatchedLM.allocate`)."""
 
     def measure_step_ms(self, k: int = 8, context_len: int = 64) -> float:
         """Measures the ms per proposed token of a K-token proposal after ``context_len`` tokens

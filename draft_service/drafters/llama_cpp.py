@@ -460,5 +460,6 @@ class LlamaCppDrafter(Drafter):
         tokenizer = load_tokenizer(spec)
         self.vocabulary = GrammarVocabulary(tokenizer, self.lm.vocab_size, [tokenizer.eos_token_id])
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> ModelDraftSession:
-        return ModelDraftSession(sampling, SequenceKV(self.lm, cache_salt), self.n_ctx, self.engine, self.vocabulary)
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> ModelDraftSession:
+        kv_cache = SequenceKV(self.lm, cache_salt, owner)  # llama.cpp allocates its KV up front: it never preempts
+        return ModelDraftSession(sampling, kv_cache, self.n_ctx, self.engine, self.vocabulary)

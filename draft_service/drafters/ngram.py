@@ -29,5 +29,5 @@ class NgramDrafter(Drafter):
         NgramIndex(min_n, max_n)  # validates the bounds at start-up
         self.min_n, self.max_n = min_n, max_n
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> NgramSession:
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> NgramSession:
         return NgramSession(sampling, self.min_n, self.max_n)

@@ -48,5 +48,5 @@ class SuffixDrafter(Drafter):
         self.cache = SuffixCache(max_depth, max_cached_requests, max_cached_tokens, max_cache_partitions)
         self.limits = ProposalLimits(max_spec_factor, min_token_prob)
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> SuffixSession:
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> SuffixSession:
         return SuffixSession(sampling, self.cache, self.limits, cache_salt)

@@ -59,5 +59,6 @@ class TransformersDrafter(Drafter):
             model, tokenizer, spec, max_num_seqs, max_num_batched_tokens, prefix_cache_max_tokens, kv_cache_max_bytes
         )
 
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "") -> ModelDraftSession:
-        return ModelDraftSession(sampling, SequenceKV(self.lm, cache_salt), self.window, self.engine, self.vocabulary)
+    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> ModelDraftSession:
+        kv_cache = SequenceKV(self.lm, cache_salt, owner)
+        return ModelDraftSession(sampling, kv_cache, self.window, self.engine, self.vocabulary)
