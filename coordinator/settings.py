@@ -52,9 +52,18 @@ class CoordinatorSettings(ServiceSettings):
     max_concurrent_rpcs: int = Field(
         1024,
         ge=0,
-        description="Calls the coordinator's gRPC server serves at once (Generate streams, health checks); one "
-        "more gets RESOURCE_EXHAUSTED at once (gRPC's maximum_concurrent_rpcs) instead of queueing without "
-        "bound; 0 = no limit. The HTTP API's connections are bounded by http_max_connections.",
+        description="Generate calls the coordinator's gRPC server runs at once, each counted from the moment its "
+        "request message has arrived (with an accepted API key) until it ends; one more gets RESOURCE_EXHAUSTED "
+        "at once instead of queueing without bound; health checks, reflection and calls without a key never "
+        "count; 0 = no limit. The HTTP API's connections are bounded by http_max_connections.",
+    )
+    grpc_max_connection_age_s: float = Field(
+        3600.0,
+        ge=0,
+        description="A connection to the public gRPC port this old is asked to close (GOAWAY: its client opens a "
+        "new one for new calls), seconds; its Generate streams get grpc_max_connection_age_grace_s to finish, "
+        "then are cut (UNAVAILABLE: resume them with resume_from); 0 = never. Behind a layer-4 load balancer it "
+        "also spreads long-lived clients over new coordinator replicas.",
     )
     max_queued_requests: int = Field(
         256,

@@ -7,12 +7,17 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 3. key ka opens 40 streams at once (its limit: 32) while key kb asks for a completion;
 4. a gRPC stream whose client stops reading (the coordinator started with a 5 s stall bound);
 5. an 8 MiB body without a key, sent as headers only; a request header that never ends;
-6. a token-id prompt against the same text; JSON nested 100,000 deep.
+6. a token-id prompt against the same text; JSON nested 100,000 deep;
+7. 1,100 gRPC streams without a key (11 connections), each sending 7 bytes of a Generate request
+   that declares 64 KiB, then nothing; the same against the open health check; meanwhile a health
+   check and a Generate of key kb.
 
     .venv/bin/python scripts/abuse_check.py
 """
 
+import collections
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -22,6 +27,12 @@ import time
 import urllib.request
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.api.client import generate
 from specdec.engine.model_files import DEFAULT_MODEL, load_tokenizer
@@ -212,8 +223,155 @@ def main() -> None:
         stalled_stream(grpc_address, metrics_port)
         before_the_body(cluster.http_port)
         prompts(cluster.http_port)
+        stalled_streams(cluster.host, cluster.coordinator_port, cluster.services["coordinator"].started.pid)
     finally:
         cluster.stop()
+
+
+class StalledStreams:
+    """A raw HTTP/2 client (the ``h2`` package) that opens ``count`` gRPC calls to ``path`` at
+    ``host:port`` over plaintext, ``per_connection`` per connection: each sends its headers
+    (``metadata`` added) and a DATA frame with the first ``len(sent)`` bytes of a message whose
+    length prefix declares ``declared`` bytes, then nothing. A thread per connection reads what the
+    server answers: :meth:`statuses` counts the calls by outcome (their ``grpc-status``, ``reset
+    <code>`` for RST_STREAM, ``open`` for none yet)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        path: str,
+        count: int,
+        per_connection: int = 100,
+        declared: int = 65536,
+        sent: bytes = b"\x0a\x05hello",
+        metadata: tuple[tuple[str, str], ...] = (),
+    ):
+        self.outcomes: dict[tuple[int, int], str] = {}
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self.readers: list[threading.Thread] = []
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", f"{host}:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *metadata,
+        ]
+        prefix = b"\x00" + declared.to_bytes(4, "big")
+        for first in range(0, count, per_connection):
+            connection = h2.connection.H2Connection(h2.config.H2Configuration(header_encoding="utf-8"))
+            connection.initiate_connection()
+            sock = socket.create_connection((host, port), timeout=None)
+            for _ in range(min(per_connection, count - first)):
+                stream_id = connection.get_next_available_stream_id()
+                connection.send_headers(stream_id, headers)
+                connection.send_data(stream_id, prefix + sent)
+                self.outcomes[(len(self.sockets), stream_id)] = "open"
+            sock.sendall(connection.data_to_send())
+            reader = threading.Thread(target=self._read, args=(len(self.sockets), sock, connection), daemon=True)
+            self.sockets.append(sock)
+            self.readers.append(reader)
+            reader.start()
+
+    def _read(self, index: int, sock: socket.socket, connection: h2.connection.H2Connection) -> None:
+        try:
+            while data := sock.recv(65536):
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        status = dict(event.headers).get("grpc-status")
+                        if status is not None:
+                            self._outcome(index, event.stream_id, grpc_status_name(status))
+                    elif isinstance(event, h2.events.StreamReset):
+                        self._outcome(index, event.stream_id, f"reset {event.error_code!s}")
+                sock.sendall(connection.data_to_send())
+        except (OSError, h2.exceptions.ProtocolError):
+            return
+
+    def _outcome(self, index: int, stream_id: int, outcome: str) -> None:
+        with self.lock:
+            if self.outcomes.get((index, stream_id)) == "open":
+                self.outcomes[(index, stream_id)] = outcome
+
+    def statuses(self) -> collections.Counter[str]:
+        with self.lock:
+            return collections.Counter(self.outcomes.values())
+
+    def wait_answered(self, timeout_s: float) -> bool:
+        """Whether every call had an answer within ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while self.statuses()["open"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.statuses()["open"]
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for reader in self.readers:
+            reader.join()
+
+
+def grpc_status_name(code: str) -> str:
+    """``"16"`` -> ``"UNAUTHENTICATED"``."""
+    return next((status.name for status in grpc.StatusCode if status.value[0] == int(code)), code)
+
+
+STALLED = 1100
+GENERATE = "/specdec.v1.CoordinatorService/Generate"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def timed(call) -> tuple[float, str]:
+    """Milliseconds ``call()`` took and what it answered (or the status it failed with)."""
+    started = time.perf_counter()
+    try:
+        outcome = str(call())
+    except grpc.RpcError as err:
+        outcome = err.code().name
+    return (time.perf_counter() - started) * 1000, outcome
+
+
+def open_connections(pid: int, port: int) -> int:
+    """TCP connections of process ``pid`` on its port ``port``."""
+    return sum(1 for c in psutil.Process(pid).net_connections("tcp") if c.laddr.port == port and c.raddr)
+
+
+def stalled_streams(host: str, port: int, pid: int) -> None:
+    address = f"{host}:{port}"
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def check() -> str:
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(
+                health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            )
+
+        def keyed() -> str:
+            request = coordinator_pb2.GenerateRequest(text="Hello.", max_new_tokens=8)
+            return f"{len(generate(address, request, timeout_s=60, api_key='kb').token_ids)} tokens"
+
+        for number, path in (("7.", GENERATE), ("  ", HEALTH_CHECK)):
+            started = time.perf_counter()
+            streams = StalledStreams(host, port, path, STALLED)
+            opened_ms = (time.perf_counter() - started) * 1000
+            streams.wait_answered(2.0)
+            answered_ms = (time.perf_counter() - started) * 1000
+            health_ms, health_status = timed(check)
+            keyed_ms, keyed_outcome = timed(keyed)
+            statuses = dict(streams.statuses())
+            connections = open_connections(pid, port)
+            streams.close()
+            time.sleep(1.0)
+            print(
+                f"{number} {STALLED} stalled keyless streams to {path} ({len(streams.sockets)} connections, "
+                f"opened in {opened_ms:.0f} ms): {statuses} after {answered_ms:.0f} ms; meanwhile Health/Check "
+                f"{health_status} in {health_ms:.0f} ms, kb's Generate {keyed_outcome} in {keyed_ms:.0f} ms; "
+                f"coordinator connections {connections} during, {open_connections(pid, port)} after"
+            )
 
 
 if __name__ == "__main__":
