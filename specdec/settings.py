@@ -155,6 +155,15 @@ class SessionServiceSettings(ServiceSettings):
         description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
         "fill the rest); at least max_num_speculative_tokens + 1.",
     )
+    engine_step_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="Longest an engine step (one batched forward and its bookkeeping) may run, seconds; past "
+        "it the engine is taken for hung: its calls fail with UNAVAILABLE, the service reports NOT_SERVING and "
+        "exits with code 70, for its supervisor (specdec up, the kubelet) to restart it. 0 = no bound. The "
+        "default is far above any step a CPU takes (a full prefill chunk of a 1B target: seconds), so only a "
+        "hang reaches it; a slower device or a larger max_num_batched_tokens_alone may need more.",
+    )
     debug_rpc_delay_ms: CommaSeparated = Field(
         [],
         description="Test hook, empty in production: METHOD=MS pairs (for example Prefill=1000); each call of "

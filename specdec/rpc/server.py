@@ -190,12 +190,13 @@ class _Servicer(Protocol):
 class _Watched(Protocol):
     """A thread the service cannot go on without: an engine loop (:meth:`specdec.engine.engine.Engine.watch`)."""
 
-    def watch(self, on_fatal: Callable[[str, BaseException], None]) -> None: ...
+    def watch(self, on_fatal: Callable[[str, BaseException], None], step_timeout_s: float = 0.0) -> None: ...
 
 
 class Liveness:
     """Whether a draft or verify service may go on. A thread it depends on (an engine loop, the
-    idle-session janitor) that dies calls :meth:`fatal`: the service then reports NOT_SERVING on
+    idle-session janitor) that dies, or an engine step that runs past ``engine_step_timeout_s``,
+    calls :meth:`fatal`: the service then reports NOT_SERVING on
     the gRPC health service (a kubelet's probe, ``specdec up``'s readiness check) and its process
     exits with :data:`EXIT_FATAL` (:meth:`RunningService.serve_until_signal`), so that its
     supervisor (``specdec up``, the kubelet) restarts it; the coordinator meanwhile rebuilds its
@@ -296,7 +297,8 @@ def start_service(
     servicer, add_to_server, service_name: str, sessions, settings, engines: Iterable[_Watched] = ()
 ) -> RunningService:
     """Starts a session-holding service (draft or verify), its idle-session janitor and its
-    Prometheus endpoint, and watches its ``engines`` and janitor (:class:`Liveness`).
+    Prometheus endpoint, and watches its ``engines`` (their loops, and their steps against
+    ``settings.engine_step_timeout_s``) and janitor (:class:`Liveness`).
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
     full name reflection and health report; ``sessions`` the servicer's
@@ -324,7 +326,7 @@ def start_service(
     liveness = Liveness(health_servicer)
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10), liveness.fatal)
     for engine in engines:
-        engine.watch(liveness.fatal)
+        engine.watch(liveness.fatal, settings.engine_step_timeout_s)
     servicer.metrics.track_sessions(sessions)
     servicer.metrics.serve(settings.host, settings.metrics_port)
     return RunningService(server, port, servicer, janitor, liveness)
