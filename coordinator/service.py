@@ -519,7 +519,13 @@ async def serve(
         server_credentials(settings),
         settings.max_message_bytes,
         settings.max_request_bytes,
-        interceptors=[ApiKeyInterceptor(servicer.keys, CallsInProgress(settings.max_concurrent_rpcs))],
+        interceptors=[
+            ApiKeyInterceptor(
+                servicer.keys,
+                CallsInProgress(settings.max_concurrent_rpcs),
+                settings.grpc_request_message_timeout_s,
+            )
+        ],
         connection=connection_options(settings),
     )
     metrics.serve(settings.host, settings.metrics_port)

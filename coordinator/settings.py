@@ -65,6 +65,15 @@ class CoordinatorSettings(ServiceSettings):
         "then are cut (UNAVAILABLE: resume them with resume_from); 0 = never. Behind a layer-4 load balancer it "
         "also spreads long-lived clients over new coordinator replicas.",
     )
+    grpc_request_message_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="A gRPC call's request message must have arrived whole within this long of the call's start "
+        "(a request stream's each message, of the previous one), seconds, or the call ends with DEADLINE_EXCEEDED "
+        "and what it sent is freed: gRPC keeps the part of a message that has arrived until the rest comes, so a "
+        "client sending a large message slowly, or not at all, would hold that memory. Health checks and "
+        "reflection included; 0 = no bound.",
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,

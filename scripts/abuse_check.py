@@ -10,7 +10,11 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 6. a token-id prompt against the same text; JSON nested 100,000 deep;
 7. 1,100 gRPC streams without a key (11 connections), each sending 7 bytes of a Generate request
    that declares 64 KiB, then nothing; the same against the open health check; meanwhile a health
-   check and a Generate of key kb.
+   check and a Generate of key kb;
+8. five rounds of 100 health checks (one connection each round, kept open), each sending 1 MiB of
+   its message but not its last bytes: the coordinator's resident memory after each round's bytes
+   are in and once --grpc-request-message-timeout-s (default 10 s) has ended them.
+   SPECDEC_COORDINATOR_GRPC_REQUEST_MESSAGE_TIMEOUT_S=0 shows it without the bound.
 
     .venv/bin/python scripts/abuse_check.py
 """
@@ -24,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import grpc
@@ -224,6 +229,7 @@ def main() -> None:
         before_the_body(cluster.http_port)
         prompts(cluster.http_port)
         stalled_streams(cluster.host, cluster.coordinator_port, cluster.services["coordinator"].started.pid)
+        stalled_messages(cluster.host, cluster.coordinator_port, cluster.services["coordinator"].started.pid)
     finally:
         cluster.stop()
 
@@ -231,10 +237,11 @@ def main() -> None:
 class StalledStreams:
     """A raw HTTP/2 client (the ``h2`` package) that opens ``count`` gRPC calls to ``path`` at
     ``host:port`` over plaintext, ``per_connection`` per connection: each sends its headers
-    (``metadata`` added) and a DATA frame with the first ``len(sent)`` bytes of a message whose
-    length prefix declares ``declared`` bytes, then nothing. A thread per connection reads what the
-    server answers: :meth:`statuses` counts the calls by outcome (their ``grpc-status``, ``reset
-    <code>`` for RST_STREAM, ``open`` for none yet)."""
+    (``metadata`` added) and the first ``len(sent)`` bytes of a message whose length prefix
+    declares ``declared`` bytes (as fast as the server's flow-control windows let it), then nothing.
+    A thread per connection reads what the server answers: :meth:`statuses` counts the calls by
+    outcome (their ``grpc-status``, ``reset <code>`` for RST_STREAM, ``open`` for none yet), and
+    :attr:`details` holds the ``grpc-message`` of each that had one."""
 
     def __init__(
         self,
@@ -248,9 +255,12 @@ class StalledStreams:
         metadata: tuple[tuple[str, str], ...] = (),
     ):
         self.outcomes: dict[tuple[int, int], str] = {}
+        self.details: dict[tuple[int, int], str] = {}
         self.lock = threading.Lock()
         self.sockets: list[socket.socket] = []
         self.readers: list[threading.Thread] = []
+        self.unsent: dict[tuple[int, int], bytes] = {}  # what each call has still to send, by (connection, stream)
+        self.sent = 0  # message bytes sent, every call together
         headers = [
             (":method", "POST"),
             (":scheme", "http"),
@@ -268,8 +278,9 @@ class StalledStreams:
             for _ in range(min(per_connection, count - first)):
                 stream_id = connection.get_next_available_stream_id()
                 connection.send_headers(stream_id, headers)
-                connection.send_data(stream_id, prefix + sent)
                 self.outcomes[(len(self.sockets), stream_id)] = "open"
+                self.unsent[(len(self.sockets), stream_id)] = prefix + sent
+            self._send(len(self.sockets), connection)
             sock.sendall(connection.data_to_send())
             reader = threading.Thread(target=self._read, args=(len(self.sockets), sock, connection), daemon=True)
             self.sockets.append(sock)
@@ -281,14 +292,36 @@ class StalledStreams:
             while data := sock.recv(65536):
                 for event in connection.receive_data(data):
                     if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                        status = dict(event.headers).get("grpc-status")
-                        if status is not None:
-                            self._outcome(index, event.stream_id, grpc_status_name(status))
+                        headers = dict(event.headers)
+                        if "grpc-status" in headers:
+                            self._outcome(index, event.stream_id, grpc_status_name(headers["grpc-status"]))
+                            self.details[(index, event.stream_id)] = urllib.parse.unquote(
+                                headers.get("grpc-message", "")
+                            )
                     elif isinstance(event, h2.events.StreamReset):
                         self._outcome(index, event.stream_id, f"reset {event.error_code!s}")
+                self._send(index, connection)
                 sock.sendall(connection.data_to_send())
         except (OSError, h2.exceptions.ProtocolError):
             return
+
+    def _send(self, index: int, connection: h2.connection.H2Connection) -> None:
+        """Queues what the flow-control windows let the calls of connection ``index`` send."""
+        for key in [key for key in self.unsent if key[0] == index]:
+            stream_id = key[1]
+            if connection.state_machine.state is h2.connection.ConnectionState.CLOSED or not self.unsent[key]:
+                del self.unsent[key]
+                continue
+            try:
+                size = min(connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size)
+            except h2.exceptions.StreamClosedError:
+                del self.unsent[key]
+                continue
+            while size > 0 and self.unsent[key]:
+                chunk, self.unsent[key] = self.unsent[key][:size], self.unsent[key][size:]
+                connection.send_data(stream_id, chunk)
+                self.sent += len(chunk)
+                size = min(connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size)
 
     def _outcome(self, index: int, stream_id: int, outcome: str) -> None:
         with self.lock:
@@ -298,6 +331,17 @@ class StalledStreams:
     def statuses(self) -> collections.Counter[str]:
         with self.lock:
             return collections.Counter(self.outcomes.values())
+
+    def wait_sent(self, timeout_s: float) -> None:
+        """Waits until every call has sent what it was to, or the server's flow control has let no
+        more through for a second, ``timeout_s`` seconds at most."""
+        deadline, last = time.monotonic() + timeout_s, (-1, 0.0)
+        while self.unsent and time.monotonic() < deadline:
+            if self.sent != last[0]:
+                last = (self.sent, time.monotonic())
+            elif time.monotonic() - last[1] > 1.0:
+                return
+            time.sleep(0.02)
 
     def wait_answered(self, timeout_s: float) -> bool:
         """Whether every call had an answer within ``timeout_s`` seconds."""
@@ -372,6 +416,31 @@ def stalled_streams(host: str, port: int, pid: int) -> None:
                 f"{health_status} in {health_ms:.0f} ms, kb's Generate {keyed_outcome} in {keyed_ms:.0f} ms; "
                 f"coordinator connections {connections} during, {open_connections(pid, port)} after"
             )
+
+
+def stalled_messages(host: str, port: int, pid: int, rounds: int = 5, calls: int = 100) -> None:
+    process = psutil.Process(pid)
+    timeout_s = float(os.environ.get("SPECDEC_COORDINATOR_GRPC_REQUEST_MESSAGE_TIMEOUT_S", "10"))
+    before = process.memory_info().rss
+    opened = []
+    try:
+        for round_number in range(1, rounds + 1):
+            started = time.perf_counter()
+            streams = StalledStreams(host, port, HEALTH_CHECK, calls, declared=1 << 20, sent=b"\x0a" * ((1 << 20) - 16))
+            opened.append(streams)
+            streams.wait_sent(timeout_s / 2 if timeout_s else 10.0)
+            sent = f"{streams.sent / 2**20:.0f} MiB sent in {time.perf_counter() - started:.1f} s"
+            sent_mb = (process.memory_info().rss - before) / 1e6
+            streams.wait_answered(timeout_s + 5.0 if timeout_s else 2.0)
+            print(
+                f"{'8.' if round_number == 1 else '  '} round {round_number}: {calls} health checks sending 1 MiB "
+                f"each ({sent}): coordinator RSS +{sent_mb:.0f} MB; then {dict(streams.statuses())} after "
+                f"{time.perf_counter() - started:.1f} s, RSS +{(process.memory_info().rss - before) / 1e6:.0f} MB "
+                "(connections kept open)"
+            )
+    finally:
+        for streams in opened:
+            streams.close()
 
 
 if __name__ == "__main__":

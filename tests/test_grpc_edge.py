@@ -2,10 +2,12 @@
 a call without an API key is refused from its metadata before its message is read, and holds no
 place that health checks and calls with a key need, even when it never finishes sending its
 message (the raw HTTP/2 attack of scripts/abuse_check.py, on a coordinator with keys and a small
---max-concurrent-rpcs); every gRPC server (coordinator, draft, verify) applies its HTTP/2
+--max-concurrent-rpcs); a request message still arriving past --grpc-request-message-timeout-s
+ends its call and frees what it sent; every gRPC server (coordinator, draft, verify) applies its HTTP/2
 connection limits: streams per connection, idle and age limits, keepalive enforcement."""
 
 import contextlib
+import ctypes
 import socket
 import time
 
@@ -19,6 +21,7 @@ import h2.settings
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from coordinator.api.client import generate, stream
 from coordinator.settings import CoordinatorSettings
@@ -35,6 +38,8 @@ from verify_service.settings import VerifySettings
 KEY = "edge-key-0123456789abcdef"
 MAX_CALLS = 4  # the coordinator's --max-concurrent-rpcs here: far fewer than the stalled streams
 STALLED = 300  # 3 connections of 100 streams
+MESSAGE_TIMEOUT_S = 2.0  # the coordinator's --grpc-request-message-timeout-s here
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 LONG = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=200, num_speculative_tokens=0)
 SHORT = coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=2)
 
@@ -49,6 +54,7 @@ def keyed(tiny_pipeline, tiny_models):
             tokenizer=str(tiny_models.target_dir),
             api_keys=[KEY],
             max_concurrent_rpcs=MAX_CALLS,
+            grpc_request_message_timeout_s=MESSAGE_TIMEOUT_S,
         )
     )
     yield thread
@@ -106,7 +112,7 @@ def test_stalled_streams_without_a_key_are_refused_at_once_and_hold_nothing(keye
 
 def test_stalled_health_checks_hold_no_place_either(keyed):
     """Health checks are open without a key: one that never finishes sending its message stays
-    open, and holds nothing the others need."""
+    open (until --grpc-request-message-timeout-s), and holds nothing the others need."""
     streams = StalledStreams("127.0.0.1", keyed.port, HEALTH_CHECK, STALLED, declared=1024)
     try:
         time.sleep(0.5)
@@ -147,6 +153,72 @@ def _completes(address: str) -> bool:
         return len(generate(address, SHORT, timeout_s=30, api_key=KEY).token_ids) == 2
     except grpc.RpcError:
         return False
+
+
+@pytest.mark.parametrize(
+    "path,metadata",
+    [(HEALTH_CHECK, ()), (GENERATE, (("authorization", f"Bearer {KEY}"),)), (REFLECTION, ())],
+    ids=["health-check", "keyed-generate", "reflection"],
+)
+def test_a_request_message_still_arriving_past_its_deadline_ends_the_call(keyed, path, metadata):
+    """100 calls that each send 60 KiB of a 64 KiB message, then nothing: gRPC holds what arrived
+    until the message is whole, so each ends with DEADLINE_EXCEEDED naming
+    --grpc-request-message-timeout-s once that has passed (not before), while the others serve as
+    usual."""
+    started = time.monotonic()
+    streams = StalledStreams("127.0.0.1", keyed.port, path, 100, sent=b"\x0a" * 61440, metadata=metadata)
+    try:
+        time.sleep(MESSAGE_TIMEOUT_S / 2)
+        assert streams.statuses() == {"open": 100}
+        assert streams.wait_answered(MESSAGE_TIMEOUT_S + 10.0), streams.statuses()
+        assert time.monotonic() - started > MESSAGE_TIMEOUT_S
+        assert streams.statuses() == {"DEADLINE_EXCEEDED": 100}
+        assert all("--grpc-request-message-timeout-s" in details for details in streams.details.values())
+        serves_as_usual(f"127.0.0.1:{keyed.port}")
+    finally:
+        streams.close()
+    eventually(lambda: not server_connections(keyed.port))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory once glibc has handed back what is free (malloc_trim)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def test_what_a_stalled_request_message_sent_is_freed_when_its_call_ends(keyed):
+    """100 health checks that each send 1 MiB of their message but not its last bytes: the server
+    holds about 100 MiB meanwhile, and hands it back once --grpc-request-message-timeout-s has ended
+    the calls, though the client keeps its connection open: closing the connection afterwards frees
+    little more."""
+    before = resident_bytes()
+    streams = StalledStreams(
+        "127.0.0.1", keyed.port, HEALTH_CHECK, 100, declared=1 << 20, sent=b"\x0a" * ((1 << 20) - 16)
+    )
+    try:
+        streams.wait_sent(MESSAGE_TIMEOUT_S * 0.75)
+        held = resident_bytes() - before
+        assert streams.sent > 50 << 20 and held > streams.sent / 2  # what the calls sent is held: the attack is real
+        assert streams.wait_answered(MESSAGE_TIMEOUT_S + 10.0), streams.statuses()
+        assert streams.statuses() == {"DEADLINE_EXCEEDED": 100}
+        after_the_calls = resident_bytes()
+        assert server_connections(keyed.port)  # the calls ended, not the connection
+    finally:
+        streams.close()
+    eventually(lambda: not server_connections(keyed.port))
+    assert after_the_calls - resident_bytes() < streams.sent / 4
+
+
+def test_health_watch_and_reflection_answer_without_a_key(keyed):
+    """The open services work through the interceptor: a health Watch (whose behaviour writes its
+    responses rather than yielding them) and a reflection client listing the services."""
+    address = f"127.0.0.1:{keyed.port}"
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "specdec.v1.CoordinatorService" in services and "grpc.health.v1.Health" in services
 
 
 # --- HTTP/2 connection limits on every gRPC server ------------------------------------------------
