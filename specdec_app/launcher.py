@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.rpc.server import GRPC_OPTIONS
+from specdec.rpc.health_check import SERVING, health_status
 from specdec.rpc.tls import channel_credentials
 from specdec_app.local_ca import LocalCertificates
 
@@ -49,16 +48,10 @@ def free_port() -> int:
 
 def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """True if ``address`` answers the gRPC health check with SERVING (over TLS with ``credentials``)."""
-    if credentials:
-        channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
-    else:
-        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-    with channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        return health_status(address, timeout_s=timeout_s, credentials=credentials) == SERVING
+    except grpc.RpcError:
+        return False
 
 
 # Environment a service gets unless this process's sets the variable. The draft: llama.cpp's (and
