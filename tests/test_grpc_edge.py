@@ -29,6 +29,7 @@ from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from scripts.abuse_check import GENERATE, HEALTH_CHECK, StalledStreams
+from specdec.rpc.health_check import health_status
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2
 from tests.conftest import CoordinatorThread
@@ -59,11 +60,6 @@ def keyed(tiny_pipeline, tiny_models):
     )
     yield thread
     thread.stop()
-
-
-def health_status(address: str) -> int:
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
 def server_connections(port: int) -> list:
