@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec_app.bench_cli import bench_app
+from specdec_app.launcher import configured_api_key
 
 app = typer.Typer(help="Speculative decoding as a distributed gRPC service.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
@@ -476,7 +477,7 @@ def demo(
     import tempfile
     from pathlib import Path
 
-    from specdec_app.launcher import configured_api_key, free_port
+    from specdec_app.launcher import free_port
 
     try:
         api_key = api_key or configured_api_key()

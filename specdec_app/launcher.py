@@ -15,12 +15,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from specdec.rpc.health_check import SERVING, health_status
 from specdec.rpc.tls import channel_credentials
-from specdec_app.local_ca import LocalCertificates
+
+if TYPE_CHECKING:  # imported for the annotation only: cryptography takes a tenth of a second to load
+    from specdec_app.local_ca import LocalCertificates
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +200,7 @@ class LocalCluster:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     http_port: int = 0
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
-    tls: LocalCertificates | None = None
+    tls: "LocalCertificates | None" = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
