@@ -24,6 +24,7 @@ from coordinator.api import request as request_validation
 from coordinator.api.admission import ClientLimit, FairQueue, Overloaded, owner_tag
 from coordinator.api.auth import MIN_KEY_BITS, ApiKeys, Caller, key_bits, peer_host
 from coordinator.api.cache_salt import cache_salt
+from coordinator.api.grpc_auth import ApiKeyInterceptor, CallsInProgress
 from coordinator.api.http_api import HttpLimits, HttpServer, create_app
 from coordinator.api.output import StreamOutput, read_within, written
 from coordinator.api.request import LOOKUPS, ResolvedRequest
@@ -59,7 +60,7 @@ from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
 from specdec.lookups.suffix import SuffixCache, SuffixIndex
 from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, SpecdecError
-from specdec.rpc.server import SHUTDOWN_GRACE_S, server_credentials, start_aio_server
+from specdec.rpc.server import SHUTDOWN_GRACE_S, connection_options, server_credentials, start_aio_server
 from specdec.rpc.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
 from specdec.timing import ms_since
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -123,8 +124,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
     async def Generate(self, request, context) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
-        """The gRPC call: the caller's key checked, then :meth:`serve`; each message written within
-        ``stream_stall_timeout_s`` or the stream is cut (its request cancelled: sessions released).
+        """The gRPC call (one without an accepted key was refused before its message was read:
+        :class:`coordinator.api.grpc_auth.ApiKeyInterceptor`): its caller, then :meth:`serve`; each
+        message written within ``stream_stall_timeout_s`` or the stream is cut (its request
+        cancelled: sessions released).
         An async generator, as interceptors (OpenTelemetry's) expect of a streaming handler, that
         yields nothing: it writes each message itself (``context.write``), so that a write can be
         bounded."""
@@ -546,7 +549,14 @@ async def serve(
         server_credentials(settings),
         settings.max_message_bytes,
         settings.max_request_bytes,
-        settings.max_concurrent_rpcs or None,
+        interceptors=[
+            ApiKeyInterceptor(
+                servicer.keys,
+                CallsInProgress(settings.max_concurrent_rpcs),
+                settings.grpc_request_message_timeout_s,
+            )
+        ],
+        connection=connection_options(settings),
     )
     metrics.serve(settings.host, settings.metrics_port)
     stopping = BackgroundTasks()

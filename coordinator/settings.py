@@ -53,9 +53,27 @@ class CoordinatorSettings(ServiceSettings):
     max_concurrent_rpcs: int = Field(
         1024,
         ge=0,
-        description="Calls the coordinator's gRPC server serves at once (Generate streams, health checks); one "
-        "more gets RESOURCE_EXHAUSTED at once (gRPC's maximum_concurrent_rpcs) instead of queueing without "
-        "bound; 0 = no limit. The HTTP API's connections are bounded by http_max_connections.",
+        description="Generate calls the coordinator's gRPC server runs at once, each counted from the moment its "
+        "request message has arrived (with an accepted API key) until it ends; one more gets RESOURCE_EXHAUSTED "
+        "at once instead of queueing without bound; health checks, reflection and calls without a key never "
+        "count; 0 = no limit. The HTTP API's connections are bounded by http_max_connections.",
+    )
+    grpc_max_connection_age_s: float = Field(
+        3600.0,
+        ge=0,
+        description="A connection to the public gRPC port this old is asked to close (GOAWAY: its client opens a "
+        "new one for new calls), seconds; its Generate streams get grpc_max_connection_age_grace_s to finish, "
+        "then are cut (UNAVAILABLE: resume them with resume_from); 0 = never. Behind a layer-4 load balancer it "
+        "also spreads long-lived clients over new coordinator replicas.",
+    )
+    grpc_request_message_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="A gRPC call's request message must have arrived whole within this long of the call's start "
+        "(a request stream's each message, of the previous one), seconds, or the call ends with DEADLINE_EXCEEDED "
+        "and what it sent is freed: gRPC keeps the part of a message that has arrived until the rest comes, so a "
+        "client sending a large message slowly, or not at all, would hold that memory. Health checks and "
+        "reflection included; 0 = no bound.",
     )
     max_queued_requests: int = Field(
         256,

@@ -297,10 +297,27 @@ def _lost(session: DraftSession) -> str | None:
 
 
 def main(settings: DraftSettings) -> None:
-    """Serves until SIGINT or SIGTERM, at ``settings.nice``."""
+    """Serves until SIGINT or SIGTERM, at ``settings.nice``; then stops the engines and frees the
+    models' native state (:func:`close_engines`), so that the process exits with code 0."""
     if settings.nice:
         lower_priority(settings.nice)
-    build(settings).serve_until_signal()
+    service = build(settings)
+    assert isinstance(service.servicer, DraftServicer)
+    service.serve_until_signal()
+    close_engines(service.servicer)
+
+
+def close_engines(servicer: DraftServicer) -> None:
+    """Stops the model drafters' engines and frees what their models hold outside Python (the
+    llama.cpp drafter's context and model: ``close``), waiting for a step still running. Left to
+    the interpreter's exit, llama.cpp's state is torn down by its C++ destructors while the engine
+    thread may still be in it, and the process aborts ("terminate called without an active
+    exception", exit code 134)."""
+    for engine in servicer.engines.values():
+        engine.stop()
+        close = getattr(engine.lm, "close", None)  # only a model with native state has one
+        if close is not None:
+            close()
 
 
 def lower_priority(nice: int) -> None:

@@ -12,17 +12,24 @@ services as processes, API keys ka and kb) and prints what each got (docs/securi
 9. 2,000 requests naming unknown models; 10. a 1 MB request header, and one of 10,000 fields;
    each while /health is probed every 20 ms and key kb asks for a completion;
 11. key ka sends a system prompt of about 1,000 tokens no one sent before (then again with another
-   question, and a second turn), then key kb sends it: the prompt tokens each finds cached and its
-   time to first token, kb's against a prompt of the same length that no one sent (a coordinator
-   with `--shared-caches` gives kb ka's).
+    question, and a second turn), then key kb sends it: the prompt tokens each finds cached and its
+    time to first token, kb's against a prompt of the same length that no one sent (a coordinator
+    with `--shared-caches` gives kb ka's);
+12. 1,100 gRPC streams without a key (11 connections), each sending 7 bytes of a Generate request
+    that declares 64 KiB, then nothing; the same against the open health check; meanwhile a health
+    check and a Generate of key kb;
+13. five rounds of 100 health checks (one connection each round, kept open), each sending 1 MiB of
+    its message but not its last bytes: the coordinator's resident memory after each round's bytes
+    are in and once --grpc-request-message-timeout-s (default 10 s) has ended them.
+    SPECDEC_COORDINATOR_GRPC_REQUEST_MESSAGE_TIMEOUT_S=0 shows it without the bound.
 
 Then, on a second stack with a Redis request store (``redis-server`` on this machine) and a small
 verify KV budget:
 
-7. key ka sends request after request with the largest records it may, into a Redis with room for
-   2 MB more (its 8 ended and 16 running records take about 200 KB, its connections the rest), while
-   key kb starts and resumes its own;
-8. key ka's long requests put the verify KV budget under pressure while key kb's short ones run.
+14. key ka sends request after request with the largest records it may, into a Redis with room for
+    2 MB more (its 8 ended and 16 running records take about 200 KB, its connections the rest), while
+    key kb starts and resumes its own;
+15. key ka's long requests put the verify KV budget under pressure while key kb's short ones run.
 
     .venv/bin/python scripts/abuse_check.py
 """
@@ -38,12 +45,19 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import psutil
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.api.auth import owner_hash
 from coordinator.api.client import generate
@@ -242,7 +256,7 @@ def store_fill(grpc_address: str, store: redis.Redis) -> None:
         generate(grpc_address, coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=8), 300, "kb").token_ids
     )
     print(
-        f"7. ka sends 80 requests of its largest records in {took:.0f} s: {outcomes.count('OK')} served, "
+        f"14. ka sends 80 requests of its largest records in {took:.0f} s: {outcomes.count('OK')} served, "
         f"refused: {dict(collections.Counter(o for o in outcomes if o != 'OK'))}; ka keeps {len(kept_by_ka)} "
         "records; Redis uses "
         f"{memory['used_memory']} of {memory['maxmemory']} bytes; kb's resume "
@@ -276,7 +290,7 @@ def kv_pressure(grpc_address: str) -> None:
     for sender in senders:
         sender.join(600)
     print(
-        f"8. under ka's KV pressure ({len(longs)} long requests, rebuilds {longs}): kb's 4 short requests took "
+        f"15. under ka's KV pressure ({len(longs)} long requests, rebuilds {longs}): kb's 4 short requests took "
         f"{took:.0f} s, rebuilds {shorts}"
     )
 
@@ -500,9 +514,220 @@ def main() -> None:
         unknown_models(cluster.http_port)
         huge_headers(cluster.http_port)
         cross_tenant_prefix(grpc_address)
+        stalled_streams(cluster.host, cluster.coordinator_port, cluster.services["coordinator"].started.pid)
+        stalled_messages(cluster.host, cluster.coordinator_port, cluster.services["coordinator"].started.pid)
     finally:
         cluster.stop()
     pressure_checks()
+
+
+class StalledStreams:
+    """A raw HTTP/2 client (the ``h2`` package) that opens ``count`` gRPC calls to ``path`` at
+    ``host:port`` over plaintext, ``per_connection`` per connection: each sends its headers
+    (``metadata`` added) and the first ``len(sent)`` bytes of a message whose length prefix
+    declares ``declared`` bytes (as fast as the server's flow-control windows let it), then nothing.
+    A thread per connection reads what the server answers: :meth:`statuses` counts the calls by
+    outcome (their ``grpc-status``, ``reset <code>`` for RST_STREAM, ``open`` for none yet), and
+    :attr:`details` holds the ``grpc-message`` of each that had one."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        path: str,
+        count: int,
+        per_connection: int = 100,
+        declared: int = 65536,
+        sent: bytes = b"\x0a\x05hello",
+        metadata: tuple[tuple[str, str], ...] = (),
+    ):
+        self.outcomes: dict[tuple[int, int], str] = {}
+        self.details: dict[tuple[int, int], str] = {}
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self.readers: list[threading.Thread] = []
+        self.unsent: dict[tuple[int, int], bytes] = {}  # what each call has still to send, by (connection, stream)
+        self.sent = 0  # message bytes sent, every call together
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", f"{host}:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *metadata,
+        ]
+        prefix = b"\x00" + declared.to_bytes(4, "big")
+        for first in range(0, count, per_connection):
+            connection = h2.connection.H2Connection(h2.config.H2Configuration(header_encoding="utf-8"))
+            connection.initiate_connection()
+            sock = socket.create_connection((host, port), timeout=None)
+            for _ in range(min(per_connection, count - first)):
+                stream_id = connection.get_next_available_stream_id()
+                connection.send_headers(stream_id, headers)
+                self.outcomes[(len(self.sockets), stream_id)] = "open"
+                self.unsent[(len(self.sockets), stream_id)] = prefix + sent
+            self._send(len(self.sockets), connection)
+            sock.sendall(connection.data_to_send())
+            reader = threading.Thread(target=self._read, args=(len(self.sockets), sock, connection), daemon=True)
+            self.sockets.append(sock)
+            self.readers.append(reader)
+            reader.start()
+
+    def _read(self, index: int, sock: socket.socket, connection: h2.connection.H2Connection) -> None:
+        try:
+            while data := sock.recv(65536):
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        headers = dict(event.headers)
+                        if "grpc-status" in headers:
+                            self._outcome(index, event.stream_id, grpc_status_name(headers["grpc-status"]))
+                            self.details[(index, event.stream_id)] = urllib.parse.unquote(
+                                headers.get("grpc-message", "")
+                            )
+                    elif isinstance(event, h2.events.StreamReset):
+                        self._outcome(index, event.stream_id, f"reset {event.error_code!s}")
+                self._send(index, connection)
+                sock.sendall(connection.data_to_send())
+        except (OSError, h2.exceptions.ProtocolError):
+            return
+
+    def _send(self, index: int, connection: h2.connection.H2Connection) -> None:
+        """Queues what the flow-control windows let the calls of connection ``index`` send."""
+        for key in [key for key in self.unsent if key[0] == index]:
+            stream_id = key[1]
+            if connection.state_machine.state is h2.connection.ConnectionState.CLOSED or not self.unsent[key]:
+                del self.unsent[key]
+                continue
+            try:
+                size = min(connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size)
+            except h2.exceptions.StreamClosedError:
+                del self.unsent[key]
+                continue
+            while size > 0 and self.unsent[key]:
+                chunk, self.unsent[key] = self.unsent[key][:size], self.unsent[key][size:]
+                connection.send_data(stream_id, chunk)
+                self.sent += len(chunk)
+                size = min(connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size)
+
+    def _outcome(self, index: int, stream_id: int, outcome: str) -> None:
+        with self.lock:
+            if self.outcomes.get((index, stream_id)) == "open":
+                self.outcomes[(index, stream_id)] = outcome
+
+    def statuses(self) -> collections.Counter[str]:
+        with self.lock:
+            return collections.Counter(self.outcomes.values())
+
+    def wait_sent(self, timeout_s: float) -> None:
+        """Waits until every call has sent what it was to, or the server's flow control has let no
+        more through for a second, ``timeout_s`` seconds at most."""
+        deadline, last = time.monotonic() + timeout_s, (-1, 0.0)
+        while self.unsent and time.monotonic() < deadline:
+            if self.sent != last[0]:
+                last = (self.sent, time.monotonic())
+            elif time.monotonic() - last[1] > 1.0:
+                return
+            time.sleep(0.02)
+
+    def wait_answered(self, timeout_s: float) -> bool:
+        """Whether every call had an answer within ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while self.statuses()["open"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.statuses()["open"]
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for reader in self.readers:
+            reader.join()
+
+
+def grpc_status_name(code: str) -> str:
+    """``"16"`` -> ``"UNAUTHENTICATED"``."""
+    return next((status.name for status in grpc.StatusCode if status.value[0] == int(code)), code)
+
+
+STALLED = 1100
+GENERATE = "/specdec.v1.CoordinatorService/Generate"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def timed(call) -> tuple[float, str]:
+    """Milliseconds ``call()`` took and what it answered (or the status it failed with)."""
+    started = time.perf_counter()
+    try:
+        outcome = str(call())
+    except grpc.RpcError as err:
+        outcome = err.code().name
+    return (time.perf_counter() - started) * 1000, outcome
+
+
+def open_connections(pid: int, port: int) -> int:
+    """TCP connections of process ``pid`` on its port ``port``."""
+    return sum(1 for c in psutil.Process(pid).net_connections("tcp") if c.laddr.port == port and c.raddr)
+
+
+def stalled_streams(host: str, port: int, pid: int) -> None:
+    address = f"{host}:{port}"
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def check() -> str:
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(
+                health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            )
+
+        def keyed() -> str:
+            request = coordinator_pb2.GenerateRequest(text="Hello.", max_new_tokens=8)
+            return f"{len(generate(address, request, timeout_s=60, api_key='kb').token_ids)} tokens"
+
+        for number, path in (("12.", GENERATE), ("   ", HEALTH_CHECK)):
+            started = time.perf_counter()
+            streams = StalledStreams(host, port, path, STALLED)
+            opened_ms = (time.perf_counter() - started) * 1000
+            streams.wait_answered(2.0)
+            answered_ms = (time.perf_counter() - started) * 1000
+            health_ms, health_status = timed(check)
+            keyed_ms, keyed_outcome = timed(keyed)
+            statuses = dict(streams.statuses())
+            connections = open_connections(pid, port)
+            streams.close()
+            time.sleep(1.0)
+            print(
+                f"{number} {STALLED} stalled keyless streams to {path} ({len(streams.sockets)} connections, "
+                f"opened in {opened_ms:.0f} ms): {statuses} after {answered_ms:.0f} ms; meanwhile Health/Check "
+                f"{health_status} in {health_ms:.0f} ms, kb's Generate {keyed_outcome} in {keyed_ms:.0f} ms; "
+                f"coordinator connections {connections} during, {open_connections(pid, port)} after"
+            )
+
+
+def stalled_messages(host: str, port: int, pid: int, rounds: int = 5, calls: int = 100) -> None:
+    process = psutil.Process(pid)
+    timeout_s = float(os.environ.get("SPECDEC_COORDINATOR_GRPC_REQUEST_MESSAGE_TIMEOUT_S", "10"))
+    before = process.memory_info().rss
+    opened = []
+    try:
+        for round_number in range(1, rounds + 1):
+            started = time.perf_counter()
+            streams = StalledStreams(host, port, HEALTH_CHECK, calls, declared=1 << 20, sent=b"\x0a" * ((1 << 20) - 16))
+            opened.append(streams)
+            streams.wait_sent(timeout_s / 2 if timeout_s else 10.0)
+            sent = f"{streams.sent / 2**20:.0f} MiB sent in {time.perf_counter() - started:.1f} s"
+            sent_mb = (process.memory_info().rss - before) / 1e6
+            streams.wait_answered(timeout_s + 5.0 if timeout_s else 2.0)
+            print(
+                f"{'13.' if round_number == 1 else '   '} round {round_number}: {calls} health checks sending 1 MiB "
+                f"each ({sent}): coordinator RSS +{sent_mb:.0f} MB; then {dict(streams.statuses())} after "
+                f"{time.perf_counter() - started:.1f} s, RSS +{(process.memory_info().rss - before) / 1e6:.0f} MB "
+                "(connections kept open)"
+            )
+    finally:
+        for streams in opened:
+            streams.close()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,52 @@ class ServiceSettings(BaseSettings):
         description="PEM CA bundle a client's certificate must be signed by (mutual TLS: a client without "
         "one is refused); needs tls_cert_file; empty: no client certificate asked for. Re-read when it changes.",
     )
+    grpc_max_concurrent_streams: int = Field(
+        256,
+        ge=1,
+        description="Calls (HTTP/2 streams) one client connection may have open at once on the gRPC port "
+        "(grpc.max_concurrent_streams, announced to the client: a gRPC client queues its further calls until one "
+        "ends); bounds what one connection's streams that never finish sending their request can hold.",
+    )
+    grpc_max_connection_idle_s: float = Field(
+        300.0,
+        ge=0,
+        description="A gRPC connection without a call for this long is closed (GOAWAY; a gRPC client reconnects "
+        "on its next call), seconds; 0 = never.",
+    )
+    grpc_max_connection_age_s: float = Field(
+        0.0,
+        ge=0,
+        description="A gRPC connection this old is asked to close (GOAWAY: its client opens a new one for new "
+        "calls), seconds; its calls in flight get grpc_max_connection_age_grace_s to finish, then are cut "
+        "(UNAVAILABLE); 0 = never. Off on the draft and verify services: a coordinator's Step stream lives as "
+        "long as its connection.",
+    )
+    grpc_max_connection_age_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long the calls of a connection past grpc_max_connection_age_s may still run before "
+        "they are cut, seconds.",
+    )
+    grpc_keepalive_time_s: float = Field(
+        60.0,
+        gt=0,
+        description="The server pings a gRPC connection it has heard nothing on for this long, and closes it "
+        "when no answer comes within grpc_keepalive_timeout_s (a client gone without closing), seconds.",
+    )
+    grpc_keepalive_timeout_s: float = Field(
+        20.0, gt=0, description="How long the server waits for a ping's answer before it closes the connection (s)."
+    )
+    grpc_min_ping_interval_s: float = Field(
+        300.0,
+        ge=0,
+        description="Shortest interval between a client's pings while the server sends nothing, seconds: each "
+        "sooner ping is a strike, and past grpc_max_ping_strikes the connection is closed (GOAWAY "
+        "ENHANCE_YOUR_CALM, too_many_pings).",
+    )
+    grpc_max_ping_strikes: int = Field(
+        2, ge=1, description="Pings sooner than grpc_min_ping_interval_s a connection may send before it is closed."
+    )
     insecure: bool = Field(
         False,
         description="Start without authenticating callers, which a service otherwise refuses to do: the draft "
@@ -108,6 +154,15 @@ class SessionServiceSettings(ServiceSettings):
         ge=1,
         description="New tokens one step takes at most (verify K + 1, decode or draft 1, prefill chunks "
         "fill the rest); at least max_num_speculative_tokens + 1.",
+    )
+    engine_step_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="Longest an engine step (one batched forward and its bookkeeping) may run, seconds; past "
+        "it the engine is taken for hung: its calls fail with UNAVAILABLE, the service reports NOT_SERVING and "
+        "exits with code 70, for its supervisor (specdec up, the kubelet) to restart it. 0 = no bound. The "
+        "default is far above any step a CPU takes (a full prefill chunk of a 1B target: seconds), so only a "
+        "hang reaches it; a slower device or a larger max_num_batched_tokens_alone may need more.",
     )
     debug_rpc_delay_ms: CommaSeparated = Field(
         [],

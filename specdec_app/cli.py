@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from specdec.settings import ServiceSettings, parse_settings
 from specdec_app.bench_cli import bench_app
 from specdec_app.launcher import configured_api_key
 
@@ -30,6 +29,7 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 
 def _run_service(ctx: typer.Context, service: str) -> None:
     from specdec.observability.telemetry import configure_logging, configure_tracing
+    from specdec.settings import ServiceSettings, parse_settings
 
     main: Callable[[Any], None]  # each service's main takes its own settings class
     settings_cls: type[ServiceSettings]
@@ -341,6 +341,23 @@ def _stream_to_stdout(
             _print_logprobs(completion)
 
 
+def _channel_credentials(
+    tls: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from a command's --tls, --tls-ca, --tls-cert and --tls-key (None: plaintext,
+    none of them given); exits with code 1 saying what to fix when a file cannot be used."""
+    from specdec.rpc.tls import TLSFileError, channel_credentials
+
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return None
+    ca_file, cert_file, key_file = (str(path or "") for path in (tls_ca, tls_cert, tls_key))
+    try:
+        return channel_credentials(ca_file, cert_file, key_file, ("--tls-ca", "--tls-cert", "--tls-key"))
+    except TLSFileError as err:
+        stderr.print(f"[red]error: {err}[/red]")
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def generate(
     prompt: Annotated[
@@ -412,19 +429,11 @@ def generate(
     (service name specdec-cli) when OTEL_TRACES_EXPORTER names an exporter. Resume a request cut
     off after N tokens with `--request-id ID --resume-from N` (no prompt)."""
     from specdec.observability.telemetry import configure_tracing
-    from specdec.rpc.tls import TLSFileError, channel_credentials
 
     if prompt is None and resume_from is None:
         stderr.print("[red]error: give a PROMPT, or --request-id and --resume-from to resume a request[/red]")
         raise typer.Exit(1)
-    credentials = None
-    if tls or tls_ca or tls_cert or tls_key:
-        ca_file, cert_file, key_file = (str(path or "") for path in (tls_ca, tls_cert, tls_key))
-        try:
-            credentials = channel_credentials(ca_file, cert_file, key_file, ("--tls-ca", "--tls-cert", "--tls-key"))
-        except TLSFileError as err:
-            stderr.print(f"[red]error: {err}[/red]")
-            raise typer.Exit(1) from None
+    credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
     configure_tracing("cli")
     request = _request(
         prompt,
@@ -483,3 +492,50 @@ def demo(
         _stream_to_stdout(cluster.address("coordinator"), request, as_json=False, api_key=api_key)
     finally:
         cluster.stop()
+
+
+@app.command()
+def health(
+    address: Annotated[str, typer.Option(help="The service's host:port.")] = "127.0.0.1:50051",
+    service: Annotated[
+        str,
+        typer.Option(help="The service whose status to ask (e.g. specdec.v1.DraftService); empty: the server's."),
+    ] = "",
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the answer, connecting included.", min=0.001)
+    ] = 5.0,
+    tls: Annotated[
+        bool,
+        typer.Option(help="Connect over TLS, checking the server's certificate against the system's roots."),
+    ] = False,
+    tls_ca: Annotated[
+        Path | None, typer.Option(help="PEM CA bundle the server's certificate is checked against; connects over TLS.")
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="PEM client certificate, when the server asks for one (mutual TLS), with --tls-key."),
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert.")] = None,
+    server_name: Annotated[
+        str,
+        typer.Option(
+            help="The name the server's certificate is checked against, when --address's host is not one of its "
+            "names (127.0.0.1 inside a pod: the Service's name, e.g. specdec-draft)."
+        ),
+    ] = "",
+) -> None:
+    """Ask a server's gRPC health check (grpc.health.v1.Health/Check) and exit with code 0 when it
+    answers SERVING, 1 otherwise (NOT_SERVING, an unknown --service, no answer within --timeout, a
+    refused TLS handshake), printing the status or what failed. Kubernetes runs it as the probe of a
+    service over TLS, which the kubelet's own gRPC probe does not speak."""
+    from specdec.rpc.health_check import SERVING, health_status, status_name
+
+    credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+    try:
+        status = health_status(address, service, timeout, credentials, server_name)
+    except grpc.RpcError as err:
+        stderr.print(f"{address}: no health answer: {err.code().name}: {err.details()}", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    print(f"{address}: {status_name(status)}")
+    if status != SERVING:
+        raise typer.Exit(1)

@@ -15,13 +15,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.rpc.server import GRPC_OPTIONS
+from specdec.rpc.health_check import SERVING, health_status
 from specdec.rpc.tls import channel_credentials
-from specdec_app.local_ca import LocalCertificates
+
+if TYPE_CHECKING:  # imported for the annotation only: cryptography takes a tenth of a second to load
+    from specdec_app.local_ca import LocalCertificates
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +51,10 @@ def free_port() -> int:
 
 def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """True if ``address`` answers the gRPC health check with SERVING (over TLS with ``credentials``)."""
-    if credentials:
-        channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
-    else:
-        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-    with channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        return health_status(address, timeout_s=timeout_s, credentials=credentials) == SERVING
+    except grpc.RpcError:
+        return False
 
 
 # Environment a service gets unless this process's sets the variable. The draft: llama.cpp's (and
@@ -204,7 +200,7 @@ class LocalCluster:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     http_port: int = 0
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
-    tls: LocalCertificates | None = None
+    tls: "LocalCertificates | None" = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property

@@ -9,10 +9,12 @@ test_dockerfile_copies_survive_dockerignore checks the images' build context wit
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
+import datetime
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,15 +24,22 @@ import promql_parser
 import pytest
 import redis
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from packaging.version import Version
 from pydantic import ValidationError
 
 from coordinator.settings import CoordinatorSettings
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.rpc.server import SHUTDOWN_GRACE_S
 from tests.conftest import RedisServer
 from tests.test_dashboard import exported_sample_names, metric_names
 from tests.test_lock import pins
+from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,14 +138,15 @@ def insecure(service: str, container: dict) -> bool:
 
 
 def test_probes_and_ports(overlay):
-    """gRPC health probes; over TLS, which the kubelet's gRPC probe does not speak, a TCP open of the port."""
+    """gRPC health probes; over TLS, which the kubelet's gRPC probe does not speak, `specdec health`
+    (an exec probe, :func:`tls_probe`)."""
     _, resources = overlay
-    for service, _, container in services(resources):
+    for service, pod, container in services(resources):
         port = SETTINGS[service].model_fields["port"].default
         assert {"name": "grpc", "containerPort": port} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if serves_tls(service, container):
-                assert container[probe]["tcpSocket"] == {"port": "grpc"} and "grpc" not in container[probe]
+                tls_probe(resources, service, pod, container, container[probe])
             else:
                 assert container[probe]["grpc"] == {"port": port}, f"{service} {probe}"
         service_ports = resources[("Service", f"specdec-{service}")]["spec"]["ports"]
@@ -145,6 +155,37 @@ def test_probes_and_ports(overlay):
         env = {var["name"]: var.get("value") for var in container["env"]}
         metrics_port = int(env[env_name(service, "metrics_port")])  # the service serves /metrics there
         assert {"name": "metrics", "containerPort": metrics_port} in container["ports"], service
+
+
+def tls_probe(resources, service: str, pod: dict, container: dict, probe: dict) -> dict[str, str]:
+    """Checks a TLS service's probe: `specdec health` run in the container (no gRPC or TCP probe
+    left) against the pod's own gRPC port, with a --timeout shorter than the kubelet's; its files in
+    mounted Secrets, to the draft and verify services (mutual TLS) the service's own certificate and
+    key sent as the client's; where cert-manager issues the Secrets, --server-name one of the
+    certificate's names, and that certificate issued for client auth when the probe sends it.
+    Returns the command's options."""
+    assert "grpc" not in probe and "tcpSocket" not in probe, f"{service}: {probe}"
+    command = probe["exec"]["command"]
+    assert command[:2] == ["specdec", "health"], command
+    options = dict(zip(command[2::2], command[3::2], strict=True))
+    assert options["--address"] == f"127.0.0.1:{SETTINGS[service].model_fields['port'].default}"
+    assert float(options["--timeout"]) < probe["timeoutSeconds"], f"{service}: the kubelet would cut it first"
+    env = env_values(container)
+    server_secret = mounted_secret(pod, container, env[env_name(service, "tls_cert_file")])
+    for option in ("--tls-ca", "--tls-cert", "--tls-key"):
+        if option in options:
+            mounted_secret(pod, container, options[option])  # raises unless the file is in a mounted Secret
+    if service != "coordinator":
+        assert options["--tls-cert"] == env[env_name(service, "tls_cert_file")]
+        assert options["--tls-key"] == env[env_name(service, "tls_key_file")]
+    certificates = {
+        doc["spec"]["secretName"]: doc["spec"] for (kind, _), doc in resources.items() if kind == "Certificate"
+    }
+    if certificates:
+        assert options["--server-name"] in certificates[server_secret]["dnsNames"], service
+        if "--tls-cert" in options:
+            assert "client auth" in certificates[server_secret]["usages"], f"{server_secret}: no client auth"
+    return options
 
 
 def coordinator(resources) -> tuple[dict, dict]:
@@ -373,6 +414,109 @@ def redis_password(resources) -> tuple[str, dict]:
     variable = args[args.index("--requirepass") + 1].removeprefix("$(").removesuffix(")")
     (secret,) = [var["valueFrom"]["secretKeyRef"] for var in container["env"] if var["name"] == variable]
     return variable, secret
+
+
+CERT_MANAGER_USAGES = {"server auth": ExtendedKeyUsageOID.SERVER_AUTH, "client auth": ExtendedKeyUsageOID.CLIENT_AUTH}
+
+
+class CertManagerCA:
+    """A CA that writes Secrets as cert-manager's CA Issuer does: tls.crt, tls.key and ca.crt, the
+    certificate with a Certificate's dnsNames and usages."""
+
+    def __init__(self):
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec internal CA")])
+        self.certificate = (
+            self._builder(name, self.key.public_key())
+            .issuer_name(name)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+
+    @staticmethod
+    def _builder(subject: x509.Name, public_key) -> x509.CertificateBuilder:
+        now = datetime.datetime.now(datetime.UTC)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    def write_secret(self, spec: dict, directory: Path) -> None:
+        """The Secret of the Certificate ``spec``, its files in ``directory``."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, spec["dnsNames"][0])])
+        certificate = (
+            self._builder(subject, key.public_key())
+            .issuer_name(self.certificate.subject)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in spec["dnsNames"]]), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([oid for usage, oid in CERT_MANAGER_USAGES.items() if usage in spec["usages"]]),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        directory.mkdir(parents=True)
+        pem = serialization.Encoding.PEM
+        (directory / "tls.crt").write_bytes(certificate.public_bytes(pem))
+        (directory / "ca.crt").write_bytes(self.certificate.public_bytes(pem))
+        (directory / "tls.key").write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+
+
+@pytest.mark.parametrize("service", ["draft", "verify"])
+def test_the_tls_probes_see_serving_and_not_serving(service, tiny_target, tmp_path):
+    """The gpu overlay's probe of the draft (verify) service, run as the kubelet would in the
+    container: the service started with the container's TLS settings and a certificate issued as the
+    overlay's Certificate says (names, usages), its Secret's files where the pod mounts them (under
+    tmp_path here). The probe exits 0 while the service is SERVING, 1 once it reports NOT_SERVING
+    (an engine that died or hung)."""
+    resources = render("gpu")
+    ((pod, container),) = [(pod, c) for name, pod, c in services(resources) if name == service]
+    env = env_values(container)
+    (mount,) = [
+        m for m in container["volumeMounts"] if env[env_name(service, "tls_cert_file")].startswith(m["mountPath"])
+    ]
+    (spec,) = [
+        doc["spec"]
+        for (kind, _), doc in resources.items()
+        if kind == "Certificate"
+        and doc["spec"]["secretName"] == mounted_secret(pod, container, env[env_name(service, "tls_cert_file")])
+    ]
+    CertManagerCA().write_secret(spec, tmp_path / "secret")
+
+    def here(path: str) -> str:
+        return path.replace(mount["mountPath"], str(tmp_path / "secret"))
+
+    tls = {
+        field: here(env[env_name(service, field)]) for field in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    }
+    if service == "draft":
+        running = build_draft(DraftSettings(port=0, default_drafter="ngram", **tls), drafters={"ngram": NgramDrafter()})
+    else:
+        running = build_verify(VerifySettings(port=0, **tls), target=tiny_target)
+    port = SETTINGS[service].model_fields["port"].default
+    command = [
+        here(arg).replace(f"127.0.0.1:{port}", f"127.0.0.1:{running.port}")
+        for arg in container["readinessProbe"]["exec"]["command"]
+    ]
+    command[0] = str(Path(sys.executable).parent / command[0])  # the image has it on PATH
+
+    def probe() -> subprocess.CompletedProcess:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    try:
+        serving = probe()
+        assert serving.returncode == 0, serving.stderr
+        running.liveness.fatal("the engine loop", RuntimeError("hung"))
+        not_serving = probe()
+        assert not_serving.returncode == 1 and "NOT_SERVING" in not_serving.stdout, not_serving.stderr
+    finally:
+        running.stop(0)
 
 
 def test_redis_runs_with_the_gpu_overlays_password():

@@ -15,6 +15,7 @@ COVERED_BY = {
     "coordinator/api/output.py": "test_openai_logprobs.py",  # stream output and log-probabilities
     "coordinator/api/request.py": "test_bad_input.py",  # request validation and its errors
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
+    "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
     "draft_service/drafters/base.py": "test_draft_service.py",
     "draft_service/drafters/llama_cpp.py": "test_llama_batched.py",
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
@@ -23,6 +24,8 @@ COVERED_BY = {
     "specdec/engine/batching.py": "test_engine.py",
     "specdec/rpc/decoding.py": "test_fuzz.py",  # undecodable bytes get INVALID_ARGUMENT
     "specdec/rpc/errors.py": "test_bad_input.py",
+    "specdec/rpc/aio_handlers.py": "test_grpc_edge.py",  # a health Watch through the interceptors
+    "specdec/rpc/health_check.py": "test_tls.py",  # `specdec health`, the TLS probes' check
     "specdec/engine/kv.py": "test_engine.py",
     "specdec/engine/model_files.py": "test_e2e_real.py",
     "specdec/engine/models.py": "test_kv_rollback.py",

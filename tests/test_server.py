@@ -1,6 +1,7 @@
 """specdec/rpc/server.py: a server's port is its own, and calls past its bound on calls in progress
 fail at once with RESOURCE_EXHAUSTED (the services' calls themselves: the service and end-to-end
-tests; a service whose engine loop dies: tests/test_liveness.py)."""
+tests; the coordinator's bound, kept by its interceptor, and every server's HTTP/2 connection
+limits: tests/test_grpc_edge.py; a service whose engine loop dies: tests/test_liveness.py)."""
 
 import asyncio
 import threading
@@ -84,29 +85,3 @@ def test_calls_past_the_bound_fail_at_once_with_resource_exhausted():
     finally:
         server.stop(None)
     assert service_max_concurrent_rpcs(24) == 24 + QUEUED_RPCS
-
-
-def test_the_coordinators_server_bounds_its_calls_too():
-    """The asyncio server (the coordinator's): past maximum_concurrent_rpcs, RESOURCE_EXHAUSTED at once."""
-    in_handler = threading.Semaphore(0)
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    release = asyncio.Event()
-
-    async def handler(request, context):
-        in_handler.release()
-        await release.wait()
-        return b""
-
-    server, port = asyncio.run_coroutine_threadsafe(
-        start_aio_server(blocking_service(handler), "127.0.0.1", 0, maximum_concurrent_rpcs=2), loop
-    ).result(10)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            error, pending = refused_past(channel, 2, in_handler, 2)
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            loop.call_soon_threadsafe(release.set)
-            assert [call.result() for call in pending] == [b"", b""]
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)

@@ -22,7 +22,7 @@ import pytest
 from coordinator.api.client import generate
 from specdec.rpc.server import EXIT_FATAL
 from specdec.v1 import coordinator_pb2
-from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port
+from specdec_app.launcher import LocalCluster, RestartPolicy, ServiceProcess, Supervisor, free_port, start_all
 from tests.conftest import SUMMARY, speculates_again, stream_with_fault
 
 pytestmark = pytest.mark.multiprocess
@@ -61,13 +61,25 @@ def engine_fault_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def specdec_up(tiny_models, engine_fault_file):
+def engine_hang_file(tmp_path_factory) -> Path:
+    """Created, it makes the verify engine's next step hang (see tests/fault_injection/sitecustomize.py)."""
+    return tmp_path_factory.mktemp("hang") / "hang-verify-engine"
+
+
+STEP_TIMEOUT_S = 3.0  # the verify service's engine_step_timeout_s here: the tiny model's steps take ms
+
+
+@pytest.fixture(scope="module")
+def specdec_up(tiny_models, engine_fault_file, engine_hang_file):
     """``specdec up`` on free ports with the tiny target as the verify model and as its own
-    draft (every draft passes, so lost speculation shows), the engine fault injection armed."""
+    draft (every draft passes, so lost speculation shows), the engine fault injections armed, the
+    verify engine's steps bound to STEP_TIMEOUT_S."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_INJECTION), os.environ.get("PYTHONPATH")])),
         "SPECDEC_TEST_ENGINE_FAULT_FILE": str(engine_fault_file),
+        "SPECDEC_TEST_ENGINE_HANG_FILE": str(engine_hang_file),
+        "SPECDEC_VERIFY_ENGINE_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S),
         "SPECDEC_VERIFY_MODEL": str(tiny_models.target_dir),
         "SPECDEC_VERIFY_NUM_THREADS": "1",
         "SPECDEC_DRAFT_DRAFTERS": "transformers",
@@ -163,6 +175,22 @@ def test_a_service_whose_engine_loop_dies_exits_and_is_restarted(specdec_up, eng
     assert not engine_fault_file.exists() and process.poll() is None
 
 
+def test_a_service_whose_engine_step_hangs_exits_and_is_restarted(specdec_up, engine_hang_file):
+    process, output, address = specdec_up
+    plain = generate(address, request(0), timeout_s=180)
+    restarts = sum("verify service restarted" in line for line in output.lines)
+    engine_hang_file.touch()  # the verify engine's next step never ends
+    completion = generate(address, request(4), timeout_s=180)  # its session rebuilt on the restarted service
+    assert completion.token_ids == plain.token_ids
+    hung = output.wait_for(r"CRITICAL.*a step of the verify engine has run for ([\d.]+) s.*engine_step_timeout_s")
+    assert STEP_TIMEOUT_S <= float(hung.group(1)) < STEP_TIMEOUT_S + 1.0  # the watchdog looks every 0.75 s here
+    output.wait_for(r"CRITICAL.*the verify engine died .*reports NOT_SERVING and exits with code 70")
+    output.wait_for(rf"verify service exited \(exit code {EXIT_FATAL}\)")
+    output.wait_for(rf"verify service restarted \(restart {restarts + 1}, pid \d+\)")
+    output.wait_for(r"verify service SERVING again")
+    assert not engine_hang_file.exists() and process.poll() is None
+
+
 class ExitsAtOnce(ServiceProcess):
     """A service process that exits with code 3 as soon as it starts (a crash at start-up)."""
 
@@ -188,3 +216,52 @@ def test_restarts_back_off_and_stop_at_the_limit_per_minute(caplog):
     for _ in range(20):  # left down: no more restarts
         supervisor.poll()
     assert supervisor.restarts == {"draft": 4}
+
+
+def tiny_service(
+    service: str, tiny_models, port: int, draft_port: int, verify_port: int, log_file: Path, drafter: str
+) -> ServiceProcess:
+    """``service`` as a process on the tiny models (the draft: ``drafter``, the transformers one on
+    the tiny draft, or llama.cpp's on the default GGUF)."""
+    args = {
+        "coordinator": [
+            "--draft-address",
+            f"127.0.0.1:{draft_port}",
+            "--verify-addresses",
+            f"127.0.0.1:{verify_port}",
+            "--tokenizer",
+            str(tiny_models.target_dir),
+            "--http-port",
+            "0",
+        ],
+        "draft": ["--drafters", drafter, "--default-drafter", drafter, "--num-threads", "1"]
+        + (["--transformers-model", str(tiny_models.draft_dir)] if drafter == "transformers" else []),
+        "verify": ["--model", str(tiny_models.target_dir), "--num-threads", "1"],
+    }[service]
+    return ServiceProcess(service, port, args=[*args, "--insecure"], log_file=log_file)
+
+
+@pytest.mark.parametrize("drafter", ["transformers", "llama-cpp"])
+def test_sigterm_ends_every_service_cleanly(tiny_models, tmp_path, drafter):
+    """SIGTERM to each service, after it served a request: exit code 0, nothing aborted (llama.cpp's
+    state torn down at interpreter exit aborted the draft service with "terminate called without an
+    active exception", exit 134: draft_service.service.close_engines)."""
+    ports = {name: free_port() for name in ("coordinator", "draft", "verify")}
+    services = {
+        name: tiny_service(name, tiny_models, port, ports["draft"], ports["verify"], tmp_path / f"{name}.log", drafter)
+        for name, port in ports.items()
+    }
+    start_all(services.values(), timeout_s=180)
+    try:
+        address = f"127.0.0.1:{ports['coordinator']}"
+        assert generate(
+            address, coordinator_pb2.GenerateRequest(text=PROMPT, max_new_tokens=8), timeout_s=120
+        ).token_ids
+    finally:
+        for name in ("coordinator", "draft", "verify"):  # each alone, so that the others' exits cannot hide it
+            services[name].signal(signal.SIGTERM)
+            services[name].wait_stopped(time.monotonic() + 30)
+    for name, service in services.items():
+        log = (tmp_path / f"{name}.log").read_text()
+        assert service.exit_status() == "exit code 0", (name, service.exit_status(), log[-2000:])
+        assert "terminate called" not in log and "Traceback" not in log, (name, log[-2000:])

@@ -1,16 +1,20 @@
 """TLS and mutual TLS (specdec/rpc/tls.py): the coordinator's public gRPC and HTTP APIs over TLS, the
 draft and verify services accepting only clients whose certificate the configured CA signed,
 certificate rotation without a restart, startup errors naming the setting, Redis over rediss://
-with a password. Certificates come from trustme (the services' own CA for ``specdec up --tls``,
-specdec_app/local_ca.py, is checked too)."""
+with a password, `specdec health` over TLS as the Kubernetes tls component's probes run it.
+Certificates come from trustme (the services' own CA for ``specdec up --tls``, specdec_app/local_ca.py,
+is checked too)."""
 
 import asyncio
 import datetime
 import os
 import shutil
+import socket
 import ssl
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -20,6 +24,7 @@ import pytest
 import redis
 import trustme
 from fastapi import FastAPI
+from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
@@ -391,3 +396,53 @@ def test_redis_store_over_tls_with_a_password(tls_redis, pki):
         await wrong.close()
 
     asyncio.run(run())
+
+
+SPECDEC = str(Path(sys.executable).parent / "specdec")  # the entry point a container's probe runs
+
+
+def specdec_health(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SPECDEC, "health", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("service", ["coordinator", "draft", "verify"])
+def test_health_command_over_tls_as_the_probes_run_it(tls_pipeline, pki, service):
+    """`specdec health` as the tls component's exec probes run it in each pod: against the
+    coordinator with the CA of its certificate, against the draft and verify services (mutual TLS)
+    with the service's own certificate as the client certificate; the certificate checked against
+    --server-name rather than the address's host. Exit code 0 and the status."""
+    cert, key = pki["server"]
+    own = ["--tls-cert", cert, "--tls-key", key] if service != "coordinator" else []
+    address = f"127.0.0.1:{tls_pipeline[service].rpartition(':')[2]}"
+    result = specdec_health("--address", address, "--tls-ca", pki["ca"], *own, "--server-name", "localhost")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{address}: SERVING"
+
+
+def test_health_command_fails_unless_the_server_answers_serving(pki):
+    """Exit code 1, saying why, from a mutual-TLS server that answers NOT_SERVING (as a draft or
+    verify service whose engine died or hung does), or refuses a client without a certificate; from
+    one that never answers, within --timeout; from an address nothing listens on."""
+    cert, key = pki["server"]
+    tls = ["--tls-ca", pki["ca"], "--tls-cert", cert, "--tls-key", key]
+    health_servicer = grpc_health.HealthServicer()
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', server_credentials(cert, key, pki['ca']))}"
+    server.start()
+    try:
+        assert specdec_health("--address", address, *tls).returncode == 0
+        health_servicer.enter_graceful_shutdown()  # every service NOT_SERVING
+        not_serving = specdec_health("--address", address, *tls)
+        assert not_serving.returncode == 1 and not_serving.stdout.strip() == f"{address}: NOT_SERVING"
+        without_certificate = specdec_health("--address", address, "--tls-ca", pki["ca"])
+        assert without_certificate.returncode == 1 and "no health answer: UNAVAILABLE" in without_certificate.stderr
+    finally:
+        server.stop(0)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes the connection, never answers
+        started = time.monotonic()
+        hanging = specdec_health("--address", f"127.0.0.1:{silent.getsockname()[1]}", *tls, "--timeout", "1")
+        assert hanging.returncode == 1 and "no health answer: DEADLINE_EXCEEDED" in hanging.stderr
+        assert time.monotonic() - started < 15  # the process's start included
+    nothing = specdec_health("--address", f"127.0.0.1:{free_port()}", *tls)
+    assert nothing.returncode == 1 and "no health answer: UNAVAILABLE" in nothing.stderr

@@ -211,6 +211,7 @@ class LlamaCppLM(BatchedLM):
             raise ValueError(f"llama.cpp could not load {path}")
         self.ctx = None
         self._batch = None
+        self._lock = threading.Lock()
         self.n_batch = max(max_num_batched_tokens, n_ctx)
         params = llama_cpp.llama_context_default_params()
         params.n_seq_max = max_num_seqs
@@ -236,7 +237,6 @@ class LlamaCppLM(BatchedLM):
         self.bytes_per_token = kv_bytes_per_token(self._model)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.prefix_caching = prefix_caching
-        self._lock = threading.Lock()
         self._seqs: dict[int, int] = {}  # handle -> llama.cpp sequence id
         self._unplaced: set[int] = set()  # handles without a llama.cpp sequence yet
         self._tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # the tokens each sequence's cells hold
@@ -341,6 +341,8 @@ class LlamaCppLM(BatchedLM):
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
         out: dict[int, torch.Tensor] = {}  # by step
         with self._lock:
+            if self._batch is None:
+                raise RuntimeError("the llama.cpp model is closed (the draft service is stopping)")
             live = []
             for i, step in enumerate(steps):
                 if step.seq_id in self._unplaced:  # a first step without a prefill before it
@@ -411,16 +413,18 @@ class LlamaCppLM(BatchedLM):
         return rows
 
     def close(self) -> None:
-        """Frees the llama.cpp batch, context and model (the object is unusable after)."""
-        if self._batch is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        """Frees the llama.cpp batch, context and model once a step still running has ended (the
+        object is unusable after: a later :meth:`forward` raises RuntimeError)."""
+        with self._lock:
+            if self._batch is not None:
+                llama_cpp.llama_batch_free(self._batch)
+                self._batch = None
+            if self.ctx:
+                llama_cpp.llama_free(self.ctx)
+                self.ctx = None
+            if self._model:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
 
 
 class LlamaCppDrafter(Drafter):

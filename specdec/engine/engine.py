@@ -46,7 +46,11 @@ scheduling or bookkeeping: a bug) is fatal: it is logged at CRITICAL with its tr
 queued call fails with UNAVAILABLE, later ones at once, and the handler given to
 :meth:`Engine.watch` is called (the service reports NOT_SERVING and exits, so that its supervisor
 restarts it: :class:`specdec.rpc.server.Liveness`), rather than the daemon thread dying
-unseen while the service still reports SERVING.
+unseen while the service still reports SERVING. A step that does not end (a forward hung in the
+model's library, a deadlock) is as fatal: given a step timeout, :meth:`Engine.watch` starts a
+watchdog thread that finds a step running longer than it, and the engine gives up the same way
+(its queued calls fail with UNAVAILABLE, the handler is called), though its thread cannot be
+stopped.
 
 Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
 they open (acceptance, rollback) sit under that call's span, and each step adds a ``forward`` span
@@ -128,6 +132,10 @@ Done = Callable[[object, "StepStats", BaseException | None], None]
 Fatal = Callable[[str, BaseException], None]
 
 
+class StepTimeout(RuntimeError):
+    """A step of an engine ran longer than its step timeout: the engine is taken for dead."""
+
+
 @dataclass(eq=False)  # compared by identity: entries are looked up in the queue
 class _Entry:
     work: Work
@@ -196,6 +204,7 @@ class Engine:
         self._stop_reason = f"the {name} engine is stopping: retry on another replica"
         self._died: BaseException | None = None  # what killed the loop
         self._on_fatal: Fatal | None = None
+        self._step_start: float | None = None  # time.perf_counter() when the running step began
 
     def submit(
         self,
@@ -275,13 +284,20 @@ class Engine:
         elif len(self._queue) <= 1:
             self._cond.notify()
 
-    def watch(self, on_fatal: Fatal) -> None:
+    def watch(self, on_fatal: Fatal, step_timeout_s: float = 0.0) -> None:
         """Has ``on_fatal(what, error)`` called if the loop dies (see the module docstring); at
-        once when it died already."""
+        once when it died already. With ``step_timeout_s`` (seconds; 0: none), also when a step
+        runs longer than that (the error a :class:`StepTimeout` naming ``engine_step_timeout_s``),
+        found by a watchdog thread that looks a few times per timeout (at least once a second)."""
         with self._cond:
             self._on_fatal, died = on_fatal, self._died
         if died is not None:
             on_fatal(f"the {self.name} engine loop", died)
+        elif step_timeout_s > 0:
+            watchdog = threading.Thread(
+                target=self._watch_steps, args=(step_timeout_s,), name=f"{self.name}-watchdog", daemon=True
+            )
+            watchdog.start()
 
     def stop(self) -> None:
         """Stops the loop after the running step; queued calls fail with Unavailable."""
@@ -305,20 +321,51 @@ class Engine:
         except BaseException as err:  # the loop itself failed: fatal (see the module docstring)
             self._die(err)
 
+    def _watch_steps(self, timeout_s: float) -> None:
+        """The watchdog (its own thread): gives the engine up (:meth:`_give_up`) once a step has
+        run longer than ``timeout_s`` seconds; returns when the engine stops."""
+        interval_s = min(1.0, timeout_s / 4)
+        while True:
+            time.sleep(interval_s)
+            with self._cond:
+                if self._stopped:
+                    return
+                start = self._step_start
+            if start is not None and (ran_s := time.perf_counter() - start) > timeout_s:
+                log.critical(
+                    "a step of the %s engine has run for %.1f s, past its bound of %g s (engine_step_timeout_s): "
+                    "its calls fail with UNAVAILABLE and the service must be restarted",
+                    self.name,
+                    ran_s,
+                    timeout_s,
+                )
+                error = StepTimeout(
+                    f"a step ran longer than {timeout_s:g} s (engine_step_timeout_s): the engine is hung"
+                )
+                self._give_up(error, f"the {self.name} engine")
+                return
+
     def _die(self, err: BaseException) -> None:
         log.critical(
             "the %s engine loop died: its calls fail with UNAVAILABLE and the service must be restarted",
             self.name,
             exc_info=err,
         )
+        self._give_up(err, f"the {self.name} engine loop")
+
+    def _give_up(self, err: BaseException, what: str) -> None:
+        """Stops the engine for good after ``what`` failed with ``err``: its queued calls fail
+        with UNAVAILABLE, later ones at once, and the handler of :meth:`watch` is called."""
         with self._cond:
+            if self._died is not None:  # given up already (the loop died while hung, or the reverse)
+                return
             self._stopped, self._died, on_fatal = True, err, self._on_fatal
-            self._stop_reason = f"the {self.name} engine loop died ({err!r}): the service is restarting; retry later"
+            self._stop_reason = f"{what} died ({err!r}): the service is restarting; retry later"
             queued, self._queue, self._num_waiting = self._queue, [], 0
         for entry in queued:
             self._hand(entry, Unavailable(self._stop_reason))
         if on_fatal is not None:
-            on_fatal(f"the {self.name} engine loop", err)
+            on_fatal(what, err)
 
     def _loop(self) -> None:
         while True:
@@ -435,6 +482,14 @@ class Engine:
         return ResourceExhausted(reason) if work.is_prefill else NotFound(reason)
 
     def _step(self, batch: list[tuple[_Entry, SequenceStep]], running: int) -> None:
+        """Runs one step over ``batch`` (timed for the watchdog: :meth:`_watch_steps`)."""
+        self._step_start = time.perf_counter()
+        try:
+            self._run_step(batch, running)
+        finally:
+            self._step_start = None
+
+    def _run_step(self, batch: list[tuple[_Entry, SequenceStep]], running: int) -> None:
         start, start_ns = time.perf_counter(), time.time_ns()
         for entry, _ in batch:
             if not entry.started:
@@ -501,8 +556,11 @@ class Engine:
 
     def _finish(self, outcomes: list[tuple[_Entry, Exception | None]]) -> None:
         """Takes the step's finished calls out of the queue, then hands each its outcome, together
-        (:func:`specdec.handoff.together`: a Step stream sends one step's results in one message)."""
+        (:func:`specdec.handoff.together`: a Step stream sends one step's results in one message);
+        not those the engine failed meanwhile, giving up on a step that ran too long."""
         with self._cond:
+            queued = set(map(id, self._queue))
+            outcomes = [(entry, err) for entry, err in outcomes if id(entry) in queued]
             self._recent = [set(), self._recent[0]]
             finished = set(map(id, (entry for entry, _ in outcomes)))
             self._queue = [entry for entry in self._queue if id(entry) not in finished]

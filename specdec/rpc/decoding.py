@@ -11,6 +11,8 @@ The asyncio server's streaming requests (server reflection) are left to gRPC.
 import grpc
 from google.protobuf.message import DecodeError
 
+from specdec.rpc.aio_handlers import responses
+
 
 class _Undecodable:
     """What the deserializer hands the method in place of a request it could not parse."""
@@ -81,7 +83,7 @@ class AioRejectUndecodable(grpc.aio.ServerInterceptor):
             async def stream_behavior(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for response in method(request, context):
+                async for response in responses(method(request, context)):
                     yield response
 
             replaced = {"unary_stream": stream_behavior}

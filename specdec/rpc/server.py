@@ -1,16 +1,18 @@
 """gRPC server plumbing shared by the three services: message limits, INVALID_ARGUMENT for
 requests that do not parse (:mod:`specdec.rpc.decoding`), the standard health service, server
-reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.rpc.tls`), a bound
-on the calls in progress (``maximum_concurrent_rpcs``: one more fails at once with
-RESOURCE_EXHAUSTED, gRPC's own behaviour, instead of queueing without bound), graceful shutdown on
-SIGTERM / SIGINT, and, for the draft and verify services, NOT_SERVING and an exit with
-:data:`EXIT_FATAL` when a thread they depend on dies (:class:`Liveness`)."""
+reflection (so grpcurl works), TLS from the ``tls_*`` settings (see :mod:`specdec.rpc.tls`), HTTP/2
+connection limits from the ``grpc_*`` settings (:func:`connection_options`), for the draft and verify
+services a bound on the calls in progress (``maximum_concurrent_rpcs``: one more fails at once with
+RESOURCE_EXHAUSTED, gRPC's own behaviour, instead of queueing without bound; the coordinator bounds
+its own: :mod:`coordinator.api.grpc_auth`), graceful shutdown on SIGTERM / SIGINT, and, for the
+draft and verify services, NOT_SERVING and an exit with :data:`EXIT_FATAL` when a thread they depend
+on dies (:class:`Liveness`)."""
 
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,12 +44,39 @@ def grpc_options(
 
 
 def server_options(
-    max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
+    connection: Iterable[tuple[str, int]] = (),
 ) -> list[tuple[str, int]]:
-    """A server's options: :func:`grpc_options`, and its port its own. gRPC servers set
-    SO_REUSEPORT by default, so a second server on a port in use bound it too and took a share of
-    its connections, silently; without it, the second fails to start (:func:`_add_port`)."""
-    return [*grpc_options(max_message_bytes, max_receive_bytes), ("grpc.so_reuseport", 0)]
+    """A server's options: :func:`grpc_options`, its ``connection`` limits
+    (:func:`connection_options`), and its port its own. gRPC servers set SO_REUSEPORT by default, so
+    a second server on a port in use bound it too and took a share of its connections, silently;
+    without it, the second fails to start (:func:`_add_port`)."""
+    return [*grpc_options(max_message_bytes, max_receive_bytes), *connection, ("grpc.so_reuseport", 0)]
+
+
+def connection_options(settings) -> list[tuple[str, int]]:
+    """The HTTP/2 connection limits of a service's gRPC server, from a
+    :class:`specdec.settings.ServiceSettings`' ``grpc_*`` settings (seconds; gRPC takes ms): streams
+    per connection, how long a connection may stay idle and live, how often the server pings an
+    idle one to find a dead peer, and how often a client may ping (docs/limits.md#grpc-connections)."""
+
+    def ms(seconds: float) -> int:
+        return round(seconds * 1000)
+
+    options = [
+        ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
+        ("grpc.keepalive_time_ms", ms(settings.grpc_keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(settings.grpc_keepalive_timeout_s)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.grpc_min_ping_interval_s)),
+        ("grpc.http2.max_ping_strikes", settings.grpc_max_ping_strikes),
+    ]
+    if settings.grpc_max_connection_idle_s:
+        options.append(("grpc.max_connection_idle_ms", ms(settings.grpc_max_connection_idle_s)))
+    if settings.grpc_max_connection_age_s:
+        options.append(("grpc.max_connection_age_ms", ms(settings.grpc_max_connection_age_s)))
+        options.append(("grpc.max_connection_age_grace_ms", ms(settings.grpc_max_connection_age_grace_s)))
+    return options
 
 
 GRPC_OPTIONS = grpc_options()  # for clients that do not know the server's setting: its default
@@ -97,6 +126,7 @@ def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     rpc_delays_s: dict[str, float] | None = None,
     maximum_concurrent_rpcs: int | None = None,
+    connection: Iterable[tuple[str, int]] = (),
 ) -> tuple[grpc.Server, int]:
     """Starts a threaded gRPC server with health and reflection.
 
@@ -104,11 +134,20 @@ def start_server(
     :func:`server_credentials`): TLS, None for plaintext; ``rpc_delays_s``: the fault tests' hook
     (:mod:`specdec.rpc.delay_hook`); ``maximum_concurrent_rpcs``: calls in progress at most (served
     by the ``max_workers`` handler threads or waiting for one; None: no bound), one more fails at
-    once with RESOURCE_EXHAUSTED. Returns the started server and its bound port (useful when
-    ``port`` is 0). Every service reports SERVING.
+    once with RESOURCE_EXHAUSTED; ``connection``: HTTP/2 connection limits (:func:`connection_options`).
+    Returns the started server and its bound port (useful when ``port`` is 0). Every service reports
+    SERVING.
     """
     server, bound, _ = _start_server(
-        register, host, port, max_workers, credentials, max_message_bytes, rpc_delays_s, maximum_concurrent_rpcs
+        register,
+        host,
+        port,
+        max_workers,
+        credentials,
+        max_message_bytes,
+        rpc_delays_s,
+        maximum_concurrent_rpcs,
+        connection,
     )
     return server, bound
 
@@ -122,6 +161,7 @@ def _start_server(
     max_message_bytes: int,
     rpc_delays_s: dict[str, float] | None,
     maximum_concurrent_rpcs: int | None,
+    connection: Iterable[tuple[str, int]],
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """:func:`start_server`, returning its health servicer too."""
     interceptors: list[grpc.ServerInterceptor] = [RejectUndecodable()]
@@ -129,7 +169,7 @@ def _start_server(
         interceptors.append(DelayCalls(rpc_delays_s))
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers),
-        options=server_options(max_message_bytes),
+        options=server_options(max_message_bytes, connection=connection),
         interceptors=interceptors,
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
@@ -150,12 +190,13 @@ class _Servicer(Protocol):
 class _Watched(Protocol):
     """A thread the service cannot go on without: an engine loop (:meth:`specdec.engine.engine.Engine.watch`)."""
 
-    def watch(self, on_fatal: Callable[[str, BaseException], None]) -> None: ...
+    def watch(self, on_fatal: Callable[[str, BaseException], None], step_timeout_s: float = 0.0) -> None: ...
 
 
 class Liveness:
     """Whether a draft or verify service may go on. A thread it depends on (an engine loop, the
-    idle-session janitor) that dies calls :meth:`fatal`: the service then reports NOT_SERVING on
+    idle-session janitor) that dies, or an engine step that runs past ``engine_step_timeout_s``,
+    calls :meth:`fatal`: the service then reports NOT_SERVING on
     the gRPC health service (a kubelet's probe, ``specdec up``'s readiness check) and its process
     exits with :data:`EXIT_FATAL` (:meth:`RunningService.serve_until_signal`), so that its
     supervisor (``specdec up``, the kubelet) restarts it; the coordinator meanwhile rebuilds its
@@ -223,15 +264,17 @@ async def start_aio_server(
     credentials: grpc.ServerCredentials | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_receive_bytes: int | None = None,
-    maximum_concurrent_rpcs: int | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    connection: Iterable[tuple[str, int]] = (),
 ) -> tuple[grpc.aio.Server, int]:
-    """Asyncio twin of :func:`start_server`; requests up to ``max_receive_bytes`` when given;
-    ``maximum_concurrent_rpcs`` calls in progress at most (streams included; None: no bound), one
-    more fails at once with RESOURCE_EXHAUSTED."""
+    """Asyncio twin of :func:`start_server`, for the coordinator's public server: requests up to
+    ``max_receive_bytes`` when given; ``interceptors`` run first, before the one that answers an
+    undecodable request (the coordinator's checks API keys and bounds its calls:
+    :mod:`coordinator.api.grpc_auth`); ``connection``: HTTP/2 connection limits
+    (:func:`connection_options`)."""
     server = grpc.aio.server(
-        options=server_options(max_message_bytes, max_receive_bytes),
-        interceptors=[AioRejectUndecodable()],
-        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        options=server_options(max_message_bytes, max_receive_bytes, connection),
+        interceptors=[*interceptors, AioRejectUndecodable()],
     )
     names = register(server)
     health_servicer = _serving_health(server, names, health.aio.HealthServicer)
@@ -254,7 +297,8 @@ def start_service(
     servicer, add_to_server, service_name: str, sessions, settings, engines: Iterable[_Watched] = ()
 ) -> RunningService:
     """Starts a session-holding service (draft or verify), its idle-session janitor and its
-    Prometheus endpoint, and watches its ``engines`` and janitor (:class:`Liveness`).
+    Prometheus endpoint, and watches its ``engines`` (their loops, and their steps against
+    ``settings.engine_step_timeout_s``) and janitor (:class:`Liveness`).
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
     full name reflection and health report; ``sessions`` the servicer's
@@ -277,11 +321,12 @@ def start_service(
         settings.max_message_bytes,
         parse_delays(settings.debug_rpc_delay_ms),
         service_max_concurrent_rpcs(settings.max_workers),
+        connection_options(settings),
     )
     liveness = Liveness(health_servicer)
     janitor = sessions.start_janitor(max(1.0, settings.session_idle_timeout_s / 10), liveness.fatal)
     for engine in engines:
-        engine.watch(liveness.fatal)
+        engine.watch(liveness.fatal, settings.engine_step_timeout_s)
     servicer.metrics.track_sessions(sessions)
     servicer.metrics.serve(settings.host, settings.metrics_port)
     return RunningService(server, port, servicer, janitor, liveness)
