@@ -436,6 +436,12 @@ class CoordinatorSettings(ServiceSettings):
         "Empty: a public constant, with a warning at start: anyone reading Redis's key names could then test a "
         "guessed key offline.",
     )
+    owner_hash_secret_file: str = Field(
+        "",
+        description="A file whose content (surrounding whitespace stripped) is owner_hash_secret, for a secret "
+        "mounted as a file (Kubernetes); a file that cannot be read stops the coordinator's start, and so does "
+        "giving both.",
+    )
     allow_short_api_keys: bool = Field(
         False,
         description="INSECURE: start with API keys under 128 bits (key length x log2 of its alphabet: digits, lower "
@@ -469,6 +475,19 @@ class CoordinatorSettings(ServiceSettings):
                 *self.api_keys,
                 *(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")),
             ]
+        return self
+
+    @model_validator(mode="after")
+    def _read_owner_hash_secret_file(self):
+        if self.owner_hash_secret_file:
+            if self.owner_hash_secret:
+                raise ValueError("give owner_hash_secret or owner_hash_secret_file, not both")
+            try:
+                self.owner_hash_secret = Path(self.owner_hash_secret_file).read_text().strip()
+            except OSError as err:  # fails the start
+                raise ValueError(
+                    f"owner_hash_secret_file {self.owner_hash_secret_file}: {err.strerror}: give a readable file"
+                ) from None
         return self
 
     @model_validator(mode="after")

@@ -1,6 +1,7 @@
 """The ``specdec`` command line: run the services, stream completions, run the demo and the benchmark."""
 
 import json
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -27,7 +28,14 @@ DEMO_PROMPT = "Summarize in two sentences why the sky is blue, then repeat your 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
+def _exit_while_starting(_signum: int, _frame: Any) -> None:
+    """SIGTERM before a service serves (while it imports and loads its models) ends the process
+    with exit code 0, as one once it serves does; the service's own handler takes over then."""
+    raise SystemExit(0)
+
+
 def _run_service(ctx: typer.Context, service: str) -> None:
+    signal.signal(signal.SIGTERM, _exit_while_starting)
     from specdec.observability.telemetry import configure_logging, configure_tracing
     from specdec.settings import ServiceSettings, parse_settings
 
@@ -57,6 +65,7 @@ def _run_service(ctx: typer.Context, service: str) -> None:
         raise typer.Exit(2) from None
     configure_tracing(service)
     configure_logging(service, settings.log_level, settings.log_format)
+    logging.getLogger("specdec").info("starting the %s service", service)
     main(settings)
 
 

@@ -131,7 +131,7 @@ class SlowLM(BatchedLM):
     def __init__(self, step_s: float):
         self.step_s, self.steps = step_s, []
 
-    def allocate(self) -> int:
+    def allocate(self, owner: str = "") -> int:
         return 0
 
     def free(self, seq_id): ...

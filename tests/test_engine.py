@@ -38,7 +38,7 @@ class RecordingLM(BatchedLM):
     def lost(self, seq_id: int) -> str | None:
         return self.preempted.get(seq_id)
 
-    def allocate(self) -> int:
+    def allocate(self, owner: str = "") -> int:
         self._next += 1
         return self._next
 

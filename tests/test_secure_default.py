@@ -196,3 +196,17 @@ def test_the_owner_hash_is_keyed_with_the_deployments_secret():
     owners = [ApiKeys([key], secret).caller(f"Bearer {key}", "h").owner for secret in ("s1", "s1", "s2", "")]
     assert owners[0] == owners[1] and len(set(owners)) == 3
     assert owners[3] == owner_hash(key)
+
+
+def test_the_owner_hash_secret_comes_from_a_file_as_kubernetes_mounts_it(tmp_path):
+    """The Kubernetes base writes the Secret's owner-hash-secret to a file (an empty one without it)."""
+    secret_file = tmp_path / "owner-hash-secret"
+    secret_file.write_text("s1\n")
+    settings = CoordinatorSettings(api_keys=["k1"], owner_hash_secret_file=str(secret_file))
+    assert settings.owner_hash_secret == "s1"
+    secret_file.write_text("")
+    assert CoordinatorSettings(api_keys=["k1"], owner_hash_secret_file=str(secret_file)).owner_hash_secret == ""
+    with pytest.raises(ValidationError, match="not both"):
+        CoordinatorSettings(api_keys=["k1"], owner_hash_secret="s2", owner_hash_secret_file=str(secret_file))
+    with pytest.raises(ValidationError, match="give a readable file"):
+        CoordinatorSettings(api_keys=["k1"], owner_hash_secret_file=str(tmp_path / "missing"))

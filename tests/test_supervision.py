@@ -265,3 +265,20 @@ def test_sigterm_ends_every_service_cleanly(tiny_models, tmp_path, drafter):
         log = (tmp_path / f"{name}.log").read_text()
         assert service.exit_status() == "exit code 0", (name, service.exit_status(), log[-2000:])
         assert "terminate called" not in log and "Traceback" not in log, (name, log[-2000:])
+
+
+def test_sigterm_while_a_service_loads_ends_it_cleanly(tiny_models, tmp_path):
+    """SIGTERM while the draft service loads its llama.cpp model (before it serves): exit code 0,
+    not a kill by the signal."""
+    log_file = tmp_path / "draft.log"
+    draft = tiny_service("draft", tiny_models, free_port(), 0, 0, log_file, "llama-cpp")
+    draft.start()
+    deadline = time.monotonic() + 60
+    while "starting the draft service" not in (log_file.read_text() if log_file.exists() else ""):
+        assert time.monotonic() < deadline and draft.exit_status() is None, draft.exit_status()
+        time.sleep(0.05)
+    draft.signal(signal.SIGTERM)
+    draft.wait_stopped(time.monotonic() + 60)
+    log = log_file.read_text()
+    assert draft.exit_status() == "exit code 0", (draft.exit_status(), log[-2000:])
+    assert "serving specdec.v1.DraftService" not in log and "terminate called" not in log, log[-2000:]
