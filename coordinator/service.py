@@ -487,7 +487,8 @@ async def serve(
     settings: CoordinatorSettings, ready: asyncio.Future | None = None, handle_signals: bool = True
 ) -> None:
     """Runs the coordinator, gRPC and (on ``http_port``) HTTP, until cancelled, or until SIGTERM /
-    SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish). ``ready`` receives the
+    SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish); either way it closes
+    its connections to the services (their Step streams) before it returns. ``ready`` receives the
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     placements: dict[Service, Placement] = {
@@ -573,13 +574,18 @@ async def serve(
     if ready is not None:
         ready.set_result(port)
     try:
-        await server.wait_for_termination()
+        # Shielded: gRPC's wait_for_termination awaits the future that stop() completes, and
+        # cancelling it there would make stop() raise CancelledError before anything below ran
+        # (the Step streams to the services stayed open, holding their calls in progress).
+        await asyncio.shield(server.wait_for_termination())
     finally:
-        await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
-        servicer.close()
-        await clients.close()
-        await store.close()
-        metrics.close()
+        try:
+            await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
+        finally:
+            servicer.close()
+            await clients.close()
+            await store.close()
+            metrics.close()
 
 
 def _warn_of_weak_keys(settings: CoordinatorSettings) -> None:

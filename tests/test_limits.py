@@ -1,10 +1,12 @@
 """Each stated limit is enforced, with an error that names its setting, and the next request within
 the limit succeeds: gRPC message size (a service's --max-message-bytes), the size of a request to
 the coordinator's public APIs, gRPC and HTTP (--max-request-bytes), and the requests one client may
-run at once (--max-streams-per-client, per IP address, or per API key when keys are set)."""
+run at once (--max-streams-per-client, per IP address, or per API key when keys are set). A stopped
+coordinator gives back the calls it held on the services (their bound on calls in progress)."""
 
 import http.client
 import json
+import threading
 import time
 
 import grpc
@@ -208,3 +210,23 @@ def test_calls_past_the_coordinators_concurrent_rpcs_are_refused_at_once(tiny_pi
         assert len(eventually(lambda: generate(address, SHORT, timeout_s=60)).token_ids) == 2
     finally:
         thread.stop()
+
+
+def step_streams() -> int:
+    """The Step streams this process's draft and verify services serve: one reader thread each."""
+    return sum(thread.name == "step-stream-reader" for thread in threading.enumerate())
+
+
+def test_a_stopped_coordinator_ends_its_step_streams(tiny_pipeline, tiny_models):
+    """Each stream holds one of a service's calls in progress (max_workers + 16): streams left
+    open by stopped coordinators would fill it, and the next Verify would be RESOURCE_EXHAUSTED."""
+    before = step_streams()
+    thread = coordinator(tiny_pipeline, tiny_models)
+    generate(f"127.0.0.1:{thread.port}", SHORT, timeout_s=60)
+    assert step_streams() > before
+    thread.stop()
+
+    def ended():
+        assert step_streams() == before
+
+    eventually(ended)
