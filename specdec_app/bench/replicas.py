@@ -61,7 +61,7 @@ from specdec_app.bench.ceiling import near_free_model
 from specdec_app.bench.concurrency import interleave_categories
 from specdec_app.bench.conversation import SYSTEM_PROMPT, read_system_prompt
 from specdec_app.bench.questions import Question, generate_request, load_questions
-from specdec_app.bench.report import _cell, _table, percentile, write_json
+from specdec_app.bench.report import _cell, _table, machine_line, percentile, write_json
 from specdec_app.bench.run import machine_info
 from specdec_app.launcher import (
     LocalCluster,
@@ -964,8 +964,7 @@ def to_markdown(report: dict) -> str:
         "",
         f"`{config['command']}`",
         "",
-        f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, {machine['date']}. Every service a process of its own on a loopback "
+        f"{machine_line(machine)}, {machine['date']}. Every service a process of its own on a loopback "
         "address of its own; the coordinators are given the replicas' IP:port lists; greedy decoding.",
     ]
     for name, section in report["scenarios"].items():

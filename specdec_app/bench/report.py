@@ -268,6 +268,22 @@ def _drafter_shares(rounds_per_drafter: dict[str, int] | None) -> str:
     return ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(shares.items()) if count)
 
 
+def machine_line(machine: dict) -> str:
+    """The host as every report names it: CPU, cores, the instructions its kernels run on
+    (:func:`specdec_app.bench.run.cpu_isa`; reports written before it lack them), device and
+    versions. Step costs, and so every ratio, move with the instruction set: a figure is
+    comparable only to one of the same host."""
+    isa = machine.get("isa")
+    kernels = ""
+    if isa:
+        bf16 = "yes" if isa["onednn_bf16"] else "no"
+        kernels = f", {' '.join(isa['flags']) or 'no AVX2'} (ATen {isa['aten']} kernels, oneDNN bfloat16: {bf16})"
+    return (
+        f"{machine['cpu']}, {machine['cpu_count']} cores{kernels}, {machine['device']}, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}"
+    )
+
+
 def _header(report: dict, title: str, details: str) -> list[str]:
     """A report's Markdown title, command and the line naming machine, models and ``details``."""
     machine, config = report["machine"], report["config"]
@@ -276,8 +292,7 @@ def _header(report: dict, title: str, details: str) -> list[str]:
         "",
         f"`{config['command']}`",
         "",
-        f"{machine['cpu']} ({machine['cpu_count']} cores), {machine['device']}, torch {machine['torch']}, "
-        f"transformers {machine['transformers']}; target `{config['target']}`, draft `{config['draft_model']}`, "
+        f"{machine_line(machine)}; target `{config['target']}`, draft `{config['draft_model']}`, "
         f"{config['max_new_tokens']} new tokens, greedy{details}",
     ]
 

@@ -16,6 +16,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from specdec.engine.cpu_linear import cpu_runs
 from specdec.engine.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
 from specdec_app.bench.measurement import Measurement
@@ -80,13 +81,47 @@ def parse_pipeline(spec: str) -> tuple[str, int | None]:
     return drafter, None if k == "auto" else int(k)
 
 
+# The /proc/cpuinfo flags a report names: the instructions the target's kernels run on
+# (ATen's vectorized kernels, oneDNN's GEMMs). Step costs, and so which K wins, move with them.
+ISA_FLAGS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX-512 BF16",
+    "avx_ne_convert": "AVX-NE-CONVERT",
+    "amx_tile": "AMX",
+}
+
+
+def cpu_isa(flags: set[str]) -> dict:
+    """What this CPU runs the target on: the :data:`ISA_FLAGS` present in ``flags`` (/proc/cpuinfo),
+    the kernels ATen dispatches to (``torch.backends.cpu.get_cpu_capability()``: ``AVX2``,
+    ``AVX512``; ``ATEN_CPU_CAPABILITY`` lowers it) and whether oneDNN packs bfloat16 weights here
+    (:func:`specdec.engine.cpu_linear.cpu_runs`)."""
+    return {
+        "flags": [name for flag, name in ISA_FLAGS.items() if flag in flags],
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "onednn_bf16": cpu_runs(torch.bfloat16),
+    }
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (none where it cannot be read)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        lines = cpuinfo.read().split("\n\n")[0].splitlines()
+        return {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
+    return {}
+
+
 def machine_info() -> dict:
-    """CPU model, cores, device and library versions, for the report."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
-        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    """CPU model (its family and model numbers name the generation where a VM hides the name),
+    instruction sets (:func:`cpu_isa`), cores, device and library versions, for the report."""
+    fields = _cpuinfo()
+    cpu = fields.get("model name", platform.processor() or platform.machine())
+    if "cpu family" in fields:
+        cpu += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
     return {
         "cpu": cpu,
+        "isa": cpu_isa(set(fields.get("flags", "").split())),
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
