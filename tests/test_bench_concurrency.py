@@ -3,6 +3,7 @@ assignment and identity helpers, and one quick closed-loop run on tiny random mo
 as real subprocess services) that writes the JSON, Markdown and PNG reports."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,6 +262,7 @@ def test_fixed_k_methods():
         (["concurrency", "--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
         (["concurrency", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
         (["concurrency", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+        (["concurrency", "--repeat", "0"], "--repeat 0: the runs of every cell per method must be at least 1"),
         (["concurrency", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
         (["concurrency", "--arrivals", "trickle"], "--arrivals 'trickle': use a comma-separated subset"),
         (["concurrency", "--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate"),
@@ -488,6 +490,19 @@ def test_best_fixed_k_and_serving_columns_from_hand_made_cells():
     assert "| 100 | 100 | 250.0 | 250.0 | 0.50 | 5.5 |" in rows[2]
 
 
+def test_run_order_interleaves_the_methods_and_rotates_per_n_and_repeat():
+    from specdec_app.bench.concurrency import run_order
+
+    # one repeat: the methods once, rotated by the N's index (as before repeats)
+    assert run_order(["A", "B", "C"], 0, 1) == [(0, "A"), (0, "B"), (0, "C")]
+    assert run_order(["A", "B", "C"], 4, 1) == [(0, "B"), (0, "C"), (0, "A")]
+    # three repeats: every method once per repeat (A B C, A B C, ...), each repeat rotated again
+    order = run_order(["A", "B", "C"], 0, 3)
+    assert ["".join(m for r, m in order if r == repeat) for repeat in range(3)] == ["ABC", "BCA", "CAB"]
+    assert [r for r, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert run_order(["A", "B"], 1, 2) == [(0, "B"), (0, "A"), (1, "A"), (1, "B")]
+
+
 def test_median_and_spread():
     from specdec_app.bench.report import _spread_text, spread
 
@@ -622,6 +637,45 @@ def test_one_repeat_and_a_report_from_before_repeats_read_as_before():
     assert "; every cell 3 times, the methods interleaved" in concurrency_markdown(with_repeat)
 
 
+def test_poisson_rate_from_the_median_repeat_and_the_reference_from_the_first():
+    """The Poisson rate per client is 1 / the median over the reference's closed-loop N = 1
+    repeats of their mean latency; its first repeat's outputs are the identity reference, and a
+    later repeat that differs from it is a mismatch."""
+    from dataclasses import replace
+
+    from specdec_app.bench.concurrency import (
+        ConcurrencyConfig,
+        _compare,
+        poisson_rate_per_client,
+        reference_outputs,
+    )
+
+    def run(method, repeat, latencies, tokens=(1, 2, 3), n=1):
+        records = [
+            RequestRecord(method, question_id=q, category="qa", latency_ms=ms, token_ids=list(tokens), repeat=repeat)
+            for q, ms in enumerate(latencies)
+        ]
+        return {"arrivals": "closed", "method": method, "concurrency": n, "repeat": repeat, "records": records}
+
+    cells = [
+        run("pipeline/adaptive", 0, [100.0]),
+        run("pipeline/K=0", 0, [1000.0, 3000.0]),  # mean 2000 ms
+        run("pipeline/K=0", 1, [500.0], tokens=(1, 2, 4)),
+        run("pipeline/K=0", 2, [4000.0, 4000.0]),
+        run("pipeline/K=0", 0, [1.0], n=2),  # not N = 1
+    ]
+    config = ConcurrencyConfig(questions=Path("q"), out=Path("o"), command="")
+    assert poisson_rate_per_client(config, cells) == pytest.approx(1000 / 2000)
+    assert poisson_rate_per_client(replace(config, request_rate=0.25), cells) == 0.25
+    # where the reference did not run: the first method's
+    assert poisson_rate_per_client(config, cells[:1]) == pytest.approx(1000 / 100)
+    references = reference_outputs(cells, "pipeline/K=0")
+    assert {q: r.latency_ms for q, r in references.items()} == {0: 1000.0, 1: 3000.0}
+    _compare(cells, references, tokenizer=None)
+    assert [r.identical for r in cells[2]["records"]] == [False] and cells[2]["records"][0].first_mismatch == 2
+    assert all(r.identical for cell in (cells[1], cells[3]) for r in cell["records"])
+
+
 def captured_config(monkeypatch, tmp_path, mode, *args):
     """The ConcurrencyConfig ``specdec bench MODE`` hands the run for ``args`` (the run itself
     stubbed; the near-free model not written)."""
@@ -644,6 +698,9 @@ def captured_config(monkeypatch, tmp_path, mode, *args):
 def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
     config = captured_config(monkeypatch, tmp_path, "concurrency")
     assert config.concurrency == [1, 4, 16, 32] and config.requests_per_client == 2  # the protocol's N
+    assert config.repeat == 1
+    config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "1,4", "--repeat", "3")
+    assert config.repeat == 3
     config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "1,4")
     assert config.concurrency == [1, 4] and config.arrivals == ["closed", "burst", "poisson"]
     assert config.request_rate is None and config.methods == list(METHODS) and config.target == "smollm2"
@@ -661,14 +718,16 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
     }
     config = captured_config(monkeypatch, tmp_path, "ceiling", "--concurrency", "8", "--arrivals", "burst")
-    assert config.concurrency == [8] and config.arrivals == ["burst"]
+    assert config.concurrency == [8] and config.arrivals == ["burst"] and config.repeat == 1
+    assert captured_config(monkeypatch, tmp_path, "ceiling", "--repeat", "5").repeat == 5
 
 
 def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     """Closed, burst and Poisson (its rate from the closed loop at N = 1) at N = 1 and 2, each
     pattern on its own prompt, two pipeline methods on the tiny target (services as subprocesses;
-    the ngram drafter, which needs no model): the same arrival times for every method, every
-    output identical, CPU time per token for every process, and every report written."""
+    the ngram drafter, which needs no model), every cell twice (--repeat 2): the same arrival
+    times for every method and repeat, every output identical, CPU time per token for every
+    process, the medians and ranges over the repeats, and every report written."""
     questions = write_questions(
         tmp_path / "q.jsonl", {"qa": ["What is the capital of France?", "Name two colors.", "Count to three."]}
     )
@@ -681,21 +740,32 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
         "1,2",
         "--requests-per-client",
         "1",
+        "--repeat",
+        "2",
         methods="pipeline/K=0,pipeline/adaptive",
     )
     assert report["arrivals"]["patterns"] == ["closed", "burst", "poisson"]
     prompts = report["arrivals"]["prompts"]
     assert sorted(q for ids in prompts.values() for q in ids) == sorted({q for ids in prompts.values() for q in ids})
-    by_cell = {(c["arrivals"], c["method"], c["concurrency"]): c for c in report["cells"]}
-    assert len(by_cell) == 3 * 2 * 2
+    by_cell = {(c["arrivals"], c["method"], c["concurrency"], c["repeat"]): c for c in report["cells"]}
+    assert len(by_cell) == len(report["cells"]) == 3 * 2 * 2 * 2
     closed_k0 = [
         r for r in report["requests"] if (r["arrivals"], r["method"], r["concurrency"]) == ("closed", "pipeline/K=0", 1)
     ]
-    assert report["arrivals"]["poisson_rate_per_client_hz"] == pytest.approx(1000 / closed_k0[0]["latency_ms"])
+    assert sorted(r["repeat"] for r in closed_k0) == [0, 1]  # the median of two: their mean
+    mean_ms = sum(r["latency_ms"] for r in closed_k0) / 2
+    assert report["arrivals"]["poisson_rate_per_client_hz"] == pytest.approx(1000 / mean_ms)
     for n in (1, 2):
-        times = [by_cell[("poisson", m, n)]["arrival_times_s"] for m in ("pipeline/K=0", "pipeline/adaptive")]
-        assert times[0] == times[1] and len(times[0]) == n and times[0][0] == 0.0
-    for (arrivals, _, n), cell in by_cell.items():
+        times = [
+            by_cell[("poisson", m, n, r)]["arrival_times_s"]
+            for m in ("pipeline/K=0", "pipeline/adaptive")
+            for r in (0, 1)
+        ]
+        assert all(t == times[0] for t in times) and len(times[0]) == n and times[0][0] == 0.0
+    summaries = report["cell_summaries"]
+    assert len(summaries) == 3 * 2 * 2 and {s["num_repeats"] for s in summaries} == {2}
+    assert {r["tokens_per_second_ratio"]["num_repeats"] for r in report["ratios_by_cell"]} == {2}
+    for (arrivals, _, n, _), cell in by_cell.items():
         s = cell["stats"]
         assert cell["errors"] == [] and s["identical_rate"] == 1.0 and s["rounds_per_second"] > 0
         assert set(s["cpu_ms_per_token"]) == {"coordinator", "draft", "verify", "bench"}
@@ -703,13 +773,13 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
         asked = {r["question_id"] for r in report["requests"] if (r["arrivals"], r["concurrency"]) == (arrivals, n)}
         assert asked <= set(prompts[arrivals])
     burst = [r for r in report["requests"] if r["arrivals"] == "burst" and r["concurrency"] == 2]
-    assert len(burst) == 4 and all(r["start_ms"] < 50 for r in burst)  # sent together
+    assert len(burst) == 8 and all(r["start_ms"] < 50 for r in burst)  # sent together
     for cell in report["cells"]:
         s = cell["stats"]
         assert s["tokens_per_second"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p99"] >= s["tpot_ms_p50"] > 0
         assert s["mean_batch_size"] >= 1 and s["mean_batched_tokens"] >= 1 and s["queue_ms_per_round"] >= 0
         assert s["num_failed"] == 0 and s["num_compared"] == s["num_requests"]
-    k0 = by_cell[("closed", "pipeline/K=0", 1)]["stats"]
+    k0 = by_cell[("closed", "pipeline/K=0", 1, 1)]["stats"]
     assert k0["mean_k"] == 0 and k0["num_draft_tokens"] == 0
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
     assert report["config"]["command"].startswith("specdec bench concurrency --concurrency 1,2")
@@ -723,6 +793,9 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     for arrivals in ("closed", "burst", "poisson"):
         assert f"## Arrivals: {arrivals}" in markdown and f"arrivals: {arrivals}" in run.stdout
     assert "| N | pipeline/adaptive tokens/s | pipeline/K=0 tokens/s |" in markdown and "adaptive / K=0" in markdown
+    assert "; every cell 2 times, the methods interleaved" in markdown
+    assert re.search(r"\| pipeline/K=0 \| 2 \| 4/4 \| [\d.]+ \([\d.]+-[\d.]+\) \|", markdown)  # median (range)
+    assert re.search(r"\| [\d.]+x \([\d.]+-[\d.]+x\) \|", markdown)  # adaptive / K=0, repeat by repeat
     assert "## CPU time per generated token, per process" in markdown and "coordinator CPU ms/token" in markdown
 
 
