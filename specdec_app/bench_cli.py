@@ -164,6 +164,15 @@ SloTtftMs = Annotated[
     ),
 ]
 SloTpotMs = Annotated[float | None, typer.Option(help="Goodput's time-per-output-token objective, ms (default 200).")]
+Repeat = Annotated[
+    int,
+    typer.Option(
+        help="Runs of every cell per method, the methods interleaved (A B C, A B C, ...) after the warm-ups; the "
+        "reports give each figure's median over the runs, tokens/s and its ratios with their range (min-max), "
+        "each ratio taken within a run (default 1). Compare methods on the medians of 3 or more: one run of a "
+        "cell moves by up to 15% between runs of the same code."
+    ),
+]
 NetworkRttMs = Annotated[
     str | None,
     typer.Option(
@@ -248,6 +257,7 @@ def concurrency(
     request_rate: RequestRate = None,
     slo_ttft_ms: SloTtftMs = None,
     slo_tpot_ms: SloTpotMs = None,
+    repeat: Repeat = 1,
     network_rtt_ms: NetworkRttMs = None,
     network_jitter_ms: NetworkJitterMs = None,
     network_topology: NetworkTopology = None,
@@ -283,6 +293,7 @@ def ceiling(
     request_rate: RequestRate = None,
     slo_ttft_ms: SloTtftMs = None,
     slo_tpot_ms: SloTpotMs = None,
+    repeat: Repeat = 1,
 ) -> None:
     """The serving path's ceiling: the load benchmark on a near-free model the bench writes itself.
 
@@ -541,6 +552,7 @@ def _load_config(options: dict[str, Any], ceiling: bool) -> "ConcurrencyConfig":
         load_generator=options["load_generator"] or "",
         arrivals=parse_arrivals(arrivals) if arrivals else list(default_arrivals),
         request_rate=options["request_rate"],
+        repeat=options["repeat"],
         **{name: options[name] for name in ("slo_ttft_ms", "slo_tpot_ms") if options[name] is not None},
         **network,
     )

@@ -3,6 +3,7 @@ assignment and identity helpers, and one quick closed-loop run on tiny random mo
 as real subprocess services) that writes the JSON, Markdown and PNG reports."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,6 +262,7 @@ def test_fixed_k_methods():
         (["concurrency", "--concurrency", "0"], "--concurrency '0': use comma-separated client counts"),
         (["concurrency", "--methods", "vllm"], "--methods 'vllm': use a comma-separated subset"),
         (["concurrency", "--requests-per-client", "0"], "--requests-per-client must be at least 1"),
+        (["concurrency", "--repeat", "0"], "--repeat 0: the runs of every cell per method must be at least 1"),
         (["concurrency", "--load-generator", "aiperf"], "--load-generator 'aiperf': use guidellm"),
         (["concurrency", "--arrivals", "trickle"], "--arrivals 'trickle': use a comma-separated subset"),
         (["concurrency", "--concurrency", "4", "--arrivals", "poisson"], "--arrivals poisson needs --request-rate"),
@@ -488,6 +490,192 @@ def test_best_fixed_k_and_serving_columns_from_hand_made_cells():
     assert "| 100 | 100 | 250.0 | 250.0 | 0.50 | 5.5 |" in rows[2]
 
 
+def test_run_order_interleaves_the_methods_and_rotates_per_n_and_repeat():
+    from specdec_app.bench.concurrency import run_order
+
+    # one repeat: the methods once, rotated by the N's index (as before repeats)
+    assert run_order(["A", "B", "C"], 0, 1) == [(0, "A"), (0, "B"), (0, "C")]
+    assert run_order(["A", "B", "C"], 4, 1) == [(0, "B"), (0, "C"), (0, "A")]
+    # three repeats: every method once per repeat (A B C, A B C, ...), each repeat rotated again
+    order = run_order(["A", "B", "C"], 0, 3)
+    assert ["".join(m for r, m in order if r == repeat) for repeat in range(3)] == ["ABC", "BCA", "CAB"]
+    assert [r for r, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert run_order(["A", "B"], 1, 2) == [(0, "B"), (0, "A"), (1, "A"), (1, "B")]
+
+
+def test_median_and_spread():
+    from specdec_app.bench.report import _spread_text, spread
+
+    assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "num_repeats": 3}
+    assert spread([1.0, 4.0])["median"] == 2.5  # an even count: the mean of the middle two
+    assert spread([None, None]) is None and spread([]) is None
+    assert _spread_text(spread([43.0, 45.1, 46.2]), ".1f") == "45.1 (43.0-46.2)"
+    assert _spread_text(spread([0.9, 0.95, 1.01]), ".2f", "x") == "0.95x (0.90-1.01x)"
+    assert _spread_text(spread([45.1]), ".1f") == "45.1"  # one repeat: no range
+    assert _spread_text(None, ".1f") == "-"
+
+
+def repeat_cell(method, repeat, tokens_per_second, n=4, arrivals="burst", **stats) -> dict:
+    """A cell of a hand-made report: ``method`` at N = ``n`` in its ``repeat``."""
+    return {
+        "arrivals": arrivals,
+        "method": method,
+        "concurrency": n,
+        "repeat": repeat,
+        "stats": {"tokens_per_second": tokens_per_second, **stats},
+    }
+
+
+def test_repeats_read_as_medians_with_counts_summed():
+    """Every figure the tables show is the median over the repeats, tokens/s with its range; the
+    requests, tokens and drafts are summed, and an output that differs in one repeat shows."""
+    from specdec_app.bench.report import concurrency_table, cpu_table, summarize_repeats
+
+    def stats(tokens, ttft, identical, cpu):
+        # 2 requests of ``tokens`` tokens each in 1 s, the second differing from the reference or not
+        records = [
+            record(tokens, ttft, ttft + 500.0, rounds=4, drafted=8, accepted=4, rounds_per_k=[0, 0, 4], identical=True),
+            record(
+                tokens, ttft, ttft + 500.0, rounds=4, drafted=8, accepted=4, rounds_per_k=[0, 0, 4], identical=identical
+            ),
+        ]
+        return concurrency_cell_stats(records, 1000.0, {"verify": cpu})
+
+    cells = [
+        {"arrivals": "closed", "method": "m", "concurrency": 2, "repeat": r, "stats": stats(*figures), "errors": []}
+        for r, figures in enumerate([(20, 100.0, True, 0.4), (22, 300.0, False, 0.2), (25, 200.0, True, 0.3)])
+    ]
+    summary = summarize_repeats(list(reversed(cells)))  # (the order given does not matter)
+    s = summary["stats"]
+    assert summary["num_repeats"] == 3 and summary["spreads"]["tokens_per_second"] == {
+        "median": 44.0,
+        "min": 40.0,
+        "max": 50.0,
+        "num_repeats": 3,
+    }
+    assert s["tokens_per_second"] == 44.0 and s["ttft_ms_p50"] == 200.0 and s["tpot_ms_p50"] == pytest.approx(500 / 21)
+    assert (s["num_requests"], s["num_failed"], s["num_tokens"], s["num_draft_tokens"]) == (6, 0, 134, 48)
+    assert s["acceptance_rate"] == 0.5 and s["mean_k"] == 2.0 and s["rounds_per_k"] == [0, 0, 24]
+    assert s["identical_rate"] == pytest.approx(5 / 6)  # the one differing output of the 6 compared
+    # per process, the median of each repeat's CPU ms per token: 10, 4.5 and 6.0
+    assert s["cpu_ms_per_token"]["verify"] == pytest.approx(0.3 * 1000 / 50)
+    report = {"cells": cells}
+    assert concurrency_table(report)[2].startswith("| m | 2 | 6/6 | 44.0 (40.0-50.0) |")
+    assert "| 83% |" in concurrency_table(report)[2]
+    assert cpu_table(report)[2].startswith("| closed | m | 2 | 44.0 (40.0-50.0) |")
+
+
+def test_ratios_are_taken_within_each_repeat():
+    """adaptive / K=0 is the median of each repeat's ratio (the cells that ran side by side), not
+    the ratio of the medians: here 0.83x, where the medians (80 and 80) would read 1.00x."""
+    from specdec_app.bench.report import comparison_table, ratio_cells
+
+    per_repeat = {"pipeline/adaptive": (100.0, 50.0, 80.0), "pipeline/K=0": (80.0, 60.0, 100.0)}
+    cells = [
+        repeat_cell(method, r, rate)
+        for method, rates in per_repeat.items()
+        for r, rate in reversed(list(enumerate(rates)))  # listed last repeat first: matched by index
+    ]
+    report = {"methods": list(per_repeat), "ratios": [["pipeline/adaptive", "pipeline/K=0"]], "cells": cells}
+    [row] = ratio_cells(report, "burst")
+    ratio = row["tokens_per_second_ratio"]
+    assert ratio["median"] == pytest.approx(50 / 60) and ratio["num_repeats"] == 3
+    assert (ratio["min"], ratio["max"]) == (pytest.approx(0.8), pytest.approx(1.25))
+    table = comparison_table(report, "burst")
+    assert table[2].startswith("| 4 | 80.0 (50.0-100.0) | 80.0 (60.0-100.0) | - | - | 0.83x (0.80-1.25x) |")
+    # a repeat one method lacks has no ratio
+    del report["cells"][0]  # adaptive's repeat 2
+    assert ratio_cells(report, "burst")[0]["tokens_per_second_ratio"]["num_repeats"] == 2
+
+
+def test_best_fixed_k_is_chosen_on_the_medians():
+    """K=2's one fast repeat does not make it the best: K=4 has the higher median; adaptive's
+    ratio to it is taken repeat by repeat."""
+    from specdec_app.bench.report import best_fixed_k_cells, comparison_table
+
+    per_repeat = {
+        "pipeline/adaptive": (50.0, 55.0, 45.0),
+        "pipeline/K=2": (100.0, 40.0, 45.0),  # median 45, mean 61.7
+        "pipeline/K=4": (50.0, 50.0, 50.0),
+    }
+    cells = [repeat_cell(method, r, rate) for method, rates in per_repeat.items() for r, rate in enumerate(rates)]
+    report = {"methods": list(per_repeat), "ratios": [], "cells": cells}
+    [found] = best_fixed_k_cells(report, "burst")
+    assert (found["method"], found["k"], found["tokens_per_second"]) == ("pipeline/K=4", 4, 50.0)
+    assert found["adaptive_ratio"] == pytest.approx(1.0)
+    spread = found["adaptive_ratio_spread"]
+    assert (spread["min"], spread["max"], spread["num_repeats"]) == (pytest.approx(0.9), pytest.approx(1.1), 3)
+    assert "| 4 | 1.00x (0.90-1.10x) |" in comparison_table(report, "burst")[2]
+
+
+def test_one_repeat_and_a_report_from_before_repeats_read_as_before():
+    """A committed report (its cells without ``repeat``) renders the tables of its committed
+    Markdown line for line; with ``repeat`` 0 in every cell it renders the same."""
+    from specdec_app.bench.report import (
+        arrival_patterns,
+        cell_repeats,
+        comparison_table,
+        concurrency_markdown,
+        concurrency_table,
+        cpu_table,
+    )
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu-2core-fixed-k-sweep"
+    report = json.loads((folder / "report-concurrency.json").read_text())
+    markdown = (folder / "report-concurrency.md").read_text()
+    assert all("repeat" not in cell for cell in report["cells"])
+    assert all(len(cells) == 1 for cells in cell_repeats(report).values())
+    tables = [*cpu_table(report)]
+    for arrivals in arrival_patterns(report):
+        tables += [*comparison_table(report, arrivals), *concurrency_table(report, arrivals)]
+    missing = [line for line in tables if line not in markdown]
+    assert len(tables) > 100 and not missing, missing[:3]
+    with_repeat = report | {"cells": [cell | {"repeat": 0} for cell in report["cells"]]}
+    assert concurrency_markdown(with_repeat) == concurrency_markdown(report)
+    assert "the methods interleaved" not in concurrency_markdown(report)
+    with_repeat["config"] = report["config"] | {"repeat": 3}
+    assert "; every cell 3 times, the methods interleaved" in concurrency_markdown(with_repeat)
+
+
+def test_poisson_rate_from_the_median_repeat_and_the_reference_from_the_first():
+    """The Poisson rate per client is 1 / the median over the reference's closed-loop N = 1
+    repeats of their mean latency; its first repeat's outputs are the identity reference, and a
+    later repeat that differs from it is a mismatch."""
+    from dataclasses import replace
+
+    from specdec_app.bench.concurrency import (
+        ConcurrencyConfig,
+        _compare,
+        poisson_rate_per_client,
+        reference_outputs,
+    )
+
+    def run(method, repeat, latencies, tokens=(1, 2, 3), n=1):
+        records = [
+            RequestRecord(method, question_id=q, category="qa", latency_ms=ms, token_ids=list(tokens), repeat=repeat)
+            for q, ms in enumerate(latencies)
+        ]
+        return {"arrivals": "closed", "method": method, "concurrency": n, "repeat": repeat, "records": records}
+
+    cells = [
+        run("pipeline/adaptive", 0, [100.0]),
+        run("pipeline/K=0", 0, [1000.0, 3000.0]),  # mean 2000 ms
+        run("pipeline/K=0", 1, [500.0], tokens=(1, 2, 4)),
+        run("pipeline/K=0", 2, [4000.0, 4000.0]),
+        run("pipeline/K=0", 0, [1.0], n=2),  # not N = 1
+    ]
+    config = ConcurrencyConfig(questions=Path("q"), out=Path("o"), command="")
+    assert poisson_rate_per_client(config, cells) == pytest.approx(1000 / 2000)
+    assert poisson_rate_per_client(replace(config, request_rate=0.25), cells) == 0.25
+    # where the reference did not run: the first method's
+    assert poisson_rate_per_client(config, cells[:1]) == pytest.approx(1000 / 100)
+    references = reference_outputs(cells, "pipeline/K=0")
+    assert {q: r.latency_ms for q, r in references.items()} == {0: 1000.0, 1: 3000.0}
+    _compare(cells, references, tokenizer=None)
+    assert [r.identical for r in cells[2]["records"]] == [False] and cells[2]["records"][0].first_mismatch == 2
+    assert all(r.identical for cell in (cells[1], cells[3]) for r in cell["records"])
+
+
 def captured_config(monkeypatch, tmp_path, mode, *args):
     """The ConcurrencyConfig ``specdec bench MODE`` hands the run for ``args`` (the run itself
     stubbed; the near-free model not written)."""
@@ -510,6 +698,9 @@ def captured_config(monkeypatch, tmp_path, mode, *args):
 def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
     config = captured_config(monkeypatch, tmp_path, "concurrency")
     assert config.concurrency == [1, 4, 16, 32] and config.requests_per_client == 2  # the protocol's N
+    assert config.repeat == 1
+    config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "1,4", "--repeat", "3")
+    assert config.repeat == 3
     config = captured_config(monkeypatch, tmp_path, "concurrency", "--concurrency", "1,4")
     assert config.concurrency == [1, 4] and config.arrivals == ["closed", "burst", "poisson"]
     assert config.request_rate is None and config.methods == list(METHODS) and config.target == "smollm2"
@@ -527,14 +718,16 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
     }
     config = captured_config(monkeypatch, tmp_path, "ceiling", "--concurrency", "8", "--arrivals", "burst")
-    assert config.concurrency == [8] and config.arrivals == ["burst"]
+    assert config.concurrency == [8] and config.arrivals == ["burst"] and config.repeat == 1
+    assert captured_config(monkeypatch, tmp_path, "ceiling", "--repeat", "5").repeat == 5
 
 
 def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     """Closed, burst and Poisson (its rate from the closed loop at N = 1) at N = 1 and 2, each
     pattern on its own prompt, two pipeline methods on the tiny target (services as subprocesses;
-    the ngram drafter, which needs no model): the same arrival times for every method, every
-    output identical, CPU time per token for every process, and every report written."""
+    the ngram drafter, which needs no model), every cell twice (--repeat 2): the same arrival
+    times for every method and repeat, every output identical, CPU time per token for every
+    process, the medians and ranges over the repeats, and every report written."""
     questions = write_questions(
         tmp_path / "q.jsonl", {"qa": ["What is the capital of France?", "Name two colors.", "Count to three."]}
     )
@@ -547,21 +740,32 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
         "1,2",
         "--requests-per-client",
         "1",
+        "--repeat",
+        "2",
         methods="pipeline/K=0,pipeline/adaptive",
     )
     assert report["arrivals"]["patterns"] == ["closed", "burst", "poisson"]
     prompts = report["arrivals"]["prompts"]
     assert sorted(q for ids in prompts.values() for q in ids) == sorted({q for ids in prompts.values() for q in ids})
-    by_cell = {(c["arrivals"], c["method"], c["concurrency"]): c for c in report["cells"]}
-    assert len(by_cell) == 3 * 2 * 2
+    by_cell = {(c["arrivals"], c["method"], c["concurrency"], c["repeat"]): c for c in report["cells"]}
+    assert len(by_cell) == len(report["cells"]) == 3 * 2 * 2 * 2
     closed_k0 = [
         r for r in report["requests"] if (r["arrivals"], r["method"], r["concurrency"]) == ("closed", "pipeline/K=0", 1)
     ]
-    assert report["arrivals"]["poisson_rate_per_client_hz"] == pytest.approx(1000 / closed_k0[0]["latency_ms"])
+    assert sorted(r["repeat"] for r in closed_k0) == [0, 1]  # the median of two: their mean
+    mean_ms = sum(r["latency_ms"] for r in closed_k0) / 2
+    assert report["arrivals"]["poisson_rate_per_client_hz"] == pytest.approx(1000 / mean_ms)
     for n in (1, 2):
-        times = [by_cell[("poisson", m, n)]["arrival_times_s"] for m in ("pipeline/K=0", "pipeline/adaptive")]
-        assert times[0] == times[1] and len(times[0]) == n and times[0][0] == 0.0
-    for (arrivals, _, n), cell in by_cell.items():
+        times = [
+            by_cell[("poisson", m, n, r)]["arrival_times_s"]
+            for m in ("pipeline/K=0", "pipeline/adaptive")
+            for r in (0, 1)
+        ]
+        assert all(t == times[0] for t in times) and len(times[0]) == n and times[0][0] == 0.0
+    summaries = report["cell_summaries"]
+    assert len(summaries) == 3 * 2 * 2 and {s["num_repeats"] for s in summaries} == {2}
+    assert {r["tokens_per_second_ratio"]["num_repeats"] for r in report["ratios_by_cell"]} == {2}
+    for (arrivals, _, n, _), cell in by_cell.items():
         s = cell["stats"]
         assert cell["errors"] == [] and s["identical_rate"] == 1.0 and s["rounds_per_second"] > 0
         assert set(s["cpu_ms_per_token"]) == {"coordinator", "draft", "verify", "bench"}
@@ -569,13 +773,13 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
         asked = {r["question_id"] for r in report["requests"] if (r["arrivals"], r["concurrency"]) == (arrivals, n)}
         assert asked <= set(prompts[arrivals])
     burst = [r for r in report["requests"] if r["arrivals"] == "burst" and r["concurrency"] == 2]
-    assert len(burst) == 4 and all(r["start_ms"] < 50 for r in burst)  # sent together
+    assert len(burst) == 8 and all(r["start_ms"] < 50 for r in burst)  # sent together
     for cell in report["cells"]:
         s = cell["stats"]
         assert s["tokens_per_second"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p99"] >= s["tpot_ms_p50"] > 0
         assert s["mean_batch_size"] >= 1 and s["mean_batched_tokens"] >= 1 and s["queue_ms_per_round"] >= 0
         assert s["num_failed"] == 0 and s["num_compared"] == s["num_requests"]
-    k0 = by_cell[("closed", "pipeline/K=0", 1)]["stats"]
+    k0 = by_cell[("closed", "pipeline/K=0", 1, 1)]["stats"]
     assert k0["mean_k"] == 0 and k0["num_draft_tokens"] == 0
     assert {"cpu", "cpu_count", "device", "torch", "transformers"} <= set(report["machine"])
     assert report["config"]["command"].startswith("specdec bench concurrency --concurrency 1,2")
@@ -589,6 +793,9 @@ def test_every_arrival_pattern_on_tiny_models(tmp_path, tiny_models):
     for arrivals in ("closed", "burst", "poisson"):
         assert f"## Arrivals: {arrivals}" in markdown and f"arrivals: {arrivals}" in run.stdout
     assert "| N | pipeline/adaptive tokens/s | pipeline/K=0 tokens/s |" in markdown and "adaptive / K=0" in markdown
+    assert "; every cell 2 times, the methods interleaved" in markdown
+    assert re.search(r"\| pipeline/K=0 \| 2 \| 4/4 \| [\d.]+ \([\d.]+-[\d.]+\) \|", markdown)  # median (range)
+    assert re.search(r"\| [\d.]+x \([\d.]+-[\d.]+x\) \|", markdown)  # adaptive / K=0, repeat by repeat
     assert "## CPU time per generated token, per process" in markdown and "coordinator CPU ms/token" in markdown
 
 
@@ -649,6 +856,32 @@ def test_ceiling_targets_from_hand_made_cells():
     lines = markdown(found)
     assert "| pipeline/K=0 tokens/s / transformers serve's | 1.50x | at least 1.5x |" in lines
     assert "| verify: CPU ms per token at K=4 / at K=0 | 0.50x | at most 0.33x |" in lines
+
+
+def test_ceiling_targets_over_repeats():
+    """With repeats each target ratio is the median of the ratios within each repeat (K=4 / K=0
+    tokens/s 1.5, 1.5, 0.8: 1.5, where the medians' ratio reads 450 / 500 = 0.9), the acceptance
+    the median over the repeats."""
+    from specdec_app.bench.ceiling import targets
+
+    def cell(method, repeat, tokens_per_second, verify_cpu):
+        stats = {
+            "tokens_per_second": tokens_per_second,
+            "cpu_ms_per_token": {"coordinator": 1.0, "verify": verify_cpu},
+            "acceptance_rate": 1.0 - repeat / 10 if method == "pipeline/K=4" else None,
+        }
+        return {"arrivals": "closed", "method": method, "concurrency": 64, "repeat": repeat, "stats": stats}
+
+    runs = {
+        "pipeline/K=0": [(600.0, 3.0), (300.0, 2.0), (500.0, 1.0)],
+        "pipeline/K=4": [(900.0, 1.5), (450.0, 1.2), (400.0, 0.25)],
+    }
+    found = targets(
+        {"cells": [cell(m, r, *figures) for m, by_repeat in runs.items() for r, figures in enumerate(by_repeat)]}
+    )
+    assert found["k4_vs_k0_tokens_per_second"] == pytest.approx(1.5)
+    assert found["k4_vs_k0_cpu_ms_per_token"] == pytest.approx({"coordinator": 1.0, "verify": 0.5})  # 0.5, 0.6, 0.25
+    assert found["k4_acceptance_rate"] == pytest.approx(0.9) and found["k0_vs_serve_tokens_per_second"] is None
 
 
 def test_services_sized_for_the_load(tmp_path):

@@ -8,7 +8,8 @@ closed-loop clients each sending its next prompt as soon as its previous complet
 ``max_new_tokens``, the same prompts and arrival times for every method, all methods in one run
 (the order of the methods rotating per N, so machine noise hits all alike), after one warm-up
 request per method, and before the first cell of each N larger than any before, an unmeasured
-burst of N short requests per method (:func:`_warm_up_at`):
+burst of N short requests per method (:func:`_warm_up_at`); with ``--repeat R``, every cell R
+times, the methods interleaved (below):
 
 - ``pipeline/adaptive``: the coordinator, draft (``llama-cpp`` and ``ngram``) and verify services
   started as processes; requests leave ``num_speculative_tokens`` unset (the coordinator chooses
@@ -48,11 +49,28 @@ in the patterns before (the suffix caches are off, see :func:`start_cluster`); r
 of a cell (arrival order; closed loop: request j of client c is ``j * N + c``) gets prompt
 ``index mod len`` of its pattern's slice, so every method gets the same prompts in every cell.
 
+Repeats (``--repeat R``): within each (arrival pattern, N), after the warm-ups, the methods' cells
+run R times interleaved, A B C, B C A, C A B, ... (:func:`run_order`: each round rotated by the
+N's index and the repeat's, so no method always runs first), on the same schedule (a Poisson
+pattern's arrival times are drawn once per N). Each cell and request record carries its
+``repeat`` (0-based). The report's ``cells`` keep every repeat's cell; the tables read each
+(arrival pattern, method, N) as its repeats' medians, tokens/s with its range (min-max), and
+each ratio of two methods as the median and range of the ratios taken within each repeat (the
+two cells ran side by side), never the ratio of medians; the best fixed K of a cell is chosen on
+the medians (:mod:`specdec_app.bench.report`: ``cell_repeats``, ``summarize_repeats``,
+``repeat_ratio``). The JSON adds what the tables show: ``cell_summaries`` (per arrival pattern,
+method and N: ``stats`` in the shape of a cell's, medians with the counts summed, ``spreads``
+the median, min, max and number of repeats of each scalar figure, ``num_repeats``),
+``ratios_by_cell`` (per pattern, N and pair of ``ratios``: ``tokens_per_second_ratio``, such a
+spread) and in each ``best_fixed_k`` row ``adaptive_ratio_spread``. A report from before repeats
+(no ``repeat`` in its cells) reads as one repeat, and one repeat reads as before.
+
 The Poisson rate per client, unless ``--request-rate`` gives it: 1 / the mean latency of the
 reference method's (``pipeline/K=0``, else the first method's) requests in the closed-loop N = 1
-cell of the same run, so a Poisson cell of N offers the load of N clients that each send one
-request per unloaded request latency (Little's law: N requests in flight while the service keeps
-its unloaded latency; more once it queues).
+cell of the same run (with repeats, the median over its repeats of that mean), so a Poisson cell
+of N offers the load of N clients that each send one request per unloaded request latency
+(Little's law: N requests in flight while the service keeps its unloaded latency; more once it
+queues).
 
 CPU time: every service process's (and transformers serve's and this process's) user + system
 CPU seconds are read from /proc before and after each cell (:mod:`specdec_app.bench.cpu_time`)
@@ -65,9 +83,10 @@ included), so the two are comparable; the prompt token counts are recorded too, 
 both applied the same chat template.
 
 Greedy identity: the reference is the ``pipeline/K=0`` output of each prompt at N = 1 (its N = 1
-cell, plus one sequential K = 0 ``Generate`` request for each prompt that cell did not cover, or
-for every prompt under ``--api openai``, whose streams carry text, not token ids). The pipeline
-methods compare token ids; ``transformers-serve`` compares the text, and a differing text is mapped
+cell's first repeat, the later repeats compared with it as every other cell is, plus one
+sequential K = 0 ``Generate`` request for each prompt that cell did not cover, or for every
+prompt under ``--api openai``, whose streams carry text, not token ids). The pipeline methods
+compare token ids; ``transformers-serve`` compares the text, and a differing text is mapped
 to the reference token where it starts. For every output that differs, the target (loaded in the
 bench process) runs one forward over the prompt and the reference's tokens before the first
 difference, and the report gives its top-2 logit margin there: a near-tie (a small margin) is
@@ -87,9 +106,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from google.protobuf.json_format import ParseDict
@@ -120,8 +140,11 @@ from specdec_app.bench.report import (
     DEFAULT_SLO,
     Slo,
     best_fixed_k_cells,
+    cell_summaries,
     concurrency_cell_stats,
     concurrency_network_rows,
+    ratio_cells,
+    spread,
     write_concurrency_markdown,
     write_json,
 )
@@ -131,6 +154,7 @@ from specdec_app.launcher import free_port
 if TYPE_CHECKING:  # imported when a client opens (a heavy import)
     import openai
 
+T = TypeVar("T")
 APIS = ("grpc", "openai")
 REFERENCE = PIPELINE_K0
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
@@ -184,7 +208,8 @@ class ConcurrencyConfig(BenchInputs, NetworkOptions):
     ``service_env``: ``SPECDEC_*`` settings the services start with unless set in the
     environment (see :func:`service_settings`); ``slo_ttft_ms`` and ``slo_tpot_ms``: the goodput's
     service-level objectives (a request counts when it meets both, as ``vllm bench serve
-    --goodput ttft:... tpot:...``). Under a network (:class:`NetworkOptions`) every pipeline
+    --goodput ttft:... tpot:...``); ``repeat``: the runs of every cell per method, interleaved
+    (:func:`run_order`). Under a network (:class:`NetworkOptions`) every pipeline
     method runs under every setting (named ``<method><setting suffix>``, e.g.
     ``pipeline/adaptive@rtt5ms-apart``) on the same services; transformers serve under none."""
 
@@ -199,6 +224,7 @@ class ConcurrencyConfig(BenchInputs, NetworkOptions):
     service_env: dict[str, str] = field(default_factory=dict)
     slo_ttft_ms: float = DEFAULT_SLO.ttft_ms
     slo_tpot_ms: float = DEFAULT_SLO.tpot_ms
+    repeat: int = 1
 
     @property
     def slo(self) -> Slo:
@@ -214,7 +240,8 @@ class ConcurrencyConfig(BenchInputs, NetworkOptions):
 
 @dataclass
 class RequestRecord:
-    """One request of a cell as its client saw it (``arrivals``: the cell's pattern). Times in ms:
+    """One request of a cell as its client saw it (``arrivals``: the cell's pattern, ``repeat``
+    its repeat index, 0-based). Times in ms:
     ``start_ms`` since the cell began,
     ``ttft_ms`` until the first token, ``latency_ms`` until the last message. The pipeline's
     ``RequestMetrics`` fill the draft, round and batch fields (None for transformers serve);
@@ -233,6 +260,7 @@ class RequestRecord:
     category: str
     arrivals: str = CLOSED
     concurrency: int = 0
+    repeat: int = 0
     client: int = 0
     start_ms: float = 0.0
     ttft_ms: float | None = None
@@ -614,45 +642,58 @@ async def run_cell(
 
 
 def poisson_rate_per_client(config: ConcurrencyConfig, cells: list[dict]) -> float:
-    """The Poisson rate per client in requests/s: ``config.request_rate``, or 1 / the mean
-    latency (s) of the reference method's completed requests in the closed-loop N = 1 cell (the
-    first such cell's where the reference did not run). Raises RuntimeError when neither exists."""
+    """The Poisson rate per client in requests/s: ``config.request_rate``, or 1 / the median over
+    its repeats of the mean latency (s) of the reference method's completed requests in the
+    closed-loop N = 1 cell (the first method's such cells where the reference did not run).
+    Raises RuntimeError when neither exists."""
     if config.request_rate:
         return config.request_rate
     closed = [c for c in cells if c["arrivals"] == CLOSED and c["concurrency"] == 1]
-    closed.sort(key=lambda c: c["method"] != config.reference)
-    for cell in closed:
-        latencies = [r.latency_ms for r in cell["records"] if r.error is None]
-        if latencies:
-            return 1000.0 * len(latencies) / sum(latencies)
+    methods = sorted(dict.fromkeys(c["method"] for c in closed), key=lambda m: m != config.reference)
+    for method in methods:
+        repeats = [[r.latency_ms for r in c["records"] if r.error is None] for c in closed if c["method"] == method]
+        found = spread(sum(latencies) / len(latencies) for latencies in repeats if latencies)
+        if found:
+            return 1000.0 / found["median"]
     raise RuntimeError("no completed closed-loop request at N=1 to derive the Poisson rate from: give --request-rate")
+
+
+def run_order(methods: Sequence[T], rotation: int, repeats: int) -> list[tuple[int, T]]:
+    """The order the cells of one N run in, as (repeat index, method): ``repeats`` rounds, each
+    of every method once, so that each repeat of a method runs beside one of every other; each
+    round's order rotated by ``rotation`` (the N's index: the order moves per N) plus its repeat
+    index, so no method always runs first (rotation 0: A B C, B C A, C A B, A B C, ...)."""
+    return [(r, methods[(rotation + r + j) % len(methods)]) for r in range(repeats) for j in range(len(methods))]
 
 
 async def _pattern_cells(
     clients: list, name: str, prompts: list[Question], config: ConcurrencyConfig, cells: list[dict], cpu, progress
 ) -> None:
-    """Every (N, method) cell of the arrival pattern ``name``, appended to ``cells``: one schedule
-    per N, the same for every method, the methods' order rotating per N."""
+    """Every (N, method, repeat) cell of the arrival pattern ``name``, appended to ``cells``: one
+    schedule per N, the same for every method and repeat, the methods interleaved ``config.repeat``
+    times in :func:`run_order` (rotating per N and per repeat)."""
     rate = poisson_rate_per_client(config, cells) if name == POISSON else None
     pattern = arrival_pattern(name, rate, config.seed)
     schedules = {n: pattern.schedule(n, config.requests_per_client) for n in config.concurrency}
     total = sum(len(requests) for schedule in schedules.values() for requests in schedule) * len(clients)
+    total *= config.repeat
     task = progress.add_task(name, total=total)
     for i, (n, schedule) in enumerate(schedules.items()):
         if n > max((cell["concurrency"] for cell in cells), default=1):
             progress.update(task, description=f"{name:<8} warm-up              N={n:<3}")
             await _warm_up_at(clients, n, prompts, config)
-        for client in clients[i % len(clients) :] + clients[: i % len(clients)]:
-            progress.update(task, description=f"{name:<8} {client.name:<20} N={n:<3}")
+        for repeat, client in run_order(clients, i, config.repeat):
+            progress.update(task, description=f"{name:<8} {client.name:<20} N={n:<3} {repeat + 1}/{config.repeat}")
             cpu.start()
             records, wall_ms = await run_cell(client, schedule, prompts, config, lambda: progress.advance(task))
             for record in records:
-                record.concurrency, record.arrivals = n, name
+                record.concurrency, record.arrivals, record.repeat = n, name, repeat
             cells.append(
                 {
                     "arrivals": name,
                     "method": client.name,
                     "concurrency": n,
+                    "repeat": repeat,
                     "wall_ms": wall_ms,
                     "records": records,
                     "cpu_s": cpu.stop(),
@@ -697,7 +738,7 @@ async def _run_cells(
 ) -> tuple[list[dict], dict[int, RequestRecord]]:
     """Warm-up per method, then every arrival pattern's cells (:func:`_pattern_cells`) on its
     slice of the prompts; then the reference (K = 0, one client) for every prompt the closed-loop
-    K = 0 N = 1 cell did not cover."""
+    K = 0 N = 1 cell did not cover (:func:`reference_outputs`)."""
     for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
         await client.open()
     try:
@@ -713,10 +754,7 @@ async def _run_cells(
             for name, indices in prompt_slices(len(sequence), config.arrivals).items():
                 prompts = [sequence[i] for i in indices]
                 await _pattern_cells(clients, name, prompts, config, cells, cpu, progress)
-        references: dict[int, RequestRecord] = {}
-        for cell in cells:
-            if cell["method"] == config.reference and cell["concurrency"] == 1 and cell["arrivals"] == CLOSED:
-                references |= {r.question_id: r for r in cell["records"] if r.error is None and r.token_ids is not None}
+        references = reference_outputs(cells, config.reference)
         if reference_client is not None:
             used = {r.question_id: r for cell in cells for r in cell["records"]}
             missing = [
@@ -741,6 +779,20 @@ async def _run_cells(
     finally:
         for client in {id(c): c for c in [*clients, reference_client] if c is not None}.values():
             await client.close()
+
+
+def reference_outputs(cells: list[dict], reference: str) -> dict[int, RequestRecord]:
+    """The reference outputs by question id: the completed requests (with token ids) of the
+    method ``reference``'s closed-loop N = 1 cell, its first repeat. Its later repeats are
+    compared with it as every other cell is (:func:`_compare`): greedy plain decode gives the
+    same tokens every time, so a repeat that differs shows as a mismatch."""
+    return {
+        r.question_id: r
+        for cell in cells
+        if (cell["method"], cell["concurrency"], cell["arrivals"], cell.get("repeat", 0)) == (reference, 1, CLOSED, 0)
+        for r in cell["records"]
+        if r.error is None and r.token_ids is not None
+    }
 
 
 def _compare(cells: list[dict], references: dict[int, RequestRecord], tokenizer) -> None:
@@ -803,6 +855,8 @@ def _margins(
 def _validated(config: ConcurrencyConfig) -> list[Question]:
     if config.requests_per_client < 1:
         raise ValueError("--requests-per-client must be at least 1")
+    if config.repeat < 1:
+        raise ValueError(f"--repeat {config.repeat}: the runs of every cell per method must be at least 1")
     if not config.concurrency or min(config.concurrency) < 1:
         raise ValueError("--concurrency needs client counts of at least 1")
     if not config.methods:
@@ -952,6 +1006,7 @@ def _run(config: ConcurrencyConfig, sequence: list[Question], console: Console) 
             "arrivals": cell["arrivals"],
             "method": cell["method"],
             "concurrency": cell["concurrency"],
+            "repeat": cell["repeat"],
             "question_id": r.question_id,
             "category": r.category,
             "first_mismatch": r.first_mismatch,
@@ -1082,7 +1137,9 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
             "prompt_tokens_agree_rate": sum(same_prompt) / len(same_prompt) if same_prompt else None,
         }
     order = {c.name: i for i, c in enumerate(clients)}  # by method, then network setting (see _run)
-    cells = sorted(cells, key=lambda c: (ARRIVALS.index(c["arrivals"]), order[c["method"]], c["concurrency"]))
+    cells = sorted(
+        cells, key=lambda c: (ARRIVALS.index(c["arrivals"]), order[c["method"]], c["concurrency"], c["repeat"])
+    )
     used = {r.question_id for cell in cells for r in cell["records"]}
     report = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -1122,6 +1179,7 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
                 "arrivals": cell["arrivals"],
                 "method": cell["method"],
                 "concurrency": cell["concurrency"],
+                "repeat": cell["repeat"],
                 "stats": concurrency_cell_stats(
                     [r.to_json() for r in cell["records"]], cell["wall_ms"], cell["cpu_s"], config.slo
                 ),
@@ -1135,8 +1193,12 @@ def _report(config, sequence, clients, cells, references, mismatches, memory, ma
         "peak_rss_bytes": memory,
         "requests": [r.to_json() for cell in cells for r in cell["records"]],
     }
+    # per (arrival pattern, method, N), the medians over its repeats the tables show, their ranges
+    report["cell_summaries"] = cell_summaries(report)
+    # per (arrival pattern, N), the ratios of report["ratios"], repeat by repeat
+    report["ratios_by_cell"] = [row for arrivals in config.arrivals for row in ratio_cells(report, arrivals)]
     suffixes = [s.suffix for s in config.network()] or [None]
-    # per cell, the fixed K with the most tokens/s and adaptive's ratio to it
+    # per cell, the fixed K with the most median tokens/s and adaptive's ratio to it, repeat by repeat
     report["best_fixed_k"] = [
         row
         for arrivals in config.arrivals

@@ -3,8 +3,11 @@ reports. Rates are ratios of sums over the prompts of a group (tokens/s = all to
 seconds), so long completions weigh more than short ones, as in a serving workload."""
 
 import json
+import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from specdec_app.bench.cpu_time import ms_per_token
 from specdec_app.bench.load_methods import ADAPTIVE, base_method, best_fixed_k, is_fixed_k, requested_k
@@ -386,8 +389,9 @@ def network_rows(report: dict) -> list[dict]:
 
 def concurrency_network_rows(report: dict) -> list[dict]:
     """The load mode under a network: per cell of a method run under a setting
-    (:func:`_network_figures` against K = 0 and RTT 0 in the same pattern and N), TTFT and ITL p50."""
-    stats = {(c.get("arrivals", "closed"), c["method"], c["concurrency"]): c["stats"] for c in report["cells"]}
+    (:func:`_network_figures` against K = 0 and RTT 0 in the same pattern and N), TTFT and ITL p50;
+    over repeats on the medians (:func:`cell_summaries`)."""
+    stats = {(c["arrivals"], c["method"], c["concurrency"]): c["stats"] for c in cell_summaries(report)}
     rows = []
     for (arrivals, method, n), s in stats.items():
         rest, setting = split_setting(method)
@@ -690,24 +694,156 @@ def concurrency_cell_stats(
     }
 
 
-def _cells(report: dict, arrivals: str | None) -> list[dict]:
-    """The report's cells of the arrival pattern ``arrivals`` (None: all; a cell without the key
-    is a closed-loop cell of a report from before the patterns)."""
-    return [c for c in report["cells"] if arrivals is None or c.get("arrivals", "closed") == arrivals]
+# Repeats (``--repeat R``): every (arrival pattern, method, N) ran R times, the methods interleaved
+# (A B C, A B C, ...). The tables read each as its repeats' medians (:func:`summarize_repeats`), and
+# a ratio of two methods repeat by repeat (:func:`repeat_ratio`). A report from before repeats has
+# one cell per (arrival pattern, method, N), read as its only repeat.
+
+# the figures of a cell's stats that count (requests, tokens): summed over the repeats, not medians
+SUMMED_FIGURES = (
+    "num_requests",
+    "num_failed",
+    "num_tokens",
+    "num_good",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_compared",
+)
+
+
+class Spread(TypedDict):
+    """A figure over the repeats of a cell: its median, its range (``min``-``max``) and the
+    number of repeats that had it."""
+
+    median: float
+    min: float
+    max: float
+    num_repeats: int
+
+
+def spread(values: Iterable[float | None]) -> Spread | None:
+    """The :class:`Spread` of ``values`` (one per repeat) that are not None; the median of an
+    even number of values is the mean of the middle two. None when every value is None."""
+    kept = [value for value in values if value is not None]
+    return _spread(kept) if kept else None
+
+
+def _spread(values: list[float]) -> Spread:
+    """:func:`spread` of values that are all there (at least one)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "num_repeats": len(values)}
+
+
+def _repeat(cell: dict) -> int:
+    """A cell's repeat index (0-based; 0 in a report from before repeats)."""
+    return cell.get("repeat", 0)
+
+
+def cell_repeats(report: dict, arrivals: str | None = None) -> dict[tuple[str, str, int], list[dict]]:
+    """The report's cells of the arrival pattern ``arrivals`` (None: every pattern) grouped by
+    (arrival pattern, method, N), in the order the report first lists them, each group's cells
+    in repeat order. A cell without ``arrivals`` is a closed-loop cell (a report from before the
+    patterns)."""
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for cell in report["cells"]:
+        pattern = cell.get("arrivals", "closed")
+        if arrivals is None or pattern == arrivals:
+            groups.setdefault((pattern, cell["method"], cell["concurrency"]), []).append(cell)
+    return {key: sorted(cells, key=_repeat) for key, cells in groups.items()}
+
+
+def summarize_repeats(cells: list[dict]) -> dict:
+    """One (arrival pattern, method, N) over its repeats ``cells`` (a group of
+    :func:`cell_repeats`): ``stats`` in the shape of one cell's (:func:`concurrency_cell_stats`),
+    with the counts of :data:`SUMMED_FIGURES`, ``rounds_per_k`` and ``drafter_usage`` summed over
+    the repeats, ``identical_rate`` over every repeat's compared requests (an output that differs
+    in any repeat shows), and every other figure the median over the repeats (per process for
+    ``cpu_ms_per_token``); ``spreads``: each scalar median figure's :class:`Spread`;
+    ``num_repeats``; ``errors``: every repeat's. One repeat reads as the cell itself."""
+    stats = [cell["stats"] for cell in cells]
+    medians: dict = {}
+    spreads: dict[str, Spread] = {}
+    for key in dict.fromkeys(key for s in stats for key in s):
+        kept = [s[key] for s in stats if s.get(key) is not None]
+        if not kept:
+            medians[key] = None
+        elif key in SUMMED_FIGURES:
+            medians[key] = sum(kept)
+        elif key == "rounds_per_k":
+            medians[key] = merge_rounds_per_k(kept)
+        elif key == "drafter_usage":
+            medians[key] = merge_drafter_usage(kept)
+        elif key == "identical_rate":
+            medians[key] = weighted_mean([(s.get(key), s.get("num_compared", 1)) for s in stats])
+        elif isinstance(kept[0], dict):  # per process (cpu_ms_per_token), or the SLOs
+            names = dict.fromkeys(name for value in kept for name in value)
+            medians[key] = {name: _median(value.get(name) for value in kept) for name in names}
+        else:
+            spreads[key] = _spread(kept)
+            medians[key] = spreads[key]["median"]
+    first = cells[0]
+    return {
+        "arrivals": first.get("arrivals", "closed"),
+        "method": first["method"],
+        "concurrency": first["concurrency"],
+        "num_repeats": len(cells),
+        "stats": medians,
+        "spreads": spreads,
+        "errors": sorted({error for cell in cells for error in cell.get("errors", [])}),
+    }
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None (None for none)."""
+    found = spread(values)
+    return found["median"] if found else None
+
+
+def cell_summaries(report: dict) -> list[dict]:
+    """:func:`summarize_repeats` of every (arrival pattern, method, N) of the report, in its
+    order: what every table of the load report reads (``cell_summaries`` in its JSON)."""
+    return [summarize_repeats(cells) for cells in cell_repeats(report).values()]
+
+
+def tokens_per_second(stats: dict) -> float | None:
+    """A cell's output tokens/s (the figure :func:`repeat_ratio` compares by default)."""
+    return stats.get("tokens_per_second")
+
+
+def repeat_ratio(
+    numerator: list[dict], denominator: list[dict], figure: Callable[[dict], float | None] = tokens_per_second
+) -> Spread | None:
+    """``figure`` of the cells ``numerator`` over that of the cells ``denominator`` (the repeats
+    of two methods at one arrival pattern and N), repeat by repeat: the ratio of the two cells of
+    each repeat index, which ran side by side in the interleaved order, then their
+    :class:`Spread`. Not the ratio of the medians: what slowed one repeat of both methods alike
+    (the machine's noise) cancels within the repeat. None without a repeat both have."""
+    below = {_repeat(cell): figure(cell["stats"]) for cell in denominator}
+    return spread(_ratio(figure(cell["stats"]), below.get(_repeat(cell))) for cell in numerator)
+
+
+def _spread_text(found: Spread | None, spec: str, suffix: str = "") -> str:
+    """``45.1 (43.0-46.2)``: the median and, over two repeats or more, the range; ``-`` for None."""
+    if found is None:
+        return "-"
+    text = f"{found['median']:{spec}}{suffix}"
+    if found["num_repeats"] > 1:
+        text += f" ({found['min']:{spec}}-{found['max']:{spec}}{suffix})"
+    return text
 
 
 def concurrency_table(report: dict, arrivals: str | None = None) -> list[str]:
     """One row per (method, N) of the pattern ``arrivals`` (None: every cell): throughput, latency
-    percentiles, batching, acceptance, identity."""
+    percentiles, batching, acceptance, identity; over repeats the medians
+    (:func:`summarize_repeats`: the requests of every repeat), tokens/s with its range."""
     rows = []
-    for cell in _cells(report, arrivals):
-        s = cell["stats"]
+    for summary in map(summarize_repeats, cell_repeats(report, arrivals).values()):
+        s = summary["stats"]
         rows.append(
             [
-                cell["method"],
-                str(cell["concurrency"]),
+                summary["method"],
+                str(summary["concurrency"]),
                 f"{s['num_requests'] - s['num_failed']}/{s['num_requests']}",
-                _cell(s["tokens_per_second"], ".1f"),
+                _spread_text(summary["spreads"].get("tokens_per_second"), ".1f"),
                 _cell(s.get("rounds_per_second"), ".1f"),
                 _cell(s["tpot_ms_p50"], ".1f"),
                 _cell(s["tpot_ms_p99"], ".1f"),
@@ -760,31 +896,33 @@ def _suffix(method: str) -> str:
     return method[len(base_method(method)) :]
 
 
-def _cell_group(report: dict, arrivals: str, suffix: str | None) -> tuple[list[str], dict[tuple[str, int], dict]]:
+def _cell_group(report: dict, arrivals: str, suffix: str | None) -> tuple[list[str], dict[tuple[str, int], list[dict]]]:
     """The methods of the pattern ``arrivals`` that ran under the network setting ``suffix``
     (and those that ran without one, transformers serve; None: every method), in the report's
-    order, and their stats by (method, N)."""
-    cells = _cells(report, arrivals)
+    order, and their cells by (method, N), each in repeat order (:func:`cell_repeats`)."""
+    groups = cell_repeats(report, arrivals)
     methods = [
         m
         for m in report["methods"]
-        if any(c["method"] == m for c in cells) and (suffix is None or _suffix(m) in ("", suffix))
+        if any(method == m for _, method, _ in groups) and (suffix is None or _suffix(m) in ("", suffix))
     ]
-    return methods, {(c["method"], c["concurrency"]): c["stats"] for c in cells if c["method"] in methods}
+    return methods, {(m, n): cells for (_, m, n), cells in groups.items() if m in methods}
 
 
 def best_fixed_k_cells(report: dict, arrivals: str, suffix: str | None = None) -> list[dict]:
     """Per N of the pattern ``arrivals`` (under the network setting ``suffix``): the fixed-K
-    pipeline method with the most tokens/s (:func:`load_methods.best_fixed_k`), its tokens/s, and
-    ``pipeline/adaptive``'s tokens/s over it (None where adaptive did not run). Empty without a
-    fixed-K method."""
-    methods, stats = _cell_group(report, arrivals, suffix)
+    pipeline method with the most tokens/s (:func:`load_methods.best_fixed_k`) on the medians
+    over the repeats, its median tokens/s, and ``pipeline/adaptive``'s tokens/s over it repeat
+    by repeat (:func:`repeat_ratio`): ``adaptive_ratio`` the median, ``adaptive_ratio_spread``
+    its :class:`Spread` (both None where adaptive did not run). Empty without a fixed-K method."""
+    methods, groups = _cell_group(report, arrivals, suffix)
     adaptive = next((m for m in methods if base_method(m) == ADAPTIVE), None)
     found = []
-    for n in sorted({n for _, n in stats}):
-        rates = {m: stats.get((m, n), {}).get("tokens_per_second") for m in methods}
+    for n in sorted({n for _, n in groups}):
+        rates = {m: _median(tokens_per_second(c["stats"]) for c in groups.get((m, n), [])) for m in methods}
         best = best_fixed_k(rates)
         if best is not None:
+            ratio = repeat_ratio(groups.get((adaptive, n), []), groups[(best, n)]) if adaptive else None
             found.append(
                 {
                     "arrivals": arrivals,
@@ -793,37 +931,65 @@ def best_fixed_k_cells(report: dict, arrivals: str, suffix: str | None = None) -
                     "method": best,
                     "k": requested_k(best),
                     "tokens_per_second": rates[best],
-                    "adaptive_ratio": _ratio(rates.get(adaptive) if adaptive else None, rates[best]),
+                    "adaptive_ratio": ratio["median"] if ratio else None,
+                    "adaptive_ratio_spread": ratio,
                 }
             )
     return found
 
 
+def ratio_cells(report: dict, arrivals: str, suffix: str | None = None) -> list[dict]:
+    """Per N of the pattern ``arrivals`` (under the network setting ``suffix``; None: every
+    method) and pair of ``report["ratios"]`` whose methods both ran: the numerator's tokens/s over
+    the denominator's repeat by repeat (:func:`repeat_ratio`), as ``tokens_per_second_ratio``
+    (None without a repeat both ran)."""
+    methods, groups = _cell_group(report, arrivals, suffix)
+    pairs = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+    return [
+        {
+            "arrivals": arrivals,
+            "concurrency": n,
+            "numerator": a,
+            "denominator": b,
+            "tokens_per_second_ratio": repeat_ratio(groups.get((a, n), []), groups.get((b, n), [])),
+        }
+        for n in sorted({n for _, n in groups})
+        for a, b in pairs
+    ]
+
+
 def comparison_table(report: dict, arrivals: str, suffix: str | None = None) -> list[str]:
     """One row per N of the pattern ``arrivals`` (under the network setting ``suffix``; None:
     every method): each method's tokens/s and TTFT p50, the tokens/s ratios of
-    ``report["ratios"]`` (pairs of methods that both ran), with two fixed Ks or more the best fixed
-    K and adaptive's ratio to it (:func:`best_fixed_k_cells`), and each method's share of requests
-    identical to the reference."""
-    methods, stats = _cell_group(report, arrivals, suffix)
+    ``report["ratios"]`` (pairs of methods that both ran, :func:`ratio_cells`), with two fixed Ks
+    or more the best fixed K and adaptive's ratio to it (:func:`best_fixed_k_cells`), and each
+    method's share of requests identical to the reference. Over repeats: the medians
+    (:func:`summarize_repeats`), tokens/s and the ratios with their ranges."""
+    methods, groups = _cell_group(report, arrivals, suffix)
+    summaries = {key: summarize_repeats(cells) for key, cells in groups.items()}
     ratios = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+    ratio = {
+        (r["concurrency"], r["numerator"], r["denominator"]): r["tokens_per_second_ratio"]
+        for r in ratio_cells(report, arrivals, suffix)
+    }
     best = {b["concurrency"]: b for b in best_fixed_k_cells(report, arrivals, suffix)}
     with_best = sum(is_fixed_k(m) for m in methods) >= 2
     rows = []
-    for n in sorted({n for _, n in stats}):
-        got = {m: stats.get((m, n), {}) for m in methods}
+    for n in sorted({n for _, n in groups}):
+        got = {m: summaries.get((m, n)) or {"stats": {}, "spreads": {}} for m in methods}
         found = best.get(n) or {}
         rows.append(
             [
                 str(n),
-                *(_cell(got[m].get("tokens_per_second"), ".1f") for m in methods),
-                *(_cell(got[m].get("ttft_ms_p50"), ".0f") for m in methods),
+                *(_spread_text(got[m]["spreads"].get("tokens_per_second"), ".1f") for m in methods),
+                *(_cell(got[m]["stats"].get("ttft_ms_p50"), ".0f") for m in methods),
+                *(_spread_text(ratio[(n, a, b)], ".2f", "x") for a, b in ratios),
                 *(
-                    _cell(_ratio(got[a].get("tokens_per_second"), got[b].get("tokens_per_second")), ".2f", "x")
-                    for a, b in ratios
+                    [_cell(found.get("k"), "d"), _spread_text(found.get("adaptive_ratio_spread"), ".2f", "x")]
+                    if with_best
+                    else []
                 ),
-                *([_cell(found.get("k"), "d"), _cell(found.get("adaptive_ratio"), ".2f", "x")] if with_best else []),
-                *(_cell(got[m].get("identical_rate"), ".0%") for m in methods),
+                *(_cell(got[m]["stats"].get("identical_rate"), ".0%") for m in methods),
             ]
         )
     return _table(
@@ -841,18 +1007,20 @@ def comparison_table(report: dict, arrivals: str, suffix: str | None = None) -> 
 
 def cpu_table(report: dict) -> list[str]:
     """One row per (arrival pattern, method, N): tokens/s, rounds/s and each process's CPU ms per
-    generated token during the cell."""
-    processes = list(dict.fromkeys(p for c in report["cells"] for p in c["stats"].get("cpu_ms_per_token") or {}))
+    generated token during the cell; over repeats the medians (:func:`summarize_repeats`),
+    tokens/s with its range."""
+    summaries = cell_summaries(report)
+    processes = list(dict.fromkeys(p for c in summaries for p in c["stats"].get("cpu_ms_per_token") or {}))
     rows = [
         [
-            c.get("arrivals", "closed"),
+            c["arrivals"],
             c["method"],
             str(c["concurrency"]),
-            _cell(c["stats"]["tokens_per_second"], ".1f"),
+            _spread_text(c["spreads"].get("tokens_per_second"), ".1f"),
             _cell(c["stats"].get("rounds_per_second"), ".1f"),
             *(_cell((c["stats"].get("cpu_ms_per_token") or {}).get(p), ".3f") for p in processes),
         ]
-        for c in report["cells"]
+        for c in summaries
     ]
     return _table(["arrivals", "method", "N", "tokens/s", "rounds/s", *(f"{p} CPU ms/token" for p in processes)], rows)
 
@@ -917,6 +1085,22 @@ def _slo_text(config: dict) -> str:
     return f"; goodput SLOs TTFT <= {config['slo_ttft_ms']:g} ms, TPOT <= {config['slo_tpot_ms']:g} ms"
 
 
+def _num_repeats(config: dict) -> int:
+    """The repeats of each cell (``--repeat``; 1 in a report from before repeats)."""
+    return config.get("repeat", 1)
+
+
+def _repeats_text(config: dict) -> str:
+    """``; every cell 3 times, ...``: how the tables read the repeats (empty for one)."""
+    repeats = _num_repeats(config)
+    if repeats == 1:
+        return ""
+    return (
+        f"; every cell {repeats} times, the methods interleaved: each figure the median over the repeats, "
+        "tokens/s and the ratios followed by their range (min-max), each ratio taken within a repeat"
+    )
+
+
 def concurrency_markdown(report: dict) -> str:
     """The ``specdec bench concurrency`` report as Markdown: command, machine, the per-cell table, identity
     per method, the prompts that differ (with the target's top-2 logit margin there), memory."""
@@ -927,7 +1111,8 @@ def concurrency_markdown(report: dict) -> str:
             "specdec bench concurrency",
             f"; drafter `{config['drafter']}`; pipeline API `{config.get('api', 'grpc')}`; arrivals "
             f"{', '.join(arrival_patterns(report))}; {config['requests_per_client']} requests per client "
-            f"per cell, over {report['num_questions']} prompts (categories round-robin){_slo_text(config)}.",
+            f"per cell, over {report['num_questions']} prompts (categories round-robin){_slo_text(config)}"
+            f"{_repeats_text(config)}.",
         ),
         "",
         *(f"- {note}" for note in report["notes"]),
@@ -955,11 +1140,13 @@ def concurrency_markdown(report: dict) -> str:
             "over the prompt and the reference's tokens before it, in the bench process).",
             "",
         ]
+        repeats = _num_repeats(config) > 1  # (a column of its own only then)
         rows = [
             [
                 m.get("arrivals", "closed"),
                 m["method"],
                 str(m["concurrency"]),
+                *([str(m.get("repeat", 0))] * repeats),
                 str(m["question_id"]),
                 str(m["first_mismatch"]),
                 _cell(m.get("margin"), ".4f"),
@@ -969,7 +1156,17 @@ def concurrency_markdown(report: dict) -> str:
             for m in report["mismatches"]
         ]
         lines += _table(
-            ["arrivals", "method", "N", "question", "first differing token", "margin", "reference token", "its token"],
+            [
+                "arrivals",
+                "method",
+                "N",
+                *(["repeat"] * repeats),
+                "question",
+                "first differing token",
+                "margin",
+                "reference token",
+                "its token",
+            ],
             rows,
         )
         lines.append("")
