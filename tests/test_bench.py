@@ -188,6 +188,7 @@ def test_split_pins_one_cpu_each_and_shared_tells_the_coordinator():
     assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
 
 
+@pytest.mark.long  # a smoke run of the bench's processes: scripts/long_checks.sh
 def test_bench_tiny_run_writes_all_reports(tmp_path, tiny_models):
     """Both placements in one run: the services of each (split: pinned one CPU each), every
     pipeline on each, plain also pinned to the split verify CPU."""

@@ -142,6 +142,7 @@ def report(tmp_path_factory, tiny_models, tiny_pipeline, without_grammar_aware_d
     return run_structured(config, Console(quiet=True), addresses)
 
 
+@pytest.mark.long  # a smoke run of the bench's processes: scripts/long_checks.sh
 def test_every_constrained_output_is_schema_valid_and_identical_to_plain_constrained_decoding(
     report, tiny_pipeline, smollm2_tokenizer, tiny_grammar_vocab
 ):

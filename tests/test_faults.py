@@ -288,6 +288,7 @@ def assert_no_session_left(services, evicted_before: float, timeout_s: float = 1
     assert sum(scrape(s.metrics_url)["specdec_sessions_evicted_total"] for s in services) <= evicted_before
 
 
+@pytest.mark.long  # the fault matrix's cells show both kills
 def test_constrained_output_survives_a_draft_and_a_verify_kill(
     fleet, smollm2_tokenizer, plain_target_model, tiny_grammar_vocab
 ):

@@ -773,6 +773,7 @@ def test_still_serving_after_the_fuzzing(api):
 # --- a third-party load generator ---------------------------------------------------------------
 
 
+@pytest.mark.long  # a load generator's run: scripts/long_checks.sh
 def test_guidellm_load_completes_without_errors(api, tiny_models, tmp_path, monkeypatch):
     """guidellm, the load generator of vLLM's project, run as its users run it (``guidellm run``,
     a subprocess) against the endpoint: 2 concurrent streams, 4 streamed chat requests of 8 tokens,

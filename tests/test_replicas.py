@@ -20,6 +20,10 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all
 from tests.conftest import DnsServer, chat_ids, plain_greedy
 
+# Processes for six services, a DNS server and two coordinators: a long check (scripts/long_checks.sh);
+# placement and discovery are tested directly in tests/test_placement.py and tests/test_discovery.py.
+pytestmark = pytest.mark.long
+
 VERIFY_HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 DRAFT_HOSTS = ["127.0.0.5", "127.0.0.6"]
 VERIFY_NAME, DRAFT_NAME = "verify.specdec.test", "draft.specdec.test"

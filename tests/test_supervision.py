@@ -160,6 +160,7 @@ def test_killed_service_is_restarted_and_requests_complete(specdec_up):
     assert speculates_again(address, request(4), plain.token_ids), "no request after the restart accepted a draft token"
 
 
+@pytest.mark.long  # the hung step's test below shows the same exit and restart
 def test_a_service_whose_engine_loop_dies_exits_and_is_restarted(specdec_up, engine_fault_file):
     process, output, address = specdec_up
     plain = generate(address, request(0), timeout_s=180)
@@ -241,7 +242,10 @@ def tiny_service(
     return ServiceProcess(service, port, args=[*args, "--insecure"], log_file=log_file)
 
 
-@pytest.mark.parametrize("drafter", ["transformers", "llama-cpp"])
+@pytest.mark.parametrize(
+    "drafter",
+    [pytest.param("transformers", marks=pytest.mark.long), "llama-cpp"],  # llama.cpp's threads aborted
+)
 def test_sigterm_ends_every_service_cleanly(tiny_models, tmp_path, drafter):
     """SIGTERM to each service, after it served a request: exit code 0, nothing aborted (llama.cpp's
     state torn down at interpreter exit aborted the draft service with "terminate called without an
