@@ -176,6 +176,7 @@ def plain_token_ids(model, tokenizer) -> list[list[int]]:
     return [plain.run(q, MAX_NEW, 0).token_ids for q in questions]
 
 
+@pytest.mark.long  # the bench run of the fixture: scripts/long_checks.sh
 def test_the_report_gives_every_figure_per_method(report):
     overall = report["summary"][OVERALL]
     assert report["methods"] == [

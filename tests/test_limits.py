@@ -217,10 +217,22 @@ def step_streams() -> int:
     return sum(thread.name == "step-stream-reader" for thread in threading.enumerate())
 
 
+def settled_step_streams() -> int:
+    """:func:`step_streams` once it holds still for 0.5 s (an earlier test's coordinator may still
+    be closing its streams)."""
+    count = step_streams()
+    for _ in range(20):
+        time.sleep(0.5)
+        count, previous = step_streams(), count
+        if count == previous:
+            break
+    return count
+
+
 def test_a_stopped_coordinator_ends_its_step_streams(tiny_pipeline, tiny_models):
     """Each stream holds one of a service's calls in progress (max_workers + 16): streams left
     open by stopped coordinators would fill it, and the next Verify would be RESOURCE_EXHAUSTED."""
-    before = step_streams()
+    before = settled_step_streams()
     thread = coordinator(tiny_pipeline, tiny_models)
     generate(f"127.0.0.1:{thread.port}", SHORT, timeout_s=60)
     assert step_streams() > before
