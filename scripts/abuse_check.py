@@ -78,7 +78,7 @@ def post(port: int, path: str, body: bytes, key: str | None) -> tuple[int, dict,
         connection.request("POST", path, body, headers)
         response = connection.getresponse()
         streamed = response.getheader("content-type", "").startswith("text/event-stream")
-        raw = response.fp.readline() if streamed else response.read()
+        raw = response.readline() if streamed else response.read()  # readline: chunked decoding
         try:
             body = json.loads(raw.removeprefix(b"data: "))
         except json.JSONDecodeError:
