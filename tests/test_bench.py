@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.placement import pinned, placement
 from specdec_app.bench.questions import load_questions
-from specdec_app.bench.report import OVERALL, expected_tokens_per_round, predicted_speedup, summarize
-from specdec_app.bench.run import parse_pipeline
+from specdec_app.bench.report import OVERALL, expected_tokens_per_round, machine_line, predicted_speedup, summarize
+from specdec_app.bench.run import cpu_isa, machine_info, parse_pipeline
 from specdec_app.bench.transformers_methods import ForwardRecord, rounds_from_forwards
 from specdec_app.cli import app
 from tests.conftest import write_questions
@@ -315,3 +315,16 @@ def test_sigterm_stops_a_bench_run_through_its_finally_blocks():
         assert signal.getsignal(signal.SIGTERM) is sentinel
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_every_report_names_the_instruction_sets_its_kernels_ran_on():
+    """The same code reads different ratios on an AVX2-only and an AVX-512 + AMX CPU: the line
+    every report starts with names them, and what ATen and oneDNN use here."""
+    isa = cpu_isa({"fpu", "avx2", "avx512f", "amx_tile"})
+    assert isa["flags"] == ["AVX2", "AVX-512", "AMX"]
+    assert isa["aten"] == torch.backends.cpu.get_cpu_capability()
+    machine = machine_info() | {"cpu": "Some CPU (family 23 model 49)", "cpu_count": 2, "isa": isa}
+    line = machine_line(machine)
+    assert line.startswith("Some CPU (family 23 model 49), 2 cores, AVX2 AVX-512 AMX (ATen ")
+    assert "oneDNN bfloat16: " in line
+    assert "AVX" not in machine_line({key: value for key, value in machine.items() if key != "isa"})  # older reports
