@@ -938,13 +938,18 @@ def best_fixed_k_cells(report: dict, arrivals: str, suffix: str | None = None) -
     return found
 
 
+def _ratio_pairs(report: dict, methods: list[str]) -> list[tuple[str, str]]:
+    """The (numerator, denominator) pairs of ``report["ratios"]`` whose methods are both in ``methods``."""
+    return [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+
+
 def ratio_cells(report: dict, arrivals: str, suffix: str | None = None) -> list[dict]:
     """Per N of the pattern ``arrivals`` (under the network setting ``suffix``; None: every
     method) and pair of ``report["ratios"]`` whose methods both ran: the numerator's tokens/s over
     the denominator's repeat by repeat (:func:`repeat_ratio`), as ``tokens_per_second_ratio``
     (None without a repeat both ran)."""
     methods, groups = _cell_group(report, arrivals, suffix)
-    pairs = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+    pairs = _ratio_pairs(report, methods)
     return [
         {
             "arrivals": arrivals,
@@ -967,7 +972,7 @@ def comparison_table(report: dict, arrivals: str, suffix: str | None = None) -> 
     (:func:`summarize_repeats`), tokens/s and the ratios with their ranges."""
     methods, groups = _cell_group(report, arrivals, suffix)
     summaries = {key: summarize_repeats(cells) for key, cells in groups.items()}
-    ratios = [(a, b) for a, b in report.get("ratios", []) if a in methods and b in methods]
+    ratios = _ratio_pairs(report, methods)
     ratio = {
         (r["concurrency"], r["numerator"], r["denominator"]): r["tokens_per_second_ratio"]
         for r in ratio_cells(report, arrivals, suffix)
