@@ -120,6 +120,10 @@ def test_summary_arithmetic():
     assert summary["qa"]["plain"]["coordination_ms_per_round"] is None
     # qa: step 10 ms, a draft token 0.5 ms (c = 0.05), a verify round 12 ms (v = 1.2), a = 1
     assert qa["predicted_speedup"] == pytest.approx(5 / (4 * 0.05 + 1.2))
+    # the bound: qa's 99 decode-phase tokens in 20 rounds of 12 ms, against plain's 10 ms step
+    assert qa["speedup_bound"] == pytest.approx(99 / 20 * 10 / 12)
+    assert qa["share_of_bound"] == pytest.approx(2.5 / (99 / 20 * 10 / 12))
+    assert summary["qa"]["plain"]["speedup_bound"] == pytest.approx(1.0)
 
 
 def test_rounds_from_generate_forwards():
