@@ -21,7 +21,9 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     from specdec_app.bench.concurrency import ConcurrencyConfig
 
-stderr = Console(stderr=True)
+# soft_wrap: messages are not broken at the console's width, so a path or a command in one stays whole
+# for copying (the terminal wraps it)
+stderr = Console(stderr=True, soft_wrap=True)
 T = TypeVar("T")
 
 SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")

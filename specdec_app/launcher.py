@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 _handed_out: set[int] = set()  # every port free_port returned in this process
+PORT_BLOCK = 64  # SPECDEC_PORT_PARTITION shares ports out in blocks of this many (free_port)
 _handed_out_lock = threading.Lock()
 
 
@@ -38,15 +39,33 @@ def free_port() -> int:
     started only later: a test fleet once got the same port for a coordinator and its draft
     service, both bound it (gRPC's default SO_REUSEPORT), and the coordinator's draft calls went
     half to the other coordinator ("Method not found"). Servers now refuse a port in use
-    (:func:`specdec.rpc.server.server_options`), so such a collision fails to start instead."""
+    (:func:`specdec.rpc.server.server_options`), so such a collision fails to start instead.
+
+    Several processes handing out ports at once (the test suite's workers, tests/conftest.py) set
+    ``SPECDEC_PORT_PARTITION`` to ``i/n``: this process (and its children, which inherit it) then
+    takes only ports in blocks of 64 whose number is i modulo n (blocks, not the port's own
+    residue: a kernel may give ``bind`` ports of one parity only, as this project's hosts do), so
+    it never hands out a port another took and has not bound yet. Raises ValueError for a
+    malformed partition."""
+    index, count = _port_partition(os.environ.get("SPECDEC_PORT_PARTITION", ""))
     with _handed_out_lock:
         while True:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-            if port not in _handed_out:
+            if (port // PORT_BLOCK) % count == index and port not in _handed_out:
                 _handed_out.add(port)
                 return port
+
+
+def _port_partition(value: str) -> tuple[int, int]:
+    """``(i, n)`` of a ``SPECDEC_PORT_PARTITION`` value ``"i/n"`` (0 <= i < n); ``(0, 1)`` for ""."""
+    if not value:
+        return 0, 1
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ValueError(f"SPECDEC_PORT_PARTITION={value!r}: give i/n with 0 <= i < n, as 1/2")
+    return int(index), int(count)
 
 
 def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:

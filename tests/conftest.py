@@ -36,7 +36,15 @@ os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
 # Tests name their API keys for what they are ("ka", "key-a"): short keys, which a coordinator
 # otherwise refuses to start with (tests/test_secure_default.py checks that refusal).
 os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"
-torch.set_num_threads(2)
+# scripts/test.sh runs the suite in two pytest-xdist workers (CI's two cores), a file to a worker:
+# each then computes on one thread (two would make four on two cores), and hands out only its half
+# of the ports (specdec_app.launcher.free_port), so neither starts a service on a port the other
+# has handed out and not yet bound.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["SPECDEC_PORT_PARTITION"] = f"{worker.removeprefix('gw')}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+else:
+    torch.set_num_threads(2)
 
 from coordinator.api.client import Completion, generate  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
@@ -82,6 +90,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("long"):
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+    """In an xdist worker, hands its measured lines to the controller (``pytest_testnodedown``)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["summary"] = SUMMARY
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: gathers a finished worker's measured lines for the end of the run."""
+    SUMMARY.extend(getattr(node, "workeroutput", {}).get("summary", []))
 
 
 def pytest_terminal_summary(terminalreporter):
