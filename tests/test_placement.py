@@ -162,15 +162,3 @@ def test_a_replica_only_busier_now_is_weighed_by_its_load_alone():
         placement.observe(replica, round_trip_ms=24.0, compute_ms=14.0)
     costs = placement._costs(REPLICAS)
     assert max(costs.values()) == min(costs.values()) == 1.0
-
-
-def test_the_step_line_is_the_newest_reports_that_has_one():
-    """Adaptive K prices rounds by the verify service's published step line: any replica's newest,
-    kept past the load's age limit (a step's cost does not go stale as a load does)."""
-    placement = Placement()
-    assert placement.step_line() is None
-    placement.observe("a", load=common_pb2.ServiceLoad(step_intercept_ms=3.0, step_ms_per_token=0.5))
-    placement.observe("b", load=common_pb2.ServiceLoad(num_sessions=1))  # a report without a line
-    assert placement.step_line() == (3.0, 0.5)
-    placement.observe("b", load=common_pb2.ServiceLoad(step_intercept_ms=4.0, step_ms_per_token=0.25))
-    assert placement.step_line() == (4.0, 0.25)
