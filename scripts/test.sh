@@ -14,10 +14,11 @@ export HF_HUB_OFFLINE=1
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # Two workers (CI has two cores; most tests wait on servers and child processes about half the
-# time), each given whole test files so a module's fixtures start once; SPECDEC_TEST_WORKERS=0 runs
-# in this process. tests/conftest.py gives each worker one torch thread and its own ports.
+# time), each given whole test files so a module's fixtures start once, and the files on the shared
+# in-process services all to one worker (tests/conftest.py: xdist groups); SPECDEC_TEST_WORKERS=0
+# runs in this process. tests/conftest.py gives each worker one torch thread and its own ports.
 status=0
-.venv/bin/python -m pytest -n "${SPECDEC_TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -n "${SPECDEC_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: failing, a green run must test something" >&2
   exit 1

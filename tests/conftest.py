@@ -36,7 +36,8 @@ os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
 # Tests name their API keys for what they are ("ka", "key-a"): short keys, which a coordinator
 # otherwise refuses to start with (tests/test_secure_default.py checks that refusal).
 os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"
-# scripts/test.sh runs the suite in two pytest-xdist workers (CI's two cores), a file to a worker:
+# scripts/test.sh runs the suite in two pytest-xdist workers (CI's two cores), a file to a worker
+# (pytest_collection_modifyitems):
 # each then computes on one thread (two would make four on two cores), and hands out only its half
 # of the ports (specdec_app.launcher.free_port), so neither starts a service on a port the other
 # has handed out and not yet bound.
@@ -83,7 +84,15 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``long`` run only with --long (scripts/long_checks.sh): checks run before
     resolving a change to sessions, cancels, resume, memory or fault recovery, as deploy/smoke.sh
-    is for deploy/."""
+    is for deploy/. Each file is one xdist group (scripts/test.sh runs ``--dist loadgroup``), and
+    the files that use ``tiny_pipeline`` share one, so they run in one worker in the order they
+    run alone: the services of that session fixture are shared, and in another order the tests
+    that count the sessions left after a cut or cancelled stream (test_concurrency.py,
+    test_admission.py) met a session an earlier test had left to the idle timeout."""
+    shared = {item.path for item in items if "tiny_pipeline" in item.fixturenames}
+    for item in items:
+        group = "tiny_pipeline" if item.path in shared else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="a long check: run scripts/long_checks.sh (pytest --long)")
@@ -304,6 +313,14 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
     return drafters
 
 
+# The least Propose deadline of the coordinators the tests run beside the in-process services
+# (tiny_pipeline, tests/test_http_api.py): the test process, and the suite's other worker beside
+# it, may stall a Propose past the default 250 ms, and a round that then decodes without the draft
+# consumes a seeded sample's random draws differently (another completion for the same seed). The
+# deadline itself is tested with coordinators of its own (tests/test_draft_side.py, the fault matrix).
+IN_PROCESS_PROPOSE_FLOOR_S = 5.0
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -> Pipeline:
     """Coordinator, draft and verify services on free ports, serving the tiny models."""
@@ -316,6 +333,7 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
             verify_addresses=[f"127.0.0.1:{verify.port}"],
             tokenizer=str(tiny_models.target_dir),
             max_new_tokens_limit=256,
+            propose_timeout_floor_s=IN_PROCESS_PROPOSE_FLOOR_S,
         )
     )
     # The services run in this process: a full garbage collection stops their threads while it

@@ -40,14 +40,15 @@ KEY = "edge-key-0123456789abcdef"
 MAX_CALLS = 4  # the coordinator's --max-concurrent-rpcs here: far fewer than the stalled streams
 STALLED = 300  # 3 connections of 100 streams
 MESSAGE_TIMEOUT_S = 2.0  # the coordinator's --grpc-request-message-timeout-s here
+PATIENT_MESSAGE_TIMEOUT_S = 8.0  # the same, where a test's client sends 100 MiB (see patient)
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 LONG = coordinator_pb2.GenerateRequest(text="Tell me a long story.", max_new_tokens=200, num_speculative_tokens=0)
 SHORT = coordinator_pb2.GenerateRequest(text="hello", max_new_tokens=2)
 
 
-@pytest.fixture(scope="module")
-def keyed(tiny_pipeline, tiny_models):
-    thread = CoordinatorThread(
+def keyed_coordinator(tiny_pipeline, tiny_models, message_timeout_s: float) -> CoordinatorThread:
+    """A coordinator with an API key and a bound on calls, on the tiny pipeline's services."""
+    return CoordinatorThread(
         CoordinatorSettings(
             port=0,
             draft_address=tiny_pipeline.draft_address,
@@ -55,9 +56,14 @@ def keyed(tiny_pipeline, tiny_models):
             tokenizer=str(tiny_models.target_dir),
             api_keys=[KEY],
             max_concurrent_rpcs=MAX_CALLS,
-            grpc_request_message_timeout_s=MESSAGE_TIMEOUT_S,
+            grpc_request_message_timeout_s=message_timeout_s,
         )
     )
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_pipeline, tiny_models):
+    thread = keyed_coordinator(tiny_pipeline, tiny_models, MESSAGE_TIMEOUT_S)
     yield thread
     thread.stop()
 
@@ -182,26 +188,36 @@ def resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def test_what_a_stalled_request_message_sent_is_freed_when_its_call_ends(keyed):
+@pytest.fixture
+def patient(tiny_pipeline, tiny_models):
+    """A keyed coordinator whose message deadline leaves a client time to send 100 MiB on a loaded
+    machine (the suite's other worker computing beside it slows this process's client to about
+    15 MB/s, which the module's 2 s deadline cut at 22 MB)."""
+    thread = keyed_coordinator(tiny_pipeline, tiny_models, PATIENT_MESSAGE_TIMEOUT_S)
+    yield thread
+    thread.stop()
+
+
+def test_what_a_stalled_request_message_sent_is_freed_when_its_call_ends(patient):
     """100 health checks that each send 1 MiB of their message but not its last bytes: the server
     holds about 100 MiB meanwhile, and hands it back once --grpc-request-message-timeout-s has ended
     the calls, though the client keeps its connection open: closing the connection afterwards frees
     little more."""
     before = resident_bytes()
     streams = StalledStreams(
-        "127.0.0.1", keyed.port, HEALTH_CHECK, 100, declared=1 << 20, sent=b"\x0a" * ((1 << 20) - 16)
+        "127.0.0.1", patient.port, HEALTH_CHECK, 100, declared=1 << 20, sent=b"\x0a" * ((1 << 20) - 16)
     )
     try:
-        streams.wait_sent(MESSAGE_TIMEOUT_S * 0.75)
+        streams.wait_sent(PATIENT_MESSAGE_TIMEOUT_S * 0.75)
         held = resident_bytes() - before
         assert streams.sent > 50 << 20 and held > streams.sent / 2  # what the calls sent is held: the attack is real
-        assert streams.wait_answered(MESSAGE_TIMEOUT_S + 10.0), streams.statuses()
+        assert streams.wait_answered(PATIENT_MESSAGE_TIMEOUT_S + 10.0), streams.statuses()
         assert streams.statuses() == {"DEADLINE_EXCEEDED": 100}
         after_the_calls = resident_bytes()
-        assert server_connections(keyed.port)  # the calls ended, not the connection
+        assert server_connections(patient.port)  # the calls ended, not the connection
     finally:
         streams.close()
-    eventually(lambda: not server_connections(keyed.port))
+    eventually(lambda: not server_connections(patient.port))
     assert after_the_calls - resident_bytes() < streams.sent / 4
 
 

@@ -29,7 +29,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import ServiceProcess, free_port, is_serving
-from tests.conftest import CoordinatorThread
+from tests.conftest import IN_PROCESS_PROPOSE_FLOOR_S, CoordinatorThread
 
 KEY = "test-key"
 PROMPT = "Tell me about cats."
@@ -60,7 +60,7 @@ def coordinator_settings(tiny_pipeline, tiny_models, **fields) -> CoordinatorSet
         verify_addresses=[tiny_pipeline.verify_address],
         tokenizer=str(tiny_models.target_dir),
         max_new_tokens_limit=256,
-        **fields,
+        **{"propose_timeout_floor_s": IN_PROCESS_PROPOSE_FLOOR_S, **fields},
     )
 
 
