@@ -36,8 +36,8 @@ os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
 # Tests name their API keys for what they are ("ka", "key-a"): short keys, which a coordinator
 # otherwise refuses to start with (tests/test_secure_default.py checks that refusal).
 os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"
-# scripts/test.sh runs the suite in two pytest-xdist workers (CI's two cores), a file to a worker
-# (pytest_collection_modifyitems):
+# SPECDEC_TEST_WORKERS=2 scripts/test.sh runs the suite in two pytest-xdist workers, a file to a
+# worker (pytest_collection_modifyitems):
 # each then computes on one thread (two would make four on two cores), and hands out only its half
 # of the ports (specdec_app.launcher.free_port), so neither starts a service on a port the other
 # has handed out and not yet bound.
@@ -84,7 +84,7 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``long`` run only with --long (scripts/long_checks.sh): checks run before
     resolving a change to sessions, cancels, resume, memory or fault recovery, as deploy/smoke.sh
-    is for deploy/. Each file is one xdist group (scripts/test.sh runs ``--dist loadgroup``), and
+    is for deploy/. Each file is one xdist group (scripts/test.sh with workers: ``--dist loadgroup``), and
     the files that use ``tiny_pipeline`` share one, so they run in one worker in the order they
     run alone: the services of that session fixture are shared, and in another order the tests
     that count the sessions left after a cut or cancelled stream (test_concurrency.py,
