@@ -11,19 +11,15 @@ from typing import Annotated, Any
 import grpc
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
-from specdec_app.bench_cli import bench_app
+from specdec_app.bench_cli import bench_app, stderr
 from specdec_app.launcher import configured_api_key
 
 app = typer.Typer(help="Speculative decoding as a distributed gRPC service.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 app.add_typer(bench_app, name="bench")
-# soft_wrap: messages are not broken at the console's width, so a path or a command in one stays whole
-# for copying (the terminal wraps it)
-stderr = Console(stderr=True, soft_wrap=True)
 
 DEMO_PROMPT = "Summarize in two sentences why the sky is blue, then repeat your summary word for word."
 # `serve <service>` leaves every argument, --help included, to pydantic-settings.

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 _handed_out: set[int] = set()  # every port free_port returned in this process
-PORT_BLOCK = 64  # SPECDEC_PORT_PARTITION shares ports out in blocks of this many (free_port)
 _handed_out_lock = threading.Lock()
+PORT_BLOCK = 64  # SPECDEC_PORT_PARTITION shares ports out in blocks of this many (free_port)
 
 
 def free_port() -> int:
