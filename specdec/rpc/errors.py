@@ -80,13 +80,18 @@ _BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 def from_status(code: grpc.StatusCode, details: str, where: str) -> SpecdecError:
     """The SpecdecError for a call to another service that failed with ``code`` and ``details``
     (a unary RPC's status, or a Step stream's CallError); ``where`` names that service. A missed
-    deadline becomes UNAVAILABLE."""
+    deadline becomes UNAVAILABLE, and so does CANCELLED: a call this process cancels ends in
+    asyncio.CancelledError, so a CANCELLED status was the service's own doing (a server stopping
+    cancels the calls in flight), and the call is retried elsewhere like any other on a service
+    that went away."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable(f"{where} did not answer within its deadline")
+    if code == grpc.StatusCode.CANCELLED:
+        return Unavailable(f"{where} cancelled the call (the service is stopping): {details}")
     return _BY_CODE.get(code, SpecdecError)(f"{where}: {details}")
 
 
 def from_rpc_error(err: grpc.RpcError, where: str) -> SpecdecError:
     """The SpecdecError for a failed call to another service; ``where`` names that service.
-    A missed deadline becomes UNAVAILABLE."""
+    A missed deadline or a call the service cancelled becomes UNAVAILABLE."""
     return from_status(err.code(), err.details(), where)
