@@ -31,6 +31,7 @@ from coordinator.api.request import LOOKUPS, ResolvedRequest
 from coordinator.observability.metrics import MetricsRecorder
 from coordinator.observability.prometheus import CoordinatorMetrics
 from coordinator.observability.tracing import request_attributes, round_attributes
+from coordinator.request_store.journal import RequestJournal
 from coordinator.request_store.resume import check_request_id, check_resume, check_same_target
 from coordinator.request_store.store import (
     CANCELLED,
@@ -39,7 +40,6 @@ from coordinator.request_store.store import (
     RUNNING,
     MemoryStore,
     RedisStore,
-    RequestJournal,
     RequestStore,
     StoredRequest,
     StoreUnavailable,

@@ -25,6 +25,7 @@ import grpc
 import pytest
 import redis
 import torch
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,6 +49,7 @@ else:
     torch.set_num_threads(2)
 
 from coordinator.api.client import Completion, generate  # noqa: E402
+from coordinator.request_store.store import MemoryStore, RedisStore, StoredRequest  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
 from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
@@ -63,7 +65,7 @@ from specdec.sampling.grammar import GrammarMatcher  # noqa: E402
 from specdec.sampling.probs import sample  # noqa: E402
 from specdec.sampling.sampling_params import SamplingParams  # noqa: E402
 from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
-from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
@@ -412,6 +414,35 @@ def redis_server():
     yield server
     if server.process.poll() is None:
         server.kill()
+
+
+def error_counter() -> Counter:
+    return Counter("store_errors", "", ["operation"], registry=CollectorRegistry())
+
+
+def record(request_id: str, generated=()) -> StoredRequest:
+    request = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=8, seed=7, stop=["\n"])
+    return StoredRequest(request_id, request, "tiny-target", "fingerprint", generated=list(generated))
+
+
+@pytest.fixture(params=["redis", "memory"])
+def with_store(request, redis_server):
+    """A request store test's runner: runs ``scenario(store)`` with a store of the parameter's
+    kind, closed afterwards."""
+
+    def run(scenario, ttl_s: float = 60.0) -> None:
+        async def main():
+            store = (
+                RedisStore(redis_server.url, ttl_s, error_counter()) if request.param == "redis" else MemoryStore(ttl_s)
+            )
+            try:
+                await scenario(store)
+            finally:
+                await store.close()
+
+        asyncio.run(main())
+
+    return run
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -23,7 +23,6 @@ COVERED_BY = {
     "specdec/__main__.py": "test_bench.py",  # `python -m specdec bench`
     "specdec/engine/batching.py": "test_engine.py",
     "specdec/rpc/decoding.py": "test_fuzz.py",  # undecodable bytes get INVALID_ARGUMENT
-    "specdec/rpc/errors.py": "test_bad_input.py",
     "specdec/rpc/aio_handlers.py": "test_grpc_edge.py",  # a health Watch through the interceptors
     "specdec/rpc/health_check.py": "test_tls.py",  # `specdec health`, the TLS probes' check
     "specdec/engine/kv.py": "test_engine.py",

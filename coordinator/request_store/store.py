@@ -48,7 +48,6 @@ is up, and other writes (appends of running requests that fit, releases) still s
 
 import abc
 import asyncio
-import contextlib
 import copy
 import json
 import logging
@@ -589,97 +588,3 @@ class RedisStore(RequestStore):
 
     async def close(self) -> None:
         await self.redis.aclose()
-
-
-@dataclass
-class RequestJournal:
-    """Keeps one running request's record in the store: written whole at the start, its tokens
-    appended every round before the client receives them (so the stored log is never behind the
-    client), and written whole at the end, then counted among ``client``'s ended requests
-    (:meth:`RequestStore.retire`). A store failure after the start is never raised (RedisStore
-    logs and counts it): the request goes on from memory, and the first write after the store
-    answers again writes the whole record, so a restarted, empty Redis gets it back. A record
-    whose id the store could not check at the start (:meth:`create` answered None) is claimed
-    then instead, never written over another request's of the same id."""
-
-    store: RequestStore
-    record: StoredRequest
-    client: str = ""
-    _stored: int | None = None  # tokens the store holds; None: the whole record must be written
-    claimed: bool = False  # the store holds (or held) this request's record under its id: True for a resume
-    _taken: bool = False  # another request had claimed the id: nothing of this one is written
-
-    async def create(self) -> bool | None:
-        """Writes the new request's record: True, or False (nothing written) when its id is already
-        stored. None while the store is unreachable: the id is unchecked, and the record is
-        claimed (written only where the id is still free) when the store answers again. Raises
-        StoreFull when the store is full."""
-        try:
-            if not await self.store.create(self.record):
-                return False
-        except StoreFull:
-            raise
-        except StoreUnavailable:
-            return None
-        self._stored, self.claimed = len(self.record.generated), True
-        return True
-
-    async def commit(
-        self,
-        tokens: list[int],
-        sessions: dict[str, str] | None = None,
-        logprobs: list[common_pb2.TokenLogprobs] | None = None,
-    ) -> None:
-        """Stores the newly committed ``tokens`` (with their ``logprobs``, when the request asks for
-        them) and, when they changed, the ids of the sessions the request holds (``sessions``, by
-        service)."""
-        self.record.generated.extend(tokens)
-        self.record.logprobs.extend(logprobs or [])
-        if sessions is None or sessions == self.record.sessions:
-            sessions = None  # unchanged: not written again
-        else:
-            self.record.sessions = dict(sessions)
-        await self._sync(sessions)
-
-    async def end(
-        self,
-        status: str,
-        finish_reason: coordinator_pb2.FinishReason = coordinator_pb2.FINISH_REASON_UNSPECIFIED,
-        metrics: coordinator_pb2.RequestMetrics | None = None,
-    ) -> None:
-        """Stores the outcome; the request's sessions are released by then, so none are kept."""
-        self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics
-        self.record.sessions = {}
-        self._stored = None
-        await self._sync()
-        if self.claimed and not self._taken:
-            with contextlib.suppress(StoreUnavailable):  # unretired, it expires with its TTL
-                await self.store.retire(self.client, self.record.store_id)
-
-    async def _sync(self, sessions: dict[str, str] | None = None) -> None:
-        record = self.record
-        record.updated_at = time.time()
-        if self._taken:
-            return
-        try:
-            if self._stored is not None:
-                new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
-                held = await self.store.append(
-                    record.store_id, record.generated[self._stored :], sessions, new_logprobs
-                )
-                if held == len(record.generated):
-                    self._stored = held
-                    return
-            if self.claimed:
-                await self.store.put(record)
-            elif not await self.store.create(record):
-                self._taken = True
-                log.warning(
-                    "request %s: its id was taken while the request store was unreachable; this request is not "
-                    "stored (it cannot be resumed)",
-                    record.request_id,
-                )
-                return
-            self._stored, self.claimed = len(record.generated), True
-        except StoreUnavailable:
-            self._stored = None
