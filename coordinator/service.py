@@ -66,6 +66,9 @@ from specdec.timing import ms_since
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
+# After the gRPC server stopped: how long the requests it ended get to release their sessions (a
+# Release is one round trip; a service that does not answer is retried up to this), seconds.
+RELEASE_GRACE_S = 5.0
 tracer = trace.get_tracer(__name__)
 
 
@@ -431,6 +434,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.adaptive.remember(running.policy)
             self._background.run(self._save_priors(running.target, running.policy.owner))
 
+    async def drain(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` seconds for what the ended requests left running: their
+        sessions' releases and their journals' last writes (so that a stopping coordinator gives
+        the services their sessions back before it closes its connections to them, instead of
+        leaving them to the services' idle timeout)."""
+        if not await self._background.drain(timeout_s):
+            log.warning("stopping with requests' releases or store writes unfinished after %g s", timeout_s)
+
     def close(self) -> None:
         """Stops the admission's background tasks (lease renewals, the queue's retries)."""
         self.client_limit.close()
@@ -487,8 +498,9 @@ async def serve(
     settings: CoordinatorSettings, ready: asyncio.Future | None = None, handle_signals: bool = True
 ) -> None:
     """Runs the coordinator, gRPC and (on ``http_port``) HTTP, until cancelled, or until SIGTERM /
-    SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish); either way it closes
-    its connections to the services (their Step streams) before it returns. ``ready`` receives the
+    SIGINT (then in-flight requests get SHUTDOWN_GRACE_S seconds to finish); either way the ended
+    requests' sessions are released (up to RELEASE_GRACE_S more) and its connections to the
+    services (their Step streams) closed before it returns. ``ready`` receives the
     bound gRPC port."""
     tokenizer = load_tokenizer(settings.tokenizer)
     placements: dict[Service, Placement] = {
@@ -581,6 +593,7 @@ async def serve(
     finally:
         try:
             await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
+            await servicer.drain(RELEASE_GRACE_S)
         finally:
             servicer.close()
             await clients.close()

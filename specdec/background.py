@@ -21,3 +21,12 @@ class BackgroundTasks:
     async def wait(self) -> None:
         """Waits for every task running now; raises the first one's exception, if any."""
         await asyncio.gather(*self._tasks)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` seconds for every task, those started meanwhile too (their
+        errors are left to them); True when none is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)
+        return not self._tasks
