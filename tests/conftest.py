@@ -357,6 +357,30 @@ def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -
     verify.stop(0)
 
 
+SESSIONS_RELEASED_S = 15.0  # a test's requests release their sessions on the shared services within this, seconds
+
+
+@pytest.fixture(autouse=True)
+def no_sessions_left_behind(request):
+    """A test on the shared in-process services (``tiny_pipeline``) leaves no session open there:
+    within SESSIONS_RELEASED_S of its end every request it started has released its sessions,
+    whether it finished, was cancelled or its coordinator stopped. Otherwise the test fails
+    naming them, and they are released, so that the next test starts with the room it expects."""
+    yield
+    if "tiny_pipeline" not in request.fixturenames:
+        return
+    pipeline = request.getfixturevalue("tiny_pipeline")
+    registries = {"verify": pipeline.verify.servicer.sessions, "draft": pipeline.draft.servicer.sessions}
+    deadline = time.monotonic() + SESSIONS_RELEASED_S
+    while any(len(sessions) for sessions in registries.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = {name: sorted(sessions._entries) for name, sessions in registries.items() if len(sessions)}
+    for name, sessions in registries.items():
+        for session_id in left.get(name, []):
+            sessions.release(session_id)
+    assert not left, f"sessions still open {SESSIONS_RELEASED_S:g} s after the test: {left}"
+
+
 class RedisServer:
     """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty.
     Its memory policy is the manifests' (``noeviction``: a full Redis refuses writes, evicts
