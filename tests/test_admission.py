@@ -527,7 +527,9 @@ def test_a_rebuilt_session_waits_its_turn_behind_those_waiting(
     readers = [threading.Thread(target=read, args=("b", b_request, KEYS[1]))]
     try:
         readers[0].start()
+        deadline = time.monotonic() + 60
         while len(times["b"]) < 5:
+            assert time.monotonic() < deadline, "B's long request got no room beside A's stalled stream"
             time.sleep(0.01)
         readers.append(threading.Thread(target=read, args=("a", short, KEYS[0])))
         readers[1].start()
