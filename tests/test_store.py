@@ -27,10 +27,10 @@ from tests.conftest import CoordinatorThread, RedisServer, error_counter, record
 def test_put_append_load_and_expire(with_store):
     async def scenario(store):
         assert await store.load("missing") is None
-        assert await store.append("missing", [1, 2]) == 0  # nothing to append to: put it again
+        assert await store.append("missing", [1, 2], stored=0) == 0  # nothing to append to: put it again
         original = record("r1", [5, 6])
         await store.put(original)
-        assert await store.append("r1", [7, 2**31 - 1]) == 4
+        assert await store.append("r1", [7, 2**31 - 1], stored=2) == 4
         loaded = await store.load("r1")
         assert loaded.generated == [5, 6, 7, 2**31 - 1]
         assert (loaded.request, loaded.target, loaded.vocab_fingerprint, loaded.status) == (
@@ -136,7 +136,7 @@ def test_a_full_redis_refuses_new_records_but_not_the_leases():
             await store.renew_leases({"key a": ["l1", "l2"]}, 30)
             await store.release_leases("key a", ["l1"])
             assert await store.acquire_leases("key a", ["l3"], 2, 30) is None
-            assert await store.append("kept", [3], {"verify": "s1"}) == 3
+            assert await store.append("kept", [3], {"verify": "s1"}, stored=2) == 3
             loaded = await store.load("kept")
             assert (loaded.generated, loaded.sessions) == ([1, 2, 3], {"verify": "s1"})
             return full.value

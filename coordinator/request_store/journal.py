@@ -4,24 +4,30 @@ journal the coordinator keeps of it, round by round, so that any coordinator rep
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.request_store.store import RequestStore, StoredRequest, StoreFull, StoreUnavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
+# A running request's record gets the store's TTL again once this share of it has passed since it
+# was last set (not every round: three EXPIREs a round were most of Redis's commands), so it lives
+# at least 7/8 of ttl_s after its last write.
+KEEP_ALIVE_EVERY = 1 / 8
 
 
 @dataclass
 class RequestJournal:
     """Keeps one running request's record in the store: written whole at the start, its tokens
     appended every round before the client receives them (so the stored log is never behind the
-    client), and written whole at the end, then counted among ``client``'s ended requests
-    (:meth:`RequestStore.retire`). A store failure after the start is never raised (RedisStore
-    logs and counts it): the request goes on from memory, and the first write after the store
-    answers again writes the whole record, so a restarted, empty Redis gets it back. A record
-    whose id the store could not check at the start (:meth:`create` answered None) is claimed
-    then instead, never written over another request's of the same id."""
+    client; in Redis, with the appends of the other requests of that turn of the event loop, and
+    the record's TTL set again every ``KEEP_ALIVE_EVERY`` of it), and written whole at the end,
+    then counted among ``client``'s ended requests (:meth:`RequestStore.retire`). A store failure
+    after the start is never raised (RedisStore logs and counts it): the request goes on from
+    memory, and the first write after the store answers again writes the whole record, so a
+    restarted, empty Redis gets it back. A record whose id the store could not check at the start
+    (:meth:`create` answered None) is claimed then instead, never written over another request's
+    of the same id."""
 
     store: RequestStore
     record: StoredRequest
@@ -29,6 +35,7 @@ class RequestJournal:
     _stored: int | None = None  # tokens the store holds; None: the whole record must be written
     claimed: bool = False  # the store holds (or held) this request's record under its id: True for a resume
     _taken: bool = False  # another request had claimed the id: nothing of this one is written
+    _kept_alive_at: float = field(default_factory=time.monotonic)  # the record's TTL last set (time.monotonic())
 
     async def create(self) -> bool | None:
         """Writes the new request's record: True, or False (nothing written) when its id is already
@@ -42,7 +49,7 @@ class RequestJournal:
             raise
         except StoreUnavailable:
             return None
-        self._stored, self.claimed = len(self.record.generated), True
+        self._stored, self.claimed, self._kept_alive_at = len(self.record.generated), True, time.monotonic()
         return True
 
     async def commit(
@@ -85,11 +92,15 @@ class RequestJournal:
         try:
             if self._stored is not None:
                 new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
+                keep_alive = time.monotonic() - self._kept_alive_at >= self.store.ttl_s * KEEP_ALIVE_EVERY
+                new_tokens = record.generated[self._stored :]
                 held = await self.store.append(
-                    record.store_id, record.generated[self._stored :], sessions, new_logprobs
+                    record.store_id, new_tokens, sessions, new_logprobs, stored=self._stored, keep_alive=keep_alive
                 )
                 if held == len(record.generated):
                     self._stored = held
+                    if keep_alive:
+                        self._kept_alive_at = time.monotonic()
                     return
             if self.claimed:
                 await self.store.put(record)
@@ -101,6 +112,6 @@ class RequestJournal:
                     record.request_id,
                 )
                 return
-            self._stored, self.claimed = len(record.generated), True
+            self._stored, self.claimed, self._kept_alive_at = len(record.generated), True, time.monotonic()
         except StoreUnavailable:
             self._stored = None

@@ -64,6 +64,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
+from coordinator.request_store.redis_appends import Append, AppendBatcher
 from specdec.rpc.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
@@ -190,11 +191,16 @@ class RequestStore(abc.ABC):
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
+        *,
+        stored: int,
+        keep_alive: bool = True,
     ) -> int:
         """Appends generated tokens (and their ``logprobs``, when given) to the record under the
         store id ``stored_as`` (:attr:`StoredRequest.store_id`) (and replaces its ``sessions``,
-        unless None); returns how many tokens it holds now, or 0 when
-        the record was missing (the store lost it): then :meth:`put` it again."""
+        unless None); ``stored``: the tokens the caller knew the record to hold before. Returns how
+        many it holds now, or 0 when that is not ``stored + len(tokens)`` (the store lost the
+        record): then :meth:`put` it again. ``keep_alive``: give the record ``ttl_s`` again from
+        now (else its expiry stays where its last keep-alive or whole write set it)."""
 
     @abc.abstractmethod
     async def retire(self, client: str, stored_as: str) -> None:
@@ -267,9 +273,13 @@ class MemoryStore(RequestStore):
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
+        *,
+        stored: int,
+        keep_alive: bool = True,
     ) -> int:
+        """Keeps the record alive at every append (``keep_alive`` is for Redis's commands)."""
         record = self._live(stored_as)
-        if record is None:
+        if record is None or len(record.generated) != stored:
             return 0
         record.generated.extend(tokens)
         record.logprobs.extend(copy.deepcopy(logprobs or []))
@@ -344,19 +354,6 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i]) end
 redis.call('PEXPIREAT', KEYS[1], ARGV[1])
 return 0
 """
-# Appends ARGV[2] (token ids) to the request whose keys are KEYS[1:3] (header, tokens, logprobs),
-# sets its updated_at to ARGV[3] and, unless empty, its sessions to ARGV[4], appends ARGV[5] (logprobs
-# bytes) unless empty and gives every key ARGV[1] more seconds; nothing when its header is gone (the
-# store lost it: 0). Returns the tokens' bytes. A running request's record grows on a full Redis too.
-_APPEND = """#!lua flags=allow-oom
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local length = redis.call('APPEND', KEYS[2], ARGV[2])
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'sessions', ARGV[4]) end
-if ARGV[5] ~= '' then redis.call('APPEND', KEYS[3], ARGV[5]) end
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-return length
-"""
 # A request's header (as HGETALL's flat list), tokens and logprobs, read at once; on a full Redis too
 # (a transaction is refused there: its queue would take memory).
 _LOAD = """#!lua flags=no-writes
@@ -428,7 +425,7 @@ class RedisStore(RequestStore):
         self._acquire_leases = self.redis.register_script(_ACQUIRE_LEASES)
         self._renew_leases = self.redis.register_script(_RENEW_LEASES)
         self._retire = self.redis.register_script(_RETIRE)
-        self._append = self.redis.register_script(_APPEND)
+        self._appends = AppendBatcher(self.redis)
         self._load = self.redis.register_script(_LOAD)
         self.errors, self.timeout_s, self.retry_after_s = errors, timeout_s, retry_after_s
         self._down_until = 0.0
@@ -444,7 +441,8 @@ class RedisStore(RequestStore):
             self.errors.labels(operation).inc()
             raise StoreUnavailable(f"the request store at {self.url} failed less than {self.retry_after_s:g} s ago")
         try:
-            return await asyncio.wait_for(make_call(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                return await make_call()
         except OutOfMemoryError:  # full, not down: asked again at once
             self.errors.labels(operation).inc()
             if time.monotonic() >= self._full_logged + self.retry_after_s:
@@ -513,16 +511,23 @@ class RedisStore(RequestStore):
         tokens: list[int],
         sessions: dict[str, str] | None = None,
         logprobs: list[common_pb2.TokenLogprobs] | None = None,
+        *,
+        stored: int,
+        keep_alive: bool = True,
     ) -> int:
-        args: list[EncodableT] = [
-            int(self.ttl_s),
+        """Sent with the other requests' appends of this turn of the event loop, in one pipeline
+        (:mod:`coordinator.request_store.redis_appends`)."""
+        append = Append(
+            self._keys(stored_as),
             np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
-            time.time(),
             "" if sessions is None else json.dumps(sessions),
             logprobs_bytes(logprobs) if logprobs else b"",
-        ]
-        length = await self._run("append", lambda: self._append(keys=self._keys(stored_as), args=args))
-        return length // TOKEN_DTYPE.itemsize
+            int(self.ttl_s) if keep_alive else 0,
+            stored * TOKEN_DTYPE.itemsize,
+        )
+        length = await self._run("append", lambda: self._appends.submit(append))
+        held = length // TOKEN_DTYPE.itemsize
+        return held if held == stored + len(tokens) else 0
 
     async def retire(self, client: str, stored_as: str) -> None:
         now_ms, ttl_ms = int(time.time() * 1000), int(self.ttl_s * 1000)
