@@ -4,7 +4,9 @@ estimates per (drafter, target) that warm-start adaptive K on every replica.
 
 :class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set, :class:`MemoryStore` in
 the process otherwise (single-machine use: a resume must then reach the same coordinator). Both
-keep a request ``ttl_s`` seconds after its last write.
+keep a request ``ttl_s`` seconds after its last write (in Redis, at least 7/8 of that for a
+running request, whose appends set the TTL again only every ttl_s / 8:
+:mod:`coordinator.request_store.journal`).
 
 A request belongs to the API key that started it: its record is stored under the key's owner hash
 and its id, ``<owner>/<id>`` (:func:`store_id`; the id alone when the coordinator has no keys), so
@@ -14,7 +16,8 @@ cluster slot; ``<id>`` is the store id):
 
     specdec:request:{<id>}           hash: request (GenerateRequest bytes, seed filled in), target,
                                      vocab_fingerprint, status, finish_reason, metrics
-                                     (RequestMetrics bytes), created_at, updated_at (unix seconds),
+                                     (RequestMetrics bytes), created_at, updated_at (unix seconds;
+                                     updated_at: last written whole, not per round),
                                      sessions (JSON: service -> session id held while running),
                                      choice (its index among the choices of a request with n > 1)
     specdec:request:{<id>}:tokens    string: the generated token ids, int32 little-endian
