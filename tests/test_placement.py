@@ -162,3 +162,15 @@ def test_a_replica_only_busier_now_is_weighed_by_its_load_alone():
         placement.observe(replica, round_trip_ms=24.0, compute_ms=14.0)
     costs = placement._costs(REPLICAS)
     assert max(costs.values()) == min(costs.values()) == 1.0
+
+
+def test_each_choice_is_explained_at_debug_level(caplog):
+    """With --log-level debug the coordinator's log says why each session went where it went."""
+    placement = Placement()
+    placement.observe(REPLICAS[0], round_trip_ms=20.0, compute_ms=14.0)
+    placement.observe(REPLICAS[1], round_trip_ms=80.0, compute_ms=14.0)
+    caplog.set_level("DEBUG", logger="coordinator.speculation.placement")
+    place(placement, [prompt(1)])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("placed on ") and line.endswith("balanced True")
+    assert f"{REPLICAS[1]} cost 1.00 (sessions 0 + 0 reported, overhead 66.0 ms, compute 14.0 ms, recent" in line

@@ -46,6 +46,7 @@ answers; replicas whose KV cannot hold the prompt go after those that can.
 import collections
 import hashlib
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -54,6 +55,7 @@ from typing import Literal
 
 from specdec.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 BLOCK_SIZE = 16  # tokens per remembered block, as the services' KV blocks
 Policy = Literal["prefix-load", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("prefix-load", "round-robin")
@@ -201,7 +203,24 @@ class Placement:
             if matches[held] * BLOCK_SIZE >= self.min_match * len(prompt):
                 best = held
         ranked.remove(best)
+        if log.isEnabledFor(logging.DEBUG):  # --log-level debug: why each session went where it went
+            log.debug(
+                "placed on %s: %s; balanced %s",
+                best,
+                ", ".join(self._explain(r, costs[r], chain) for r in up),
+                balanced,
+            )
         return [best, *ranked, *(r for r in by_hash if r in down)]
+
+    def _explain(self, replica: str, cost: float, chain: list[bytes]) -> str:
+        """One replica's part in a choice: its cost, its sessions (this coordinator's, the
+        others' as reported), its calls' overhead and compute, the prompt's blocks placed there."""
+        state = self.state(replica)
+        return (
+            f"{replica} cost {cost:.2f} (sessions {state.sessions} + {state.base_load() - state.sessions} reported, "
+            f"overhead {state.overhead_ms:.1f} ms, compute {state.compute_ms:.1f} ms, "
+            f"{'recent' if state.recent() else 'stale'}, matched {state.matched_blocks(chain)} blocks)"
+        )
 
     def _costs(self, replicas: list[str]) -> dict[str, float]:
         """Each replica's load times its slowness, plus one (the session to place): idle
