@@ -109,7 +109,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.replicas = VerifyReplicas(clients)
         self.metrics = metrics
         self.store = store
-        self.adaptive = AdaptiveState(probe_interval=settings.probe_interval, step_budget=settings.step_budget)
+        self.adaptive = AdaptiveState(
+            probe_interval=settings.probe_interval,
+            step_budget=settings.step_budget,
+            service_line=clients.placements["verify"].step_line,
+        )
         # the outputs of earlier and running requests, for suffix lookups, partitioned by cache salt
         # (raises ValueError for negative bounds)
         self.suffix_cache = SuffixCache(

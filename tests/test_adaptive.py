@@ -19,6 +19,7 @@ from coordinator.speculation.adaptive import (
     StepCosts,
     drafted_outcome,
 )
+from specdec.engine.step_line import fit_line
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramMatch
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -520,6 +521,26 @@ def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():
     assert 142 not in costs.batched_ms and [costs.step_ms(n) for n in (14, 28)] == pytest.approx(line)
     observe_step(prefill=0)  # 142 tokens of decoding work
     assert 142 in costs.batched_ms
+
+
+def test_rounds_are_priced_by_the_verify_services_published_step_line():
+    """A fresh coordinator prices by the line the verify service published (its GetInfo's, then
+    the newest Step message's), which sees every coordinator's steps; its own fit of its few
+    rounds only where the service publishes none."""
+    published: list[tuple[float, float]] = []
+    state = AdaptiveState(service_line=lambda: published[-1] if published else None)
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
+    load = common_pb2.ServiceLoad(step_intercept_ms=40.0, step_ms_per_token=2.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0], load=load)
+    costs = state.policy(drafter, target, k_max=4, lookups={}).costs
+    assert costs.step_ms(10) == pytest.approx(40.0 + 2.0 * 10)  # GetInfo's line
+    published.append((30.0, 1.0))  # a Step message's
+    assert costs.step_ms(10) == pytest.approx(30.0 + 1.0 * 10)
+    own = AdaptiveState().policy(
+        drafter, verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0]), 4, {}
+    )
+    # no service line: its own fit through K = 1..4 (K = 3 and 4 at K = 2's measurement)
+    assert own.costs.line() == pytest.approx(fit_line({2: 55.0, 3: 60.0, 4: 60.0, 5: 60.0}))
 
 
 def test_sessions_warm_start_from_the_previous_ones():

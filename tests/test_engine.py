@@ -449,3 +449,24 @@ def test_the_calls_waiting_and_the_running_sequences_are_counted_as_they_come_an
         engine.forget(seq_id)
     assert (engine.num_waiting_calls(), engine.num_running_seqs()) == (0, 0)
     engine.stop()
+
+
+class Prefill(Decode):
+    """A prefill chunk of ``count`` tokens."""
+
+    is_prefill = True
+
+
+def test_the_steps_of_decoding_work_teach_the_step_line_and_a_prefill_chunk_does_not(lm):
+    """Every step without a prefill chunk gives the engine's StepLine its batched tokens and ms
+    (specdec/engine/step_line.py: what the service publishes for the coordinators' prices)."""
+    engine = Engine(lm, max_num_seqs=4, max_num_batched_tokens=64)
+    observed: list[tuple[int, float]] = []
+    engine.step_line.observe = lambda num_tokens, ms: observed.append((num_tokens, ms))  # type: ignore[method-assign]
+    run_behind_a_blocker(engine, [Decode(1, 3), Decode(2, 2)])
+    lm.gate.clear()
+    run_behind_a_blocker(engine, [Decode(3, 4), Prefill(4, 6)])
+    engine.stop()
+    assert lm.steps == [[(0, 1)], [(1, 3), (2, 2)], [(0, 1)], [(3, 4), (4, 6)]]
+    assert [n for n, _ in observed] == [1, 5, 1]  # the step with the prefill chunk left out
+    assert all(ms >= 0 for _, ms in observed)

@@ -134,6 +134,17 @@ def test_every_step_stream_message_carries_the_load(verify, draft):
         assert (load.num_sessions, load.max_sessions, load.num_waiting_calls) == (1, max_sessions, 0)
         assert load.num_running_seqs >= 1 and load.kv_block_size == BLOCK_SIZE
         assert 0 < load.kv_blocks_free <= load.kv_blocks_total - PROMPT_BLOCKS
+        assert load.step_intercept_ms > 0 or load.step_ms_per_token > 0  # the step line, as GetInfo's
+
+
+def test_the_verify_service_publishes_its_engines_step_line(verify, tiny_target):
+    """GetInfo carries the line the target's engine keeps (specdec/engine/step_line.py), seeded by
+    the start-up profile: the line every coordinator prices rounds by from its first request."""
+    stub, _ = verify
+    load = verify_load(stub)
+    line = tiny_target.engine.step_line.line()
+    assert line is not None and line[1] >= 0
+    assert (load.step_intercept_ms, load.step_ms_per_token) == pytest.approx(line)
 
 
 class Hold(Work):

@@ -174,3 +174,15 @@ def test_each_choice_is_explained_at_debug_level(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("placed on ") and line.endswith("balanced True")
     assert f"{REPLICAS[1]} cost 1.00 (sessions 0 + 0 reported, overhead 66.0 ms, compute 14.0 ms, recent" in line
+
+
+def test_the_step_line_is_the_newest_reports_that_has_one():
+    """Adaptive K prices rounds by the verify service's published step line: any replica's newest,
+    kept past the load's age limit (a step's cost does not go stale as a load does)."""
+    placement = Placement()
+    assert placement.step_line() is None
+    placement.observe("a", load=common_pb2.ServiceLoad(step_intercept_ms=3.0, step_ms_per_token=0.5))
+    placement.observe("b", load=common_pb2.ServiceLoad(num_sessions=1))  # a report without a line
+    assert placement.step_line() == (3.0, 0.5)
+    placement.observe("b", load=common_pb2.ServiceLoad(step_intercept_ms=4.0, step_ms_per_token=0.25))
+    assert placement.step_line() == (4.0, 0.25)

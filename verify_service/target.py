@@ -153,7 +153,8 @@ class Target:
         """Measures, in ms (the fastest of 3 after ``context_len`` tokens), for the coordinator's
         choice of K: ``verify_ms[K]``, a verify round with K draft tokens alone in its step (K = 0:
         a plain decode step), and ``step_costs``, decode steps of 1, 2, 4, ... sequences up to
-        ``max_num_seqs``, or as many as the KV budget admits. It also warms the model up, so the
+        ``max_num_seqs``, or as many as the KV budget admits; with them it seeds the engine's
+        step line (:class:`specdec.engine.step_line.StepLine`). It also warms the model up, so the
         first request does not pay for lazy initialisation."""
         context = [i % self.vocab_size for i in range(context_len)]
         with tracer.start_as_current_span("measure_costs"):
@@ -178,6 +179,10 @@ class Target:
                 num_seqs *= 2
             for session in sessions:
                 session.close()
+        # the engine's published step line starts from the fastest of each (see StepLine.seed)
+        self.engine.step_line.seed(
+            [(k + 1, ms) for k, ms in enumerate(self.verify_ms)] + [(n, ms) for n, _, ms in self.step_costs]
+        )
 
     @functools.cached_property
     def grammar_tokenizer(self):

@@ -21,9 +21,12 @@ sequences running on the service when it served the request's last round, also t
 drafting: they are the batch a step should hold), option K is scored by the whole batch's
 expected tokens per ms, (E(K) + W) / (draft(K) + step(T + K + 1) + rest), where W, the others'
 work in the step, is the larger of B x g (g: the tokens a round of this request commits on
-average, the others assumed alike) and T, and step(n) is the verify cost at n batched tokens: a
-line fitted to the service's measurements at start-up (:attr:`StepCosts.batched_ms`) and to live
-rounds whose step ran decoding work only (:meth:`StepCosts.step_ms`: a prefill chunk's tokens cost
+average, the others assumed alike) and T, and step(n) is the verify cost at n batched tokens: the
+line the verify service publishes (``ServiceLoad.step_intercept_ms``, ``step_ms_per_token``:
+fitted there to its start-up profile and to every step of decoding work it runs, for every
+coordinator: :mod:`specdec.engine.step_line`), or where a service reports none, a line fitted here
+to its start-up measurements (:attr:`StepCosts.batched_ms`) and to this coordinator's live rounds
+whose step ran decoding work only (:meth:`StepCosts.step_ms`: a prefill chunk's tokens cost
 less than a draft token's), and rest the round's overhead, not its wait for the step in progress
 (other sequences' work, which their steps count: :meth:`StepCosts.observe`). Alone (B = 0) this
 is the formula above. As load grows K
@@ -77,14 +80,14 @@ proposes and how many (``--grammar-aware-drafting`` off: neither half).
 """
 
 import dataclasses
-import statistics
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import MISS, PLAIN, RoundRecord
 from coordinator.speculation.step_budget import Bid, allocate
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
+from specdec.engine.step_line import fit_line
 from specdec.lookups.ngram import NgramMatch
 from specdec.lookups.suffix import SuffixMatch
 from specdec.sampling.grammar import FORCED, ForcedMatch
@@ -172,7 +175,10 @@ class StepCosts:
     the others' next calls were queued before and it steps without the round), from the rounds
     not decoded ahead that shared a step of decoding work (:meth:`AdaptiveK.missed_steps`). Seeded from
     the services' start-up measurements (GetInfo; ``propose_call_ms`` at 0), kept fresh from live
-    rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`."""
+    rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`.
+    ``service_line``: the verify service's published step line (:meth:`line`), asked for at each
+    pricing (the newest report, :meth:`coordinator.speculation.placement.Placement.step_line`);
+    ``reported_line``: the line its GetInfo answer carried, until a Step message brings a newer one."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
@@ -183,6 +189,8 @@ class StepCosts:
     propose_call_ms: float = 0.0
     plain_overhead_ms: float | None = None
     missed_step_share: float = 0.0
+    service_line: Callable[[], tuple[float, float] | None] | None = field(default=None, repr=False, compare=False)
+    reported_line: tuple[float, float] | None = None
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(
@@ -255,30 +263,23 @@ class StepCosts:
         return self.step_ms(others_tokens + k + 1)
 
     def step_ms(self, num_tokens: float) -> float:
-        """A verify call's ms at ``num_tokens`` batched tokens: the least-squares line through the
-        measured points (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``), its slope
-        at least 0. A line rather than an interpolation: on a shared CPU one measurement varies by
-        up to 2x, and a dip between two points would make the tokens up to the next look free. The
-        plain step (1 token) stays out of the line when there are two points besides it: on a CPU
-        it runs a matrix-vector product, cheaper per token than any step of several tokens.
-        The batched points are steps of decoding work only (no prefill chunk, see :meth:`observe`):
-        the slope is what a draft token adds to a step, and a prefill chunk's tokens cost less
-        (no logits; one matrix product per chunk).
-        Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model."""
+        """A verify call's ms at ``num_tokens`` batched tokens, on :meth:`line`."""
         intercept, slope = self.line()
         return intercept + slope * num_tokens
 
     def line(self) -> tuple[float, float]:
-        """The line :meth:`step_ms` prices a verify call by: (intercept ms, slope ms per batched token)."""
+        """The line :meth:`step_ms` prices a verify call by: (intercept ms, slope ms per batched
+        token). The verify service's (``service_line``, else ``reported_line``), which sees every
+        step; without one, :func:`specdec.engine.step_line.fit_line` through this coordinator's
+        points (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``, steps of decoding
+        work only, see :meth:`observe`: the slope is what a draft token adds to a step, and a
+        prefill chunk's tokens cost less). Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model."""
+        if self.service_line is not None and (published := self.service_line()) is not None:
+            return published
+        if self.reported_line is not None:
+            return self.reported_line
         if self._line is None:  # fitted once per change, not per option of every round
-            points = {k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms
-            if len(points) > 2:
-                points.pop(1, None)
-            if len(points) < 2:
-                self._line = (next(iter(points.values())), 0.0)
-            else:
-                slope, intercept = statistics.linear_regression(list(points), list(points.values()))
-                self._line = (intercept, max(0.0, slope))
+            self._line = fit_line({k + 1: ms for k, ms in enumerate(self.verify_ms)} | self.batched_ms)
         return self._line
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
@@ -764,7 +765,8 @@ class AdaptiveState:
     with ``--shared-caches``): a request starts from, and blends into, its own owner's only, so no
     tenant's requests can steer another's estimates (say, lower its K with requests whose drafts
     all fail; docs/security.md#tenants-and-the-caches). Step costs stay shared: they measure the
-    services, which every request meets alike."""
+    services, which every request meets alike. ``service_line``: the verify service's newest
+    published step line (:attr:`StepCosts.service_line`; None: the coordinator's own only)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
@@ -775,6 +777,7 @@ class AdaptiveState:
     costs: dict[tuple[str, str], StepCosts] = field(default_factory=dict)
     priors: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # by (source, target, owner)
     bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
+    service_line: Callable[[], tuple[float, float] | None] | None = None
 
     def policy(
         self,
@@ -806,7 +809,10 @@ class AdaptiveState:
                 measured,
                 batched_ms=batched,
                 draft_prefill_ms_per_token=draft_ms / TOKENS_PER_CATCH_UP_FORWARD,
+                service_line=self.service_line,
             )
+        if target.load.step_intercept_ms or target.load.step_ms_per_token:  # the line as of this GetInfo
+            self.costs[key].reported_line = (target.load.step_intercept_ms, target.load.step_ms_per_token)
         return AdaptiveK(
             k_max,
             name,

@@ -160,6 +160,14 @@ class Placement:
         self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
         self._replicas: dict[str, ReplicaState] = {}
         self._turn = itertools.count()
+        self._step_line: tuple[float, float] | None = None  # the newest report's, see step_line
+
+    def step_line(self) -> tuple[float, float] | None:
+        """The step line (intercept ms, ms per batched token: ``ServiceLoad.step_intercept_ms`` and
+        ``step_ms_per_token``) of the newest load report that had one, any replica's (the replicas
+        run one model; no age limit: a step's cost does not go stale as a load does); None before
+        one came. Adaptive K prices every option of every round by it: a read of one field."""
+        return self._step_line
 
     def state(self, replica: str) -> ReplicaState:
         return self._replicas.setdefault(replica, ReplicaState())
@@ -277,6 +285,8 @@ class Placement:
         state = self.state(replica)
         if load is not None:
             state.load, state.load_at, state.sessions_at_report = load, time.monotonic(), state.sessions
+            if load.step_intercept_ms or load.step_ms_per_token:
+                self._step_line = (load.step_intercept_ms, load.step_ms_per_token)
         if round_trip_ms is not None:
             weight = LATENCY_WEIGHT if state.recent() else 1.0
             state.overhead_ms += weight * (max(0.0, round_trip_ms - compute_ms) - state.overhead_ms)

@@ -52,6 +52,10 @@ watchdog thread that finds a step running longer than it, and the engine gives u
 (its queued calls fail with UNAVAILABLE, the handler is called), though its thread cannot be
 stopped.
 
+Priced: every step of decoding work (no prefill chunk in it) teaches the engine's
+:class:`specdec.engine.step_line.StepLine` what a step of that many batched tokens costs; its
+service publishes the line with its load reports (:mod:`specdec.rpc.service_load`).
+
 Traced: a work's steps run in the OpenTelemetry context of the call that queued it, so the spans
 they open (acceptance, rollback) sit under that call's span, and each step adds a ``forward`` span
 there (attributes: the call's ``specdec.num_tokens``, the step's ``specdec.batch_size`` and
@@ -72,6 +76,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from specdec.engine.batching import BatchedLM, SequenceStep
+from specdec.engine.step_line import StepLine
 from specdec.handoff import together
 from specdec.observability.prom import EngineMetrics
 from specdec.rpc.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
@@ -205,6 +210,7 @@ class Engine:
         self._died: BaseException | None = None  # what killed the loop
         self._on_fatal: Fatal | None = None
         self._step_start: float | None = None  # time.perf_counter() when the running step began
+        self.step_line = StepLine()  # what its decode steps cost, published in its service's load reports
 
     def submit(
         self,
@@ -508,6 +514,8 @@ class Engine:
         num_tokens = sum(len(step.token_ids) for step in steps)
         num_prefill_tokens = sum(len(step.token_ids) for entry, step in batch if entry.work.is_prefill)
         self.metrics.observe_step(len(batch), num_tokens, step_ms)
+        if not num_prefill_tokens:
+            self.step_line.observe(num_tokens, step_ms)
         failed = self._accept(batch, logits)  # and the calls of sequences preempted in the step
         outcomes: list[tuple[_Entry, Exception | None]] = []
         for i, ((entry, step), rows) in enumerate(zip(batch, logits, strict=True)):

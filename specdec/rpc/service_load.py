@@ -22,13 +22,17 @@ def service_load(sessions: SessionRegistry, engines: Iterable[Engine]) -> common
     over ``engines`` (the verify service's target, the draft service's model drafters), the calls
     waiting for their first step, the running sequences, and the KV blocks (of ``kv_block_size``
     tokens) in the budget and free for a new session of the engines whose model keeps its KV in a
-    budget of blocks (none: 0, 0 and 0)."""
+    budget of blocks (none: 0, 0 and 0); and the step line (:class:`specdec.engine.step_line.StepLine`)
+    of the first engine that measured one (the verify service runs one engine; 0 and 0: none)."""
     waiting = running = total = free = block_size = 0
+    line: tuple[float, float] | None = None
     for engine in engines:
         waiting += engine.num_waiting_calls()
         running += engine.num_running_seqs()
         if (kv := engine.lm.kv_usage()) is not None:
             total, free, block_size = total + kv.budget, free + kv.free, kv.block_size
+        line = line or engine.step_line.line()
+    intercept_ms, ms_per_token = line or (0.0, 0.0)
     return common_pb2.ServiceLoad(
         num_sessions=sessions.num_in_use(),
         max_sessions=sessions.max_sessions,
@@ -37,4 +41,6 @@ def service_load(sessions: SessionRegistry, engines: Iterable[Engine]) -> common
         kv_blocks_total=total,
         kv_blocks_free=free,
         kv_block_size=block_size,
+        step_intercept_ms=intercept_ms,
+        step_ms_per_token=ms_per_token,
     )
