@@ -627,6 +627,14 @@ def store_outage(request):
     outage.heal()
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def shared_redis(request) -> tuple[str, bool]:
+    """(url, cluster) of the session's Redis ("redis") or Redis Cluster ("cluster"): a RedisStore's
+    arguments, and a coordinator's redis_url and redis_cluster."""
+    cluster = request.param == "cluster"
+    return request.getfixturevalue("redis_cluster" if cluster else "redis_server").url, cluster
+
+
 def error_counter() -> Counter:
     return Counter("store_errors", "", ["operation"], registry=CollectorRegistry())
 

@@ -3,7 +3,7 @@ ids, status and timestamps, so that any coordinator replica can resume it; and t
 estimates per (drafter, target) that warm-start adaptive K on every replica.
 
 :class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set (one Redis, or a Redis
-Cluster with ``SPECDEC_REDIS_CLUSTER``), :class:`MemoryStore` in the process otherwise
+Cluster with ``--redis-cluster``), :class:`MemoryStore` in the process otherwise
 (single-machine use: a resume must then reach the same coordinator). Both keep a request
 ``ttl_s`` seconds after its last write.
 
