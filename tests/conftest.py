@@ -429,8 +429,9 @@ class RedisClusterNodes:
     """A real Redis Cluster on free loopback ports: ``masters`` masters, each with ``replicas``
     replicas (``redis-cli --cluster create``), every node a :class:`RedisServer` in cluster mode
     with the manifests' memory policy, ``password`` (``--requirepass``, and ``--masterauth`` for
-    its replicas) and ``tls`` (as RedisServer's, for the cluster bus and replication too), and a
-    node timeout of 1 s, so that a master killed is replaced by its replica within about 3 s.
+    its replicas) and ``tls`` (as RedisServer's, for the cluster bus and replication too), ``args``
+    (more flags of every node, a manifest's; this class's own come after them) and a node timeout
+    of 1 s, so that a master killed is replaced by its replica within about 3 s.
     ``url``: a seed node's, with the password, for a store with ``cluster=True``. Each node keeps
     its cluster configuration and log in a folder of its own under ``root``, so a node killed and
     started again rejoins (as a replica of the master promoted in its place)."""
@@ -442,6 +443,7 @@ class RedisClusterNodes:
         replicas: int = 1,
         password: str = "cluster-password",
         tls: tuple[str, str, str] | None = None,
+        args: tuple[str, ...] = (),
     ):
         if shutil.which("redis-cli") is None:
             pytest.fail("redis-cli is not installed: run scripts/setup.sh --test (it installs Debian's redis-tools)")
@@ -450,7 +452,7 @@ class RedisClusterNodes:
         for i in range(masters * (1 + replicas)):
             folder = root / f"node{i}"
             folder.mkdir()
-            cluster = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--dir", str(folder))
+            cluster = (*args, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--dir", str(folder))
             # the cluster bus on a port of its own: the default, port + 10000, may be taken or above 65535
             cluster += ("--cluster-config-file", str(folder / "nodes.conf"), "--cluster-port", str(free_port()))
             # a replica's first sync at once, not after the 5 s Redis waits for more replicas by default
