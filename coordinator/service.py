@@ -535,6 +535,7 @@ async def serve(
             settings.request_ttl_s,
             metrics.store_errors,
             max_finished_per_client=settings.max_finished_requests_per_client,
+            cluster=settings.redis_cluster,
             ssl_ca_certs=settings.redis_tls_ca_file,
             ssl_certfile=settings.redis_tls_cert_file,
             ssl_keyfile=settings.redis_tls_key_file,

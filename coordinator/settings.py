@@ -1,6 +1,7 @@
 import dataclasses
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -377,6 +378,16 @@ class CoordinatorSettings(ServiceSettings):
         description="Redis URL of the request store shared by the "
         "coordinator replicas (redis://host:6379/0; rediss:// for TLS); empty: a store inside this process.",
     )
+    redis_cluster: bool = Field(
+        False,
+        description="redis_url names a node of a Redis Cluster, not one Redis: the requests are spread over the "
+        "cluster's masters (a request's keys in one slot), and after a master fails the coordinators follow the "
+        "replica promoted in its place. The URL's host seeds the client with every node: a DNS name that resolves "
+        "to every node (a Kubernetes headless Service) stays the seed, resolved again at each new connection; an IP "
+        "address seeds once (the nodes it reports are the seeds after). Password, rediss:// and redis_tls_* as for "
+        "one Redis (over TLS each node's certificate must name the address the cluster announces it by); the URL's "
+        "database must be 0.",
+    )
     redis_tls_ca_file: str = Field(
         "",
         description="PEM CA bundle Redis's certificate is checked against, for a rediss:// redis_url (redis-py's "
@@ -529,6 +540,24 @@ class CoordinatorSettings(ServiceSettings):
             names = (f"{prefix}ca_file", f"{prefix}cert_file", f"{prefix}key_file")
             ca_file, cert_file, key_file = (getattr(self, name) for name in names)
             check_client_files(ca_file, cert_file, key_file, names)
+        return self
+
+    @model_validator(mode="after")
+    def _redis_cluster_url(self):
+        """Fails the start on a redis_cluster without a URL that can name a cluster, naming what to change."""
+        if not self.redis_cluster:
+            return self
+        if not self.redis_url:
+            raise ValueError(
+                "redis_cluster needs redis_url: set it to a node of the cluster (redis://host:6379/0, rediss:// for "
+                "TLS), or a DNS name of its nodes"
+            )
+        database = urlsplit(self.redis_url).path.strip("/")
+        if database not in ("", "0"):
+            raise ValueError(
+                f"redis_url names database {database}, but a Redis Cluster has database 0 only: end redis_url with "
+                "/0, or unset redis_cluster for one Redis"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """Shared fixtures: tiny random Llama models saved to disk, the three services started as real
-gRPC servers on free ports inside the test process, and a real Redis server; and the helpers
-several test modules use (plain greedy decoding, chat prompts, a chi-square test, a wrong
-acceptance rule for negative controls, a recorder of the engine's batch sizes, question files)."""
+gRPC servers on free ports inside the test process, a real Redis server and a real Redis Cluster;
+and the helpers several test modules use (plain greedy decoding, chat prompts, a chi-square test,
+a wrong acceptance rule for negative controls, a recorder of the engine's batch sizes, question
+files)."""
 
 import asyncio
 import contextlib
@@ -385,25 +386,32 @@ class RedisServer:
     """A real ``redis-server`` on a free port, without persistence: killed, it comes back empty.
     Its memory policy is the manifests' (``noeviction``: a full Redis refuses writes, evicts
     nothing), its memory unbounded unless ``args`` (more of its flags, a manifest's) give a
-    ``--maxmemory``; ``password``: the one they set (``--requirepass``)."""
+    ``--maxmemory``; ``password``: the one they set (``--requirepass``). With ``tls`` (PEM files:
+    CA, certificate, key) its port speaks TLS only, and asks clients for no certificate."""
 
-    def __init__(self, args: tuple[str, ...] = (), password: str | None = None):
+    def __init__(
+        self, args: tuple[str, ...] = (), password: str | None = None, tls: tuple[str, str, str] | None = None
+    ):
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed: run scripts/setup.sh --test (it installs Debian's package)")
         self.port = free_port()
-        self.args, self.password = args, password
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args, self.password, self.tls = args, password, tls
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
+        port = ["--port", str(self.port)]
+        if self.tls:
+            ca, cert, key = self.tls
+            port = ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file", ca, "--tls-cert-file", cert]
+            port += ["--tls-key-file", key, "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(
             [
                 "redis-server",
                 "--maxmemory-policy",
                 "noeviction",
                 *self.args,
-                "--port",
-                str(self.port),
+                *port,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -428,7 +436,8 @@ class RedisServer:
         self.process.wait()
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, password=self.password)
+        tls = {"ssl": True, "ssl_ca_certs": self.tls[0]} if self.tls else {}
+        return redis.Redis(port=self.port, password=self.password, **tls)
 
 
 @pytest.fixture(scope="session")
@@ -440,6 +449,218 @@ def redis_server():
         server.kill()
 
 
+class RedisClusterNodes:
+    """A real Redis Cluster on free loopback ports: ``masters`` masters, each with ``replicas``
+    replicas (``redis-cli --cluster create``), every node a :class:`RedisServer` in cluster mode
+    with the manifests' memory policy, ``password`` (``--requirepass``, and ``--masterauth`` for
+    its replicas) and ``tls`` (as RedisServer's, for the cluster bus and replication too), ``args``
+    (more flags of every node, a manifest's; this class's own come after them) and a node timeout
+    of 1 s, so that a master killed is replaced by its replica within about 3 s.
+    ``url``: a seed node's, with the password, for a store with ``cluster=True``. Each node keeps
+    its cluster configuration and log in a folder of its own under ``root``, so a node killed and
+    started again rejoins (as a replica of the master promoted in its place)."""
+
+    def __init__(
+        self,
+        root: Path,
+        masters: int = 3,
+        replicas: int = 1,
+        password: str = "cluster-password",
+        tls: tuple[str, str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ):
+        if shutil.which("redis-cli") is None:
+            pytest.fail("redis-cli is not installed: run scripts/setup.sh --test (it installs Debian's redis-tools)")
+        self.replicas, self.password, self.tls = replicas, password, tls
+        self.nodes: list[RedisServer] = []
+        for i in range(masters * (1 + replicas)):
+            folder = root / f"node{i}"
+            folder.mkdir()
+            cluster = (*args, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--dir", str(folder))
+            # the cluster bus on a port of its own: the default, port + 10000, may be taken or above 65535
+            cluster += ("--cluster-config-file", str(folder / "nodes.conf"), "--cluster-port", str(free_port()))
+            # a replica's first sync at once, not after the 5 s Redis waits for more replicas by default
+            cluster += ("--repl-diskless-sync-delay", "0", "--logfile", str(folder / "redis.log"))
+            cluster += ("--requirepass", password, "--masterauth", password)
+            if tls:
+                cluster += ("--tls-cluster", "yes", "--tls-replication", "yes")
+            self.nodes.append(RedisServer(cluster, password, tls))
+        self.url = self.nodes[0].url.replace("://", f"://:{password}@", 1)
+
+    def start(self) -> None:
+        """Starts the nodes, makes them a cluster and waits until every node serves every slot and
+        every replica is in sync."""
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        tls = ["--tls", "--cacert", self.tls[0]] if self.tls else []
+        created = subprocess.run(
+            [
+                "redis-cli",
+                *tls,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "REDISCLI_AUTH": self.password},  # the password off the command line
+        )
+        assert created.returncode == 0, f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}"
+        self._wait_until_whole()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.kill()
+
+    def master_of(self, key: str) -> RedisServer:
+        """The node that is the master of ``key``'s slot now."""
+        client = self.live()[0].client()
+        slot = client.execute_command("CLUSTER", "KEYSLOT", key)
+        (port,) = [
+            master[1] for start, end, master, *_ in client.execute_command("CLUSTER SLOTS") if start <= slot <= end
+        ]
+        return next(node for node in self.nodes if node.port == port)
+
+    def masters(self) -> list[RedisServer]:
+        """The nodes that are masters now."""
+        ports = self._master_ports(self.live()[0])
+        return [node for node in self.nodes if node.port in ports]
+
+    def hash_tag_on(self, master: RedisServer) -> str:
+        """A hash tag (``{...}``) of a slot that ``master`` serves: keys holding it are its keys."""
+        return next(tag for tag in (f"{{t{i}}}" for i in itertools.count()) if self.master_of(tag) is master)
+
+    def kill_master(self, key: str) -> RedisServer:
+        """SIGKILLs the master of ``key``'s slot (its replica is promoted in about 3 s:
+        :meth:`wait_for_failover`); returns it, for :meth:`rejoin`."""
+        master = self.master_of(key)
+        master.kill()
+        return master
+
+    def wait_for_failover(self, killed: RedisServer, timeout_s: float = 20.0) -> None:
+        """Waits until every live node reports the cluster whole (``cluster_state:ok``) with another
+        node as master of the slots ``killed`` served."""
+        deadline = time.monotonic() + timeout_s
+        while not all(killed.port not in self._master_ports(node) and self._ok(node) for node in self.live()):
+            assert time.monotonic() < deadline, f"no replica took over from the killed master within {timeout_s:g} s"
+            time.sleep(0.05)
+
+    def rejoin(self, node: RedisServer) -> None:
+        """Starts a killed ``node`` again and waits until it is a replica in sync, and the cluster whole."""
+        if node.process is not None and node.process.poll() is None:
+            return
+        node.start()
+        deadline = time.monotonic() + 20
+        while not (node.client().info("replication").get("master_link_status") == "up" and self._whole()):
+            assert time.monotonic() < deadline, f"redis-server on port {node.port} did not rejoin as a replica in 20 s"
+            time.sleep(0.05)
+
+    def live(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.process is not None and node.process.poll() is None]
+
+    def _wait_until_whole(self) -> None:
+        deadline = time.monotonic() + 30
+        while not self._whole():
+            assert time.monotonic() < deadline, "the Redis Cluster did not come up whole (cluster_state:ok) in 30 s"
+            time.sleep(0.05)
+
+    def _whole(self) -> bool:
+        """Every node up and ``cluster_state:ok``, and every replica's link to its master up."""
+        if len(self.live()) < len(self.nodes) or not all(self._ok(node) for node in self.nodes):
+            return False
+        roles = [node.client().info("replication") for node in self.nodes]
+        return all(role["role"] == "master" or role.get("master_link_status") == "up" for role in roles)
+
+    @staticmethod
+    def _ok(node: RedisServer) -> bool:
+        return node.client().execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+
+    @staticmethod
+    def _master_ports(node: RedisServer) -> set[int]:
+        return {master[1] for _, _, master, *_ in node.client().execute_command("CLUSTER SLOTS")}
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """The session's Redis Cluster (:class:`RedisClusterNodes`: three masters, a replica each),
+    started by the first test that uses it, stopped at the session's end."""
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class RedisOutage:
+    """One Redis (:class:`RedisServer`) down for a test: killed, then started again, empty."""
+
+    cluster = False
+
+    def __init__(self, server: RedisServer):
+        self.server, self.url = server, server.url
+
+    def begin(self, stored_as: str) -> None:
+        self.server.kill()
+
+    def end(self) -> None:
+        self.server.start()
+
+    def heal(self) -> None:
+        if self.server.process is not None and self.server.process.poll() is not None:
+            self.server.start()
+
+
+class ClusterOutage:
+    """A Redis Cluster (:class:`RedisClusterNodes`) losing the master of a request's slot: killed,
+    until its replica is promoted (the record kept there); it rejoins as a replica after the test."""
+
+    cluster = True
+
+    def __init__(self, nodes: RedisClusterNodes):
+        self.nodes, self.url = nodes, nodes.url
+        self.killed: RedisServer | None = None
+
+    def begin(self, stored_as: str) -> None:
+        self.killed = self.nodes.kill_master(f"specdec:request:{{{stored_as}}}")
+
+    def end(self) -> None:
+        assert self.killed is not None, "end() before begin()"
+        self.nodes.wait_for_failover(self.killed)
+
+    def heal(self) -> None:
+        if self.killed is not None:
+            self.nodes.rejoin(self.killed)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def store_outage(request):
+    """An outage of the Redis a store test runs on (one Redis, or a Redis Cluster's master): the
+    test makes it ``begin(stored_as)`` the store of the record under ``stored_as`` and ``end()``;
+    the Redis is whole again after the test, whatever the test did. ``url``, ``cluster``: the
+    RedisStore's arguments."""
+    if request.param == "redis":
+        outage: RedisOutage | ClusterOutage = RedisOutage(request.getfixturevalue("redis_server"))
+    else:
+        outage = ClusterOutage(request.getfixturevalue("redis_cluster"))
+    yield outage
+    outage.heal()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def shared_redis(request) -> tuple[str, bool]:
+    """(url, cluster) of the session's Redis ("redis") or Redis Cluster ("cluster"): a RedisStore's
+    arguments, and a coordinator's redis_url and redis_cluster."""
+    cluster = request.param == "cluster"
+    return request.getfixturevalue("redis_cluster" if cluster else "redis_server").url, cluster
+
+
 def error_counter() -> Counter:
     return Counter("store_errors", "", ["operation"], registry=CollectorRegistry())
 
@@ -449,15 +670,20 @@ def record(request_id: str, generated=()) -> StoredRequest:
     return StoredRequest(request_id, request, "tiny-target", "fingerprint", generated=list(generated))
 
 
-@pytest.fixture(params=["redis", "memory"])
-def with_store(request, redis_server):
+@pytest.fixture(params=["redis", "memory", "cluster"])
+def with_store(request):
     """A request store test's runner: runs ``scenario(store)`` with a store of the parameter's
-    kind, closed afterwards."""
+    kind (one Redis, the process's own, a Redis Cluster), closed afterwards."""
+    cluster = request.param == "cluster"
+    if request.param != "memory":
+        url = request.getfixturevalue("redis_cluster" if cluster else "redis_server").url
 
     def run(scenario, ttl_s: float = 60.0) -> None:
         async def main():
             store = (
-                RedisStore(redis_server.url, ttl_s, error_counter()) if request.param == "redis" else MemoryStore(ttl_s)
+                MemoryStore(ttl_s)
+                if request.param == "memory"
+                else RedisStore(url, ttl_s, error_counter(), cluster=cluster)
             )
             try:
                 await scenario(store)

@@ -1,7 +1,7 @@
 """Admission (:mod:`coordinator.api.admission`): the per-client limit over every coordinator sharing
 a request store, the fair queue of requests waiting for room on a full verify service, and
-streams whose clients stop reading; the algorithms alone first, then through real coordinators,
-services and Redis."""
+streams whose clients stop reading; the algorithms alone first (the limit's store in the process, in
+Redis and in a Redis Cluster), then through real coordinators, services and Redis."""
 
 import asyncio
 import json
@@ -119,12 +119,30 @@ def test_a_cancelled_waiter_leaves_the_queue():
     assert asyncio.run(scenario()) == 0
 
 
-def stores(redis_server: RedisServer | None):
-    if redis_server is None:
+def redis_of(request, backend: str) -> tuple[str, bool] | None:
+    """(url, cluster) of the Redis of ``backend``, started before the test's event loop runs: the
+    module's Redis ("redis") or the session's Redis Cluster ("cluster"); None for "memory"."""
+    if backend == "memory":
+        return None
+    cluster = backend == "cluster"
+    return request.getfixturevalue("redis_cluster" if cluster else "redis_server").url, cluster
+
+
+async def stores(redis: tuple[str, bool] | None):
+    """Two coordinators' stores: one MemoryStore without ``redis`` (one coordinator's: both limits
+    share it), else two RedisStores on it (:func:`redis_of`), each connected already: a cluster
+    client's first call learns the cluster's topology and commands, which holds the event loop for
+    tens of milliseconds (hundreds on a loaded machine), longer than the leases' renewal can wait
+    in these tests."""
+    if redis is None:
         store = MemoryStore(60)
-        return store, store  # one coordinator's store: both limits share it
+        return store, store
+    url, cluster = redis
     errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
-    return RedisStore(redis_server.url, 60, errors), RedisStore(redis_server.url, 60, errors)
+    both = RedisStore(url, 60, errors, cluster=cluster), RedisStore(url, 60, errors, cluster=cluster)
+    for store in both:
+        await store.load_priors("warm-up")
+    return both
 
 
 async def drain(limit: ClientLimit, client: str, n: int = 1, hold: asyncio.Event | None = None) -> None:
@@ -145,12 +163,12 @@ def redis_server():
     server.kill()
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize("backend", ["memory", "redis", "cluster"])
 def test_client_limit_counts_over_every_coordinator_of_a_store(backend, request):
-    redis_server = request.getfixturevalue("redis_server") if backend == "redis" else None
+    redis = redis_of(request, backend)
 
     async def scenario():
-        first_store, second_store = stores(redis_server)
+        first_store, second_store = await stores(redis)
         one, two = ClientLimit(first_store, 3), ClientLimit(second_store, 3)
         client = f"key {backend}-a"
         hold = asyncio.Event()
@@ -171,9 +189,12 @@ def test_client_limit_counts_over_every_coordinator_of_a_store(backend, request)
     assert "max_streams_per_client" in str(asyncio.run(scenario()))
 
 
-def test_a_dead_coordinators_leases_expire(redis_server):
+@pytest.mark.parametrize("backend", ["redis", "cluster"])
+def test_a_dead_coordinators_leases_expire(backend, request):
+    redis = redis_of(request, backend)
+
     async def scenario():
-        first_store, second_store = stores(redis_server)
+        first_store, second_store = await stores(redis)
         dead = ClientLimit(first_store, 1, lease_ttl_s=0.3)
         await first_store.acquire_leases("key gone", ["lease"], 1, 0.3)  # held by a coordinator that died
         alive = ClientLimit(second_store, 1)
@@ -186,15 +207,16 @@ def test_a_dead_coordinators_leases_expire(redis_server):
     asyncio.run(scenario())
 
 
-def test_while_the_store_is_down_each_coordinator_admits_its_share():
-    """Redis unreachable: each of two coordinators (max_coordinator_replicas = 2) admits 2 // 2 = 1 of
-    a client's requests, so the client runs 2, its limit, not 2 on each; the refusal names both
-    settings."""
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "cluster"])
+def test_while_the_store_is_down_each_coordinator_admits_its_share(cluster):
+    """Redis unreachable (one Redis, or every node of a Redis Cluster): each of two coordinators
+    (max_coordinator_replicas = 2) admits 2 // 2 = 1 of a client's requests, so the client runs 2,
+    its limit, not 2 on each; the refusal names both settings."""
     errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
     dead = RedisServer()  # never started: nothing listens on its port
 
     async def scenario():
-        stores = [RedisStore(dead.url, 60, errors, timeout_s=0.2) for _ in range(2)]
+        stores = [RedisStore(dead.url, 60, errors, timeout_s=0.2, cluster=cluster) for _ in range(2)]
         limits = [ClientLimit(store, 2, replicas=2) for store in stores]
         hold = asyncio.Event()
         running = [asyncio.ensure_future(drain(limit, "key a", hold=hold)) for limit in limits]
@@ -216,9 +238,12 @@ def test_while_the_store_is_down_each_coordinator_admits_its_share():
         assert "cannot be reached" in refusal and "max_coordinator_replicas" in refusal, refusal
 
 
-def test_leases_are_renewed_while_a_request_runs(redis_server):
+@pytest.mark.parametrize("backend", ["redis", "cluster"])
+def test_leases_are_renewed_while_a_request_runs(backend, request):
+    redis = redis_of(request, backend)
+
     async def scenario():
-        first_store, second_store = stores(redis_server)
+        first_store, second_store = await stores(redis)
         one, two = ClientLimit(first_store, 1, lease_ttl_s=0.3), ClientLimit(second_store, 1, lease_ttl_s=0.3)
         hold = asyncio.Event()
         running = asyncio.ensure_future(drain(one, "key long", 1, hold))

@@ -3,12 +3,14 @@ every overlay rendered with `kubectl kustomize`, validated against the Kubernete
 checkov and hadolint. The other tests check what the rendered manifests promise the services:
 setting names they read, probe ports, the coordinator's HTTP port and API keys Secret, which
 services are insecure (the local overlays only), the gpu overlay's mutual TLS and Redis password
-(with a real redis-server), which ports the NetworkPolicies admit, shutdown timing, GPU
+(with a real redis-server), the gpu-redis-cluster overlay's Redis Cluster (six real redis-server
+nodes with its arguments), which ports the NetworkPolicies admit, shutdown timing, GPU
 placement, where models come from.
 test_dockerfile_copies_survive_dockerignore checks the images' build context without a build.
 
 kubectl is required: without it these tests fail (they do not skip)."""
 
+import asyncio
 import datetime
 import json
 import os
@@ -29,14 +31,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from packaging.version import Version
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
+from coordinator.request_store.store import RedisStore, StoredRequest
 from coordinator.settings import CoordinatorSettings
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
 from specdec.rpc.server import SHUTDOWN_GRACE_S
-from tests.conftest import RedisServer
+from specdec.v1 import coordinator_pb2
+from tests.conftest import RedisClusterNodes, RedisServer
 from tests.test_dashboard import exported_sample_names, metric_names
 from tests.test_lock import pins
 from verify_service.service import build as build_verify
@@ -226,10 +231,13 @@ def test_http_api_port(overlay):
     assert admitted_from(policy, "http") == admitted_from(policy, "grpc") != []
 
 
+WORKLOADS = ("Deployment", "StatefulSet", "Job")  # the kinds of this project's pods
+
+
 def test_network_policy_ports_exist(overlay):
     """A port name no selected pod has would admit nothing, silently."""
     _, resources = overlay
-    pods = [doc["spec"]["template"] for (kind, _), doc in resources.items() if kind == "Deployment"]
+    pods = [doc["spec"]["template"] for (kind, _), doc in resources.items() if kind in WORKLOADS]
     for (kind, name), doc in resources.items():
         if kind != "NetworkPolicy":
             continue
@@ -358,6 +366,7 @@ def test_api_keys_from_the_secret(overlay):
         assert result.returncode != 0 and "no key named keys" in result.stderr and not path.exists()
 
 
+GPU_OVERLAYS = ("gpu", "gpu-redis-cluster")  # the gpu overlay and the one built on it
 # The services each overlay starts with their opt-out of authenticating callers; any other overlay, none.
 INSECURE = {"local": {"coordinator", "draft", "verify"}, "local-tls": {"coordinator"}}
 
@@ -414,6 +423,48 @@ def redis_password(resources) -> tuple[str, dict]:
     variable = args[args.index("--requirepass") + 1].removeprefix("$(").removesuffix(")")
     (secret,) = [var["valueFrom"]["secretKeyRef"] for var in container["env"] if var["name"] == variable]
     return variable, secret
+
+
+def test_the_redis_cluster_overlay_runs_the_store_on_a_cluster_with_the_password(tmp_path):
+    """The gpu-redis-cluster overlay: no single Redis left, the coordinators told that their URL
+    (the Secret's) names a cluster, and six nodes started with the StatefulSet's arguments (its
+    password from the Secret, as the kubelet substitutes it; each node announcing a hostname,
+    here localhost for all) make a cluster the coordinators' store writes to and reads from over
+    every master."""
+    resources = render("gpu-redis-cluster")
+    assert not [name for (kind, name) in resources if name == "specdec-redis"]
+    _, container = coordinator(resources)
+    env = {var["name"]: var for var in container["env"]}
+    assert env[env_name("coordinator", "redis_cluster")]["value"] == "true"
+    assert env["SPECDEC_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "specdec-redis", "key": "url"}}
+    statefulset = resources[("StatefulSet", "specdec-redis-cluster")]["spec"]
+    (node,) = statefulset["template"]["spec"]["containers"]
+    secrets = {var["name"]: var["valueFrom"].get("secretKeyRef") for var in node["env"]}
+    assert secrets["REDISCLI_AUTH"] == {"name": "specdec-redis", "key": "password"}
+    password = "0123456789abcdef"
+    args = [
+        arg.replace("$(REDISCLI_AUTH)", password).replace("$(POD_NAME).specdec-redis-cluster", "localhost")
+        for arg in node["args"][1:]
+    ]
+    nodes = RedisClusterNodes(tmp_path, statefulset["replicas"] // 2, password=password, args=tuple(args))
+
+    async def store_over_every_master() -> list[list[int]]:
+        errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
+        store = RedisStore(nodes.url.replace("127.0.0.1", "localhost"), 60, errors, cluster=True)
+        request = coordinator_pb2.GenerateRequest(text="hi")
+        try:
+            for i in range(12):
+                assert await store.create(StoredRequest(f"k8s-{i}", request, "target", "fp", generated=[i]))
+            return [(await store.load(f"k8s-{i}")).generated for i in range(12)]
+        finally:
+            await store.close()
+
+    try:
+        nodes.start()
+        assert len({nodes.master_of(f"specdec:request:{{k8s-{i}}}").port for i in range(12)}) == 3
+        assert asyncio.run(store_over_every_master()) == [[i] for i in range(12)]
+    finally:
+        nodes.stop()
 
 
 CERT_MANAGER_USAGES = {"server auth": ExtendedKeyUsageOID.SERVER_AUTH, "client auth": ExtendedKeyUsageOID.CLIENT_AUTH}
@@ -604,7 +655,7 @@ def test_gpu_placement(overlay):
         service: int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
         for service, _, container in services(resources)
     }
-    if name != "gpu":
+    if name not in GPU_OVERLAYS:
         assert gpus == {"coordinator": 0, "draft": 0, "verify": 0}
         return
     assert gpus["coordinator"] == 0 and gpus["draft"] == 1 and gpus["verify"] > 1
@@ -657,7 +708,7 @@ def test_scaled_objects(overlay):
     scaled = {
         doc["spec"]["scaleTargetRef"]["name"]: doc for (kind, _), doc in resources.items() if kind == "ScaledObject"
     }
-    if name == "gpu":
+    if name in GPU_OVERLAYS:
         assert sorted(scaled) == ["specdec-draft", "specdec-verify"]
     hpa_targets = [
         doc["spec"]["scaleTargetRef"]["name"]

@@ -1,5 +1,6 @@
 """coordinator.request_store.journal: a running request's record kept in the store round by round,
-written whole again after Redis comes back empty, never over another request's of the same id."""
+written whole again after Redis comes back empty (or a cluster's replica takes over from its master), never
+over another request's of the same id."""
 
 import asyncio
 
@@ -50,20 +51,22 @@ def test_journal_keeps_each_tokens_logprobs_and_the_choice(with_store):
     with_store(scenario)
 
 
-def test_journal_survives_redis_loss_and_rewrites_the_record(redis_server):
-    """While Redis is down the journal's writes fail (counted, not raised); the first write after
-    it returns, empty, puts the whole record back."""
+def test_journal_survives_the_stores_loss_and_rewrites_the_record(store_outage):
+    """While the store is down (one Redis killed; or the cluster master of the record's slot killed,
+    until its replica is promoted) the journal's writes fail (counted, not raised); the first write
+    after it answers again puts the whole record back (into a Redis started again empty; over what
+    the promoted replica held)."""
     errors = error_counter()
 
     async def scenario():
-        store = RedisStore(redis_server.url, 60, errors, retry_after_s=0.2)
+        store = RedisStore(store_outage.url, 60, errors, retry_after_s=0.2, cluster=store_outage.cluster)
         journal = RequestJournal(store, record("journal"))
         await journal.commit([1, 2, 3])
-        redis_server.kill()
+        store_outage.begin("journal")
         await journal.commit([4])  # fails, counted
         with pytest.raises(StoreUnavailable):  # within the back-off: refused without a connection attempt
             await store.load("journal")
-        redis_server.start()
+        store_outage.end()
         await asyncio.sleep(0.3)
         await journal.commit([5])
         loaded = await store.load("journal")
@@ -78,18 +81,19 @@ def test_journal_survives_redis_loss_and_rewrites_the_record(redis_server):
     assert errors.labels("append")._value.get() >= 1 and errors.labels("load")._value.get() == 1
 
 
-def test_create_never_claims_an_id_it_could_not_check(redis_server):
-    """Two requests of one id started while Redis is down: create answers None (unchecked), not
-    True; when Redis is back the first to write claims the id and the other never writes over it."""
+def test_create_never_claims_an_id_it_could_not_check(store_outage):
+    """Two requests of one id started while the store is down: create answers None (unchecked),
+    not True; when the store is back the first to write claims the id and the other never writes
+    over it."""
 
     async def scenario():
-        store = RedisStore(redis_server.url, 60, error_counter(), retry_after_s=0.2)
+        store = RedisStore(store_outage.url, 60, error_counter(), retry_after_s=0.2, cluster=store_outage.cluster)
         first, second = RequestJournal(store, record("twice")), RequestJournal(store, record("twice"))
-        redis_server.kill()
+        store_outage.begin("twice")
         try:
             assert await first.create() is None and await second.create() is None
         finally:
-            redis_server.start()
+            store_outage.end()
         await asyncio.sleep(0.3)
         await first.commit([1, 1])
         await second.commit([2, 2, 2])

@@ -95,16 +95,18 @@ def test_bad_resumes(tiny_pipeline, taken, fields, code, message):
     assert message in caught.value.details()
 
 
-def test_a_running_request_resumes_with_its_stored_logprobs(tiny_pipeline, tiny_models, redis_server):
-    """The record a coordinator that died after 12 tokens left in Redis: a resume from 5 sends the
-    7 stored tokens with their stored log-probabilities, then the rest with new ones, as the
-    uncut request had them."""
+def test_a_running_request_resumes_with_its_stored_logprobs(tiny_pipeline, tiny_models, shared_redis):
+    """The record a coordinator that died after 12 tokens left in Redis (one Redis, or a Redis
+    Cluster: --redis-cluster): a resume from 5 sends the 7 stored tokens with their stored
+    log-probabilities, then the rest with new ones, as the uncut request had them."""
+    url, cluster = shared_redis
     settings = CoordinatorSettings(
         port=0,
         draft_address=tiny_pipeline.draft_address,
         verify_addresses=[tiny_pipeline.verify_address],
         tokenizer=str(tiny_models.target_dir),
-        redis_url=redis_server.url,
+        redis_url=url,
+        redis_cluster=cluster,
     )
     coordinator = CoordinatorThread(settings)
     address = f"127.0.0.1:{coordinator.port}"
@@ -113,12 +115,13 @@ def test_a_running_request_resumes_with_its_stored_logprobs(tiny_pipeline, tiny_
         whole = generate(address, request(request_id="uncut", **fields), timeout_s=60)
 
         async def cut_after(num_tokens: int) -> None:
-            store = RedisStore(redis_server.url, 60, Counter("errors", "", ["operation"], registry=CollectorRegistry()))
-            record = await store.load("uncut")
+            errors = Counter("errors", "", ["operation"], registry=CollectorRegistry())
+            redis_store = RedisStore(url, 60, errors, cluster=cluster)
+            record = await redis_store.load("uncut")
             record.request_id, record.status = "cut", RUNNING
             record.generated, record.logprobs = record.generated[:num_tokens], record.logprobs[:num_tokens]
-            await store.put(record)
-            await store.close()
+            await redis_store.put(record)
+            await redis_store.close()
 
         asyncio.run(cut_after(12))
         rest = generate(address, coordinator_pb2.GenerateRequest(request_id="cut", resume_from=5), timeout_s=60)

@@ -1,10 +1,12 @@
-"""The session services' limits are checked against each other at start-up (specdec/settings.py):
-a combination under which a step could never fill, or never hold a verify of the largest K, is
-refused with a message naming the settings to change, before any model loads."""
+"""Settings checked against each other at start-up, refused with a message naming the settings to
+change before any model loads: the session services' limits (specdec/settings.py), under which a
+step could never fill, or never hold a verify of the largest K; the coordinator's Redis Cluster,
+which needs a URL of database 0."""
 
 import pytest
 from pydantic import ValidationError
 
+from coordinator.settings import CoordinatorSettings
 from draft_service.settings import DraftSettings
 from specdec.settings import RESERVED_WORKERS, parse_settings
 from verify_service.settings import VerifySettings
@@ -36,3 +38,16 @@ def test_limits_that_contradict_each_other_are_refused_at_start_up(cls, args, na
 
 def test_an_explicit_thread_count_that_fits_is_kept():
     assert VerifySettings(port=0, max_workers=20, max_num_seqs=16).max_workers == 20
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("", "redis_cluster needs redis_url: set it to a node of the cluster"),
+        ("redis://redis-cluster:6379/2", "redis_url names database 2, but a Redis Cluster has database 0 only"),
+    ],
+)
+def test_a_redis_cluster_needs_a_url_of_database_0(url, message):
+    with pytest.raises(ValidationError, match=message):
+        CoordinatorSettings(redis_url=url, redis_cluster=True)
+    assert CoordinatorSettings(redis_url="rediss://:pw@redis-cluster:6379/0", redis_cluster=True).redis_cluster

@@ -9,6 +9,16 @@ import grpc
 import pytest
 import redis
 from google.protobuf.internal import encoder, wire_format
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    MovedError,
+    OutOfMemoryError,
+    RedisClusterUnreachableError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from coordinator.api.client import generate
 from coordinator.api.output import StreamOutput
@@ -18,6 +28,7 @@ from coordinator.request_store.store import (
     RUNNING,
     RedisStore,
     StoreFull,
+    StoreUnavailable,
 )
 from coordinator.settings import CoordinatorSettings
 from specdec.v1 import coordinator_pb2
@@ -109,26 +120,49 @@ def test_a_clients_ended_requests_beyond_its_bound_are_dropped_oldest_first(with
     with_store(scenario)
 
 
-def fill(client: redis.Redis) -> None:
-    """Makes Redis full: 1 MB more in small values, then its maxmemory 256 KiB below what it uses
-    (with the policy noeviction it refuses writes that add memory from then on)."""
-    client.mset({f"filler:{i}": b"x" * 1000 for i in range(1000)})
+def fill(client: redis.Redis, prefix: str = "") -> list[str]:
+    """Makes Redis full: 1 MB more in small values (keys starting with ``prefix``: on a cluster's
+    node, a hash tag of its slots), then its maxmemory 256 KiB below what it uses (with the policy
+    noeviction it refuses writes that add memory from then on). Returns the keys it added."""
+    filler = {f"{prefix}filler:{i}": b"x" * 1000 for i in range(1000)}
+    client.mset(filler)
     client.config_set("maxmemory", client.info("memory")["used_memory"] - 262144)
+    return list(filler)
 
 
-def test_a_full_redis_refuses_new_records_but_not_the_leases():
-    """Redis full (maxmemory, noeviction): a new record gets StoreFull (RESOURCE_EXHAUSTED naming the
-    settings), while a running request's record still grows and loads, the leases are still taken,
-    renewed and given back, and the store is not taken for down after the refusal."""
-    server = RedisServer()
-    server.start()
+@pytest.fixture(params=["redis", "cluster"])
+def fillable_redis(request):
+    """(url, cluster, fill) of a Redis a test fills with ``fill()``: one of its own, killed
+    afterwards, or the session's Redis Cluster, every master filled, then emptied of the filler
+    and unbounded again afterwards."""
+    if request.param == "redis":
+        server = RedisServer()
+        server.start()
+        yield server.url, False, lambda: fill(server.client())
+        server.kill()
+        return
+    nodes = request.getfixturevalue("redis_cluster")
+    filled: dict[RedisServer, list[str]] = {}
+    masters = {master: nodes.hash_tag_on(master) for master in nodes.masters()}
+    yield nodes.url, True, lambda: filled.update({m: fill(m.client(), tag) for m, tag in masters.items()})
+    for master, keys in filled.items():
+        master.client().config_set("maxmemory", 0)
+        master.client().delete(*keys)
+
+
+def test_a_full_redis_refuses_new_records_but_not_the_leases(fillable_redis):
+    """Redis full (maxmemory, noeviction; on a cluster, every master): a new record gets StoreFull
+    (RESOURCE_EXHAUSTED naming the settings), while a running request's record still grows and
+    loads, the leases are still taken, renewed and given back, and the store is not taken for
+    down after the refusal."""
+    url, cluster, fill_it = fillable_redis
     errors = error_counter()
 
     async def scenario():
-        store = RedisStore(server.url, 60, errors, retry_after_s=30)
+        store = RedisStore(url, 60, errors, retry_after_s=30, cluster=cluster)
         try:
             await store.put(record("kept", [1, 2]))
-            fill(server.client())
+            fill_it()
             with pytest.raises(StoreFull) as full:
                 await store.create(record("new"))
             assert await store.acquire_leases("key a", ["l1", "l2"], 2, 30) is None
@@ -143,15 +177,49 @@ def test_a_full_redis_refuses_new_records_but_not_the_leases():
         finally:
             await store.close()
 
-    try:
-        full = asyncio.run(scenario())
-    finally:
-        server.kill()
+    full = asyncio.run(scenario())
     assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     for setting in ("--max-finished-requests-per-client", "--max-stored-request-bytes", "--request-ttl-s"):
         assert setting in str(full)
     assert errors.labels("create")._value.get() == 1
     assert sum(errors.labels(operation)._value.get() for operation in ("append", "load", "acquire_leases")) == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ClusterDownError("CLUSTERDOWN The cluster is down"),
+        MasterDownError("MASTERDOWN Link with MASTER is down"),
+        MovedError("3999 127.0.0.1:6381"),
+        TryAgainError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        redis.ConnectionError("Error 111 connecting to 127.0.0.1:6381"),
+        redis.TimeoutError("Timeout reading from 127.0.0.1:6381"),
+        RedisClusterUnreachableError("Redis Cluster cannot be connected"),
+        SlotNotCoveredError("Slot 3999 is not covered by the cluster"),
+        OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_a_clusters_failures_make_the_store_unavailable_and_a_full_node_full(error, monkeypatch):
+    """What a Redis Cluster answers while it fails over or reshards, and the cluster client's own
+    errors, are StoreUnavailable (UNAVAILABLE: the caller goes on without the store); a full
+    node's refusal is StoreFull (RESOURCE_EXHAUSTED)."""
+
+    async def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(RedisCluster, "hgetall", fail)
+
+    async def scenario():
+        store = RedisStore("redis://127.0.0.1:6381/0", 60, error_counter(), cluster=True)
+        try:
+            await store.load_priors("target")
+        finally:
+            await store.close()
+
+    with pytest.raises(StoreUnavailable) as raised:
+        asyncio.run(scenario())
+    assert isinstance(raised.value, StoreFull) == isinstance(error, OutOfMemoryError)
 
 
 def test_resumed_text_continues_exactly(smollm2_tokenizer):

@@ -46,7 +46,7 @@ from specdec.settings import parse_settings
 from specdec.v1 import coordinator_pb2
 from specdec_app.launcher import LocalCluster, free_port
 from specdec_app.local_ca import write_local_certificates
-from tests.conftest import CoordinatorThread
+from tests.conftest import CoordinatorThread, RedisClusterNodes
 from verify_service.service import build as build_verify
 from verify_service.settings import VerifySettings
 
@@ -396,6 +396,41 @@ def test_redis_store_over_tls_with_a_password(tls_redis, pki):
         await wrong.close()
 
     asyncio.run(run())
+
+
+def test_redis_store_on_a_cluster_over_tls_with_a_password(pki, tmp_path):
+    """A Redis Cluster of three masters whose nodes speak TLS only (clients, cluster bus,
+    replication) and ask for a password: the store reaches each master as it reaches one Redis,
+    from rediss://:PASSWORD@<a node> and the CA file (redis_tls_ca_file), and a wrong password is
+    StoreUnavailable with the password masked."""
+    cert, key = pki["server"]
+    nodes = RedisClusterNodes(tmp_path, replicas=0, password="s3cret", tls=(pki["ca"], cert, key))
+
+    def store(url: str) -> RedisStore:
+        errors = Counter("store_errors", "", ["operation"], registry=CollectorRegistry())
+        return RedisStore(url, 60, errors, cluster=True, ssl_ca_certs=pki["ca"])
+
+    async def run() -> None:
+        good = store(nodes.url)
+        request = coordinator_pb2.GenerateRequest(text="hi")
+        ids = [f"tls-{i}" for i in range(12)]  # over every master's slots
+        for i, request_id in enumerate(ids):
+            assert await good.create(StoredRequest(request_id, request, "target", "fp", generated=[i]))
+        assert [(await good.load(request_id)).generated for request_id in ids] == [[i] for i in range(12)]
+        await good.close()
+        wrong = store(nodes.url.replace(":s3cret@", ":wrong@"))
+        with pytest.raises(StoreUnavailable) as caught:
+            await wrong.load("tls-1")
+        assert "wrong" not in str(caught.value) and ":***@" in str(caught.value)
+        await wrong.close()
+
+    try:
+        nodes.start()
+        masters = {nodes.master_of(f"specdec:request:{{tls-{i}}}").port for i in range(12)}
+        assert len(masters) == 3, masters
+        asyncio.run(run())
+    finally:
+        nodes.stop()
 
 
 SPECDEC = str(Path(sys.executable).parent / "specdec")  # the entry point a container's probe runs

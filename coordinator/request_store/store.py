@@ -2,11 +2,11 @@
 ids, status and timestamps, so that any coordinator replica can resume it; and the acceptance
 estimates per (drafter, target) that warm-start adaptive K on every replica.
 
-:class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set, :class:`MemoryStore` in
-the process otherwise (single-machine use: a resume must then reach the same coordinator). Both
-keep a request ``ttl_s`` seconds after its last write (in Redis, at least 7/8 of that for a
-running request, whose appends set the TTL again only every ttl_s / 8:
-:mod:`coordinator.request_store.journal`).
+:class:`RedisStore` (redis-py asyncio) when ``SPECDEC_REDIS_URL`` is set (one Redis, or a Redis
+Cluster with ``--redis-cluster``), :class:`MemoryStore` in the process otherwise
+(single-machine use: a resume must then reach the same coordinator). Both keep a request
+``ttl_s`` seconds after its last write (in Redis, at least 7/8 of that for a running request,
+whose appends set the TTL again only every ttl_s / 8: :mod:`coordinator.request_store.journal`).
 
 A request belongs to the API key that started it: its record is stored under the key's owner hash
 and its id, ``<owner>/<id>`` (:func:`store_id`; the id alone when the coordinator has no keys), so
@@ -33,6 +33,10 @@ cluster slot; ``<id>`` is the store id):
     specdec:finished:{<client>}    sorted set: the store ids of the client's ended requests -> when
                                    they ended (unix ms), see :meth:`RequestStore.retire`
 
+Each operation's keys are in one cluster slot (one key, or a request's keys under its hash tag), so
+on a Redis Cluster each runs whole on one master, transactions and scripts included; the records
+:meth:`RequestStore.retire` drops are deleted one DEL each, in a pipeline over their masters.
+
 What one client can keep there is bounded: its running requests by its leases
 (``max_streams_per_client``), its ended ones by ``max_finished_per_client`` (the oldest dropped
 beyond it), each record by the coordinator's ``max_stored_request_bytes`` (and the tokens a request
@@ -56,18 +60,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast, get_args
+from typing import Literal, cast, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import numpy as np
-import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
 from coordinator.request_store.redis_appends import Append, AppendBatcher
+from coordinator.request_store.redis_client import FAILURES, connect
 from specdec.rpc.errors import Unavailable
 from specdec.v1 import common_pb2, coordinator_pb2
 
@@ -402,11 +404,14 @@ Operation = Literal[
 
 class RedisStore(RequestStore):
     """The store in Redis at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, a password
-    as ``rediss://:PASSWORD@host:port/db``), shared by every coordinator replica. ``errors``: a
-    prometheus_client Counter with an ``operation`` label. ``ssl_options``: redis-py's ``ssl_*``
-    connection arguments (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``: PEM file paths),
-    only for a rediss:// URL; empty ones are left out (redis-py's defaults: the system's roots, no
-    client certificate)."""
+    as ``rediss://:PASSWORD@host:port/db``) or, with ``cluster``, in the Redis Cluster whose node
+    ``url`` names (:func:`coordinator.request_store.redis_client.connect`), shared by every
+    coordinator replica. ``errors``: a prometheus_client Counter with an ``operation`` label.
+    ``ssl_options``: redis-py's ``ssl_*`` connection arguments (``ssl_ca_certs``, ``ssl_certfile``,
+    ``ssl_keyfile``: PEM file paths), only for a rediss:// URL; empty ones are left out (redis-py's
+    defaults: the system's roots, no client certificate). On a cluster, a failure of one slot's
+    master (until its replica is promoted) makes the whole store unavailable for ``retry_after_s``
+    seconds, as a single Redis's failure does."""
 
     def __init__(
         self,
@@ -416,17 +421,13 @@ class RedisStore(RequestStore):
         timeout_s: float = 1.0,
         retry_after_s: float = 1.0,
         max_finished_per_client: int = 0,
+        cluster: bool = False,
         **ssl_options: str,
     ):
         super().__init__(ttl_s, max_finished_per_client)
-        ssl: dict[str, Any] = {name: value for name, value in ssl_options.items() if value}
-        # one immediate retry on a fresh connection: a pooled one is stale after a Redis restart
-        self.redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1), **ssl
-        )
+        self.redis = connect(url, timeout_s, cluster, **ssl_options)
         self.url = _without_password(url)  # logged and in error messages
         self._acquire_leases = self.redis.register_script(_ACQUIRE_LEASES)
-        self._renew_leases = self.redis.register_script(_RENEW_LEASES)
         self._retire = self.redis.register_script(_RETIRE)
         self._appends = AppendBatcher(self.redis)
         self._load = self.redis.register_script(_LOAD)
@@ -458,7 +459,7 @@ class RedisStore(RequestStore):
                 "operator sizes Redis's maxmemory by docs/scaling.md#the-request-stores-memory, or lowers "
                 "--max-finished-requests-per-client, --max-stored-request-bytes or --request-ttl-s"
             ) from None
-        except (redis.RedisError, OSError, TimeoutError) as err:
+        except FAILURES as err:
             if time.monotonic() >= self._down_until:
                 log.error(
                     "request store at %s failed on %s: %s: %s; requests go on from memory",
@@ -584,9 +585,12 @@ class RedisStore(RequestStore):
         expiry_ms = int((time.time() + ttl_s) * 1000)
 
         async def call():
+            # EVAL with the script's text (200 bytes a client), not a registered script's EVALSHA:
+            # a cluster pipeline sends EVALSHA without loading the script, and a node that never ran
+            # it (a replica promoted since, a node restarted) fails it with NOSCRIPT
             async with self.redis.pipeline(transaction=False) as pipe:
                 for client, ids in leases.items():
-                    await self._renew_leases(keys=[self._leases_key(client)], args=[expiry_ms, *ids], client=pipe)
+                    pipe.eval(_RENEW_LEASES, 1, self._leases_key(client), expiry_ms, *ids)
                 await pipe.execute()
 
         await self._run("renew_leases", call)
