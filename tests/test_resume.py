@@ -4,6 +4,7 @@ position; a running one left in Redis continues with its stored log-probabilitie
 get their status and a message that says what to change."""
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.rpc.errors import FailedPrecondition
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import CoordinatorThread
+from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 
 def request(**fields) -> coordinator_pb2.GenerateRequest:
@@ -200,3 +201,68 @@ def request_of(base: coordinator_pb2.GenerateRequest, **fields) -> coordinator_p
     for name, value in fields.items():
         setattr(copy, name, value)
     return copy
+
+
+@pytest.mark.long
+def test_a_burst_outlives_a_cluster_masters_death_and_resumes_after_the_failover(
+    tiny_pipeline, tiny_models, redis_cluster
+):
+    """16 requests at once through a coordinator on the Redis Cluster (--redis-cluster), the master
+    of one request's slot SIGKILLed once its first tokens have come: all 16 complete with plain
+    decoding's output (their journals go on from memory while the slot has no master, and write
+    the whole record again once its replica took over), and each resumed from 0 after the
+    failover returns its tokens."""
+    settings = CoordinatorSettings(
+        port=0,
+        draft_address=tiny_pipeline.draft_address,
+        verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+        redis_url=redis_cluster.url,
+        redis_cluster=True,
+    )
+    coordinator = CoordinatorThread(settings)
+    address = f"127.0.0.1:{coordinator.port}"
+    topics = ["tides", "bread", "comets", "glass", "bees", "maps", "rain", "salt"]
+    requests = [
+        coordinator_pb2.GenerateRequest(
+            request_id=f"burst-{i}",
+            text=f"Tell me about {topics[i % 8]}, part {i}.",
+            max_new_tokens=160,
+            ignore_eos=True,
+        )
+        for i in range(16)
+    ]
+    first_tokens, results, killed = threading.Event(), {}, None
+
+    def read(message: coordinator_pb2.GenerateRequest) -> None:
+        completion = Completion()
+        for response in stream(address, message, timeout_s=120):
+            completion.add(response)
+            first_tokens.set()
+        results[message.request_id] = completion
+
+    readers = [threading.Thread(target=read, args=(message,)) for message in requests]
+    try:
+        for reader in readers:
+            reader.start()
+        assert first_tokens.wait(60)
+        killed = redis_cluster.kill_master("specdec:request:{burst-0}")
+        assert len(results) < len(requests)  # mid-burst: requests still running
+        for reader in readers:
+            reader.join(120)
+        redis_cluster.wait_for_failover(killed)
+        resumed = {
+            message.request_id: generate(
+                address, coordinator_pb2.GenerateRequest(request_id=message.request_id, resume_from=0), timeout_s=120
+            ).token_ids
+            for message in requests
+        }
+    finally:
+        coordinator.stop()
+        if killed is not None:
+            redis_cluster.rejoin(killed)
+    assert sorted(results) == sorted(m.request_id for m in requests)
+    for message in requests:
+        plain = plain_greedy(tiny_pipeline.plain_model, chat_ids(tiny_pipeline.target.tokenizer, message.text), 160)
+        assert list(results[message.request_id].token_ids) == plain, message.request_id
+        assert list(resumed[message.request_id]) == plain, message.request_id
