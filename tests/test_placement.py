@@ -20,7 +20,7 @@ def place(placement: Placement, prompts, down=()) -> dict[str, int]:
     counts = dict.fromkeys(REPLICAS, 0)
     for tokens in prompts:
         choice = placement.rank(REPLICAS, tokens, down)[0]
-        placement.opening(choice, tokens)
+        placement.opening(choice, tokens, len(tokens))
         counts[choice] += 1
     return counts
 
@@ -40,7 +40,7 @@ def test_a_prompt_follows_only_the_blocks_of_its_own_cache_salt():
         a, cache_salt="ka"
     )
     placement = Placement()
-    placement.opening("r1", a, "ka")
+    placement.opening("r1", a, len(a), "ka")
     state = placement.state("r1")
     assert state.matched_blocks(block_chain(a, cache_salt="ka")) == 4
     assert state.matched_blocks(block_chain(a, cache_salt="kb")) == state.matched_blocks(block_chain(a)) == 0
@@ -55,8 +55,8 @@ def test_coordinators_with_their_own_memories_agree_on_a_new_prefix():
     """Two coordinators, each seeing a replica one session busier than the other does, send the
     first request of a new shared prompt to the same replica."""
     one, two = Placement(), Placement()
-    one.opening(REPLICAS[0], prompt(1))
-    two.opening(REPLICAS[1], prompt(2))
+    one.opening(REPLICAS[0], prompt(1), 64)
+    two.opening(REPLICAS[1], prompt(2), 64)
     for system in range(20):
         tokens = prompt(7, 16, prompt(300 + system, 128))
         assert one.rank(REPLICAS, tokens)[0] == two.rank(REPLICAS, tokens)[0]
@@ -71,7 +71,7 @@ def test_a_shared_prefix_stays_on_one_replica_until_it_is_a_share_busier():
     held = next(r for r in REPLICAS if placement.state(r).sessions)
     for r in REPLICAS:
         for _ in range(placement.state(r).sessions):
-            placement.closed(r)
+            placement.closed(r, 272)
     assert placement.rank(REPLICAS, prompt(99, 16, system))[0] == held  # remembered after its sessions ended
 
 
@@ -82,7 +82,7 @@ def test_four_system_prompts_keep_to_their_replicas():
     for i in range(48):
         tokens = prompt(i, 24, systems[i % 4])
         choice = placement.rank(REPLICAS, tokens)[0]
-        placement.opening(choice, tokens)
+        placement.opening(choice, tokens, len(tokens))
         homes[i % 4].add(choice)
     assert sum(len(h) for h in homes.values()) <= 6  # each prompt on one replica, or two when it spilled
 
@@ -115,7 +115,7 @@ def test_down_replicas_go_last_and_unknown_ones_are_forgotten():
     placement = Placement()
     order = placement.rank(REPLICAS, prompt(1), down=[REPLICAS[0]])
     assert order[-1] == REPLICAS[0] and set(order) == set(REPLICAS)
-    placement.opening(REPLICAS[0], prompt(1))
+    placement.opening(REPLICAS[0], prompt(1), 64)
     placement.forget(REPLICAS[1:])
     assert placement.state(REPLICAS[0]).sessions == 0
 
@@ -123,12 +123,12 @@ def test_down_replicas_go_last_and_unknown_ones_are_forgotten():
 def test_a_report_counts_the_other_coordinators_sessions_not_ours_that_ended():
     placement = Placement()
     for _ in range(2):
-        placement.opening(REPLICAS[0], prompt(1))
+        placement.opening(REPLICAS[0], prompt(1), 64)
     placement.observe(REPLICAS[0], common_pb2.ServiceLoad(num_sessions=5, num_waiting_calls=1))
-    assert placement.state(REPLICAS[0]).base_load() == 2 + 3
-    placement.closed(REPLICAS[0])
-    placement.closed(REPLICAS[0])
-    assert placement.state(REPLICAS[0]).base_load() == 0 + 3  # ours ended since; the others' stay
+    assert placement.load(REPLICAS[0]) == 2 + 3
+    placement.closed(REPLICAS[0], 64)
+    placement.closed(REPLICAS[0], 64)
+    assert placement.load(REPLICAS[0]) == 0 + 3  # ours ended since; the others' stay
 
 
 def test_an_old_round_trip_does_not_keep_a_replica_out(monkeypatch):
@@ -173,7 +173,8 @@ def test_each_choice_is_explained_at_debug_level(caplog):
     place(placement, [prompt(1)])
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("placed on ") and line.endswith("balanced True")
-    assert f"{REPLICAS[1]} cost 1.00 (sessions 0 + 0 reported, overhead 66.0 ms, compute 14.0 ms, recent" in line
+    explained = "cost 1.00 (sessions 0 of 0 tokens + 0 reported, overhead 66.0 ms, compute 14.0 ms, recent"
+    assert f"{REPLICAS[1]} {explained}" in line
 
 
 def test_the_step_line_is_the_newest_reports_that_has_one():
@@ -186,3 +187,19 @@ def test_the_step_line_is_the_newest_reports_that_has_one():
     assert placement.step_line() == (3.0, 0.5)
     placement.observe("b", load=common_pb2.ServiceLoad(step_intercept_ms=4.0, step_ms_per_token=0.25))
     assert placement.step_line() == (4.0, 0.25)
+
+
+def test_sessions_count_by_their_length_so_a_burst_spreads_its_work():
+    """A burst of prompts of 30 to 1,000 tokens: each replica gets about a third of the tokens,
+    not only of the sessions (by count, one replica took 41% of the verify CPU in a burst of 48)."""
+    rng = random.Random(7)
+    prompts = [prompt(i, rng.choice([30, 60, 120, 1000])) for i in range(48)]
+    placement, tokens = Placement(), dict.fromkeys(REPLICAS, 0)
+    for tokens_of in prompts:
+        choice = placement.rank(REPLICAS, tokens_of)[0]
+        placement.opening(choice, tokens_of, len(tokens_of) + 48)
+        tokens[choice] += len(tokens_of) + 48
+    even = sum(tokens.values()) / len(REPLICAS)
+    assert all(abs(t - even) <= 0.15 * even for t in tokens.values()), tokens
+    mean_length = sum(tokens.values()) / len(prompts)
+    assert placement.load(REPLICAS[0]) == pytest.approx(placement.state(REPLICAS[0]).tokens / mean_length)

@@ -76,6 +76,12 @@ class ResolvedRequest:
     cache_salt: str = ""
 
     @property
+    def max_length(self) -> int:
+        """The most tokens its sessions hold: the prompt's and the most it may generate (what
+        placement weighs a session by)."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
     def uses_draft_service(self) -> bool:
         """False for plain decode, for an adaptive request with a model-free drafter (ngram or
         suffix: the coordinator runs the lookup itself), and when the draft service was never

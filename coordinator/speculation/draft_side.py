@@ -303,16 +303,16 @@ class DraftSide:
         )
         seen, start = len(self.committed), time.perf_counter()  # rounds may commit more while the prefill runs
         placement = self.service.placement
-        placement.opening(replica, self.committed[:seen], cache_salt)
+        placement.opening(replica, self.committed[:seen], self.request.max_length, cache_salt)
         try:
             response = await self.service.prefill(replica, request)
         except BaseException as err:
-            placement.closed(replica)
+            placement.closed(replica, self.request.max_length)
             if isinstance(err, asyncio.CancelledError | Unavailable):  # the replica may open the session all the same
                 self._release(replica, session_id)
             raise
         if self.session_id is not None:  # replaces a session its replica lost
-            placement.closed(self.replica)
+            placement.closed(self.replica, self.request.max_length)
         self.session_id, self.replica, self.seen = session_id, replica, seen
         self.used.append(replica)
         placement.opened(replica, response.num_cached_tokens)
@@ -504,7 +504,7 @@ class DraftSide:
 
     def _release_open(self) -> None:
         if self.session_id is not None:
-            self.service.placement.closed(self.replica)
+            self.service.placement.closed(self.replica, self.request.max_length)
             self._release(self.replica, self.session_id)
         self.session_id = None
 

@@ -104,10 +104,12 @@ class VerifySession:
     """A request's session on the verify service: its id and the replica holding it (one of
     ``replicas``). ``committed``: the request's committed log (read at every rebuild); ``new_session_id()``
     names each new session; ``in_background`` runs a Release (a function that makes the call)
-    without waiting for it; ``cache_salt``: the partition of the replicas' prefix caches its
-    sessions use (:func:`coordinator.api.cache_salt.cache_salt`); ``owner``: the tag of the request's
-    client its sessions carry (VerifyServicePrefillRequest.owner). ``admit``: how a rebuild waits for
-    room (the coordinator's fair queue, set with the request's first Prefill; None: it retries every
+    without waiting for it; ``max_length``: the most tokens its session may hold (the prompt's and
+    the most the request may generate, placement's weight for it); ``cache_salt``: the partition of
+    the replicas' prefix caches its sessions use (:func:`coordinator.api.cache_salt.cache_salt`);
+    ``owner``: the tag of the request's client its sessions carry
+    (VerifyServicePrefillRequest.owner). ``admit``: how a rebuild waits for room (the
+    coordinator's fair queue, set with the request's first Prefill; None: it retries every
     RETRY_INTERVAL_S)."""
 
     def __init__(
@@ -118,10 +120,12 @@ class VerifySession:
         new_session_id: Callable[[], str],
         in_background: Callable,
         failover_timeout_s: float,
+        max_length: int,
         cache_salt: str = "",
         owner: str = "",
     ):
         self.replicas, self.clients = replicas, replicas.clients
+        self.max_length = max_length
         self.cache_salt = cache_salt
         self.committed, self.sampling, self.owner = committed, sampling, owner
         self.admit: Admit | None = None
@@ -160,21 +164,21 @@ class VerifySession:
         while True:
             unreachable = not self.clients.verify_replicas.addresses  # none found yet: discovery may find some
             for replica in self.replicas.order(self.committed, self.cache_salt):
-                placement.opening(replica, self.committed, self.cache_salt)
+                placement.opening(replica, self.committed, self.max_length, self.cache_salt)
                 try:
                     response = await self.clients.prefill_verify(replica, request)
                 except (ResourceExhausted, FailedPrecondition) as err:  # full now; or its KV budget too small ever
-                    placement.closed(replica)
+                    placement.closed(replica, self.max_length)
                     error = err
                     continue
                 except Unavailable as err:
-                    placement.closed(replica)
+                    placement.closed(replica, self.max_length)
                     self.replicas.mark_down(replica)
                     self._release(replica, session_id)
                     error, unreachable = err, True
                     continue
                 except asyncio.CancelledError:
-                    placement.closed(replica)
+                    placement.closed(replica, self.max_length)
                     self._release(replica, session_id)
                     raise
                 if not self.used:  # the first Prefill, not a rebuild
@@ -274,7 +278,7 @@ class VerifySession:
     def release(self) -> None:
         """Releases the session in the background (nothing when none is open)."""
         if self.session_id:
-            self.replicas.placement.closed(self.replica)
+            self.replicas.placement.closed(self.replica, self.max_length)
             self._release(self.replica, self.session_id)
             self.session_id = ""
 

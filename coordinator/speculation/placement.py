@@ -18,7 +18,12 @@ replica:
 - **Load.** A replica's load is its sessions (this coordinator's own there now, counted from the
   moment a Prefill is sent so that a burst spreads before any report comes back, plus the other
   coordinators' as its last report counted them: each message of its Step stream to this
-  coordinator reports them, ``common.ServiceLoad``), weighted by how slow its calls
+  coordinator reports them, ``common.ServiceLoad``). This coordinator's own count by their length
+  (the prompt and the most tokens the request may generate: the tokens the replica will prefill
+  and decode for it, what its compute and KV grow with) over the mean length of all its sessions,
+  so that sessions of equal length count one each and a burst of prompts of 30 to 1,000 tokens
+  spreads its work, not only its sessions (by count alone one replica of three took 41% of the
+  verify CPU); the others' count one each. The load is weighted by how slow its calls
   are besides their compute: each call's round trip less the compute the replica reports for it
   (the network between coordinator and replica, anything that holds the call before the engine),
   an average over the recent calls, added to the replicas' common compute time and compared with
@@ -103,6 +108,7 @@ class ReplicaState:
     load_at: float = 0.0  # time.monotonic() of the report
     sessions_at_report: int = 0  # this coordinator's sessions there when the report came
     sessions: int = 0
+    tokens: int = 0  # the lengths of this coordinator's sessions there (see Placement.opening), tokens
     overhead_ms: float = 0.0  # its calls' round trip less their compute, an average
     compute_ms: float = 0.0  # its calls' compute, an average
     latency_at: float = 0.0  # time.monotonic() of the last call measured
@@ -123,15 +129,14 @@ class ReplicaState:
         """Its last load report, unless older than REPORT_TTL_S."""
         return self.load if time.monotonic() - self.load_at <= REPORT_TTL_S else None
 
-    def base_load(self) -> int:
-        """Its sessions: this coordinator's own now, and the others' as its last report counted
-        them (the report's sessions less this coordinator's then, so that one of ours that ended
-        since does not count). Not its waiting calls: a Step message reports them just after a
-        step took the queue in, a GetInfo at any moment, so the replica every request's GetInfo
-        asks looked busier than the others (the sessions it has would wait in a queue anyway)."""
+    def others(self) -> int:
+        """The other coordinators' sessions there, as its last report counted them (the report's
+        sessions less this coordinator's then, so that one of ours that ended since does not
+        count). Not its waiting calls: a Step message reports them just after a step took the
+        queue in, a GetInfo at any moment, so the replica every request's GetInfo asks looked
+        busier than the others (the sessions it has would wait in a queue anyway)."""
         report = self.report()
-        others = max(0, report.num_sessions - self.sessions_at_report) if report is not None else 0
-        return self.sessions + others
+        return max(0, report.num_sessions - self.sessions_at_report) if report is not None else 0
 
     def has_room(self, num_blocks: int) -> bool:
         """Whether its KV budget could take ``num_blocks`` blocks now, as far as its report says."""
@@ -225,7 +230,8 @@ class Placement:
         others' as reported), its calls' overhead and compute, the prompt's blocks placed there."""
         state = self.state(replica)
         return (
-            f"{replica} cost {cost:.2f} (sessions {state.sessions} + {state.base_load() - state.sessions} reported, "
+            f"{replica} cost {cost:.2f} (sessions {state.sessions} of {state.tokens} tokens + {state.others()} "
+            "reported, "
             f"overhead {state.overhead_ms:.1f} ms, compute {state.compute_ms:.1f} ms, "
             f"{'recent' if state.recent() else 'stale'}, matched {state.matched_blocks(chain)} blocks)"
         )
@@ -237,23 +243,35 @@ class Placement:
         among the replicas measured recently; 1 for the others."""
         measured = [self.state(r) for r in replicas if self.state(r).recent()]
         if len(measured) < 2:
-            return {r: self.state(r).base_load() + 1.0 for r in replicas}
+            return {r: self.load(r) + 1.0 for r in replicas}
         compute = statistics.fmean(state.compute_ms for state in measured)
         least = min(state.overhead_ms for state in measured) + compute
         costs = {}
         for r in replicas:
             state = self.state(r)
             slowness = (state.overhead_ms + compute) / least if state.recent() and least > 0 else 1.0
-            costs[r] = state.base_load() * slowness + 1
+            costs[r] = self.load(r) * slowness + 1
         return costs
 
-    def opening(self, replica: str, prompt: Sequence[int], cache_salt: str = "") -> None:
-        """A session over ``prompt`` of ``cache_salt`` is being opened on ``replica`` (its Prefill sent): it counts
-        there from now on, so the next choices of a burst see it, and its blocks are remembered
-        there, so the burst's requests with the same prefix follow it. :meth:`closed` if the
-        Prefill fails, :meth:`opened` when it succeeds."""
+    def load(self, replica: str) -> float:
+        """The replica's sessions, this coordinator's counted by their length over the mean length
+        of all its sessions, the others' one each (see the module docstring)."""
+        state = self.state(replica)
+        sessions = sum(s.sessions for s in self._replicas.values())
+        mean_length = sum(s.tokens for s in self._replicas.values()) / sessions if sessions else 0.0
+        own = state.tokens / mean_length if mean_length > 0 else state.sessions
+        return own + state.others()
+
+    def opening(self, replica: str, prompt: Sequence[int], length: int, cache_salt: str = "") -> None:
+        """A session over ``prompt`` of ``cache_salt`` is being opened on ``replica`` (its Prefill
+        sent): it counts there from now on, by its ``length`` (tokens: the prompt's and the most the
+        request may generate, its committed ones included), so the next choices of a burst see it,
+        and its blocks are remembered there, so the burst's requests with the same prefix follow
+        it. :meth:`closed` with the same length if the Prefill fails or the session ends,
+        :meth:`opened` when it succeeds."""
         state = self.state(replica)
         state.sessions += 1
+        state.tokens += length
         for name in block_chain(prompt, cache_salt=cache_salt):
             state.blocks[name] = None
             state.blocks.move_to_end(name)
@@ -267,11 +285,13 @@ class Placement:
         state.placed += 1
         state.cached_tokens += cached_tokens
 
-    def closed(self, replica: str) -> None:
-        """A session this coordinator held on ``replica`` was released."""
+    def closed(self, replica: str, length: int) -> None:
+        """A session of ``length`` tokens (as :meth:`opening` counted it) this coordinator held on
+        ``replica`` was released."""
         state = self._replicas.get(replica)
         if state is not None and state.sessions:
             state.sessions -= 1
+            state.tokens = max(0, state.tokens - length)
 
     def observe(
         self,

@@ -190,6 +190,7 @@ class RequestRounds:
             lambda: self._new_session_id("v"),
             self._in_background,
             failover_timeout_s,
+            request.max_length,
             request.cache_salt,
             owner,
         )
