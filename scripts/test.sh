@@ -13,14 +13,13 @@ export HF_HUB_OFFLINE=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# In this process by default. SPECDEC_TEST_WORKERS=2 runs two pytest-xdist workers (about half the
-# time on two cores: the tests mostly wait on servers and child processes), each given whole test
-# files, the files on the shared in-process services all to one (tests/conftest.py: xdist groups,
-# one torch thread and its own ports per worker); not the default while tests that wait for a
-# stream's sessions to be released still fail under that load (docs/architecture.md).
+# Two pytest-xdist workers (about half the time on two cores: the tests mostly wait on servers and
+# child processes), each given whole test files, the files on the shared in-process services all to
+# one (tests/conftest.py: xdist groups, one torch thread and its own ports per worker);
+# SPECDEC_TEST_WORKERS=0 runs them in this process (docs/architecture.md#development).
 workers=()
-if [ "${SPECDEC_TEST_WORKERS:-0}" != 0 ]; then
-  workers=(-n "$SPECDEC_TEST_WORKERS" --dist loadgroup)
+if [ "${SPECDEC_TEST_WORKERS:-2}" != 0 ]; then
+  workers=(-n "${SPECDEC_TEST_WORKERS:-2}" --dist loadgroup)
 fi
 status=0
 .venv/bin/python -m pytest "${workers[@]}" "$@" || status=$?

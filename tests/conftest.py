@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import dnslib
-import dnslib.server
 import grpc
 import pytest
 import redis
@@ -38,8 +36,8 @@ os.environ.update(dict.fromkeys(INSECURE_VARIABLES, "true"))
 # Tests name their API keys for what they are ("ka", "key-a"): short keys, which a coordinator
 # otherwise refuses to start with (tests/test_secure_default.py checks that refusal).
 os.environ["SPECDEC_COORDINATOR_ALLOW_SHORT_API_KEYS"] = "true"
-# SPECDEC_TEST_WORKERS=2 scripts/test.sh runs the suite in two pytest-xdist workers, a file to a
-# worker (pytest_collection_modifyitems):
+# scripts/test.sh runs the suite in two pytest-xdist workers, a file to a worker
+# (pytest_collection_modifyitems):
 # each then computes on one thread (two would make four on two cores), and hands out only its half
 # of the ports (specdec_app.launcher.free_port), so neither starts a service on a port the other
 # has handed out and not yet bound.
@@ -67,6 +65,7 @@ from specdec.sampling.probs import sample  # noqa: E402
 from specdec.sampling.sampling_params import SamplingParams  # noqa: E402
 from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer  # noqa: E402
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+from specdec_app.bench.dns_server import DnsServer  # noqa: E402
 from specdec_app.launcher import ServiceProcess, free_port, start_all, stop_all  # noqa: E402
 from verify_service.service import build as build_verify  # noqa: E402
 from verify_service.settings import VerifySettings  # noqa: E402
@@ -924,40 +923,6 @@ def process_fleet(
         yield fleet
     finally:
         stop_all(processes)
-
-
-class DnsServer:
-    """A real DNS server (dnslib's) on 127.0.0.1, UDP, answering A queries from ``records`` (name ->
-    IP addresses; NXDOMAIN for others), which a test may change while it runs. ``address``:
-    its host:port, for the coordinator's ``--dns-nameservers``."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, list[str]] = {}
-        server = self
-
-        class Records(dnslib.server.BaseResolver):
-            def resolve(self, request, handler):
-                reply = request.reply()
-                name = str(request.q.qname).rstrip(".")
-                if name not in server.records:
-                    reply.header.rcode = dnslib.RCODE.NXDOMAIN
-                elif request.q.qtype == dnslib.QTYPE.A:
-                    for ip in server.records[name]:
-                        reply.add_answer(dnslib.RR(name, dnslib.QTYPE.A, rdata=dnslib.A(ip), ttl=1))
-                return reply
-
-        self.port = free_port()
-        self.server = dnslib.server.DNSServer(Records(), address="127.0.0.1", port=self.port, logger=_QuietDns())
-        self.server.start_thread()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-class _QuietDns(dnslib.server.DNSLogger):
-    def __init__(self) -> None:
-        super().__init__(log="-request,-reply,-truncated,-data,-recv,-send")
 
 
 @pytest.fixture
