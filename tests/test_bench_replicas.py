@@ -29,14 +29,16 @@ from specdec_app.bench.replicas import (
     Sent,
     affinity_section,
     check,
+    cpu_shares,
     load_section,
-    max_deviation,
     pool_section,
     run_replicas,
     scenario_questions,
+    share_deviation,
     shares,
     short_hits,
     speculating_again_ms,
+    spread_markdown,
     spread_section,
     system_prompts,
     to_markdown,
@@ -69,9 +71,10 @@ def sent(verify: str = V1, draft: str | None = None, **fields) -> Sent:
 def test_shares_count_every_replica_and_the_deviation_is_from_an_even_share():
     counts = shares(["127.0.0.2", "127.0.0.2", "127.0.0.3", "none"], ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
     assert counts == {"127.0.0.2": 2, "127.0.0.3": 1, "127.0.0.4": 0, "none": 1}
-    assert max_deviation(counts, ["127.0.0.2", "127.0.0.3", "127.0.0.4"]) == pytest.approx(1.0)  # 0 of an even 1
-    assert max_deviation({"a": 16, "b": 20, "c": 12}, ["a", "b", "c"]) == pytest.approx(0.25)
-    assert max_deviation({}, ["a", "b"]) is None
+    cpu = cpu_shares({"verify-a": 4.0, "verify-b": 5.0, "verify-c": 3.0, "draft-a": 9.0}, "verify", ["a", "b", "c"])
+    assert cpu == pytest.approx({"a": 1 / 3, "b": 5 / 12, "c": 1 / 4})
+    assert share_deviation(cpu) == pytest.approx(0.25)  # 5/12 and 3/12 of an even 4/12
+    assert share_deviation(cpu_shares({"verify-a": 1.0, "verify-b": None}, "verify", ["a", "b"])) is None
 
 
 @pytest.mark.parametrize(
@@ -88,19 +91,30 @@ def test_a_target_not_measured_is_missed():
 
 
 def test_spread_figures_and_targets():
-    # 48 sessions: verify 20 / 16 / 12 (deviation 0.25: met), draft 30 / 18 (0.25: met)
+    """Per burst, sessions and CPU shares per replica; the targets on the worst burst's CPU."""
     verify = [V1] * 20 + [V2] * 16 + [V3] * 12
     draft = [D1] * 30 + [D2] * 18
-    records = [sent(v, d, coordinator=(C1, C2)[i % 2]) for i, (v, d) in enumerate(zip(verify, draft, strict=True))]
-    section = spread_section(records, config(Path("/x")))
+    records = [
+        sent(v, d, coordinator=(C1, C2)[i % 2], num_prompt_tokens=100)
+        for i, (v, d) in enumerate(zip(verify, draft, strict=True))
+    ]
+    even = {"verify-127.0.0.2": 1.0, "verify-127.0.0.3": 1.0, "verify-127.0.0.4": 1.0, "draft-127.0.0.5": 1.0}
+    even["draft-127.0.0.6"] = 1.0
+    skewed = {**even, "verify-127.0.0.2": 1.5}  # 1.5 of 3.5: 0.43 of the verify CPU, 29% above even
+    section = spread_section([records, records], [even, skewed], config(Path("/x")))
     figures = section["figures"]
-    assert figures["verify_sessions"] == dict(zip(VERIFY_HOSTS, (20, 16, 12), strict=True))
-    assert figures["draft_sessions"] == dict(zip(DRAFT_HOSTS, (30, 18), strict=True))
-    assert sum(figures["by_coordinator"]["127.0.0.7"]["verify"].values()) == 24
-    assert [t["met"] for t in section["targets"]] == [True, True, True]
-    records[0] = sent(V1, D1, error="UNAVAILABLE: gone")  # 20 -> 19 on V1, 30 -> 29 on D1; one failed
-    section = spread_section(records, config(Path("/x")))
+    first = figures["bursts"][0]
+    assert first["verify_sessions"] == dict(zip(VERIFY_HOSTS, (20, 16, 12), strict=True))
+    assert first["draft_sessions"] == dict(zip(DRAFT_HOSTS, (30, 18), strict=True))
+    assert first["verify_prompt_tokens"] == dict(zip(VERIFY_HOSTS, (2000, 1600, 1200), strict=True))
+    assert first["verify_cpu_deviation"] == pytest.approx(0.0)
+    assert figures["verify_cpu_worst_deviation"] == pytest.approx(1.5 / 3.5 * 3 - 1)
+    assert figures["num_requests"] == 96
+    assert [t["met"] for t in section["targets"]] == [False, True, True]
+    failed = [sent(V1, D1, error="UNAVAILABLE: gone"), *records[1:]]
+    section = spread_section([failed], [even], config(Path("/x")))
     assert [t["met"] for t in section["targets"]] == [True, True, False]
+    assert "verify CPU share" in "\n".join(spread_markdown(section))
 
 
 def affinity_run(run: str, cached: list[list[int]], ttft_ms: float, homes: list[str]) -> list[Sent]:
@@ -198,7 +212,8 @@ def test_each_scenario_gets_prompts_of_its_own(tmp_path):
     chosen = scenario_questions(
         config(
             tmp_path,
-            spread_requests=6,
+            spread_requests=3,
+            spread_bursts=2,
             load_clients=2,
             load_requests_per_client=3,
             pool_requests=4,
@@ -209,7 +224,7 @@ def test_each_scenario_gets_prompts_of_its_own(tmp_path):
     ids = [q.question_id for s in (SPREAD, LOAD, POOL) for q in chosen[s]]
     assert len(set(ids)) == len(ids)
     assert {q.category for q in chosen[AFFINITY]} == {"qa", "translation", "math_reasoning"}
-    with pytest.raises(ValueError, match="has 80 questions; --replicas needs 128"):
+    with pytest.raises(ValueError, match="has 80 questions; --replicas needs 320"):
         scenario_questions(config(tmp_path))
 
 
@@ -232,7 +247,9 @@ def test_the_reports_are_written_after_each_scenario(tmp_path, monkeypatch):
         {c: [f"{c} {i}?" for i in range(50)] for c in ("qa", "translation", "math_reasoning")},
     )
     records = [sent(v, d) for v, d in zip([V1, V2, V3] * 4, [D1, D2] * 6, strict=True)]
-    monkeypatch.setitem(replicas.RUNNERS, SPREAD, lambda cfg, questions, console: spread_section(records, cfg))
+    fleet = [("verify", h) for h in VERIFY_HOSTS] + [("draft", h) for h in DRAFT_HOSTS]
+    cpu = {f"{service}-{h}": 1.0 for service, h in fleet}
+    monkeypatch.setitem(replicas.RUNNERS, SPREAD, lambda cfg, questions, console: spread_section([records], [cpu], cfg))
 
     def failing(cfg, questions, console):
         assert (
@@ -242,7 +259,7 @@ def test_the_reports_are_written_after_each_scenario(tmp_path, monkeypatch):
 
     monkeypatch.setitem(replicas.RUNNERS, LOAD, failing)
     with pytest.raises(RuntimeError, match="did not start"):
-        run_replicas(config(tmp_path, scenarios=(SPREAD, LOAD)), Console(quiet=True))
+        run_replicas(config(tmp_path, scenarios=(SPREAD, LOAD), spread_bursts=1), Console(quiet=True))
     markdown = (tmp_path / "out" / REPORT_FILES[1]).read_text()
     assert "## 1. Spread" in markdown and "127.0.0.2: 4, 127.0.0.3: 4, 127.0.0.4: 4" in markdown
     assert markdown == to_markdown(json.loads((tmp_path / "out" / REPORT_FILES[0]).read_text()))

@@ -3,13 +3,17 @@
 Every service is a process of its own on a loopback address of its own (verify replicas on
 127.0.0.2-4, draft replicas on 127.0.0.5-6, coordinators on 127.0.0.7-8: separate hosts on one
 machine), the coordinators given the replicas' ``IP:port`` lists (``--verify-addresses``,
-``--draft-addresses``; no DNS name: discovery is not what is measured). Four scenarios, one run
-each, each on a fleet of its own, each reporting its targets met or missed:
+``--draft-addresses``; no DNS name but in the spread scenario: discovery is not what the others
+measure). Four scenarios, one run each, each on a fleet of its own, each reporting its targets met
+or missed:
 
-1. **spread** (near-free model, self-drafted): 3 verify and 2 draft replicas, 2 coordinators; a
-   burst of 48 requests (24 to each coordinator), K = 4, 160 new tokens: each replica's share of
-   the sessions (``RequestMetrics.verify_replicas[0]``, ``draft_replicas[0]``) and the largest
-   deviation from an even share (target: at most 25%).
+1. **spread** (near-free model, self-drafted): 3 verify replicas behind one DNS name (served by
+   :class:`specdec_app.bench.dns_server.DnsServer`, as a Kubernetes headless Service resolves
+   them), 2 draft replicas, 2 coordinators; ``spread_bursts`` consecutive bursts of 48 requests
+   (24 to each coordinator, each burst its own prompts), K = 4, 160 new tokens: per burst each
+   replica's sessions (``RequestMetrics.verify_replicas[0]``, ``draft_replicas[0]``) and share of
+   its service's CPU time, and the largest deviation from an even share of the CPU in the worst
+   burst (target: at most 25%, for the verify and for the draft replicas).
 2. **prefix-affinity** (SmolLM2, verify replicas on one thread each, K = 0): 3 verify replicas, 1
    coordinator; 4 system prompts of about 600 tokens x 12 questions, client c sending system
    prompt c's requests one after the other; run with ``--placement prefix-load``, then
@@ -60,6 +64,8 @@ from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc
 from specdec_app.bench.ceiling import near_free_model
 from specdec_app.bench.concurrency import interleave_categories
 from specdec_app.bench.conversation import SYSTEM_PROMPT, read_system_prompt
+from specdec_app.bench.cpu_time import CpuClock
+from specdec_app.bench.dns_server import DnsServer
 from specdec_app.bench.questions import Question, generate_request, load_questions
 from specdec_app.bench.report import _cell, _table, machine_line, percentile, write_json
 from specdec_app.bench.run import machine_info
@@ -85,7 +91,8 @@ WARM_UP_TOKENS = 8
 REQUEST_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
 # the issue's targets
-SPREAD_MAX_DEVIATION = 0.25  # every replica's sessions within 25% of an even share
+SPREAD_MAX_DEVIATION = 0.25  # every replica's share of its service's CPU within 25% of an even share
+VERIFY_NAME = "verify.specdec.bench"  # the spread scenario's verify replicas, behind one DNS name
 AFFINITY_MIN_HIT_RATIO = 0.95  # prefix-load's cached prompt tokens / one replica's
 SLOWED_MAX_SHARE_OF_EVEN = 0.5  # the slowed replica's share of sessions / an even share, prefix-load
 LOAD_MAX_P90_RATIO = 0.8  # prefix-load's p90 latency / round-robin's
@@ -107,6 +114,7 @@ class ReplicasConfig:
     affinity_target: str = "smollm2"
     k: int = 4
     spread_requests: int = 48
+    spread_bursts: int = 5
     spread_max_new_tokens: int = 160
     affinity_clients: int = 4
     affinity_questions: int = 12
@@ -178,14 +186,21 @@ def draft_replicas(fleet: Fleet, hosts: Sequence[str], model: str) -> str:
 
 
 def add_coordinator(
-    fleet: Fleet, name: str, host: str, tokenizer: str, verify: list[str], draft: list[str], placement: str
+    fleet: Fleet,
+    name: str,
+    host: str,
+    tokenizer: str,
+    verify: list[str],
+    draft: list[str],
+    placement: str,
+    extra: Sequence[str] = (),
 ) -> ServiceProcess:
-    """A coordinator on ``host`` (a fresh port) given the replicas' ``host:port`` lists; every
-    request of the bench comes from one address, so the per-client stream limit is off."""
+    """A coordinator on ``host`` (a fresh port) given the replicas' ``host:port`` lists (or DNS
+    names: ``extra`` then names the nameserver); every request of the bench comes from one address,
+    so the per-client stream limit is off."""
     args = ["--tokenizer", tokenizer, "--verify-addresses", ",".join(verify), "--draft-addresses", ",".join(draft)]
-    return fleet.add(
-        name, "coordinator", host, free_port(), [*args, "--placement", placement, "--max-streams-per-client", "0"]
-    )
+    args += ["--placement", placement, "--max-streams-per-client", "0", *extra]
+    return fleet.add(name, "coordinator", host, free_port(), args)
 
 
 def addresses(hosts: Sequence[str], port: str) -> list[str]:
@@ -324,15 +339,6 @@ def shares(placed: Sequence[str], replicas: Sequence[str]) -> dict[str, int]:
     return {r: counts.get(r, 0) for r in replicas} | {r: n for r, n in counts.items() if r not in replicas}
 
 
-def max_deviation(counts: dict[str, int], replicas: Sequence[str]) -> float | None:
-    """The largest |sessions - even share| / even share over ``replicas``; None without sessions."""
-    total = sum(counts.get(r, 0) for r in replicas)
-    if not total:
-        return None
-    even = total / len(replicas)
-    return max(abs(counts.get(r, 0) - even) / even for r in replicas)
-
-
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt}
 
 
@@ -366,55 +372,104 @@ def completed(records: list[Sent]) -> list[Sent]:
 def spread(config: ReplicasConfig, questions: list[Question], console: Console) -> dict:
     """Scenario 1 (see the module docstring)."""
     model = str(near_free_model(console))
-    with Fleet(config.out / "logs" / SPREAD) as fleet:
-        verify = addresses(VERIFY_HOSTS, verify_replicas(fleet, VERIFY_HOSTS, model))
-        draft = addresses(DRAFT_HOSTS, draft_replicas(fleet, DRAFT_HOSTS, model))
-        coordinators = [
-            add_coordinator(fleet, f"coordinator-{h}", h, model, verify, draft, PREFIX_LOAD).address
-            for h in COORDINATOR_HOSTS
-        ]
-        console.print(f"{SPREAD}: starting 3 verify, 2 draft replicas and 2 coordinators...")
-        fleet.start()
-        console.print(f"{SPREAD}: {len(questions)} requests at once, K={config.k}...")
-        records = run_clients(burst(coordinators, questions, config.spread_max_new_tokens, config.k), SPREAD)
-    return spread_section(records, config)
+    dns = DnsServer()
+    dns.records[VERIFY_NAME] = list(VERIFY_HOSTS)
+    bursts: list[list[Sent]] = []
+    cpu: list[dict[str, float | None]] = []
+    try:
+        with Fleet(config.out / "logs" / SPREAD) as fleet:
+            verify = [f"{VERIFY_NAME}:{verify_replicas(fleet, VERIFY_HOSTS, model)}"]
+            draft = addresses(DRAFT_HOSTS, draft_replicas(fleet, DRAFT_HOSTS, model))
+            nameserver = ["--dns-nameservers", dns.address]
+            coordinators = [
+                add_coordinator(fleet, f"coordinator-{h}", h, model, verify, draft, PREFIX_LOAD, nameserver).address
+                for h in COORDINATOR_HOSTS
+            ]
+            console.print(f"{SPREAD}: starting 3 verify, 2 draft replicas and 2 coordinators...")
+            fleet.start()
+            replicas = [f"verify-{h}" for h in VERIFY_HOSTS] + [f"draft-{h}" for h in DRAFT_HOSTS]
+            pids = {name: fleet.processes[name].started.pid for name in replicas}
+            for b in range(config.spread_bursts):
+                size = config.spread_requests
+                console.print(f"{SPREAD}: burst {b + 1}/{config.spread_bursts}, {size} requests, K={config.k}...")
+                chosen = questions[b * config.spread_requests : (b + 1) * config.spread_requests]
+                clock = CpuClock(pids)
+                clock.start()
+                bursts.append(run_clients(burst(coordinators, chosen, config.spread_max_new_tokens, config.k), SPREAD))
+                cpu.append(clock.stop())
+    finally:
+        dns.stop()
+    return spread_section(bursts, cpu, config)
 
 
-def spread_section(records: list[Sent], config: ReplicasConfig) -> dict:
-    """The spread scenario's figures and targets from its records."""
+def cpu_shares(cpu: dict[str, float | None], service: str, hosts: Sequence[str]) -> dict[str, float | None]:
+    """Each of ``service``'s replicas' share of their CPU time (seconds by ``<service>-<host>``)."""
+    seconds = [cpu.get(f"{service}-{h}") for h in hosts]
+    known = [s for s in seconds if s is not None]
+    total = sum(known)
+    return {h: (s / total if s is not None and total > 0 else None) for h, s in zip(hosts, seconds, strict=True)}
+
+
+def share_deviation(shares: dict[str, float | None]) -> float | None:
+    """The largest deviation of a share from an even one, as a fraction of it (None: unmeasured)."""
+    if not shares or any(s is None for s in shares.values()):
+        return None
+    even = 1 / len(shares)
+    return max(abs(s - even) for s in shares.values() if s is not None) / even
+
+
+def burst_figures(records: list[Sent], cpu: dict[str, float | None]) -> dict:
+    """One spread burst's sessions and CPU shares per replica."""
     done = completed(records)
-    verify = shares([host_of(r.verify_replicas[0]) for r in done if r.verify_replicas], VERIFY_HOSTS)
-    draft = shares([host_of(r.draft_replicas[0]) if r.draft_replicas else "none" for r in done], DRAFT_HOSTS)
-    by_coordinator = {
-        host_of(c): {
-            "verify": shares([host_of(r.verify_replicas[0]) for r in done if r.coordinator == c], VERIFY_HOSTS),
-            "draft": shares(
-                [host_of(r.draft_replicas[0]) for r in done if r.coordinator == c and r.draft_replicas], DRAFT_HOSTS
-            ),
-        }
-        for c in dict.fromkeys(r.coordinator for r in records)
+    verify_cpu, draft_cpu = cpu_shares(cpu, "verify", VERIFY_HOSTS), cpu_shares(cpu, "draft", DRAFT_HOSTS)
+    return {
+        "num_requests": len(records),
+        "num_completed": len(done),
+        "verify_sessions": shares([host_of(r.verify_replicas[0]) for r in done if r.verify_replicas], VERIFY_HOSTS),
+        "draft_sessions": shares(
+            [host_of(r.draft_replicas[0]) if r.draft_replicas else "none" for r in done], DRAFT_HOSTS
+        ),
+        "verify_prompt_tokens": {
+            h: sum(r.num_prompt_tokens for r in done if r.verify_replicas and host_of(r.verify_replicas[0]) == h)
+            for h in VERIFY_HOSTS
+        },
+        "verify_cpu_shares": verify_cpu,
+        "draft_cpu_shares": draft_cpu,
+        "verify_cpu_deviation": share_deviation(verify_cpu),
+        "draft_cpu_deviation": share_deviation(draft_cpu),
     }
+
+
+def worst(values: list[float | None]) -> float | None:
+    """The largest of ``values``; None when any is unmeasured."""
+    return None if not values or any(v is None for v in values) else max(v for v in values if v is not None)
+
+
+def spread_section(bursts: list[list[Sent]], cpu: list[dict[str, float | None]], config: ReplicasConfig) -> dict:
+    """The spread scenario's figures and targets from each burst's records and its replicas' CPU
+    seconds (by ``<service>-<host>``)."""
+    per_burst = [burst_figures(records, seconds) for records, seconds in zip(bursts, cpu, strict=True)]
+    records = [r for records in bursts for r in records]
+    done = completed(records)
     figures: dict[str, Any] = {
         "num_requests": len(records),
         "num_completed": len(done),
-        "verify_sessions": verify,
-        "draft_sessions": draft,
-        "verify_max_deviation": max_deviation(verify, VERIFY_HOSTS),
-        "draft_max_deviation": max_deviation(draft, DRAFT_HOSTS),
-        "by_coordinator": by_coordinator,
+        "bursts": per_burst,
+        "verify_cpu_worst_deviation": worst([b["verify_cpu_deviation"] for b in per_burst]),
+        "draft_cpu_worst_deviation": worst([b["draft_cpu_deviation"] for b in per_burst]),
         "latency_ms": latency_stats([r.latency_ms for r in done]),
     }
     targets = [
         check(
-            "verify replicas: largest deviation from an even share",
-            figures["verify_max_deviation"],
+            "verify replicas: largest deviation from an even share of the CPU, worst burst",
+            figures["verify_cpu_worst_deviation"],
             "<=",
             SPREAD_MAX_DEVIATION,
             "%",
         ),
         check(
-            "draft replicas: largest deviation from an even share",
-            figures["draft_max_deviation"],
+            "draft replicas: largest deviation from an even share of the CPU, worst burst",
+            figures["draft_cpu_worst_deviation"],
             "<=",
             SPREAD_MAX_DEVIATION,
             "%",
@@ -423,10 +478,10 @@ def spread_section(records: list[Sent], config: ReplicasConfig) -> dict:
     ]
     setup = (
         f"near-free model, self-drafted (transformers drafter on the same folder); 3 verify replicas "
-        f"({', '.join(VERIFY_HOSTS)}), 2 draft replicas ({', '.join(DRAFT_HOSTS)}), 2 coordinators "
-        f"({', '.join(COORDINATOR_HOSTS)}), --placement prefix-load; {len(records)} requests sent at once, "
-        f"alternating over the coordinators, K={config.k}, {config.spread_max_new_tokens} new tokens (ignore_eos), "
-        "distinct Spec-Bench prompts"
+        f"({', '.join(VERIFY_HOSTS)}) behind the DNS name {VERIFY_NAME}, 2 draft replicas ({', '.join(DRAFT_HOSTS)}), "
+        f"2 coordinators ({', '.join(COORDINATOR_HOSTS)}), --placement prefix-load; {len(bursts)} consecutive "
+        f"bursts of {config.spread_requests} requests sent at once, alternating over the coordinators, K={config.k}, "
+        f"{config.spread_max_new_tokens} new tokens (ignore_eos), distinct Spec-Bench prompts"
     )
     return {"setup": setup, "figures": figures, "targets": targets, "records": [r.to_json() for r in records]}
 
@@ -797,7 +852,7 @@ def scenario_questions(config: ReplicasConfig) -> dict[str, list[Question]]:
     :data:`AFFINITY_CATEGORIES`. Raises ValueError when the file has too few."""
     sequence = interleave_categories(load_questions(config.questions))
     sizes = {
-        SPREAD: config.spread_requests,
+        SPREAD: config.spread_requests * config.spread_bursts,
         LOAD: config.load_clients * config.load_requests_per_client,
         POOL: config.pool_requests,
     }
@@ -883,20 +938,30 @@ def _sessions(counts: dict[str, Any]) -> str:
 def spread_markdown(section: dict) -> list[str]:
     f = section["figures"]
     rows = [
-        ["verify", _sessions(f["verify_sessions"]), _cell(f["verify_max_deviation"], ".0%")],
-        ["draft", _sessions(f["draft_sessions"]), _cell(f["draft_max_deviation"], ".0%")],
+        [
+            str(i + 1),
+            _sessions(b["verify_sessions"]),
+            _shares(b["verify_cpu_shares"]),
+            _cell(b["verify_cpu_deviation"], ".0%"),
+            _sessions(b["draft_sessions"]),
+            _shares(b["draft_cpu_shares"]),
+            _cell(b["draft_cpu_deviation"], ".0%"),
+        ]
+        for i, b in enumerate(f["bursts"])
     ]
-    per_coordinator = [
-        [coordinator, _sessions(c["verify"]), _sessions(c["draft"])] for coordinator, c in f["by_coordinator"].items()
-    ]
+    header = ["burst", "verify sessions", "verify CPU share", "deviation", "draft sessions", "draft CPU share"]
     return [
-        *_table(["service", "sessions per replica", "largest deviation from even"], rows),
+        *_table([*header, "deviation"], rows),
         "",
-        *_table(["coordinator", "verify sessions", "draft sessions"], per_coordinator),
-        "",
+        f"Worst burst: verify {_cell(f['verify_cpu_worst_deviation'], '.0%')}, draft "
+        f"{_cell(f['draft_cpu_worst_deviation'], '.0%')} from an even share of the CPU. "
         f"{f['num_completed']}/{f['num_requests']} completed; request latency mean "
         f"{_cell(f['latency_ms']['mean'], '.0f')} ms, p90 {_cell(f['latency_ms']['p90'], '.0f')} ms.",
     ]
+
+
+def _shares(shares: dict[str, float | None]) -> str:
+    return ", ".join(f"{replica}: {_cell(share, '.2f')}" for replica, share in shares.items())
 
 
 def affinity_markdown(section: dict) -> list[str]:
