@@ -1030,7 +1030,8 @@ def to_markdown(report: dict) -> str:
         f"`{config['command']}`",
         "",
         f"{machine_line(machine)}, {machine['date']}. Every service a process of its own on a loopback "
-        "address of its own; the coordinators are given the replicas' IP:port lists; greedy decoding.",
+        "address of its own; the coordinators are given the replicas' IP:port lists (the spread scenario's verify "
+        "replicas: one DNS name); greedy decoding.",
     ]
     for name, section in report["scenarios"].items():
         lines += [
