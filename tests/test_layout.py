@@ -16,6 +16,7 @@ COVERED_BY = {
     "coordinator/api/request.py": "test_bad_input.py",  # request validation and its errors
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
     "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
+    "coordinator/request_store/redis_client.py": "test_store.py",  # every store test on one Redis and on a cluster
     "draft_service/drafters/base.py": "test_draft_service.py",
     "draft_service/drafters/llama_cpp.py": "test_llama_batched.py",
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
@@ -38,6 +39,7 @@ COVERED_BY = {
     "specdec_app/bench/arrivals.py": "test_bench_arrivals.py",
     "specdec_app/bench/ceiling.py": "test_bench_concurrency.py",
     "specdec_app/bench/chart.py": "test_bench_concurrency.py",
+    "specdec_app/bench/dns_server.py": "test_discovery.py",  # the records a test changes while coordinators run
     "specdec_app/bench/conversation.py": "test_bench_conversation.py",
     "specdec_app/bench/cpu_time.py": "test_bench_cpu_time.py",
     "specdec_app/bench/load_generator.py": "test_bench_concurrency.py",
