@@ -308,3 +308,17 @@ def test_unknown_fields_are_not_stored_and_the_stored_size_is_bounded(tiny_pipel
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_stored_request_bytes" in refused.value.details()
     assert "--max-stored-request-bytes" in refused.value.details()
+
+
+def test_a_records_own_claim_is_not_another_requests(with_store):
+    """A create whose answer was lost (the store went away after writing it) is tried again by the
+    journal: the record's own claim lets it through; another request's with the same id does not."""
+
+    async def scenario(store):
+        first = record("claimed")
+        assert await store.create(first)
+        assert await store.create(first)  # its own claim, tried again
+        assert not await store.create(record("claimed"))  # another request of the same id
+        assert (await store.load("claimed")).claim == first.claim
+
+    with_store(scenario)

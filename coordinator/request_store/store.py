@@ -19,7 +19,8 @@ cluster slot; ``<id>`` is the store id):
                                      (RequestMetrics bytes), created_at, updated_at (unix seconds;
                                      updated_at: last written whole, not per round),
                                      sessions (JSON: service -> session id held while running),
-                                     choice (its index among the choices of a request with n > 1)
+                                     choice (its index among the choices of a request with n > 1),
+                                     claim (the request's hold on its id: StoredRequest.claim)
     specdec:request:{<id>}:tokens    string: the generated token ids, int32 little-endian
     specdec:request:{<id>}:logprobs  string: with GenerateRequest.logprobs, the generated tokens'
                                      log-probabilities, one TokenLogprobs each, as the bytes of a
@@ -59,6 +60,7 @@ import copy
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal, cast, get_args
 from urllib.parse import urlsplit, urlunsplit
@@ -106,7 +108,8 @@ class StoredRequest:
     coordinator can release those its dead coordinator left behind; ``choice``: the request's
     index among the choices of a request with n > 1 (:mod:`coordinator.api.choices`); ``owner``:
     the owner hash of the API key that started it (:func:`coordinator.api.auth.owner_hash`; empty
-    without keys)."""
+    without keys); ``claim``: a random name of this request's hold on its id, so that a create whose
+    answer was lost (the store went away after writing it) is known as its own when tried again."""
 
     request_id: str
     request: coordinator_pb2.GenerateRequest
@@ -122,6 +125,7 @@ class StoredRequest:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     choice: int = 0
     owner: str = ""
+    claim: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this request's hold on its id
 
     @property
     def store_id(self) -> str:
@@ -140,6 +144,7 @@ class StoredRequest:
             "updated_at": self.updated_at,
             "sessions": json.dumps(self.sessions),
             "choice": self.choice,
+            "claim": self.claim,
         }
 
     @classmethod
@@ -164,6 +169,7 @@ class StoredRequest:
             list(coordinator_pb2.GenerateResponse.FromString(logprobs or b"").logprobs),
             int(fields.get("choice", b"0")),
             owner,
+            fields.get("claim", b"").decode(),
         )
 
 
@@ -182,8 +188,10 @@ class RequestStore(abc.ABC):
 
     @abc.abstractmethod
     async def create(self, record: StoredRequest) -> bool:
-        """Writes a new record; False (and nothing written) when its id is already stored. Atomic:
-        of two requests created with one id at once, one gets False."""
+        """Writes a new record; False (and nothing written) when its id is already stored by another
+        request. Atomic: of two requests created with one id at once, one gets False. A record's
+        own earlier claim, made by a call that then failed (the store went away before it
+        answered), is not another's: creating it again writes it."""
 
     @abc.abstractmethod
     async def put(self, record: StoredRequest) -> None:
@@ -261,7 +269,8 @@ class MemoryStore(RequestStore):
         return entry[0] if entry and entry[1] > time.monotonic() else None
 
     async def create(self, record: StoredRequest) -> bool:
-        if self._live(record.store_id) is not None:
+        held = self._live(record.store_id)
+        if held is not None and held.claim != record.claim:
             return False
         await self.put(record)
         return True
@@ -480,16 +489,20 @@ class RedisStore(RequestStore):
     async def create(self, record: StoredRequest) -> bool:
         header, _, _ = self._keys(record.store_id)
 
+        mine = record.claim.encode()  # a claim found with it is this record's own, its answer lost
+
         async def claim():
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hsetnx(header, "request", b"")
+                pipe.hsetnx(header, "claim", mine)
+                pipe.hget(header, "claim")
                 pipe.expire(header, int(self.ttl_s))
                 return await pipe.execute()
 
-        claimed, _ = await self._run("create", claim)
-        if claimed:
-            await self.put(record)
-        return bool(claimed)
+        _, holder, _ = await self._run("create", claim)
+        if holder != mine:
+            return False
+        await self.put(record)
+        return True
 
     async def put(self, record: StoredRequest) -> None:
         header, tokens, logprobs = self._keys(record.store_id)
