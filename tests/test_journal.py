@@ -105,3 +105,26 @@ def test_create_never_claims_an_id_it_could_not_check(store_outage):
 
     loaded = asyncio.run(scenario())
     assert loaded.generated == [1, 1, 1] and loaded.status == RUNNING
+
+
+def test_an_end_while_the_store_is_down_is_written_once_it_is_back(redis_server):
+    """The outcome is the last write that would put a lost record back: it is tried again until
+    the store answers (a Redis restarting, a cluster promoting a replica), within END_RETRY_S."""
+
+    async def scenario():
+        store = RedisStore(redis_server.url, 60, error_counter(), retry_after_s=0.2)
+        journal = RequestJournal(store, record("ended-in-outage"))
+        assert await journal.create()
+        await journal.commit([1, 2])
+        redis_server.kill()
+        ending = asyncio.ensure_future(journal.end(FINISHED))
+        await asyncio.sleep(1.0)
+        assert not ending.done()  # still trying
+        redis_server.start()  # back, empty: the record was lost with it
+        await asyncio.wait_for(ending, 10)
+        loaded = await store.load("ended-in-outage")
+        await store.close()
+        return loaded
+
+    loaded = asyncio.run(scenario())
+    assert loaded.status == FINISHED and loaded.generated == [1, 2]

@@ -5,6 +5,7 @@ get their status and a message that says what to change."""
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -203,6 +204,20 @@ def request_of(base: coordinator_pb2.GenerateRequest, **fields) -> coordinator_p
     return copy
 
 
+def resume_after_outage(address: str, request_id: str, within_s: float = 20.0) -> list[int]:
+    """The tokens of ``request_id`` resumed from 0, retried on UNAVAILABLE as a client would (the
+    coordinator's store answers UNAVAILABLE for a second after it failed)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            resume = coordinator_pb2.GenerateRequest(request_id=request_id, resume_from=0)
+            return list(generate(address, resume, timeout_s=120).token_ids)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 @pytest.mark.long
 def test_a_burst_outlives_a_cluster_masters_death_and_resumes_after_the_failover(
     tiny_pipeline, tiny_models, redis_cluster
@@ -251,12 +266,7 @@ def test_a_burst_outlives_a_cluster_masters_death_and_resumes_after_the_failover
         for reader in readers:
             reader.join(120)
         redis_cluster.wait_for_failover(killed)
-        resumed = {
-            message.request_id: generate(
-                address, coordinator_pb2.GenerateRequest(request_id=message.request_id, resume_from=0), timeout_s=120
-            ).token_ids
-            for message in requests
-        }
+        resumed = {m.request_id: resume_after_outage(address, m.request_id) for m in requests}
     finally:
         coordinator.stop()
         if killed is not None:

@@ -1,6 +1,7 @@
 """A running request's record in the request store (:mod:`coordinator.request_store.store`): the
 journal the coordinator keeps of it, round by round, so that any coordinator replica can resume it."""
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,6 +15,11 @@ log = logging.getLogger(__name__)
 # was last set (not every round: three EXPIREs a round were most of Redis's commands), so it lives
 # at least 7/8 of ttl_s after its last write.
 KEEP_ALIVE_EVERY = 1 / 8
+# A request that ends while the store cannot be reached tries to write its outcome this long, every
+# END_RETRY_INTERVAL_S (seconds): longer than a Redis Cluster takes to promote a replica (about 3 s
+# with a 1 s node timeout, about 20 s with Redis's default 15 s).
+END_RETRY_S = 30.0
+END_RETRY_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -75,20 +81,28 @@ class RequestJournal:
         finish_reason: coordinator_pb2.FinishReason = coordinator_pb2.FINISH_REASON_UNSPECIFIED,
         metrics: coordinator_pb2.RequestMetrics | None = None,
     ) -> None:
-        """Stores the outcome; the request's sessions are released by then, so none are kept."""
+        """Stores the outcome; the request's sessions are released by then, so none are kept.
+        While the store cannot be reached the whole record is tried again every
+        END_RETRY_INTERVAL_S for up to END_RETRY_S (a Redis restarting, a cluster promoting a
+        master's replica: the record may have been lost with the master, and the end is the last
+        write that would put it back)."""
         self.record.status, self.record.finish_reason, self.record.metrics = status, finish_reason, metrics
         self.record.sessions = {}
         self._stored = None
-        await self._sync()
+        deadline = time.monotonic() + END_RETRY_S
+        while not await self._sync() and time.monotonic() < deadline:
+            await asyncio.sleep(END_RETRY_INTERVAL_S)
         if self.claimed and not self._taken:
             with contextlib.suppress(StoreUnavailable):  # unretired, it expires with its TTL
                 await self.store.retire(self.client, self.record.store_id)
 
-    async def _sync(self, sessions: dict[str, str] | None = None) -> None:
+    async def _sync(self, sessions: dict[str, str] | None = None) -> bool:
+        """Writes what the store lacks of the record; False when the store could not be reached
+        (the next write then writes it whole)."""
         record = self.record
         record.updated_at = time.time()
         if self._taken:
-            return
+            return True
         try:
             if self._stored is not None:
                 new_logprobs = record.logprobs[self._stored :]  # none when the request asks for none
@@ -101,7 +115,7 @@ class RequestJournal:
                     self._stored = held
                     if keep_alive:
                         self._kept_alive_at = time.monotonic()
-                    return
+                    return True
             if self.claimed:
                 await self.store.put(record)
             elif not await self.store.create(record):
@@ -111,7 +125,9 @@ class RequestJournal:
                     "stored (it cannot be resumed)",
                     record.request_id,
                 )
-                return
+                return True
             self._stored, self.claimed, self._kept_alive_at = len(record.generated), True, time.monotonic()
+            return True
         except StoreUnavailable:
             self._stored = None
+            return False
