@@ -7,6 +7,7 @@ proposals (RequestMetrics.num_forced_draft_tokens). The tiny pipeline: real gRPC
 ports, the tiny random models."""
 
 import json
+import uuid
 
 import grpc
 import pytest
@@ -65,8 +66,10 @@ def test_adaptive_k_equals_plain_constrained_decoding(tiny_pipeline, references,
     """Adaptive K proposes the tokens the grammar forces (the keys and punctuation of the schema)
     free: the model drafter's proposals open with them, and the coordinator's forced-token lookup
     proposes them alone (with the suffix lookup the only one that can: its rounds, none of the
-    draft service's)."""
-    completion = generate(tiny_pipeline.address, request("json_schema", drafter=drafter), 120)
+    draft service's). A cache partition of its own (cache_salt): the suffix lookup's shared cache
+    holds the other tests' outputs of this schema, which it would propose, forced tokens and all."""
+    partition = f"forced-{drafter}-{uuid.uuid4().hex}"
+    completion = generate(tiny_pipeline.address, request("json_schema", drafter=drafter, cache_salt=partition), 120)
     assert completion.token_ids == references["json_schema"]
     metrics = completion.metrics
     assert 0 < metrics.num_forced_draft_tokens <= metrics.num_draft_tokens
