@@ -42,7 +42,7 @@ PARTS = [
     ("engine scheduling", ("specdec/engine/engine.py", "specdec/engine/batching.py")),
     ("protobuf and gRPC", ("google/protobuf", "grpc/", "grpc_")),
     ("detokenization and stream output", ("tokenizers", "coordinator/api/output.py", "transformers/tokenization")),
-    ("request store", ("coordinator/request_store/store.py", "redis/")),
+    ("request store", ("coordinator/request_store/", "redis/")),
     (
         "metrics and tracing",
         ("prometheus_client", "opentelemetry", "coordinator/observability/metrics.py", "specdec/observability/prom.py"),
@@ -144,7 +144,8 @@ def main() -> None:
             extra_args={
                 "verify": ["--model", str(model), *limits],
                 "draft": [*drafter, "--transformers-model", str(model), *limits],
-                "coordinator": ["--tokenizer", str(model)],
+                # every stream comes from this one client: its per-client limit (32) off
+                "coordinator": ["--tokenizer", str(model), "--max-streams-per-client", "0"],
             },
             log_dir=Path(tmp) / "logs",
         )
