@@ -21,6 +21,17 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CoordinatorThread, chat_ids, plain_greedy
 
 
+def on_pipeline(tiny_pipeline, tiny_models, **fields) -> CoordinatorSettings:
+    """A coordinator of its own on the shared in-process services, with ``fields`` (its store)."""
+    return CoordinatorSettings(
+        port=0,
+        draft_address=tiny_pipeline.draft_address,
+        verify_addresses=[tiny_pipeline.verify_address],
+        tokenizer=str(tiny_models.target_dir),
+        **fields,
+    )
+
+
 def request(**fields) -> coordinator_pb2.GenerateRequest:
     return coordinator_pb2.GenerateRequest(text="Tell me about tides.", max_new_tokens=24, **fields)
 
@@ -102,14 +113,7 @@ def test_a_running_request_resumes_with_its_stored_logprobs(tiny_pipeline, tiny_
     Cluster: --redis-cluster): a resume from 5 sends the 7 stored tokens with their stored
     log-probabilities, then the rest with new ones, as the uncut request had them."""
     url, cluster = shared_redis
-    settings = CoordinatorSettings(
-        port=0,
-        draft_address=tiny_pipeline.draft_address,
-        verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir),
-        redis_url=url,
-        redis_cluster=cluster,
-    )
+    settings = on_pipeline(tiny_pipeline, tiny_models, redis_url=url, redis_cluster=cluster)
     coordinator = CoordinatorThread(settings)
     address = f"127.0.0.1:{coordinator.port}"
     try:
@@ -148,14 +152,7 @@ def test_a_request_belongs_to_the_key_that_started_it(tiny_pipeline, tiny_models
     """Key B resuming key A's running request id gets NOT_FOUND worded as for an id never used, and
     A's stream goes on untouched (identical tokens, no session rebuilt); B may use the same id for
     a request of its own; with Redis, so over every coordinator."""
-    settings = CoordinatorSettings(
-        port=0,
-        draft_address=tiny_pipeline.draft_address,
-        verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir),
-        redis_url=redis_server.url,
-        api_keys=["ka", "kb"],
-    )
+    settings = on_pipeline(tiny_pipeline, tiny_models, redis_url=redis_server.url, api_keys=["ka", "kb"])
     one, two = CoordinatorThread(settings), CoordinatorThread(settings)
     first, second = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
     secret = coordinator_pb2.GenerateRequest(
@@ -227,14 +224,7 @@ def test_a_burst_outlives_a_cluster_masters_death_and_resumes_after_the_failover
     decoding's output (their journals go on from memory while the slot has no master, and write
     the whole record again once its replica took over), and each resumed from 0 after the
     failover returns its tokens."""
-    settings = CoordinatorSettings(
-        port=0,
-        draft_address=tiny_pipeline.draft_address,
-        verify_addresses=[tiny_pipeline.verify_address],
-        tokenizer=str(tiny_models.target_dir),
-        redis_url=redis_cluster.url,
-        redis_cluster=True,
-    )
+    settings = on_pipeline(tiny_pipeline, tiny_models, redis_url=redis_cluster.url, redis_cluster=True)
     coordinator = CoordinatorThread(settings)
     address = f"127.0.0.1:{coordinator.port}"
     topics = ["tides", "bread", "comets", "glass", "bees", "maps", "rain", "salt"]

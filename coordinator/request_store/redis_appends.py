@@ -117,19 +117,19 @@ class AppendBatcher:
         """Runs ``appends`` as plain commands in one pipeline, resolves those that succeeded and
         returns the others (a command refused for memory: run again through the script, with
         only what was refused)."""
+        commands = [append.commands() for append in appends]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for append in appends:
-                for command in append.commands():
+            for own_commands in commands:
+                for command in own_commands:
                     pipe.execute_command(*command)
             replies = await pipe.execute(raise_on_error=False)
         refused, at = [], 0
-        for append in appends:
-            count = len(append.commands())
-            own, at = replies[at : at + count], at + count
+        for append, own_commands in zip(appends, commands, strict=True):
+            own, at = replies[at : at + len(own_commands)], at + len(own_commands)
             if errors := [reply for reply in own if isinstance(reply, Exception)]:
                 if not all(isinstance(error, OutOfMemoryError) for error in errors):
                     raise errors[0]
-                refused.append(_only_refused(append, own))
+                refused.append(_only_refused(append, own_commands, own))
             elif not append.future.done():
                 append.future.set_result(own[-1])
         return refused
@@ -141,11 +141,10 @@ class AppendBatcher:
             append.future.set_result(length)
 
 
-def _only_refused(append: Append, replies: list) -> Append:
+def _only_refused(append: Append, commands: list[tuple[EncodableT, ...]], replies: list) -> Append:
     """``append`` less the writes that succeeded (their replies not errors): what the script must
     still do. The tokens' APPEND is the last command; when it succeeded, the script appends
     nothing more to the tokens and only reads their length."""
-    commands = append.commands()
     done = {command[:2] for command, reply in zip(commands, replies, strict=True) if not isinstance(reply, Exception)}
     header, tokens, logprobs = append.keys
     return Append(

@@ -12,7 +12,6 @@ address is one node: the nodes it reported are the seeds from then on. A seed gi
 new connection to it, so a cluster whose nodes all came back under new addresses is found again.
 """
 
-import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,6 +20,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
+
+from coordinator.speculation.discovery import is_ip
 
 RedisClient = redis.Redis | RedisCluster
 # What a failing store raises: redis-py's errors (among them a cluster's CLUSTERDOWN, MOVED and
@@ -45,14 +46,5 @@ def connect(url: str, timeout_s: float, cluster: bool = False, **ssl_options: st
         return redis.Redis.from_url(url, **options)
     # reinitialize_steps=1: every failure of a node asks for the topology again (redis-py's default,
     # 5, let a transaction go to a dead master again after its replica was promoted)
-    seed_is_address = _is_address(urlsplit(url).hostname or "")
+    seed_is_address = is_ip(urlsplit(url).hostname or "")
     return RedisCluster.from_url(url, dynamic_startup_nodes=seed_is_address, reinitialize_steps=1, **options)
-
-
-def _is_address(host: str) -> bool:
-    """Whether ``host`` is an IP address rather than a DNS name."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

@@ -45,7 +45,8 @@ def split_target(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IP address (v4 or v6) rather than a DNS name."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -80,20 +81,20 @@ class Discovery:
         """The addresses known without resolving: the IP targets, and each name's last ones."""
         found: list[Address] = []
         for target, host, port in self.targets:
-            found.extend([Address(_joined(host, port))] if _is_ip(host) else self._last.get(target, []))
+            found.extend([Address(_joined(host, port))] if is_ip(host) else self._last.get(target, []))
         return list(dict.fromkeys(found))
 
     @property
     def names(self) -> bool:
         """Whether any target is a name (else there is nothing to resolve again)."""
-        return any(not _is_ip(host) for _, host, _ in self.targets)
+        return any(not is_ip(host) for _, host, _ in self.targets)
 
     async def resolve(self) -> list[Address]:
         """Every target's addresses, in the targets' order, each once. A name that does not
         resolve now keeps its last addresses (a DNS hiccup must not drop every replica), or has
         none if it never resolved; that is logged."""
         for target, host, port in self.targets:
-            if _is_ip(host):
+            if is_ip(host):
                 continue
             try:
                 ips = await asyncio.wait_for(self._lookup(host, port), self.timeout_s)

@@ -242,23 +242,30 @@ class Placement:
         calls' overhead + the replicas' mean compute) over (the least overhead + that mean),
         among the replicas measured recently; 1 for the others."""
         measured = [self.state(r) for r in replicas if self.state(r).recent()]
+        mean_length = self._mean_length()
         if len(measured) < 2:
-            return {r: self.load(r) + 1.0 for r in replicas}
+            return {r: self._load(self.state(r), mean_length) + 1.0 for r in replicas}
         compute = statistics.fmean(state.compute_ms for state in measured)
         least = min(state.overhead_ms for state in measured) + compute
         costs = {}
         for r in replicas:
             state = self.state(r)
             slowness = (state.overhead_ms + compute) / least if state.recent() and least > 0 else 1.0
-            costs[r] = self.load(r) * slowness + 1
+            costs[r] = self._load(state, mean_length) * slowness + 1
         return costs
 
     def load(self, replica: str) -> float:
         """The replica's sessions, this coordinator's counted by their length over the mean length
         of all its sessions, the others' one each (see the module docstring)."""
-        state = self.state(replica)
+        return self._load(self.state(replica), self._mean_length())
+
+    def _mean_length(self) -> float:
+        """The mean length of this coordinator's sessions on every replica, tokens (0: none)."""
         sessions = sum(s.sessions for s in self._replicas.values())
-        mean_length = sum(s.tokens for s in self._replicas.values()) / sessions if sessions else 0.0
+        return sum(s.tokens for s in self._replicas.values()) / sessions if sessions else 0.0
+
+    @staticmethod
+    def _load(state: ReplicaState, mean_length: float) -> float:
         own = state.tokens / mean_length if mean_length > 0 else state.sessions
         return own + state.others()
 
