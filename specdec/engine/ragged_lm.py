@@ -515,7 +515,7 @@ class RaggedLM(BatchedLM):
                 self._stepping = False
                 self._shrink()
         ran = dict(zip(runs, logits, strict=True))
-        return [ran.get(i, torch.zeros(step.num_logits, self.vocab_size)) for i, step in enumerate(steps)]
+        return [ran[i] if i in ran else torch.zeros(step.num_logits, self.vocab_size) for i, step in enumerate(steps)]
 
     def _run(self, steps: list[SequenceStep], sequences: list[_Sequence], layout: _StepLayout) -> list[torch.Tensor]:
         """The model's forward over ``steps`` of ``sequences`` (their blocks reserved), appending their tokens."""
