@@ -50,7 +50,7 @@ from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.rpc.errors import InvalidArgument
 from specdec.sampling.grammar import GrammarMatcher
-from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.probs import argmax, best_other, logits_to_probs
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import GrammarLimits, StructuredOutput, grammar_tokenizer
 from tests.conftest import (
@@ -86,6 +86,27 @@ def test_top_k_and_top_p_filters():
     assert kept.tolist() == [True, True, True, False, False]  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_argmax_is_torchs_first_largest_index_of_every_row(dtype):
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(-3, 4, (n, 49_152), generator=generator).to(dtype) for n in (1, 5, 2)]  # many ties
+    rows.append(torch.randn(7, generator=generator).to(dtype))  # one [V] row
+    rows.append(torch.randn(9, 3, generator=generator).to(dtype).t())  # [3, 9], not contiguous
+    expected = [token for x in rows for token in x.argmax(dim=-1).reshape(-1).tolist()]
+    assert argmax(rows) == expected
+    assert argmax(rows[:3]) == expected[:8]  # the contiguous ones, read by numpy where it can
+
+
+def test_best_other_is_the_runner_up_around_the_excluded_index():
+    values = torch.tensor([1.0, 5.0, 3.0, 5.0, 0.0])
+    assert [best_other(values, i) for i in range(5)] == [1, 3, 1, 1, 1]  # the first of equals
+    assert best_other(torch.tensor([2.0, 1.0]), 0) == 1 and best_other(torch.tensor([2.0, 1.0]), 1) == 0
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(49_152, generator=generator)
+    top = scores.topk(2).indices.tolist()
+    assert best_other(scores, top[0]) == top[1] and best_other(scores, top[1]) == top[0]
 
 
 def letters_tokenizer():

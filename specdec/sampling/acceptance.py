@@ -14,8 +14,8 @@ K_b drafts each. Under sampling, their draft tokens, the probabilities p(x) and 
 the per-token outcomes are laid out ``[B, max K]`` (padded), so one pass tests every draft token
 of every sequence and counts the accepted prefixes (a cumulative product of the outcomes), with
 one host synchronisation for the step. Greedy acceptance has no draws: the argmaxes of all the
-step's rows come to the host in one transfer and the accepted prefixes are counted there,
-comparing ints (the tensor form, with the same one synchronisation, is slower on CPU). The logits
+step's rows come to the host (:func:`specdec.sampling.probs.argmax`) and the accepted prefixes are
+counted there, comparing ints (the tensor form, with one synchronisation, is slower on CPU). The logits
 and probabilities themselves stay one ``[K_b + 1, V]`` tensor per sequence
 (the engine's views of the step's logits), each read by one argmax or one gather of its draft
 entries: concatenating them into vLLM's flattened ``[total_K + B, V]`` copies more memory than the
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.sampling.probs import sample
+from specdec.sampling.probs import argmax, sample
 
 
 def _accepted_counts(passed: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def greedy_accept(
         per sequence ``(n, next_token)``: n accepted drafts and the target's argmax after them (the
         correction, or the bonus token when n == K_b).
     """
-    target_tokens = torch.cat([logits.argmax(dim=-1) for logits in target_logits]).tolist()  # [total_K + B]
+    target_tokens = argmax(target_logits)  # [total_K + B]
     outcomes, first_row = [], 0
     for drafts in draft_token_ids:
         n = 0
