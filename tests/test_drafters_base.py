@@ -1,6 +1,11 @@
 """The model drafters' session (:mod:`draft_service.drafters.base`), on the tiny transformers
-draft: its context window, and the owner its KV store preempts by."""
+draft: its context window, the owner its KV store preempts by, and a draft position's
+alternative."""
 
+import pytest
+import torch
+
+from draft_service.drafters.base import Alternative
 from specdec.sampling.sampling_params import SamplingParams
 
 
@@ -21,3 +26,13 @@ def test_a_model_drafts_sessions_carry_their_owner_into_its_kv_store(tiny_drafte
     drafter.new_session(SamplingParams(), cache_salt="salt", owner="a").close()
     drafter.new_session(SamplingParams()).close()
     assert owners == ["a", ""]
+
+
+def test_a_greedy_alternative_is_the_softmaxs_runner_up_and_probabilities():
+    scores = torch.randn(49_152, generator=torch.Generator().manual_seed(3)) * 4
+    probs = torch.softmax(scores, -1)
+    (chosen, runner_up), (chosen_prob, prob) = probs.topk(2).indices.tolist(), probs.topk(2).values.tolist()
+    for alternative in (Alternative.of_greedy(scores, chosen), Alternative.of(probs, chosen)):
+        assert alternative.token == runner_up
+        assert alternative.chosen_prob == pytest.approx(chosen_prob, rel=1e-5)
+        assert alternative.prob == pytest.approx(prob, rel=1e-5)

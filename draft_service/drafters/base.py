@@ -21,7 +21,7 @@ from specdec.rpc.step_server import wait_for_reply
 from specdec.rpc.wire import encode_distributions
 from specdec.sampling.grammar import GrammarMatcher
 from specdec.sampling.logits_processors import process
-from specdec.sampling.probs import logits_to_probs, round_generator, sample
+from specdec.sampling.probs import argmax, best_other, logits_to_probs, round_generator, sample
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
@@ -86,10 +86,18 @@ class Alternative:
     @classmethod
     def of(cls, probs: torch.Tensor, chosen: int) -> "Alternative":
         """From ``probs`` ``[V]`` float32 and the token drawn."""
-        top = probs.topk(2)
-        values, tokens = top.values.tolist(), top.indices.tolist()
-        i = 1 if tokens[0] == chosen else 0
-        return cls(float(probs[chosen]), tokens[i], values[i])
+        other = best_other(probs, chosen)
+        return cls(float(probs[chosen]), other, float(probs[other]))
+
+    @classmethod
+    def of_greedy(cls, scores: torch.Tensor, chosen: int) -> "Alternative":
+        """From the scores ``[V]`` (float) whose argmax is ``chosen``, under their softmax, without
+        writing it out: a vocabulary's softmax and top-2 cost three times the log-normaliser and
+        two argmax passes over the same scores."""
+        log_normaliser = torch.logsumexp(scores, -1)
+        other = best_other(scores, chosen)
+        chosen_prob, prob = (scores[[chosen, other]] - log_normaliser).exp().tolist()
+        return cls(chosen_prob, other, prob)
 
 
 class DraftSession(abc.ABC):
@@ -263,7 +271,8 @@ class _Propose(Work):
         if len(self.tokens) >= self.k or self.cancelled:  # filled by forced tokens before this step, or cancelled
             return self._done()
         sampling = self.session.sampling
-        scores = process(logits[-1:], sampling, [*self.context, *self.chosen])[0]  # as the target's
+        context = [*self.context, *self.chosen] if sampling.processes_logits else ()
+        scores = process(logits[-1:], sampling, context)[0]  # as the target's
         if self.grammar is not None:
             allowed = self._in_grammar(lambda grammar: grammar.allowed())
             if allowed is None:  # predicted tokens off the grammar: nothing valid to draft after them
@@ -271,13 +280,13 @@ class _Propose(Work):
             scores = scores.masked_fill(~torch.from_numpy(allowed).to(scores.device), float("-inf"))
         branching = self.branching
         if self.guess_bonus and self.bonus is None:
-            self.bonus = int(scores.argmax())
+            self.bonus = argmax([scores])[0]
             self.chosen.append(self.bonus)
             if branching:
-                self.bonus_alternative = Alternative.of(torch.softmax(scores, -1), self.bonus)
+                self.bonus_alternative = Alternative.of_greedy(scores, self.bonus)
         elif self.generator is None:  # greedy
-            token = int(scores.argmax())
-            self._choose(token, alternative=Alternative.of(torch.softmax(scores, -1), token) if branching else None)
+            token = argmax([scores])[0]
+            self._choose(token, alternative=Alternative.of_greedy(scores, token) if branching else None)
         else:
             q = logits_to_probs(scores, sampling)
             token = sample(q, self.generator)
