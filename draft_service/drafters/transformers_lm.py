@@ -1,8 +1,10 @@
 """A transformers causal LM as the draft (for example Qwen2.5-0.5B drafting for Qwen2.5-7B),
 batched like the target: its sessions share one KV store (:class:`specdec.engine.ragged_lm.RaggedLM`, within
-its budget of ``kv_cache_max_bytes``) and one engine loop."""
+its budget of ``kv_cache_max_bytes``) and one engine loop; on a CPU its linear layers run on oneDNN, as
+the target's (:mod:`specdec.engine.cpu_linear`)."""
 
 from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
+from specdec.engine.cpu_linear import pack_linears
 from specdec.engine.engine import Engine
 from specdec.engine.kv import SequenceKV
 from specdec.engine.models import context_window, load_causal_lm
@@ -55,6 +57,7 @@ class TransformersDrafter(Drafter):
         kv_cache_max_bytes: int = 0,
     ) -> "TransformersDrafter":
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
+        pack_linears(model)  # a draft's rounding decides nothing: the target's acceptance test does
         return cls(
             model, tokenizer, spec, max_num_seqs, max_num_batched_tokens, prefix_cache_max_tokens, kv_cache_max_bytes
         )
