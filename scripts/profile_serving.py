@@ -129,10 +129,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--k", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--raw-out", type=Path, help="Keep py-spy's raw stacks here (<process>-k<K>.txt).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model, out = near_free_model(), Path(tmp) / "profiles"
-        out.mkdir()
+        model, out = near_free_model(), args.raw_out or Path(tmp) / "profiles"
+        out.mkdir(parents=True, exist_ok=True)
         drafter = ["--drafters", "transformers", "--default-drafter", "transformers"]
         # limits that let every stream join every step (one handler thread per call in flight)
         limits = ["--max-sessions", str(2 * args.concurrency + 8), "--max-num-seqs", str(args.concurrency)]

@@ -715,7 +715,9 @@ def test_cli_defaults_of_the_load_modes(monkeypatch, tmp_path):
         "SPECDEC_VERIFY_MAX_NUM_SEQS": "64",
         "SPECDEC_DRAFT_MAX_NUM_SEQS": "64",
         "SPECDEC_DRAFT_NICE": "0",
-        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
+        "SPECDEC_VERIFY_NUM_THREADS": "1",
+        "SPECDEC_DRAFT_NUM_THREADS": "1",
     }
     config = captured_config(monkeypatch, tmp_path, "ceiling", "--concurrency", "8", "--arrivals", "burst")
     assert config.concurrency == [8] and config.arrivals == ["burst"] and config.repeat == 1

@@ -169,15 +169,22 @@ def configure(config: ConcurrencyConfig, console: Console | None = None) -> Conc
     steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
     cap the batch below the issue's N = 64, where transformers serve batches all), and the draft at
     the target's CPU priority (niceness 0, not the load modes' 19: every round of ``pipeline/K=4``
-    waits for its self-draft's forwards, and none opens it for a probe), the coordinator not told
-    that it shares the target's cores (fixed K: nothing to price; its committed result was
-    measured so)."""
+    waits for its self-draft's forwards, and none opens it for a probe), the coordinator told that
+    the draft shares the target's cores, as it does here (``draft_shares_target_cores``: draft-ahead
+    then drafts one branch, the one an all-accepted round takes, where three took the verify's
+    cores for branches no round used: ``pipeline/K=4`` at 0.75x ``pipeline/K=0`` with three, 0.93x
+    with one, in two runs of one commit), and each service on one torch thread: the near-free
+    model's operations are too small to split, and torch's default (a thread per core) has each
+    operation over a vocabulary wait for a second thread that the other processes' work holds off
+    its core (on 2 cores, 2 threads made an ``amax`` over 49,152 logits 16 times slower than 1)."""
     folder = str(near_free_model(console))
     seqs = str(max(config.concurrency))
     service_env = {
         "SPECDEC_VERIFY_MAX_NUM_SEQS": seqs,
         "SPECDEC_DRAFT_MAX_NUM_SEQS": seqs,
         "SPECDEC_DRAFT_NICE": "0",
-        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "false",
+        "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
+        "SPECDEC_VERIFY_NUM_THREADS": "1",
+        "SPECDEC_DRAFT_NUM_THREADS": "1",
     } | config.service_env
     return replace(config, target=folder, draft_model=folder, drafter=DRAFTER, service_env=service_env)
