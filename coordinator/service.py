@@ -59,6 +59,7 @@ from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
 from specdec.lookups.suffix import SuffixCache, SuffixIndex
+from specdec.observability.telemetry import current_span
 from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, SpecdecError
 from specdec.rpc.server import SHUTDOWN_GRACE_S, connection_options, server_credentials, start_aio_server
 from specdec.rpc.tls import Reloading, ReloadingSSLContext, reloading_channel_credentials
@@ -404,7 +405,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if response := self._message(running, kept):
                 yield response
         while not output.finish:
-            with tracer.start_as_current_span("round") as span:
+            with current_span(tracer, "round") as span:
                 new, logprobs, record = await rounds.step(running.policy, output.remaining - 1)
                 kept = output.add(new, logprobs)
                 if span.is_recording():

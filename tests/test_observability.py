@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.api.client import generate
-from specdec.observability.telemetry import configure_tracing, exporter_names
+from specdec.observability.telemetry import configure_tracing, current_span, exporter_names
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specdec_app.launcher import LocalCluster, free_port
@@ -421,6 +421,14 @@ def test_tracing_is_off_unless_an_exporter_is_named(monkeypatch):
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert configure_tracing("verify") is False
     assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def test_a_span_with_tracing_off_leaves_the_current_context_alone():
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)  # no provider in this process
+    outer = trace.NonRecordingSpan(trace.SpanContext(1, 2, is_remote=False))
+    with trace.use_span(outer), current_span(trace.get_tracer(__name__), "round") as span:
+        assert span is trace.INVALID_SPAN and not span.is_recording()
+        assert trace.get_current_span() is outer
 
 
 def test_an_exporter_that_is_not_installed_is_an_error(monkeypatch):

@@ -14,6 +14,7 @@ and server span instead, its context in the call's header (:mod:`specdec.rpc.ste
 tracing off no provider is installed and every span is the API's no-op.
 """
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -84,6 +85,16 @@ def configure_tracing(service: str) -> bool:
     ):
         instrumentor(filter_=traced).instrument()
     return True
+
+
+def current_span(tracer: trace.Tracer, name: str, **kwargs) -> contextlib.AbstractContextManager[trace.Span]:
+    """``tracer.start_as_current_span(name, **kwargs)`` where a tracer provider is installed; with
+    tracing off, the invalid span without touching the current context. For spans made per round or
+    per call: the API's no-op span still sets and resets the current context, and those of the
+    coordinator's rounds and Step calls were 14% of its CPU at 64 streams with tracing off."""
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return tracer.start_as_current_span(name, **kwargs)
 
 
 def configure_logging(service: str, level: str, log_format: str) -> None:

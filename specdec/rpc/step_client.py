@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
+from specdec.observability.telemetry import current_span
 from specdec.rpc.errors import SpecdecError, Unavailable, from_rpc_error, from_status, status_code
 from specdec.rpc.step_server import CallResult, oneof_kinds
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
@@ -95,7 +96,7 @@ class StepStream(Generic[CallT]):
         if not isinstance(request, self.kinds.get(kind, ())):
             raise TypeError(f"a {kind!r} call of {self.call_cls.__name__} takes one of {sorted(self.kinds)}, typed")
         span_name = f"/{self.service}/{kind.capitalize()}"
-        with tracer.start_as_current_span(span_name, kind=trace.SpanKind.CLIENT) as span:
+        with current_span(tracer, span_name, kind=trace.SpanKind.CLIENT) as span:
             call = self.call_cls(header=common_pb2.CallHeader(call_id=next(self._ids), timeout_ms=timeout_s * 1000))
             if span.is_recording():  # tracing on: the service's span joins this trace
                 propagate.inject(call.header.trace_context)
