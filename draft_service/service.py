@@ -188,7 +188,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         start = time.perf_counter()
         k = request.num_speculative_tokens
         if not 1 <= k <= self.max_k:
-            raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}]")
+            raise InvalidArgument(
+                f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}] (the draft service's "
+                "--max-num-speculative-tokens)"
+            )
         predicted = request.predicted_token_ids
         num_branches, budget_ms = request.num_branches, request.branch_budget_ms
         if not 0 <= num_branches <= MAX_BRANCHES:

@@ -68,6 +68,9 @@ def test_streamed_proposals_start_on_the_reading_thread_and_answer_from_the_engi
         assert started_on == {"step-stream-reader"}
         codes = {i: grpc.StatusCode.NOT_FOUND if i == 8 else grpc.StatusCode.INVALID_ARGUMENT for i in (8, 9, 10)}
         assert {i: results[i].error.code for i in codes} == {i: code.value[0] for i, code in codes.items()}
+        assert results[9].error.message == (
+            "num_speculative_tokens is 9: it must lie in [1, 8] (the draft service's --max-num-speculative-tokens)"
+        )
         with sessions.use("s1"):  # the failed proposal gave its session back
             pass
     finally:
