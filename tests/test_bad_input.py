@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.api.client import generate, generate_choices, stream
 from specdec.rpc.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 BAD_REQUESTS = [
@@ -51,6 +51,13 @@ BAD_REQUESTS = [
     ("n above the limit", dict(text="hi", n=9), INVALID, "n is 9: it must lie in [1, 8] (the coordinator's --max-n)"),
     ("top_logprobs above the limit", dict(text="hi", logprobs=True, top_logprobs=21), INVALID, "[0, 20]"),
     ("top_logprobs without logprobs", dict(text="hi", top_logprobs=3), INVALID, "set logprobs to true"),
+    (
+        "min_tokens with a grammar",
+        dict(text="hi", min_tokens=1, structured_output=common_pb2.StructuredOutput(json_object=True)),
+        INVALID,
+        "min_tokens cannot be combined with structured_output (the grammar decides where the output ends): remove "
+        "min_tokens",
+    ),
 ]
 
 

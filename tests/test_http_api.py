@@ -328,7 +328,8 @@ BAD_REQUESTS = [
         {"min_tokens": 1, "response_format": {"type": "json_object"}},
         400,
         "min_tokens",
-        "min_tokens cannot be combined with response_format",
+        "min_tokens cannot be combined with response_format (the grammar decides where the output ends): remove "
+        "min_tokens",
     ),
     ("max_tokens beyond int32", {"max_tokens": 2**40}, 400, "max_tokens", f"max_tokens is {2**40}"),
     (

@@ -330,7 +330,8 @@ def _check_structured_output(
     assert sampling.structured_output is not None
     if sampling.min_tokens:
         raise InvalidArgument(
-            "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
+            "min_tokens cannot be combined with structured_output (the grammar decides where the output ends): "
+            "remove min_tokens"
         )
     vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
     try:
