@@ -10,7 +10,7 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
-from draft_service.settings import DraftSettings
+from draft_service.settings import DRAFTERS, DraftSettings
 from specdec.engine import host_memory
 from specdec.observability.prom import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters, parse_delays
@@ -27,7 +27,14 @@ SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
-    """Instantiates the drafters named in ``settings.drafters``. Raises ValueError for an unknown name."""
+    """Instantiates the drafters named in ``settings.drafters``. Raises ValueError for an unknown
+    name, before any model loads."""
+    unknown = [name for name in settings.drafters if name not in DRAFTERS]
+    if unknown:
+        raise ValueError(
+            f"{DraftSettings.named('drafters')} names {', '.join(map(repr, unknown))}, no drafter of this service: "
+            f"list only {', '.join(DRAFTERS)}"
+        )
     drafters: dict[str, Drafter] = {}
     for name in settings.drafters:
         if name == "ngram":
@@ -58,7 +65,7 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 requantize=settings.llama_cpp_requantize,
                 prefix_caching=settings.enable_prefix_caching,
             )
-        elif name == "transformers":
+        else:  # transformers (every name is one of DRAFTERS)
             from draft_service.drafters.transformers_lm import TransformersDrafter
 
             drafters[name] = TransformersDrafter.load(
@@ -69,8 +76,6 @@ def load_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                 settings.prefix_cache_max_tokens if settings.enable_prefix_caching else None,
                 settings.kv_cache_max_bytes,
             )
-        else:
-            raise ValueError(f"unknown drafter {name!r}: choose from llama-cpp, transformers, ngram, suffix")
         drafters[name].measure_step_ms()
     return drafters
 
@@ -183,7 +188,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         start = time.perf_counter()
         k = request.num_speculative_tokens
         if not 1 <= k <= self.max_k:
-            raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}]")
+            raise InvalidArgument(
+                f"num_speculative_tokens is {k}: it must lie in [1, {self.max_k}] (the draft service's "
+                "--max-num-speculative-tokens)"
+            )
         predicted = request.predicted_token_ids
         num_branches, budget_ms = request.num_branches, request.branch_budget_ms
         if not 0 <= num_branches <= MAX_BRANCHES:

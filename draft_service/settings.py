@@ -1,8 +1,10 @@
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specdec.engine.model_files import DEFAULT_MODEL
 from specdec.engine.prefix_cache import DEFAULT_MAX_TOKENS
 from specdec.settings import CommaSeparated, SessionServiceSettings
+
+DRAFTERS = ("llama-cpp", "transformers", "ngram", "suffix")  # the drafters a draft service can load
 
 
 class DraftSettings(SessionServiceSettings):
@@ -127,3 +129,21 @@ class DraftSettings(SessionServiceSettings):
         "lengthens. A miss costs the drafter the forwards it cancels (they share its batched steps). Off: a Propose "
         "is drafted when it arrives. Not with structured output.",
     )
+
+    @model_validator(mode="after")
+    def _default_drafter_hosted(self):
+        """Fails the start, before any model loads, when default_drafter is not among drafters: a
+        ValueError naming both settings and what to change."""
+        if self.default_drafter in self.drafters:
+            return self
+        fixes = []
+        if self.default_drafter in DRAFTERS:
+            fixes.append(f"add it (--drafters {','.join([*self.drafters, self.default_drafter])})")
+        if self.drafters:
+            fixes.append("set --default-drafter to one it lists")
+        if not fixes:  # a name that is no drafter, and none listed
+            fixes.append(f"list drafters of {', '.join(DRAFTERS)} and set --default-drafter to one of them")
+        raise ValueError(
+            f"{self.named('default_drafter')} is {self.default_drafter!r}, a drafter {self.named('drafters')} does "
+            f"not list (it lists {','.join(self.drafters) or 'none'}): {', or '.join(fixes)}"
+        )

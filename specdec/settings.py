@@ -113,14 +113,25 @@ class ServiceSettings(BaseSettings):
         server_ssl_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         return self
 
+    @classmethod
+    def variable(cls, field: str) -> str:
+        """The environment variable of setting ``field``: ``SPECDEC_DRAFT_DEFAULT_DRAFTER``."""
+        return f"{cls.model_config.get('env_prefix', 'SPECDEC_')}{field.upper()}"
+
+    @classmethod
+    def named(cls, field: str) -> str:
+        """Setting ``field`` as a start-up error names it, by its flag and its environment variable
+        (as docs/settings.md lists them): ``--default-drafter (SPECDEC_DRAFT_DEFAULT_DRAFTER)``."""
+        return f"--{field.replace('_', '-')} ({cls.variable(field)})"
+
     def require_authentication(self, authenticated: bool, missing: str, fix: str, callers: str) -> None:
         """Fails the start (ValueError) when callers are not ``authenticated`` and ``insecure`` is
         off, with a message naming what is ``missing``, how to ``fix`` it and the opt-out, which
         serves ``callers``."""
         if not (authenticated or self.insecure):
-            variable = f"{self.model_config.get('env_prefix', 'SPECDEC_')}INSECURE"
             raise ValueError(
-                f"{missing} and not --insecure: {fix}, or start with --insecure ({variable}=true) to serve {callers}"
+                f"{missing} and not --insecure: {fix}, or start with --insecure ({self.variable('insecure')}=true) "
+                f"to serve {callers}"
             )
 
 

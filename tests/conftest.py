@@ -327,7 +327,10 @@ IN_PROCESS_PROPOSE_FLOOR_S = 5.0
 def tiny_pipeline(tiny_models, tiny_target, tiny_drafters, plain_target_model) -> Pipeline:
     """Coordinator, draft and verify services on free ports, serving the tiny models."""
     verify = build_verify(VerifySettings(port=0, max_sessions=8), target=tiny_target)
-    draft = build_draft(DraftSettings(port=0, default_drafter="transformers", max_sessions=8), drafters=tiny_drafters)
+    draft = build_draft(
+        DraftSettings(port=0, drafters=list(tiny_drafters), default_drafter="transformers", max_sessions=8),
+        drafters=tiny_drafters,
+    )
     coordinator = CoordinatorThread(
         CoordinatorSettings(
             port=0,

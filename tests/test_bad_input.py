@@ -8,32 +8,56 @@ import pytest
 
 from coordinator.api.client import generate, generate_choices, stream
 from specdec.rpc.server import GRPC_OPTIONS
-from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 BAD_REQUESTS = [
-    ("empty prompt", dict(text="   "), INVALID, "prompt is empty"),
-    ("no prompt", dict(), INVALID, "prompt is empty"),
+    ("empty prompt", dict(text="   "), INVALID, "prompt is empty: set `text` to a prompt that is not blank"),
+    ("no prompt", dict(), INVALID, "prompt is empty: set `text`"),
+    (
+        "empty chat",
+        dict(chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=" ")])),
+        INVALID,
+        "prompt is empty: give `chat` a message that is not blank",
+    ),
     ("prompt beyond the window", dict(text="word " * 600), INVALID, "context window is 512"),
     ("max_new_tokens 0", dict(text="hi", max_new_tokens=0), INVALID, "max_new_tokens is 0"),
-    ("max_new_tokens beyond the limit", dict(text="hi", max_new_tokens=100000), INVALID, "[1, 256]"),
+    (
+        "max_new_tokens beyond the limit",
+        dict(text="hi", max_new_tokens=100000),
+        INVALID,
+        "max_new_tokens is 100000: it must lie in [1, 256] (the coordinator's --max-new-tokens-limit)",
+    ),
     (
         "prompt + max_new_tokens beyond the window",
         dict(text="word " * 300, max_new_tokens=250),
         INVALID,
-        "lower max_new_tokens",
+        "the target's context window of 512 holds",
     ),
     ("negative temperature", dict(text="hi", temperature=-0.5), INVALID, "temperature is -0.5"),
     ("top_p 0", dict(text="hi", top_p=0.0), INVALID, "top_p is 0.0"),
     ("top_p above 1", dict(text="hi", top_p=1.5), INVALID, "(0, 1]"),
     ("negative top_k", dict(text="hi", top_k=-1), INVALID, "top_k is -1"),
-    ("K beyond the limit", dict(text="hi", num_speculative_tokens=99), INVALID, "[0, 16]"),
+    (
+        "K beyond the limit",
+        dict(text="hi", num_speculative_tokens=99),
+        INVALID,
+        "num_speculative_tokens is 99: it must lie in [0, 16] (0 = plain decode; the verify service's "
+        "--max-num-speculative-tokens)",
+    ),
     ("unknown drafter", dict(text="hi", drafter="eagle"), INVALID, "unknown drafter 'eagle'"),
     ("different vocabularies", dict(text="hi", drafter="other-vocab"), PRECONDITION, "different vocabulary"),
     ("n 0", dict(text="hi", n=0), INVALID, "n is 0: it must lie in [1, 8]"),
     ("n above the limit", dict(text="hi", n=9), INVALID, "n is 9: it must lie in [1, 8] (the coordinator's --max-n)"),
     ("top_logprobs above the limit", dict(text="hi", logprobs=True, top_logprobs=21), INVALID, "[0, 20]"),
     ("top_logprobs without logprobs", dict(text="hi", top_logprobs=3), INVALID, "set logprobs to true"),
+    (
+        "min_tokens with a grammar",
+        dict(text="hi", min_tokens=1, structured_output=common_pb2.StructuredOutput(json_object=True)),
+        INVALID,
+        "min_tokens cannot be combined with structured_output (the grammar decides where the output ends): remove "
+        "min_tokens",
+    ),
 ]
 
 
@@ -106,7 +130,7 @@ def test_session_limit_is_resource_exhausted(tiny_pipeline):
                     verify_pb2.VerifyServicePrefillRequest(session_id="one-too-many", token_ids=[1, 2]), timeout=10
                 )
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "raise max_sessions" in caught.value.details()
+            assert "retry later, or raise the service's --max-sessions" in caught.value.details()
         finally:
             for sid in ids:
                 stub.Release(verify_pb2.VerifyServiceReleaseRequest(session_id=sid), timeout=10)

@@ -83,7 +83,7 @@ def addresses(tiny_models, tiny_target, tiny_drafters, tiny_pipeline):
     close.measure_step_ms()
     verify = build_verify(VerifySettings(port=0, max_sessions=8, enable_prefix_caching=False), target=target)
     draft = build_draft(
-        DraftSettings(port=0, default_drafter="close", max_sessions=8, enable_prefix_caching=False),
+        DraftSettings(port=0, drafters=["close"], default_drafter="close", max_sessions=8, enable_prefix_caching=False),
         drafters={"close": close},
     )
     coordinators = {

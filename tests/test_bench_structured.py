@@ -105,7 +105,9 @@ def without_grammar_aware_drafting(tiny_models, tiny_pipeline, tiny_drafters):
     close = TransformersDrafter(tiny_drafters["close"].lm.model, load_tokenizer(str(tiny_models.target_dir)), "close")
     close.measure_step_ms()
     draft = build_draft(
-        DraftSettings(port=0, default_drafter="close", max_sessions=8, grammar_aware_drafting=False),
+        DraftSettings(
+            port=0, drafters=["close"], default_drafter="close", max_sessions=8, grammar_aware_drafting=False
+        ),
         drafters={"close": close},
     )
     coordinator = CoordinatorThread(

@@ -41,7 +41,11 @@ def test_choice_requests_take_seed_plus_index_and_suffixed_ids():
         (dict(n=0), "n is 0: it must lie in [1, 4] (the coordinator's --max-n)"),
         (dict(n=5), "n is 5: it must lie in [1, 4]"),
         (dict(n=2, request_id="r", resume_from=3), "n is 2 with resume_from: resume one choice at a time"),
-        (dict(n=4, request_id="x" * 127), "request_id has 127 characters: with n = 4 it may have at most 126"),
+        (
+            dict(n=4, request_id="x" * 127),
+            "request_id has 127 characters: with n = 4 it may have at most 126 (choice i is stored as "
+            "<request_id>:<i>); shorten it",
+        ),
     ],
 )
 def test_bad_n(fields, message):

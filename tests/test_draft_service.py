@@ -1,7 +1,8 @@
 """draft_service/service.py: Propose calls of a Step stream start on the stream's reading thread
 and are answered from the drafter's engine (no thread waits per call), their errors as the unary
 RPC's; the process set-up: ``--nice`` lowers the CPU priority of every thread of the service's
-process, those started before it too (Linux keeps a niceness per thread)."""
+process, those started before it too (Linux keeps a niceness per thread), and a drafter name it
+does not know is refused before any model loads."""
 
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
+from draft_service.drafters import llama_cpp
 from draft_service.drafters.base import ModelDraftSession
-from draft_service.service import DraftServicer
+from draft_service.service import DraftServicer, load_drafters
 from draft_service.settings import DraftSettings
 from specdec.observability.prom import ServiceMetrics
 from specdec.rpc.sessions import SessionRegistry
@@ -66,6 +68,9 @@ def test_streamed_proposals_start_on_the_reading_thread_and_answer_from_the_engi
         assert started_on == {"step-stream-reader"}
         codes = {i: grpc.StatusCode.NOT_FOUND if i == 8 else grpc.StatusCode.INVALID_ARGUMENT for i in (8, 9, 10)}
         assert {i: results[i].error.code for i in codes} == {i: code.value[0] for i, code in codes.items()}
+        assert results[9].error.message == (
+            "num_speculative_tokens is 9: it must lie in [1, 8] (the draft service's --max-num-speculative-tokens)"
+        )
         with sessions.use("s1"):  # the failed proposal gave its session back
             pass
     finally:
@@ -103,3 +108,9 @@ def test_every_thread_runs_at_the_niceness_asked_for():
 def test_a_niceness_outside_0_to_19_is_refused(nice):
     with pytest.raises(ValidationError, match="nice"):
         DraftSettings(port=0, nice=nice)
+
+
+def test_an_unknown_drafter_is_refused_before_any_model_loads(monkeypatch):
+    monkeypatch.setattr(llama_cpp, "LlamaCppDrafter", lambda *args, **kwargs: pytest.fail("a model loaded"))
+    with pytest.raises(ValueError, match=r"--drafters \(SPECDEC_DRAFT_DRAFTERS\) names 'eagle', no drafter"):
+        load_drafters(DraftSettings(port=0, drafters=["llama-cpp", "eagle"]))

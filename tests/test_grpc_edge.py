@@ -134,6 +134,15 @@ def test_a_call_without_a_key_is_refused_with_what_to_send(keyed):
         assert words in refused.value.details() and "--api-key" in refused.value.details()
 
 
+def test_a_call_that_ends_without_its_request_message_is_told_to_send_one(keyed):
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.port}", options=GRPC_OPTIONS) as channel:
+        call = channel.stream_stream(GENERATE)  # Generate's path, its request stream ended empty
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call(iter(()), metadata=[("authorization", f"Bearer {KEY}")], timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "the call ended without its request message: send one before ending it"
+
+
 def test_calls_with_a_key_past_the_limit_are_refused_naming_it_while_health_answers(keyed):
     address = f"127.0.0.1:{keyed.port}"
     running = [stream(address, LONG, timeout_s=60, api_key=KEY) for _ in range(MAX_CALLS)]

@@ -6,6 +6,7 @@ cancels its request; requests fuzzed from the OpenAPI document (schemathesis) ne
 import asyncio
 import http.client
 import json
+import re
 import signal
 import socket
 import threading
@@ -257,7 +258,7 @@ BAD_REQUESTS = [
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools="),
     ("penalty out of range", {"frequency_penalty": 2.5}, 400, "frequency_penalty", "frequency_penalty is 2.5"),
     ("logit_bias id", {"logit_bias": {"99999999": 1}}, 400, "logit_bias", "logit_bias names token 99999999"),
-    ("min_tokens", {"min_tokens": 5}, 400, "min_tokens", "min_tokens is 5: it must not exceed max_new_tokens (4)"),
+    ("min_tokens", {"min_tokens": 5}, 400, "min_tokens", "min_tokens is 5: it must not exceed max_tokens (4)"),
     (
         "json_schema without a schema",
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -270,14 +271,14 @@ BAD_REQUESTS = [
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
         400,
         "response_format",
-        "structured_output.json_schema is not valid: Invalid type: objekt",
+        "response_format.json_schema.schema is not valid: Invalid type: objekt",
     ),
     (
         "bad regex",
         {"structured_outputs": {"regex": "(a|b"}},
         400,
         "structured_outputs",
-        "structured_output.regex is not valid",
+        "structured_outputs.regex is not valid",
     ),
     (
         "two structured outputs",
@@ -294,13 +295,41 @@ BAD_REQUESTS = [
         "structured_outputs sets regex, choice: set exactly one",
     ),
     ("unknown field", {"max_token": 4}, 400, "max_token", "unsupported field 'max_token'"),
-    ("max_tokens 0", {"max_tokens": 0}, 400, "max_tokens", "max_new_tokens is 0: it must lie in [1, 256]"),
+    (
+        "max_tokens 0",
+        {"max_tokens": 0},
+        400,
+        "max_tokens",
+        "max_tokens is 0: it must lie in [1, 256] (the coordinator's --max-new-tokens-limit)",
+    ),
     (
         "max_completion_tokens 0",
         {"max_tokens": None, "max_completion_tokens": 0},
         400,
         "max_completion_tokens",
-        "max_new_tokens is 0",
+        "max_completion_tokens is 0: it must lie in [1, 256] (the coordinator's --max-new-tokens-limit)",
+    ),
+    (
+        "max_tokens beyond the context window",
+        {"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 250},
+        400,
+        "max_tokens",
+        "max_tokens is 250: after the prompt's ",
+    ),
+    (
+        "max_completion_tokens beyond the context window",
+        {"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": None, "max_completion_tokens": 250},
+        400,
+        "max_completion_tokens",
+        "max_completion_tokens is 250: after the prompt's ",
+    ),
+    (
+        "min_tokens with a grammar",
+        {"min_tokens": 1, "response_format": {"type": "json_object"}},
+        400,
+        "min_tokens",
+        "min_tokens cannot be combined with response_format (the grammar decides where the output ends): remove "
+        "min_tokens",
     ),
     ("max_tokens beyond int32", {"max_tokens": 2**40}, 400, "max_tokens", f"max_tokens is {2**40}"),
     (
@@ -321,7 +350,13 @@ BAD_REQUESTS = [
     ("top_p 0", {"top_p": 0}, 400, "top_p", "top_p is 0.0"),
     ("negative seed", {"seed": -1}, 400, "seed", "seed is -1"),
     ("no messages", {"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
-    ("empty prompt", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages", "prompt is empty"),
+    (
+        "empty prompt",
+        {"messages": [{"role": "user", "content": "  "}]},
+        400,
+        "messages",
+        "prompt is empty: give `messages` a message that is not blank",
+    ),
     (
         "tool role",
         {"messages": [{"role": "tool", "content": "x"}]},
@@ -359,6 +394,8 @@ BAD_REQUESTS = [
         "num_speculative_tokens is 99",
     ),
 ]
+# GenerateRequest's names of fields the bodies name otherwise
+GRPC_NAMES = re.compile(r"(?<![\w-])(max_new_tokens|token_ids|`text`|`chat`|structured_output)(?![\w-])")
 
 
 @pytest.mark.parametrize("case,changes,status,param,message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
@@ -370,6 +407,26 @@ def test_bad_request_gets_openai_error(api, case, changes, status, param, messag
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"].startswith(message) and error["param"] == param
     assert error["type"] == "invalid_request_error"
+    assert not GRPC_NAMES.search(error["message"]), error["message"]  # only the body's names
+
+
+COMPLETION = {"model": "MODEL", "prompt": "hi", "max_tokens": 4}
+BAD_COMPLETIONS = [
+    # name, changes to COMPLETION, param, start of the message: the completions body's names
+    ("max_tokens 0", {"max_tokens": 0}, "max_tokens", "max_tokens is 0: it must lie in [1, 256]"),
+    ("logprobs above the limit", {"logprobs": 21}, "logprobs", "logprobs is 21: it must lie in [0, 20]"),
+    ("blank prompt", {"prompt": "  "}, "prompt", "prompt is empty: set `prompt` to a prompt that is not blank"),
+    ("bad json", {"structured_outputs": {"json": "{"}}, "structured_outputs", "structured_outputs.json must be"),
+]
+
+
+@pytest.mark.parametrize("case,changes,param,message", BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
+def test_a_completions_error_names_the_fields_of_its_body(api, case, changes, param, message):
+    got_status, got = call(api, "POST", "/v1/completions", COMPLETION | {"model": api.model} | changes)
+    assert got_status == 400, got
+    error = got["error"]
+    assert error["message"].startswith(message) and error["param"] == param, error
+    assert not GRPC_NAMES.search(error["message"]), error["message"]
 
 
 def test_errors_through_the_sdk_and_same_messages_as_grpc(api, tiny_pipeline):
@@ -381,7 +438,9 @@ def test_errors_through_the_sdk_and_same_messages_as_grpc(api, tiny_pipeline):
         client.completions.create(model=api.model, prompt="hi", max_tokens=100000, stream=True)
     with pytest.raises(grpc.RpcError) as grpc_error:
         grpc_completion(tiny_pipeline.address, text="hi", raw_prompt=True, max_new_tokens=100000)
-    assert caught.value.body["message"] == grpc_error.value.details()
+    # the same message, naming the field the client sent
+    assert caught.value.body["message"] == grpc_error.value.details().replace("max_new_tokens", "max_tokens")
+    assert caught.value.body["message"].startswith("max_tokens is 100000")
     assert caught.value.code == "invalid_argument"
 
 
@@ -409,7 +468,11 @@ def test_token_id_prompts_give_the_same_tokens_as_the_texts_ids(api, tiny_pipeli
     )
     assert by_grpc.text == expected.choices[0].text
     vocab = tiny_pipeline.target.vocab_size
-    for bad, word in (([1, vocab], f"token_ids holds {vocab}"), ([1, 2**40], "32-bit"), ([], "one prompt per")):
+    for bad, word in (
+        ([1, vocab], f"prompt holds {vocab}: token ids lie in"),
+        ([1, 2**40], "32-bit"),
+        ([], "one prompt per"),
+    ):
         status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": bad, "max_tokens": 2})
         assert status == 400 and got["error"]["param"] == "prompt" and word in got["error"]["message"], got
     status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": [ids, ids]})

@@ -312,12 +312,26 @@ def test_concurrent_greedy_proposals_equal_one_at_a_time(drafter):
 def test_allocating_beyond_max_num_seqs_is_resource_exhausted(drafter):
     sessions = [drafter.new_session(SamplingParams()) for _ in range(MAX_SEQS)]
     try:
-        with pytest.raises(ResourceExhausted, match="LLAMA_CPP_MAX_NUM_SEQS"):
+        with pytest.raises(ResourceExhausted) as refused:
             drafter.new_session(SamplingParams())
+        assert "retry later, or raise --llama-cpp-max-num-seqs (SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS" in str(
+            refused.value
+        )
     finally:
         for session in sessions:
             session.close()
     drafter.new_session(SamplingParams()).close()  # room again
+
+
+def test_a_context_llama_cpp_cannot_create_names_the_settings_that_size_it(drafter):
+    """20 M tokens of KV (about 460 GB for SmolLM2) cannot be allocated: the error says what was
+    asked and which settings to lower, by flag and variable."""
+    with pytest.raises(ValueError) as refused:
+        LlamaCppLM(drafter.path, n_ctx=20_000_000, max_num_seqs=1, n_threads=1)
+    message = str(refused.value)
+    assert "a context of 1 sequences x 20000000 tokens, 20000000 tokens of KV" in message
+    assert "lower --llama-cpp-n-ctx (SPECDEC_DRAFT_LLAMA_CPP_N_CTX), the tokens one session holds" in message
+    assert "or --llama-cpp-max-num-seqs (SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS)" in message
 
 
 def test_requantized_is_converted_once_and_cached():

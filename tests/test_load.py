@@ -48,7 +48,12 @@ def draft(tiny_drafters):
     drafters = {name: tiny_drafters[name] for name in ("transformers", "ngram")}
     metrics_port = free_port()
     settings = DraftSettings(
-        port=0, default_drafter="transformers", max_sessions=3, metrics_port=metrics_port, proactive_drafting=False
+        port=0,
+        drafters=list(drafters),
+        default_drafter="transformers",
+        max_sessions=3,
+        metrics_port=metrics_port,
+        proactive_drafting=False,
     )
     service = build_draft(settings, drafters=drafters)
     with grpc.insecure_channel(f"127.0.0.1:{service.port}") as channel:

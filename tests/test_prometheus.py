@@ -56,7 +56,13 @@ def scraped_services(tiny_models, tiny_target, tiny_drafters, redis_server):
         VerifySettings(port=0, max_sessions=8, metrics_port=ports["specdec-verify"]), target=tiny_target
     )
     draft = build_draft(
-        DraftSettings(port=0, default_drafter="transformers", max_sessions=8, metrics_port=ports["specdec-draft"]),
+        DraftSettings(
+            port=0,
+            drafters=list(tiny_drafters),
+            default_drafter="transformers",
+            max_sessions=8,
+            metrics_port=ports["specdec-draft"],
+        ),
         drafters=tiny_drafters,
     )
     coordinator = CoordinatorThread(

@@ -82,7 +82,11 @@ def taken(tiny_pipeline) -> str:
             "request_id must be 1 to 128 characters",
         ),
         (dict(resume_from=3), grpc.StatusCode.INVALID_ARGUMENT, "resume_from needs the request_id"),
-        (dict(request_id="taken", resume_from=-1), grpc.StatusCode.INVALID_ARGUMENT, "resume_from is -1"),
+        (
+            dict(request_id="taken", resume_from=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "resume_from is -1, below its bound of 0: send the number of tokens already received",
+        ),
         (
             dict(request_id="never-started", resume_from=0),
             grpc.StatusCode.NOT_FOUND,
@@ -97,7 +101,8 @@ def taken(tiny_pipeline) -> str:
         (
             dict(request_id="taken", resume_from=999),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "resume_from is 999, but request 'taken' generated 24",
+            "resume_from is 999, beyond its bound: request 'taken' finished after 24 tokens; send the number of "
+            "tokens already received, 0 to 24",
         ),
     ],
 )

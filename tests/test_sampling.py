@@ -148,7 +148,7 @@ def small_vocab():
     sessions = 2 * CONCURRENT_SESSIONS
     verify = build_verify(VerifySettings(port=0, max_sessions=sessions), target=target)
     draft = build_draft(
-        DraftSettings(port=0, default_drafter="model", max_sessions=sessions),
+        DraftSettings(port=0, drafters=["model"], default_drafter="model", max_sessions=sessions),
         drafters={"model": TransformersDrafter(draft_model, letters_tokenizer(), "small-draft")},
     )
     yield SmallVocab(target, reference, f"127.0.0.1:{draft.port}", f"127.0.0.1:{verify.port}")

@@ -59,7 +59,9 @@ def test_other_sessions_are_used_while_one_prefills():
     assert prefilling.wait(10)
     with sessions.use("open") as session:  # not blocked by the Prefill under way
         assert not session.closed
-    with pytest.raises(ResourceExhausted, match="2 sessions are open"):
+    with pytest.raises(
+        ResourceExhausted, match=r"2 sessions are open.*retry later, or raise the service's --max-sessions"
+    ):
         sessions.open("third", _Closable)
     with pytest.raises(AlreadyExists):
         sessions.open("slow", _Closable)

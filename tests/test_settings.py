@@ -1,7 +1,11 @@
 """Settings checked against each other at start-up, refused with a message naming the settings to
 change before any model loads: the session services' limits (specdec/settings.py), under which a
-step could never fill, or never hold a verify of the largest K; the coordinator's Redis Cluster,
-which needs a URL of database 0."""
+step could never fill, or never hold a verify of the largest K; the draft service's default
+drafter, which must be among the drafters it hosts; the coordinator's Redis Cluster, which needs a
+URL of database 0."""
+
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -51,3 +55,31 @@ def test_a_redis_cluster_needs_a_url_of_database_0(url, message):
     with pytest.raises(ValidationError, match=message):
         CoordinatorSettings(redis_url=url, redis_cluster=True)
     assert CoordinatorSettings(redis_url="rediss://:pw@redis-cluster:6379/0", redis_cluster=True).redis_cluster
+
+
+def test_a_default_drafter_the_draft_service_does_not_host_is_refused_naming_both_settings(monkeypatch):
+    """``--drafters ngram`` alone leaves out the default drafter (llama-cpp): refused with both
+    settings by flag and variable, and what to change."""
+    with pytest.raises(ValidationError) as refused:
+        parse_settings(DraftSettings, ["--drafters", "ngram"], prog="specdec serve draft")
+    message = str(refused.value)
+    for words in (
+        "--default-drafter (SPECDEC_DRAFT_DEFAULT_DRAFTER) is 'llama-cpp'",
+        "--drafters (SPECDEC_DRAFT_DRAFTERS) does not list (it lists ngram)",
+        "add it (--drafters ngram,llama-cpp), or set --default-drafter to one it lists",
+    ):
+        assert words in message, message
+    with pytest.raises(ValidationError, match=r"'eagle', a drafter .* set --default-drafter to one it lists"):
+        DraftSettings(port=0, default_drafter="eagle")  # not a drafter at all: no "add it"
+    monkeypatch.setenv("SPECDEC_DRAFT_DRAFTERS", "ngram")
+    monkeypatch.setenv("SPECDEC_DRAFT_DEFAULT_DRAFTER", "ngram")
+    assert parse_settings(DraftSettings, [], prog="specdec serve draft").default_drafter == "ngram"
+
+
+def test_specdec_serve_draft_refuses_it_before_any_model_loads():
+    """From the command line: an error line and exit code 2 within seconds, no traceback, no model."""
+    command = [sys.executable, "-m", "specdec_app", "serve", "draft", "--drafters", "ngram", "--insecure"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "error: specdec serve draft: --default-drafter (SPECDEC_DRAFT_DEFAULT_DRAFTER)" in refused.stderr
+    assert "Traceback" not in refused.stderr and "llama" not in refused.stderr.replace("llama-cpp", "")

@@ -35,7 +35,7 @@ def num_choices(request: coordinator_pb2.GenerateRequest, max_n: int) -> int:
     if n > 1 and len(request.request_id) > longest:
         raise InvalidArgument(
             f"request_id has {len(request.request_id)} characters: with n = {n} it may have at most {longest} "
-            "(choice i is stored as <request_id>:<i>)"
+            "(choice i is stored as <request_id>:<i>); shorten it"
         )
     return n
 

@@ -167,7 +167,9 @@ async def request_within(requests: AsyncIterable, context: grpc.aio.ServicerCont
     ended it without one."""
     request = await next_request(aiter(requests), context, timeout_s)
     if request is None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message: send one before ending it"
+        )
     return request
 
 

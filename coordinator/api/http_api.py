@@ -288,12 +288,14 @@ def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> 
                 if options.include_usage and options.continuous_usage_stats:
                     prompt_tokens = len(await asyncio.to_thread(prompt_ids, request, servicer.tokenizer))
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                events = _events(steps, first, shape, logprobs, options.include_usage, prompt_tokens)
+                events = _events(
+                    steps, first, shape, logprobs, options.include_usage, body.field_names(), prompt_tokens
+                )
                 return _EventStream(events, headers, servicer.settings.stream_stall_timeout_s)
             completions = await disconnect.unless(_rest(steps, first))
         except SpecdecError as err:
             await steps.close()
-            raise ApiError.from_specdec(err, body.params()) from None
+            raise ApiError.from_specdec(err, body.field_names()) from None
         except ClientDisconnected:
             await steps.close()  # cancels the request: its sessions released
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
@@ -346,15 +348,17 @@ async def _events(
     shape: ResponseShape,
     logprobs: RequestLogprobs | None,
     include_usage: bool,
+    names: dict[str, str],
     continuous_prompt_tokens: int | None = None,
 ) -> AsyncGenerator[str, None]:
     """The chunks of a streamed request, from its first message ``response`` on, its choices'
     interleaved as their messages come: a chat choice's first chunk carries the assistant role, a
     message's chunk its text and the ``logprobs`` object of the tokens whose text it completes
     (:mod:`coordinator.api.logprobs`), the choice's last message one more chunk its finish reason
-    and metrics; with ``include_usage``, a last chunk the usage of every choice.
-    ``continuous_prompt_tokens`` (``stream_options.continuous_usage_stats``): the prompt's token
-    count, and every chunk carries the usage so far."""
+    and metrics; with ``include_usage``, a last chunk the usage of every choice; an error, the
+    body's ``names`` for its fields (:meth:`ApiError.from_specdec`). ``continuous_prompt_tokens``
+    (``stream_options.continuous_usage_stats``): the prompt's token count, and every chunk carries
+    the usage so far."""
     num_prompt_tokens = num_completion_tokens = 0
     started: set[int] = set()
 
@@ -384,7 +388,7 @@ async def _events(
             yield _sse(shape.usage_chunk(num_prompt_tokens, num_completion_tokens))
         yield "data: [DONE]\n\n"
     except SpecdecError as err:  # after the 200: the error as an event, as OpenAI sends it
-        yield _sse(ApiError.from_specdec(err).to_json())
+        yield _sse(ApiError.from_specdec(err, names).to_json())
     finally:
         await steps.close()
 

@@ -9,9 +9,15 @@ Fields that would change the output and that specdec does not implement (``tools
 ``choice``, ``grammar``), one of them, and becomes ``GenerateRequest.structured_output``.
 Log-probabilities come as chat's ``logprobs`` and ``top_logprobs`` or the completions'
 ``logprobs: int``; their response shapes are :mod:`coordinator.api.logprobs`'.
+
+An error of the gRPC path names GenerateRequest's fields; answered over HTTP, it names the body's
+instead (``max_tokens`` or ``max_completion_tokens`` for ``max_new_tokens``, ``messages`` for
+``chat``, ...: :meth:`_Request.field_names`), in its message and its ``param``, so that a client
+reads the name it sent.
 """
 
 import json
+import re
 import time
 from typing import Any, Literal
 
@@ -21,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.client import Completion
 from specdec.rpc.errors import SpecdecError
+from specdec.sampling.structured_output import KINDS
 from specdec.v1 import common_pb2, coordinator_pb2
 
 HTTP_STATUS = {
@@ -42,10 +49,10 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 
-# The request field an error message is about, from how the validation's message starts.
+# The GenerateRequest field an error message is about, from how the validation's message starts
+# (the prompt: whichever of its fields the request gave).
 _PARAMS = [
-    ("max_new_tokens", "max_tokens"),
-    ("prompt (", "max_tokens"),
+    ("max_new_tokens", "max_new_tokens"),
     ("prompt", "prompt"),
     ("chat", "prompt"),
     ("token_ids", "prompt"),
@@ -65,9 +72,6 @@ _PARAMS = [
     ("top_logprobs", "top_logprobs"),
     ("n is", "n"),
 ]
-# Fields a body may give under another name with the same value (completions' logprobs is
-# top_logprobs): their messages name the body's field too.
-_SAME_VALUE = {"top_logprobs"}
 
 
 class ApiError(Exception):
@@ -86,23 +90,31 @@ class ApiError(Exception):
         self.retry_after = retry_after  # seconds, the Retry-After header of a 429
 
     @classmethod
-    def from_specdec(cls, err: SpecdecError, params: dict[str, str] | None = None) -> "ApiError":
-        """The HTTP form of an error of the gRPC path: the same message, its status mapped;
-        ``params`` renames the field it names (see :meth:`_Request.params`), in the message too
-        for a field the body gives under another name (_SAME_VALUE)."""
+    def from_specdec(cls, err: SpecdecError, names: dict[str, str] | None = None) -> "ApiError":
+        """The HTTP form of an error of the gRPC path: its status mapped, its message with the
+        fields of ``names`` (the body's names of GenerateRequest's fields:
+        :meth:`_Request.field_names`) renamed, its ``param`` the body's field it is about."""
+        names = names or {}
         message = str(err)
-        param = next((p for prefix, p in _PARAMS if message.startswith(prefix)), None)
-        if param is not None and param in (params or {}):
-            renamed = (params or {})[param]
-            if param in _SAME_VALUE and message.startswith(f"{param} is "):
-                message = renamed + message[len(param) :]
-            param = renamed
+        field = next((f for prefix, f in _PARAMS if message.startswith(prefix)), None)
+        param = None if field is None else names.get(field, field)
         retry_after = getattr(err, "retry_after", None)  # an Overloaded's (coordinator.api.admission)
-        return cls(HTTP_STATUS.get(err.code, 500), message, param, err.code.name.lower(), retry_after)
+        return cls(HTTP_STATUS.get(err.code, 500), _renamed(message, names), param, err.code.name.lower(), retry_after)
 
     def to_json(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _renamed(message: str, names: dict[str, str]) -> str:
+    """``message`` with every field of ``names`` it names renamed. A field is named as an
+    identifier (``max_new_tokens``, ``structured_output.regex``) or a word in backquotes
+    (`` `chat` ``); a plain word (``prompt``) is prose and keeps its name."""
+    fields = sorted((name for name in names if not name.isalpha()), key=len, reverse=True)
+    if not fields:
+        return message
+    pattern = re.compile(rf"(?<![\w.-])({'|'.join(map(re.escape, fields))})(?![\w-])")
+    return pattern.sub(lambda match: names[match[1]], message)
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -289,9 +301,23 @@ class _Request(BaseModel):
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def params(self) -> dict[str, str]:
-        """The names of this body's fields where they differ from the API's usual ones."""
-        return {"structured_output": "structured_outputs" if self.structured_outputs else "response_format"}
+    def field_names(self) -> dict[str, str]:
+        """The body's name of each GenerateRequest field (or part of one, or the prompt) it gives
+        under another name: the names its errors use (:meth:`ApiError.from_specdec`)."""
+        names = {"max_new_tokens": "max_tokens"}
+        if self.structured_outputs is None:
+            return names | {
+                "structured_output": "response_format",
+                "structured_output.json_schema": "response_format.json_schema.schema",
+                "structured_output.json_object": "response_format",
+            }
+        return names | {
+            "structured_output": "structured_outputs",
+            **{
+                f"structured_output.{kind}": f"structured_outputs.{'json' if kind == 'json_schema' else kind}"
+                for kind in KINDS
+            },
+        }
 
     def structured_output(self) -> common_pb2.StructuredOutput | None:
         """The body's structured output; raises ApiError (400) when it sets two."""
@@ -317,26 +343,27 @@ class _Request(BaseModel):
         top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "off"
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         logprobs, top_logprobs = self.logprobs_fields()
-        for name, value, param in [
-            ("n", self.n, "n"),
-            ("logprobs", logprobs, "logprobs"),
-            ("top_logprobs", top_logprobs, self.params().get("top_logprobs", "top_logprobs")),
-            ("max_new_tokens", self.max_new_tokens(), self.params().get("max_tokens", "max_tokens")),
-            ("temperature", temperature, "temperature"),
-            ("top_p", self.top_p, "top_p"),
-            ("top_k", top_k, "top_k"),
-            ("seed", self.seed, "seed"),
-            ("num_speculative_tokens", self.num_speculative_tokens, "num_speculative_tokens"),
-            ("drafter", self.drafter, "drafter"),
-            ("frequency_penalty", self.frequency_penalty, "frequency_penalty"),
-            ("presence_penalty", self.presence_penalty, "presence_penalty"),
-            ("repetition_penalty", self.repetition_penalty, "repetition_penalty"),
-            ("min_tokens", self.min_tokens, "min_tokens"),
-            ("ignore_eos", self.ignore_eos, "ignore_eos"),
-            ("cache_salt", self.cache_salt, "cache_salt"),
+        names = self.field_names()
+        for name, value in [
+            ("n", self.n),
+            ("logprobs", logprobs),
+            ("top_logprobs", top_logprobs),
+            ("max_new_tokens", self.max_new_tokens()),
+            ("temperature", temperature),
+            ("top_p", self.top_p),
+            ("top_k", top_k),
+            ("seed", self.seed),
+            ("num_speculative_tokens", self.num_speculative_tokens),
+            ("drafter", self.drafter),
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+            ("repetition_penalty", self.repetition_penalty),
+            ("min_tokens", self.min_tokens),
+            ("ignore_eos", self.ignore_eos),
+            ("cache_salt", self.cache_salt),
         ]:
             if value is not None:
-                _set(request, name, value, param)
+                _set(request, name, value, names.get(name, name))
         request.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         try:
             request.logit_bias.update(self.logit_bias or {})
@@ -371,11 +398,11 @@ class ChatCompletionRequest(_Request):
             raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ: set only one of them")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def params(self) -> dict[str, str]:
-        renames = super().params() | {"prompt": "messages"}
+    def field_names(self) -> dict[str, str]:
+        names = super().field_names() | {"prompt": "messages", "`chat`": "`messages`", "chat.messages": "messages"}
         if self.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        return renames
+            names["max_new_tokens"] = "max_completion_tokens"
+        return names
 
     def generate_request(self) -> coordinator_pb2.GenerateRequest:
         request = super().generate_request()
@@ -416,8 +443,8 @@ class CompletionRequest(_Request):
     def logprobs_fields(self) -> tuple[bool | None, int | None]:
         return (None, None) if self.logprobs is None else (True, self.logprobs)
 
-    def params(self) -> dict[str, str]:
-        return super().params() | {"top_logprobs": "logprobs"}
+    def field_names(self) -> dict[str, str]:
+        return super().field_names() | {"top_logprobs": "logprobs", "token_ids": "prompt", "`text`": "`prompt`"}
 
     def _one_prompt(self) -> str | list[int]:
         prompt = self.prompt

@@ -121,7 +121,8 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer) -> list[int]
     else:
         messages = [{"role": "user", "content": request.text}]
     if not any(m["content"].strip() for m in messages):
-        raise InvalidArgument("prompt is empty: set `text` or give `chat` at least one non-empty message")
+        where = "give `chat` a message" if kind == "chat" else "set `text` to a prompt"  # backquoted: field names
+        raise InvalidArgument(f"prompt is empty: {where} that is not blank")
     if request.raw_prompt:
         return tokenizer(request.text).input_ids
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -228,11 +229,15 @@ def resolve(
         )
     max_new = _field(request, "max_new_tokens", settings.default_max_new_tokens)
     if not 1 <= max_new <= settings.max_new_tokens_limit:
-        raise InvalidArgument(f"max_new_tokens is {max_new}: it must lie in [1, {settings.max_new_tokens_limit}]")
+        raise InvalidArgument(
+            f"max_new_tokens is {max_new}: it must lie in [1, {settings.max_new_tokens_limit}] (the coordinator's "
+            "--max-new-tokens-limit)"
+        )
     if len(ids) + max_new > window:
         raise InvalidArgument(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceed the target's context "
-            f"window of {window}: lower max_new_tokens to at most {window - len(ids)}"
+            f"max_new_tokens is {max_new}: after the prompt's {len(ids)} tokens, the target's context window of "
+            f"{window} holds {window - len(ids)} more: lower max_new_tokens to at most {window - len(ids)}, or "
+            "shorten the prompt"
         )
     sampling = _sampling(request, ids, max_new, verify_info, settings.max_logprobs)
     vocab = None
@@ -245,7 +250,10 @@ def resolve(
     else:
         k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
         if not 0 <= k <= max_k:
-            raise InvalidArgument(f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode)")
+            raise InvalidArgument(
+                f"num_speculative_tokens is {k}: it must lie in [0, {max_k}] (0 = plain decode; the verify "
+                "service's --max-num-speculative-tokens)"
+            )
     drafter = request.drafter
     if (k > 0 or drafter) and not (adaptive and drafter in LOOKUPS):  # adaptive lookups: no draft service
         drafter = _check_drafter(drafter, draft_info, verify_info)
@@ -322,7 +330,8 @@ def _check_structured_output(
     assert sampling.structured_output is not None
     if sampling.min_tokens:
         raise InvalidArgument(
-            "min_tokens cannot be combined with structured_output: the grammar decides where the output ends"
+            "min_tokens cannot be combined with structured_output (the grammar decides where the output ends): "
+            "remove min_tokens"
         )
     vocab = _grammar_tokenizer(tokenizer, verify_info.vocab_size, tuple(verify_info.eos_token_ids))
     try:

@@ -21,7 +21,10 @@ def check_request_id(request: coordinator_pb2.GenerateRequest) -> None:
         if not request.request_id:
             raise InvalidArgument("resume_from needs the request_id of the request to resume")
         if request.resume_from < 0:
-            raise InvalidArgument(f"resume_from is {request.resume_from}: it must be >= 0 (tokens already received)")
+            raise InvalidArgument(
+                f"resume_from is {request.resume_from}, below its bound of 0: send the number of tokens already "
+                "received (0 to have the whole output again)"
+            )
 
 
 def check_resume(request: coordinator_pb2.GenerateRequest, stored: StoredRequest) -> None:
@@ -50,8 +53,9 @@ def check_resume(request: coordinator_pb2.GenerateRequest, stored: StoredRequest
         )
     if stored.status == FINISHED and request.resume_from > len(stored.generated):
         raise InvalidArgument(
-            f"resume_from is {request.resume_from}, but request {stored.request_id!r} generated "
-            f"{len(stored.generated)} tokens"
+            f"resume_from is {request.resume_from}, beyond its bound: request {stored.request_id!r} finished after "
+            f"{len(stored.generated)} tokens; send the number of tokens already received, 0 to "
+            f"{len(stored.generated)}"
         )
 
 

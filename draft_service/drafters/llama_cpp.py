@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
+from draft_service.settings import DraftSettings
 from specdec.engine.batching import BatchedLM, SequenceStep
 from specdec.engine.engine import Engine
 from specdec.engine.kv import SequenceKV
@@ -68,6 +69,8 @@ from specdec.sampling.sampling_params import SamplingParams
 from specdec.token_ids import common_prefix_length
 
 log = logging.getLogger(__name__)
+# the settings that size its context, as its errors name them
+N_CTX, MAX_NUM_SEQS = DraftSettings.named("llama_cpp_n_ctx"), DraftSettings.named("llama_cpp_max_num_seqs")
 _backend_lock = threading.Lock()
 _backend_ready = False
 
@@ -196,10 +199,14 @@ class LlamaCppLM(BatchedLM):
     ):
         if not 1 <= max_num_seqs <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(
-                f"max_num_seqs must be within 1..{llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)"
+                f"max_num_seqs is {max_num_seqs}: llama.cpp holds 1 to {llama_cpp.llama_max_parallel_sequences()} "
+                f"sequences; set {DraftSettings.named('llama_cpp_max_num_seqs')} within them"
             )
         if n_ctx < 1 or max_num_batched_tokens < 1:
-            raise ValueError("n_ctx and max_num_batched_tokens must be at least 1")
+            raise ValueError(
+                f"{N_CTX} and {DraftSettings.named('max_num_batched_tokens')} must be at least 1 (they are {n_ctx} "
+                f"and {max_num_batched_tokens})"
+            )
         _init_backend()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
@@ -225,12 +232,19 @@ class LlamaCppLM(BatchedLM):
         self.ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not self.ctx:
             self.close()
-            raise ValueError(f"llama.cpp could not create a context of {max_num_seqs} sequences x {n_ctx} tokens")
+            raise ValueError(
+                f"llama.cpp could not create a context of {max_num_seqs} sequences x {n_ctx} tokens, "
+                f"{max_num_seqs * n_ctx} tokens of KV allocated up front (llama.cpp's log above says why): lower "
+                f"{N_CTX}, the tokens one session holds, or {MAX_NUM_SEQS}"
+            )
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ctx)
         if self.n_ctx_seq < n_ctx:  # llama.cpp rounds it up to a multiple of 256; guard a change
             self.close()
-            raise ValueError(f"llama.cpp gives each sequence {self.n_ctx_seq} tokens, fewer than n_ctx = {n_ctx}")
+            raise ValueError(
+                f"llama.cpp gives each sequence {self.n_ctx_seq} tokens, fewer than {N_CTX} = {n_ctx}: lower it to "
+                f"{self.n_ctx_seq}"
+            )
         self.n_ctx, self.max_num_seqs = n_ctx, max_num_seqs
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -254,8 +268,8 @@ class LlamaCppLM(BatchedLM):
         with self._lock:
             if len(self._seqs) + len(self._unplaced) >= self.max_num_seqs:
                 raise ResourceExhausted(
-                    f"the llama-cpp drafter holds {self.max_num_seqs} sessions at once, all in use: close "
-                    "sessions, or raise SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS (llama.cpp's n_seq_max)"
+                    f"the llama-cpp drafter holds {self.max_num_seqs} sessions at once, all in use: retry later, or "
+                    f"raise {MAX_NUM_SEQS} (llama.cpp's n_seq_max; each holds {N_CTX} tokens of KV up front)"
                 )
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._unplaced.add(handle)
@@ -361,7 +375,8 @@ class LlamaCppLM(BatchedLM):
                 length, count = self.length(steps[i].seq_id), len(steps[i].token_ids)
                 if length + count > self.n_ctx_seq:
                     raise ValueError(
-                        f"sequence {steps[i].seq_id} would hold {length + count} tokens, more than its {self.n_ctx_seq}"
+                        f"sequence {steps[i].seq_id} would hold {length + count} tokens, more than the "
+                        f"{self.n_ctx_seq} llama.cpp holds per sequence ({N_CTX} is {self.n_ctx})"
                     )
             if total:
                 rows = self._decode([steps[i] for i in live], total)

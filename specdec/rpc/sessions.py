@@ -32,6 +32,8 @@ MAX_RELEASED_UNKNOWN = 4096
 # retries of a waiting request (every 0.25 s), short enough that room kept for an owner that gave up
 # is soon given to others.
 FAIR_SHARE_WINDOW_S = 1.0
+# the setting that bounds a service's sessions, as its refusals name it
+MAX_SESSIONS = "the service's --max-sessions"
 
 
 class Session(Protocol):
@@ -115,13 +117,13 @@ class SessionRegistry(Generic[S]):
                 self._waiting[owner] = time.monotonic()
                 raise ResourceExhausted(
                     f"{len(self._entries) + len(self._opening)} sessions are open, the limit is "
-                    f"{self.max_sessions}: retry later or raise max_sessions"
+                    f"{self.max_sessions}: retry later, or raise {MAX_SESSIONS}"
                 )
             if (fewer := self._waiting_with_fewer(owner)) is not None:
                 self._waiting[owner] = time.monotonic()
                 raise ResourceExhausted(
                     f"room is kept for another caller that was refused for want of it and holds {fewer} sessions, "
-                    "fewer than this one's (fair shares by owner): retry later or raise max_sessions"
+                    f"fewer than this one's (fair shares by owner): retry later, or raise {MAX_SESSIONS}"
                 )
             self._opening[session_id] = owner
         try:
