@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdec.engine.cpu_linear import PackedLinear
+from specdec.rpc.errors import InvalidArgument
 from specdec.sampling.sampling_params import SamplingParams
 from tests.conftest import StepRecorder
 from verify_service.target import EngineLimits, Target
@@ -83,3 +84,11 @@ def test_load_packs_the_linear_layers_on_a_cpu_unless_told_not_to(tiny_models, t
         assert plain_next(target, prompt, SamplingParams()) == plain_next(tiny_target, prompt, SamplingParams())
     finally:
         target.engine.stop()
+
+
+def test_a_verify_over_the_services_k_limit_names_its_setting(tiny_target):
+    session = tiny_target.new_session([1, 2, 3], SamplingParams())
+    limit = tiny_target.max_num_speculative_tokens
+    with pytest.raises(InvalidArgument, match="--max-num-speculative-tokens, SPECDEC_VERIFY_MAX_NUM_SPECULATIVE"):
+        session.verify([5] * (limit + 1), None)
+    session.close()

@@ -495,7 +495,8 @@ class TargetSession:
         if k > target.max_num_speculative_tokens:
             raise InvalidArgument(
                 f"{k} draft tokens exceed the verify service's limit of "
-                f"{target.max_num_speculative_tokens}: lower num_speculative_tokens"
+                f"{target.max_num_speculative_tokens} (its --max-num-speculative-tokens, "
+                "SPECDEC_VERIFY_MAX_NUM_SPECULATIVE_TOKENS): send at most that many"
             )
         if len(self.committed) + k + 1 > target.max_context_length:
             raise InvalidArgument(

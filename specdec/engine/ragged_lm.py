@@ -454,7 +454,7 @@ class RaggedLM(BatchedLM):
                 raise ResourceExhausted(
                     f"{budget} is full: a context of {length} tokens needs {needed} more blocks of {BLOCK_SIZE} "
                     f"tokens, {max(0, available - self.watermark)} are free beyond the {self.watermark} kept for the "
-                    "running sessions to grow; retry later, or raise --kv-cache-max-bytes or lower max_sessions"
+                    "running sessions to grow; retry later, or raise --kv-cache-max-bytes or lower --max-sessions"
                 )
             sequence.promised = total
             if sequence.outstanding:
@@ -594,7 +594,7 @@ class RaggedLM(BatchedLM):
             f"preempted: the KV budget of the {self.name} ({SETTING} = {self.kv_cache_max_bytes} bytes) was full "
             "when a running session needed room to grow, and this session was the most recently admitted of the "
             "owner holding the most KV; prefill it again (the coordinator rebuilds it from its committed log), or "
-            "raise --kv-cache-max-bytes or lower max_sessions"
+            "raise --kv-cache-max-bytes or lower --max-sessions"
         )
         self._prefilling.discard(sequence)
         self._release(sequence)
