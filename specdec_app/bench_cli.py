@@ -125,7 +125,7 @@ Methods = Annotated[
     typer.Option(
         help="Comma-separated methods of pipeline/adaptive, pipeline/K=<n> (n in 0..16: the pipeline at a fixed K, "
         "K=0 plain decode), transformers-serve (default pipeline/adaptive, pipeline/K=0, transformers-serve; for "
-        "ceiling pipeline/K=0, pipeline/K=4, transformers-serve; ceiling takes no pipeline/adaptive)."
+        "ceiling pipeline/K=0, pipeline/K=4, transformers-serve, where pipeline/adaptive self-drafts as K=4 does)."
     ),
 ]
 Api = Annotated[
@@ -548,7 +548,7 @@ def _load_config(options: dict[str, Any], ceiling: bool) -> "ConcurrencyConfig":
         **_inputs(options),
         concurrency=parse_concurrency(n) if n else list(default_n),
         requests_per_client=2 if options["requests_per_client"] is None else options["requests_per_client"],
-        methods=parse_methods(methods, adaptive=not ceiling) if methods else list(default_methods),
+        methods=parse_methods(methods) if methods else list(default_methods),
         drafter=options.get("drafter") or "llama-cpp",
         api=options["api"] or "grpc",
         load_generator=options["load_generator"] or "",

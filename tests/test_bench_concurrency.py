@@ -242,12 +242,10 @@ def test_fixed_k_methods():
         "pipeline/K=8",
         "transformers-serve",
     ]
-    assert parse_methods("pipeline/K=16,pipeline/K=4", adaptive=False) == ["pipeline/K=4", "pipeline/K=16"]
+    assert parse_methods("pipeline/K=16,pipeline/K=4") == ["pipeline/K=4", "pipeline/K=16"]
     for bad in ("pipeline/K=17", "pipeline/K=-1", "pipeline/K=04", "pipeline/K=x", "pipeline/K=2@rtt5ms"):
         with pytest.raises(ValueError, match=r"pipeline/K=<n> \(n in 0\.\.16\)"):
             parse_methods(bad)
-    with pytest.raises(ValueError, match="subset of pipeline/K=<n>"):
-        parse_methods("pipeline/adaptive", adaptive=False)
     assert requested_k("pipeline/adaptive") is None and requested_k("pipeline/K=12@rtt5ms-apart") == 12
     assert sorted(["transformers-serve", "pipeline/K=10", "pipeline/K=9"], key=method_order)[0] == "pipeline/K=9"
     # the most tokens/s; the smaller K on a tie; methods without a figure left out
@@ -269,7 +267,6 @@ def test_fixed_k_methods():
         (["concurrency", "--arrivals", "poisson", "--request-rate", "0"], "--request-rate must be above 0"),
         (["concurrency", "--concurrency", "1"], "3 arrival patterns need at least 3 prompts"),  # the default: all 3
         (["concurrency", "--arrivals", "closed", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be above 0"),
-        (["ceiling", "--methods", "pipeline/adaptive"], "use a comma-separated subset of pipeline/K=<n>"),
         (["concurrency", "--methods", "pipeline/K=17"], "pipeline/adaptive, pipeline/K=<n> (n in 0..16)"),
     ],
 )
@@ -845,6 +842,7 @@ def test_ceiling_targets_from_hand_made_cells():
         "cells": [
             cell("pipeline/K=0", 64, 600.0, {"coordinator": 1.0, "verify": 3.0}),
             cell("pipeline/K=4", 64, 900.0, {"coordinator": 0.3, "verify": 1.5}, acceptance=1.0),
+            cell("pipeline/adaptive", 64, 810.0, {"coordinator": 0.3, "verify": 1.5}, acceptance=1.0),
             cell("transformers-serve", 64, 400.0, {"transformers-serve": 2.0}),
             cell("pipeline/K=0", 8, 100.0, {"coordinator": 9.0, "verify": 9.0}),
             cell("pipeline/K=0", 128, 1.0, {"coordinator": 9.0, "verify": 9.0}, arrivals="burst"),
@@ -855,9 +853,11 @@ def test_ceiling_targets_from_hand_made_cells():
     assert found["k0_vs_serve_tokens_per_second"] == pytest.approx(1.5)
     assert found["k4_vs_k0_tokens_per_second"] == pytest.approx(1.5)
     assert found["k4_vs_k0_cpu_ms_per_token"] == pytest.approx({"coordinator": 0.3, "verify": 0.5})
+    assert found["adaptive_vs_best_fixed_k_tokens_per_second"] == pytest.approx(0.9)  # K=4 the best
     lines = markdown(found)
     assert "| pipeline/K=0 tokens/s / transformers serve's | 1.50x | at least 1.5x |" in lines
     assert "| verify: CPU ms per token at K=4 / at K=0 | 0.50x | at most 0.33x |" in lines
+    assert "| pipeline/adaptive tokens/s / the best fixed K's | 0.90x | at least 0.97x |" in lines
 
 
 def test_ceiling_targets_over_repeats():
@@ -884,6 +884,7 @@ def test_ceiling_targets_over_repeats():
     assert found["k4_vs_k0_tokens_per_second"] == pytest.approx(1.5)
     assert found["k4_vs_k0_cpu_ms_per_token"] == pytest.approx({"coordinator": 1.0, "verify": 0.5})  # 0.5, 0.6, 0.25
     assert found["k4_acceptance_rate"] == pytest.approx(0.9) and found["k0_vs_serve_tokens_per_second"] is None
+    assert found["adaptive_vs_best_fixed_k_tokens_per_second"] is None  # adaptive did not run
 
 
 def test_services_sized_for_the_load(tmp_path):

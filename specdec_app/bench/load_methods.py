@@ -68,13 +68,12 @@ def method_order(name: str) -> tuple[int, int, str]:
     return (2, 0, base)
 
 
-def parse_methods(spec: str, adaptive: bool = True) -> list[str]:
+def parse_methods(spec: str) -> list[str]:
     """``pipeline/K=8,transformers-serve,pipeline/K=2`` as a list in :func:`method_order`, each
-    once; ``adaptive`` False refuses ``pipeline/adaptive`` (the ceiling mode). Raises ValueError
-    naming the choices."""
+    once. Raises ValueError naming the choices."""
     names = [part.strip() for part in spec.split(",") if part.strip()]
-    allowed = [ADAPTIVE] * adaptive + [f"pipeline/K=<n> (n in 0..{MAX_K})", SERVE]
-    unknown = [n for n in names if not (is_fixed_k(n) or n == SERVE or (adaptive and n == ADAPTIVE)) or "@" in n]
+    allowed = [ADAPTIVE, f"pipeline/K=<n> (n in 0..{MAX_K})", SERVE]
+    unknown = [n for n in names if not (is_fixed_k(n) or n in (SERVE, ADAPTIVE)) or "@" in n]
     if not names or unknown:
         raise ValueError(f"--methods {spec!r}: use a comma-separated subset of {', '.join(allowed)}")
     return sorted(dict.fromkeys(names), key=method_order)
