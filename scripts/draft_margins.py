@@ -1,7 +1,6 @@
-"""What token trees could add at batch 1 (issue 29): where the llama.cpp draft disagrees with the
-target, how close its own first and second choices were, and how many more tokens a K-token round
-would commit with one extra branch; findings in docs/benchmark.md (the batch-1 result's "token
-trees").
+"""What token trees could add at batch 1: where the llama.cpp draft disagrees with the target, how
+close its own first and second choices were, and how many more tokens a K-token round would commit
+with one extra branch; findings in docs/profiles.md#token-trees-what-one-branch-a-round-would-add.
 
 The target (transformers, float32) decodes each Spec-Bench prompt greedily; the draft (the
 llama-cpp drafter's model, Q8_0, as the draft service runs it) then reads the prompt and that

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 stderr = Console(stderr=True, soft_wrap=True)
 T = TypeVar("T")
 
-SPEC_BENCH = Path("../shared/benchmarks/spec_bench/question.jsonl")
-STRUCTURED_PROMPTS = Path("benchmarks/structured/prompts.jsonl")  # specdec bench structured's default
+# The modes' default prompts, in the repository (read from its root): Spec-Bench's 400 questions
+# (benchmarks/prompts/spec_bench/SOURCE.md: source and license) and the structured-output prompts.
+SPEC_BENCH = Path("benchmarks/prompts/spec_bench/question.jsonl")
+STRUCTURED_PROMPTS = Path("benchmarks/structured/prompts.jsonl")
 # The flags that chose a mode before the modes were subcommands, in the order they took precedence:
 # the subcommand each stands for, and whether it stays an option of that subcommand.
 OLD_MODE_FLAGS = {

@@ -1,13 +1,20 @@
 """`specdec bench`'s subcommands (specdec_app/bench_cli.py): one per mode, listed by `specdec bench
 --help`; each refuses the options of the other modes (typer's own usage error, exit code 2), and
-the old spelling, a mode's options straight after `bench`, is refused with the new spelling. The
-options each mode takes, their values and defaults: the test file of each mode. No services, no
-models: a fraction of a second."""
+the old spelling, a mode's options straight after `bench`, is refused with the new spelling; the
+default prompts are in the repository. The options each mode takes, their values and defaults: the
+test file of each mode. No services, no models: a fraction of a second."""
+
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from specdec_app.bench.questions import load_questions
+from specdec_app.bench_cli import SPEC_BENCH, STRUCTURED_PROMPTS
 from specdec_app.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = ("batch1", "concurrency", "ceiling", "structured", "conversation", "replicas")
 
@@ -90,3 +97,14 @@ def test_the_old_spelling_is_refused_with_the_new_one(old, new):
 def test_bench_alone_shows_the_modes():
     result = bench()  # the help, whose exit code typer's version decides
     assert all(mode in result.output for mode in MODES)
+
+
+def test_the_default_prompts_are_in_the_repository():
+    """A fresh clone benchmarks with nothing beside it: the default question files are the
+    repository's own (paths from its root), Spec-Bench's with its source and license beside it."""
+    assert not SPEC_BENCH.is_absolute() and not STRUCTURED_PROMPTS.is_absolute()
+    spec_bench = load_questions(ROOT / SPEC_BENCH)
+    categories = ("translation", "summarization", "qa", "math_reasoning", "rag")
+    assert Counter(question.category for question in spec_bench) == dict.fromkeys(categories, 80)
+    assert {"SOURCE.md", "LICENSE"} <= {path.name for path in (ROOT / SPEC_BENCH).parent.iterdir()}
+    assert (ROOT / STRUCTURED_PROMPTS).is_file()

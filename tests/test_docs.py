@@ -1,7 +1,8 @@
 """The documentation: docs/settings.md is what scripts/settings_docs.py writes from the settings
-classes, every setting is on it under a flag and variable that its service accepts, and every
-relative link in README.md and docs/*.md leads to a file (and heading) that exists. No services,
-no models: a few seconds."""
+classes, every setting is on it under a flag and variable that its service accepts, every
+relative link in README.md and docs/*.md leads to a file (and heading) that exists, and the pages
+stay readable (no paragraph or list item over 150 words, a README of at most 150 lines, no
+reference a reader cannot look up). No services, no models: a few seconds."""
 
 import difflib
 import functools
@@ -197,3 +198,60 @@ def test_readme_diagram_and_python_version_match_the_protos_and_pyproject():
     assert named == rpcs, f"README.md's diagram names {sorted(named - rpcs)} and omits {sorted(rpcs - named)}"
     required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert f"Python {required.replace('>=', '>= ')}" in readme
+
+
+MAX_WORDS = 150  # a paragraph, or a list item's own paragraphs (its nested items apart)
+MAX_README_LINES = 150
+
+
+def long_blocks(path: Path) -> list[str]:
+    """``page:line: N words`` for every paragraph outside a list and every list item of more than
+    MAX_WORDS words; table cells and code blocks are not counted."""
+    tokens, found, items = MARKDOWN.parse(path.read_text()), [], []
+    for previous, token in itertools.pairwise(tokens):
+        if token.type == "list_item_open":
+            items.append([token.map[0] + 1, 0])
+        elif token.type == "list_item_close":
+            line, words = items.pop()
+            if words > MAX_WORDS:
+                found.append(f"{path.name}:{line}: a list item of {words} words")
+        elif token.type == "inline" and previous.type == "paragraph_open":
+            words = len(token.content.split())
+            if items:
+                items[-1][1] += words
+            elif words > MAX_WORDS:
+                found.append(f"{path.name}:{token.map[0] + 1}: a paragraph of {words} words")
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_no_paragraph_over_the_word_limit(page):
+    found = long_blocks(page)
+    assert not found, f"split or tighten (at most {MAX_WORDS} words each): " + "; ".join(found)
+
+
+def test_long_blocks_counts_paragraphs_and_list_items(tmp_path):
+    page = tmp_path / "page.md"
+    long = " ".join(["word"] * (MAX_WORDS + 1))
+    page.write_text(f"# Top\n\n{long}\n\n- short\n- {long}\n  - nested\n\n| {long} |\n|---|\n")
+    assert long_blocks(page) == [
+        f"page.md:3: a paragraph of {MAX_WORDS + 1} words",
+        f"page.md:6: a list item of {MAX_WORDS + 1} words",
+    ]
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines: at most {MAX_README_LINES}, the rest in docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_no_page_names_the_work_process(page):
+    """A numbered stop, issue or session of the project's work is nothing a reader can look up:
+    say what it was about instead."""
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {match[0]!r}"
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for match in re.finditer(r"\b(stop|issue|session) [0-9]+", line, re.IGNORECASE)
+    ]
+    assert not found, "pages that name the work process: " + "; ".join(found)
