@@ -203,18 +203,28 @@ class SuffixTree:
         """What :meth:`matches` finds for sequence ``key`` itself, in O(max_depth): its open suffixes."""
         yield from enumerate(self._open[key][1:], 1)
 
-    def propose(self, context: Sequence[int], k: int, limits: ProposalLimits) -> SuffixMatch | None:
+    def propose(
+        self, context: Sequence[int], k: int, limits: ProposalLimits, to_beat: SuffixMatch | None = None
+    ) -> SuffixMatch | None:
         """The best-scoring proposal of up to ``k`` tokens continuing ``context`` (see the module
-        docstring); None without a match. O(max_depth * (max_depth + k * children))."""
-        return self.best_proposal(self.matches(context), k, limits)
+        docstring), or ``to_beat`` unless one scores higher; None without either. O(max_depth *
+        (max_depth + k))."""
+        return self.best_proposal(self.matches(context), k, limits, to_beat)
 
-    def best_proposal(self, matches: Iterable[tuple[int, int]], k: int, limits: ProposalLimits) -> SuffixMatch | None:
-        """The best-scoring proposal from the (n, node) ``matches`` (see the module docstring)."""
-        best = None
-        for n, node in matches:
+    def best_proposal(
+        self, matches: Iterable[tuple[int, int]], k: int, limits: ProposalLimits, to_beat: SuffixMatch | None = None
+    ) -> SuffixMatch | None:
+        """The best-scoring proposal from the (n, node) ``matches`` (see the module docstring; on a
+        tie the longer match), or ``to_beat`` unless one scores higher. Longest match first, and
+        none shorter once the tokens it may propose (each of confidence at most 1) cannot score
+        above the best so far: in repetitive text every suffix matches and the longest is sure."""
+        best = to_beat
+        for n, node in sorted(matches, reverse=True):
             limit = min(k, int(limits.max_spec_factor * n + 1e-9))
+            if best is not None and limit <= best.score:
+                break  # the limit only falls with n
             tokens, probs = self._most_frequent_path(node, limit, limits.min_token_prob)
-            if tokens and (best is None or sum(probs) >= best.score):  # ties: the longer match
+            if tokens and (best is None or sum(probs) > best.score):
                 best = SuffixMatch(n, tokens, probs)
         return best
 
@@ -309,15 +319,20 @@ class SuffixCache:
                 self.partitions[cache_salt] = tree.rebuilt()
 
     def propose(
-        self, context: Sequence[int], k: int, limits: ProposalLimits, cache_salt: str = ""
+        self,
+        context: Sequence[int],
+        k: int,
+        limits: ProposalLimits,
+        cache_salt: str = "",
+        to_beat: SuffixMatch | None = None,
     ) -> SuffixMatch | None:
         """:meth:`SuffixTree.propose` over the cached outputs of partition ``cache_salt``."""
         with self._lock:
             tree = self.partitions.get(cache_salt)
             if tree is None:
-                return None
+                return to_beat
             self.partitions.move_to_end(cache_salt)
-            return tree.propose(context, k, limits)
+            return tree.propose(context, k, limits, to_beat)
 
 
 class SuffixIndex:
@@ -360,7 +375,4 @@ class SuffixIndex:
         if k < 1:
             return None
         own = self.tree.best_proposal(self.tree.suffixes(0), k, self.limits)  # the tree's sequence is ``tokens``
-        shared = self.cache.propose(tokens, k, self.limits, self.cache_salt)
-        if own is None or (shared is not None and shared.score > own.score):
-            return shared
-        return own
+        return self.cache.propose(tokens, k, self.limits, self.cache_salt, to_beat=own)
