@@ -66,9 +66,9 @@ async def closed_loop(address: str, k: int, concurrency: int, max_new: int, seco
         async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             while time.monotonic() < deadline:
-                request = coordinator_pb2.GenerateRequest(
-                    text=prompt, max_new_tokens=max_new, num_speculative_tokens=k, drafter="transformers"
-                )
+                request = coordinator_pb2.GenerateRequest(text=prompt, max_new_tokens=max_new, drafter="transformers")
+                if k >= 0:  # else adaptive K
+                    request.num_speculative_tokens = k
                 async for response in stub.Generate(request):
                     total += len(response.token_ids)
 
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--k", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 4], help="Fixed Ks; -1: adaptive K.")
     parser.add_argument("--raw-out", type=Path, help="Keep py-spy's raw stacks here (<process>-k<K>.txt).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
