@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
 from draft_service.drafters import base
@@ -267,11 +268,11 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
         list(PROMPT),
     )
     rounds.draft.observe_verify(60_000)  # time enough for every branch: the tiny models' verify takes ms
-    generated, outcomes = [], []
+    generated, outcomes, policy = [], [], FixedK(drafter, k)
     try:
-        generated, _ = await rounds.prefill()  # the first token: the target's prefill
+        generated, _ = await rounds.prefill(policy)  # the first token: the target's prefill
         while len(generated) < MAX_NEW:
-            new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+            new, _, record = await rounds.step(policy, MAX_NEW - len(generated) - 1)
             generated += new
             outcome = ":".join(filter(None, [record.draft_ahead, record.draft_ahead_branch]))
             outcomes.append(outcome + "+asked" * (record.draft_compute_ms > 0))

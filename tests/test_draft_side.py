@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.speculation.draft_side import DraftService, DraftSide
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -166,7 +167,7 @@ def test_which_requests_open_a_draft_session(tiny_pipeline, resolved, opens):
         released: list = []
         session = session_of(DraftService(clients), resolved, released, f"which-{resolved.drafter}-{opens}")
         try:
-            if session.opens_at_once(None):
+            if session.opens_at_once(FixedK(resolved.drafter, resolved.num_speculative_tokens)):
                 session.open()
             await asyncio.sleep(0.3)
             session.check_prefill()

@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.api.client import Completion, generate
 from coordinator.request_store.store import FINISHED, RedisStore
-from coordinator.speculation.adaptive import AdaptiveState
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.sampling.structured_output import StructuredOutput
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

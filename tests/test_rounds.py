@@ -5,10 +5,10 @@ plain decoding is test_greedy_equality.py's)."""
 import asyncio
 import random
 
-from coordinator.api.request import DraftPlan, ResolvedRequest
-from coordinator.speculation.adaptive import AdaptiveState
 from coordinator.speculation.draft_side import DraftService
 from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from coordinator.speculation.rounds import INDEX_CHUNK, RequestRounds
 from coordinator.speculation.upstream import ServiceClients
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM

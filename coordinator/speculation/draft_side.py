@@ -24,9 +24,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
-from coordinator.speculation.adaptive import AdaptiveK
+from coordinator.speculation.plan import ResolvedRequest
+from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.rpc.step_client import MissedDeadline
@@ -190,7 +190,7 @@ class DraftSide:
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
     ``retry_s`` seconds without the draft after a failure; ``owner`` the tag of the request's client
     its sessions carry (DraftServicePrefillRequest.owner). With the request's plan
-    (``request.draft``, :class:`coordinator.api.request.DraftPlan`) drafting ahead, it drafts the
+    (``request.draft``, :class:`coordinator.speculation.plan.DraftPlan`) drafting ahead, it drafts the
     next round while this one verifies, for up to ``branches`` outcomes of its verification, as
     many as the draft can draft while the target verifies (:meth:`observe_verify`).
     """
@@ -224,15 +224,14 @@ class DraftSide:
 
     # --- opening -------------------------------------------------------------------------
 
-    def opens_at_once(self, policy: AdaptiveK | None) -> bool:
-        """Whether the session is prefilled alongside the target's: always under a fixed K or
-        sampling (see :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under adaptive K and
-        greedy decoding only if the first round would use the drafter, its prefill priced in
-        (:meth:`AdaptiveK.wants_drafter`), else when a later one would."""
-        if policy is None or not self.request.sampling.greedy:
+    def opens_at_once(self, policy: KPolicy) -> bool:
+        """Whether the session is prefilled alongside the target's: always under sampling (see
+        :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under greedy decoding as
+        ``policy`` decides (:meth:`KPolicy.opens_draft_at_prefill`: always for a fixed K)."""
+        if not self.request.sampling.greedy:
             return True
         generated = len(self.committed) - len(self.request.prompt_ids)
-        return policy.wants_drafter(None, len(self.committed), self.request.max_new_tokens - generated)
+        return policy.opens_draft_at_prefill(len(self.committed), self.request.max_new_tokens - generated)
 
     def available(self) -> bool:
         """Whether this round may ask the draft service: the session is open (prefilled) and the
