@@ -45,8 +45,7 @@ from coordinator.request_store.store import (
     store_id,
 )
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.placement import Placement
 from coordinator.speculation.plan import LOOKUPS, ResolvedRequest
 from coordinator.speculation.policy.adaptive_state import SUFFIX_LENGTHS, AdaptiveState
@@ -54,6 +53,7 @@ from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.background import BackgroundTasks
 from specdec.engine.model_files import load_tokenizer
 from specdec.engine.vocab import tokenizer_fingerprint
@@ -108,7 +108,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
-        self.replicas = VerifyReplicas(clients)
+        self.verify_client = VerifyClient(clients)
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(
@@ -128,7 +128,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.queue = FairQueue(
             settings.max_queued_requests, settings.queue_timeout_s, metrics.num_requests_waiting, metrics.queue_time
         )
-        self.draft_service = DraftService(clients, settings.draft_retry_s)
+        self.draft_client = DraftClient(clients, settings.draft_retry_s)
         self._num_running = 0  # requests in progress (each choice of a request with n > 1 counts)
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
@@ -220,7 +220,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         policy: its fixed K, or adaptive K warm-started from the owner's estimates (every owner's
         with ``shared_caches``)."""
         verify_info, draft_info = await asyncio.gather(
-            self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_service.info()
+            self.verify_client.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_client.info()
         )
         resolved = await asyncio.to_thread(  # tokenizing and grammar compiling: off the event loop
             request_validation.resolve,
@@ -353,8 +353,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups}
         rounds = RequestRounds(
-            self.draft_service,
-            self.replicas,
+            self.draft_client,
+            self.verify_client,
             uuid.uuid4().hex,
             resolved,
             [*resolved.prompt_ids, *resumed],

@@ -319,7 +319,7 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
 # (tiny_pipeline, tests/test_http_api.py): the test process, and the suite's other worker beside
 # it, may stall a Propose past the default 250 ms, and a round that then decodes without the draft
 # consumes a seeded sample's random draws differently (another completion for the same seed). The
-# deadline itself is tested with coordinators of its own (tests/test_draft_side.py, the fault matrix).
+# deadline itself is tested with coordinators of its own (tests/test_draft_client.py, the fault matrix).
 IN_PROCESS_PROPOSE_FLOOR_S = 5.0
 
 

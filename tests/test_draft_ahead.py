@@ -15,12 +15,12 @@ import torch
 
 from coordinator.api.client import generate
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.plan import DraftPlan, ResolvedRequest
 from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from draft_service.drafters import base
 from draft_service.drafters.base import Alternative, _likely_outcomes
 from specdec.rpc.errors import FailedPrecondition
@@ -261,8 +261,8 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     plan = DraftPlan(drafts_ahead=draft_ahead, branches=branches)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False, draft=plan)
     rounds = RequestRounds(
-        DraftService(clients),
-        VerifyReplicas(clients),
+        DraftClient(clients),
+        VerifyClient(clients),
         f"ahead-{drafter}-{draft_ahead}-{branches}-{sampling.seed}",
         request,
         list(PROMPT),

@@ -17,7 +17,7 @@ def test_every_round_asks_the_same_drafter_for_the_same_k():
 def test_the_draft_opens_beside_the_prefill_and_not_for_a_round():
     policy = FixedK("llama-cpp", 4)
     assert policy.opens_draft_at_prefill(64, remaining=64)
-    assert not policy.wants_drafter({}, 64, remaining=64)  # a round's Propose reopens it (DraftSide.proposal)
+    assert not policy.wants_drafter({}, 64, remaining=64)  # a round's Propose reopens it (DraftSession.proposal)
 
 
 def test_only_plain_decode_decodes_ahead_and_nothing_is_learnt():

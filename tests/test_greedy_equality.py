@@ -8,12 +8,12 @@ import pytest
 
 from coordinator.api.client import generate
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.plan import DraftPlan, ResolvedRequest
 from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -110,7 +110,7 @@ def test_plain_decode_sends_each_decode_ahead_and_survives_a_lost_session(tiny_p
     async def run() -> tuple[list[int], list, int]:
         clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 0, "", adaptive=False)
-        rounds = RequestRounds(DraftService(clients), VerifyReplicas(clients), "ahead", request, list(ids))
+        rounds = RequestRounds(DraftClient(clients), VerifyClient(clients), "ahead", request, list(ids))
         policy = FixedK(request.drafter, request.num_speculative_tokens)
         generated, _ = await rounds.prefill(policy)
         records = []
@@ -169,8 +169,8 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
         try:
             return await run_rounds(
                 RequestRounds(
-                    DraftService(clients),
-                    VerifyReplicas(clients),
+                    DraftClient(clients),
+                    VerifyClient(clients),
                     "shared-first",
                     request,
                     list(ids),
@@ -232,8 +232,8 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False, draft=plan)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
         rounds = RequestRounds(
-            DraftService(clients),
-            VerifyReplicas(clients),
+            DraftClient(clients),
+            VerifyClient(clients),
             f"k-schedule-{drafter}-{len(prompt_ids)}",
             request,
             list(prompt_ids),

@@ -17,7 +17,8 @@ COVERED_BY = {
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
     "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
     "coordinator/request_store/redis_client.py": "test_store.py",  # every store test on one Redis and on a cluster
-    "coordinator/speculation/plan.py": "test_draft_side.py",  # which resolved requests use the draft service
+    "coordinator/speculation/draft_proposal.py": "test_draft_ahead.py",  # drafted ahead: hits by branch, misses
+    "coordinator/speculation/plan.py": "test_draft_client.py",  # which resolved requests use the draft service
     "coordinator/speculation/policy/ema.py": "test_acceptance_model.py",  # the average every estimate keeps
     "coordinator/speculation/policy/k_policy.py": "test_greedy_equality.py",  # a random policy through the contract
     "draft_service/drafters/base.py": "test_draft_service.py",
@@ -85,3 +86,15 @@ def test_the_list_names_real_tests_and_only_modules_that_need_it():
     assert not stale, f"remove from COVERED_BY (gone, or now with a test of their own): {stale}"
     absent = {m: t for m, t in COVERED_BY.items() if not (ROOT / "tests" / t).exists()}
     assert not absent, f"COVERED_BY names test files that do not exist: {absent}"
+
+
+MAX_ROUND_PATH_LINES = 500  # a file of the round's path (coordinator/speculation/) is read whole
+
+
+def test_no_file_of_the_round_path_is_over_its_size():
+    long = {}
+    for path in sorted((ROOT / "coordinator" / "speculation").rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_ROUND_PATH_LINES:
+            long[path.relative_to(ROOT).as_posix()] = lines
+    assert not long, f"split these by concept (at most {MAX_ROUND_PATH_LINES} lines each): {long}"

@@ -37,8 +37,7 @@ import torch
 
 import verify_service.target as target_module
 from coordinator.observability.metrics import PLAIN
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.plan import ResolvedRequest
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel
 from coordinator.speculation.policy.adaptive import AdaptiveK
@@ -46,6 +45,7 @@ from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.policy.step_costs import StepCosts
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
@@ -189,7 +189,7 @@ async def pipeline_tokens(
     committed; returns them, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 3, params, [], K_MAX, "model", adaptive=True)
     request_rounds = RequestRounds(
-        DraftService(clients), VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
+        DraftClient(clients), VerifyClient(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
     )
     policy, rounds = adaptive_policy(), []
     try:

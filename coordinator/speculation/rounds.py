@@ -9,8 +9,8 @@ n-gram or suffix (:meth:`RequestRounds.lookup_matches`), or, with structured out
 the request's grammar forces (:class:`specdec.sampling.grammar.ForcedTokenLookup`); the draft session then
 catches up at its next Propose.
 
-The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSide`'s;
-the verify side is :class:`coordinator.speculation.failover.VerifySession`'s.
+The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_client.DraftSession`'s;
+the verify side is :class:`coordinator.speculation.verify_client.VerifySession`'s.
 
 Draft-ahead (model drafters, ``DraftPlan.drafts_ahead``): while the verify service checks a round's
 proposal, the draft service already drafts the next round's, on the branch where verification
@@ -31,7 +31,7 @@ Its answer is the next round's, whatever that round would have chosen; a Decode 
 failed, or went to a session rebuilt since, is decoded again. Every Decode names the committed
 length it follows (``DecodeRequest.num_committed_tokens``): one that overtook the Decode before it
 fails instead of committing out of order, and a session that committed a Decode given up on (run
-late) fails the next one and is rebuilt (:meth:`coordinator.speculation.failover.VerifySession.decode`).
+late) fails the next one and is rebuilt (:meth:`coordinator.speculation.verify_client.VerifySession.decode`).
 
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
@@ -42,7 +42,7 @@ collide; the old one is released in the background):
   the coordinator's n-gram and suffix lookups under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
 - a verify call fails (the replica is unreachable or missed its deadline, or answers NOT_FOUND):
-  the session is rebuilt on a replica and the call retried (:mod:`coordinator.speculation.failover`), until
+  the session is rebuilt on a replica and the call retried (:mod:`coordinator.speculation.verify_client`), until
   ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
 A retried call is exact: Verify and Decode depend only on the committed log and the per-position
 seed, so greedy and seeded sampling output is the same as without the fault.
@@ -55,10 +55,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
-from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
-from coordinator.speculation.failover import Admit, DecodeAhead, VerifyReplicas, VerifySession
+from coordinator.speculation.draft_client import DraftClient, DraftSession
+from coordinator.speculation.draft_proposal import DraftProposal
 from coordinator.speculation.plan import ResolvedRequest
 from coordinator.speculation.policy.k_policy import KPolicy, Matches
+from coordinator.speculation.verify_client import Admit, DecodeAhead, VerifyClient, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.lookups.ngram import NgramIndex, NgramMatch
 from specdec.lookups.suffix import SuffixIndex, SuffixMatch
@@ -138,9 +139,9 @@ def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) ->
 
 class RequestRounds:
     """One request's rounds: its committed log, its session on the draft service and its session
-    on a verify replica (:class:`coordinator.speculation.failover.VerifySession`); :meth:`step` runs a round.
+    on a verify replica (:class:`coordinator.speculation.verify_client.VerifySession`); :meth:`step` runs a round.
 
-    Args: ``draft_service`` the coordinator's draft service, ``replicas`` its verify replicas (both
+    Args: ``draft_client`` and ``verify_client``, the coordinator's clients of the draft and the verify service (both
     shared by its requests); ``session_prefix`` begins the id of every session the request opens
     (``<prefix>.d1``, ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the
     request's committed log (prompt plus generated tokens, when a resumed request starts from
@@ -155,8 +156,8 @@ class RequestRounds:
 
     def __init__(
         self,
-        draft_service: DraftService,
-        replicas: VerifyReplicas,
+        draft_client: DraftClient,
+        verify_client: VerifyClient,
         session_prefix: str,
         request: ResolvedRequest,
         committed: list[int],
@@ -174,8 +175,8 @@ class RequestRounds:
         self.forced = request.forced_token_lookup()  # adaptive K with structured output only
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._releases = BackgroundTasks()
-        self.draft = DraftSide(
-            draft_service,
+        self.draft = DraftSession(
+            draft_client,
             request,
             committed,
             lambda: self._new_session_id("d"),
@@ -184,7 +185,7 @@ class RequestRounds:
             owner,
         )
         self.verify = VerifySession(
-            replicas,
+            verify_client,
             committed,
             request.sampling,
             lambda: self._new_session_id("v"),
@@ -218,7 +219,7 @@ class RequestRounds:
         their turn in ``admit`` too.
 
         The draft session (when the request uses one) is prefilled in the background when the
-        first round may use it (:meth:`DraftSide.opens_at_once` under ``policy``: at once for a
+        first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``: at once for a
         fixed K; decided again after the first token with the load the target's prefill met, or
         the coordinator's requests running then where more, :meth:`KPolicy.observe_prefill`, as
         in a burst the first prompts are prefilled before the others reach the verify service),
@@ -226,7 +227,7 @@ class RequestRounds:
         It starts beside the target's prefill (a draft on its own device is then ready for the
         first round), or, without ``request.draft.prefill_with_target`` (greedy decoding), after the
         first token, so that no draft work slows the target's prefill where both share the same
-        cores. The first round then waits for it (bounded, :meth:`DraftSide.wait_for_prefill`):
+        cores. The first round then waits for it (bounded, :meth:`DraftSession.wait_for_prefill`):
         plain rounds beside it would share the cores with it, each slower than alone and the
         prefill slower still (docs/architecture.md#one-round). With a draft on its own device, greedy rounds do not
         wait (a small draft prefills a long prompt slower than the target): they run without the
@@ -342,7 +343,7 @@ class RequestRounds:
         """The proposal of ``k`` tokens by ``proposer``: a lookup's match (point masses under
         sampling), or the draft service's; an empty one, proposed by PLAIN, for K = 0 or while the
         draft is unavailable (``start``: the round's time.perf_counter(); ``max_k``: see
-        :meth:`DraftSide.proposal`)."""
+        :meth:`DraftSession.proposal`)."""
         if k == 0:
             return RoundProposal(proposer=PLAIN, k=0)
         if proposer in matches:
@@ -433,7 +434,7 @@ class RequestRounds:
             self.verify.release_everywhere(sessions["verify"])
 
     async def release(self) -> None:
-        """Releases both sessions (:meth:`DraftSide.release`) and waits for the background
+        """Releases both sessions (:meth:`DraftSession.release`) and waits for the background
         releases; failures are logged (the services' idle timeout reclaims what is left). A Decode
         sent ahead for a round that never came (the request finished) is dropped."""
         if self._ahead is not None:

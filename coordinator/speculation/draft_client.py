@@ -1,19 +1,20 @@
-"""The draft side of the coordinator: the one place that decides whether a request's round may
-ask the draft service, as :mod:`coordinator.speculation.failover` is for the verify side.
+"""The coordinator's client of the draft service: the one place that decides whether a request's round
+may ask the draft service, as :mod:`coordinator.speculation.verify_client` is for the verify
+service.
 
-:class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
-call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
+:class:`DraftClient`, one per coordinator, is the draft service as all its requests see it: a call
+that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
 meanwhile) unless a late answer shows it alive first, and its last GetInfo stands in while it is
-down. :class:`DraftSide`, one per
-request, is the request's session on it: opened by a Prefill of the committed log in the
-background, told the committed tokens it has not seen at each Propose, drafting ahead (a model
-drafter, see :class:`DraftAhead`), and after a failure left alone for ``retry_s`` seconds before
-it is prefilled again under a new session id (so a late call to the old one cannot collide). A
-Propose that missed its deadline is the exception: the session is kept, and if the draft answers
-the call late (it was slowed by a burst of load, not hung), the session is used again at once with
-what that call carried; only when no answer came within ``retry_s`` is it released and prefilled
-again. Why: a burst of requests arriving together misses the deadline learnt at low load without
-the draft being hung (docs/faults.md#a-draft-that-hangs).
+down. :class:`DraftSession`, one per request, is the request's session on it: opened by a Prefill of
+the committed log in the background, told the committed tokens it has not seen at each Propose,
+drafting ahead (a model drafter, see :class:`coordinator.speculation.draft_proposal.DraftAhead`),
+and after a failure left alone for ``retry_s`` seconds before it is prefilled again under a new
+session id (so a late call to the old one cannot collide). A Propose that missed its deadline is the
+exception: the session is kept, and if the draft answers the call late (it was slowed by a burst of
+load, not hung), the session is used again at once with what that call carried; only when no answer
+came within ``retry_s`` is it released and prefilled again. Why: a burst of requests arriving
+together misses the deadline learnt at low load without the draft being hung
+(docs/faults.md#a-draft-that-hangs).
 """
 
 import asyncio
@@ -22,9 +23,9 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
-from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
+from coordinator.observability.metrics import HIT, MISS
+from coordinator.speculation.draft_proposal import DraftAhead, DraftProposal
 from coordinator.speculation.plan import ResolvedRequest
 from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
@@ -36,11 +37,11 @@ from specdec.v1 import draft_pb2
 log = logging.getLogger(__name__)
 
 
-class DraftService:
+class DraftClient:
     """The draft service's replicas (a draft pool, shared by every coordinator) as every request of
     a coordinator sees them: a replica whose call failed to answer (unreachable, or past its
     deadline) is down for ``down_s`` seconds (no session opens there meanwhile, and its sessions
-    move to another, see :class:`DraftSide`) unless a late answer shows it alive first; the
+    move to another, see :class:`DraftSession`) unless a late answer shows it alive first; the
     last GetInfo stands in while every replica is down. Replicas are named by their ``host:port``;
     which one a session opens on is placement's choice (:mod:`coordinator.speculation.placement`)."""
 
@@ -114,77 +115,10 @@ class DraftService:
         await self.clients.release_draft(replica, session_id)
 
 
-@dataclass
-class DraftAhead:
-    """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
-    ``start`` tokens: its main branch is every ``predicted`` token accepted, then the bonus token
-    the draft guessed; its other branches (``ProposeResponse.branches``) other outcomes. ``task``
-    gives the ProposeResponse or raises SpecdecError; ``sent`` and ``answered`` (time.perf_counter(),
-    0 until then) time its round trip."""
-
-    task: asyncio.Future
-    round: int
-    start: int
-    predicted: list[int]
-    request_bytes: int
-    sent: float = field(default_factory=time.perf_counter)
-    answered: float = 0.0
-
-    def call_ms(self, response: draft_pb2.ProposeResponse) -> float:
-        """The Propose's round trip beyond the draft's compute, ms (0 while unanswered)."""
-        return max(0.0, (self.answered - self.sent) * 1000 - response.compute_ms) if self.answered else 0.0
-
-    def hit(
-        self, committed: list[int], response: draft_pb2.ProposeResponse
-    ) -> tuple[draft_pb2.ProposeResponse, str] | None:
-        """The proposal of the branch verification went down, as a ProposeResponse, and that
-        branch's kind (MAIN, BONUS or RECOVERED); None when it went down none drafted."""
-        outcome = committed[self.start :]
-        if (
-            response.token_ids
-            and response.HasField("predicted_bonus_token_id")
-            and outcome == [*self.predicted, response.predicted_bonus_token_id]
-        ):
-            return response, MAIN
-        for branch in response.branches:
-            if branch.token_ids and outcome == [*self.predicted[: branch.num_accepted], branch.next_token_id]:
-                proposal = draft_pb2.ProposeResponse(
-                    token_ids=branch.token_ids,
-                    distributions=branch.distributions,
-                    forced=branch.forced,
-                    compute_ms=response.compute_ms,
-                )
-                return proposal, BONUS if branch.num_accepted == len(self.predicted) else RECOVERED
-        return None
-
-
-@dataclass
-class DraftProposal:
-    """A round's proposal from the draft: the response (None when the draft is unavailable or
-    failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
-    branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
-    draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both
-    ways, the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
-    a hit, drafted during the previous round: a miss waits for both) and that call's round trip
-    beyond them (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for
-    none), and the same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss;
-    off the round's critical path, a measure of the draft link for :class:`StepCosts`)."""
-
-    response: draft_pb2.ProposeResponse | None = None
-    wait_ms: float = 0.0
-    ahead: str = ""
-    wire_bytes: int = 0
-    branch: str = ""
-    num_branches: int = 0
-    compute_ms: float = 0.0
-    call_ms: float = 0.0
-    ahead_call_ms: float = 0.0
-
-
-class DraftSide:
+class DraftSession:
     """A request's session on the draft service (see the module docstring).
 
-    Args: ``service`` the coordinator's :class:`DraftService`; ``request`` the resolved request
+    Args: ``service`` the coordinator's :class:`DraftClient`; ``request`` the resolved request
     (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
     ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
     new session; ``in_background`` runs a Release (a function making the call) without waiting;
@@ -197,7 +131,7 @@ class DraftSide:
 
     def __init__(
         self,
-        service: DraftService,
+        service: DraftClient,
         request: ResolvedRequest,
         committed: list[int],
         new_session_id: Callable[[], str],
