@@ -12,7 +12,7 @@ from prometheus_client import Counter
 from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
 from draft_service.settings import DraftSettings
 from specdec.engine import host_memory
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters, parse_delays
 from specdec.rpc.errors import InvalidArgument, grpc_errors
 from specdec.rpc.server import RunningService, start_service

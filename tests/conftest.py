@@ -58,7 +58,7 @@ from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
 from specdec.engine.model_files import load_tokenizer  # noqa: E402
 from specdec.engine.models import load_causal_lm  # noqa: E402
-from specdec.observability.prom import EngineMetrics  # noqa: E402
+from specdec.observability.prometheus import EngineMetrics  # noqa: E402
 from specdec.rpc.server import GRPC_OPTIONS  # noqa: E402
 from specdec.sampling.grammar import GrammarMatcher  # noqa: E402
 from specdec.sampling.probs import sample  # noqa: E402

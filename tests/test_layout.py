@@ -33,7 +33,6 @@ COVERED_BY = {
     "specdec/engine/kv.py": "test_engine.py",
     "specdec/engine/model_files.py": "test_e2e_real.py",
     "specdec/engine/models.py": "test_kv_rollback.py",
-    "specdec/observability/prom.py": "test_prometheus.py",
     "specdec/sampling/probs.py": "test_sampling.py",  # the transform, draws and the sampling chi-square test
     "specdec/sampling/sampling_params.py": "test_sampling.py",
     "specdec/rpc/service_load.py": "test_load.py",  # the services' load reports

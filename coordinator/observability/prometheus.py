@@ -1,5 +1,5 @@
 """The coordinator's Prometheus metrics, fed from the same RoundRecords and RequestMetrics the
-request's own metrics are built from (names as vLLM's, see :mod:`specdec.observability.prom`)."""
+request's own metrics are built from (names as vLLM's, see :mod:`specdec.observability.prometheus`)."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coordinator.observability.metrics import BONUS, MAIN, RECOVERED, RoundRecord
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.v1 import common_pb2, coordinator_pb2
 
 # Seconds; vLLM's buckets for the request latencies, finer ones for a round's parts.
