@@ -44,6 +44,7 @@ COVERED_BY = {
     "specdec_app/bench/chart.py": "test_bench_concurrency.py",
     "specdec_app/bench/dns_server.py": "test_discovery.py",  # the records a test changes while coordinators run
     "specdec_app/bench/conversation.py": "test_bench_conversation.py",
+    "specdec_app/bench/cpu_pinning.py": "test_bench.py",  # --placement's pinnings and the pinned plain baseline
     "specdec_app/bench/cpu_time.py": "test_bench_cpu_time.py",
     "specdec_app/bench/load_generator.py": "test_bench_concurrency.py",
     "specdec_app/bench/load_methods.py": "test_bench_concurrency.py",
