@@ -88,7 +88,7 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
     service_args += ["--debug-rpc-delay-ms", f"Prefill={PREFILL_HOLD_MS}"]
     coordinator_args = ["--max-new-tokens-limit", "512", "--draft-retry-s", "0.5", "--failover-timeout-s", "30"]
     # adaptive K up to the fixed K, so that every stream of a burst decodes at about the same pace
-    coordinator_args += ["--max-num-speculative-tokens", str(K)]
+    coordinator_args += ["--adaptive-k-max", str(K)]
     coordinator_args += ["--rpc-timeout-s", str(RPC_TIMEOUT_S), "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
     logs = tmp_path_factory.mktemp("fault-logs")
     with process_fleet(

@@ -1,7 +1,7 @@
 """Settings checked against each other at start-up, refused with a message naming the settings to
 change before any model loads: the session services' limits (specdec/settings.py), under which a
 step could never fill, or never hold a verify of the largest K; the coordinator's Redis Cluster,
-which needs a URL of database 0."""
+which needs a URL of database 0; and the variable of a renamed setting."""
 
 import pytest
 from pydantic import ValidationError
@@ -51,3 +51,13 @@ def test_a_redis_cluster_needs_a_url_of_database_0(url, message):
     with pytest.raises(ValidationError, match=message):
         CoordinatorSettings(redis_url=url, redis_cluster=True)
     assert CoordinatorSettings(redis_url="rediss://:pw@redis-cluster:6379/0", redis_cluster=True).redis_cluster
+
+
+def test_the_variable_of_a_renamed_setting_stops_the_start(monkeypatch):
+    """The coordinator's cap on adaptive K was max_num_speculative_tokens, the name of the services'
+    per-call limit: its old variable is refused, naming the new one, rather than ignored."""
+    assert CoordinatorSettings(adaptive_k_max=4).adaptive_k_max == 4
+    monkeypatch.setenv("SPECDEC_COORDINATOR_MAX_NUM_SPECULATIVE_TOKENS", "4")
+    with pytest.raises(ValidationError) as refused:
+        CoordinatorSettings()
+    assert "SPECDEC_COORDINATOR_ADAPTIVE_K_MAX (--adaptive-k-max)" in str(refused.value)

@@ -173,7 +173,7 @@ def resolve(
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
-        k = min(settings.max_num_speculative_tokens, max_k)
+        k = min(settings.adaptive_k_max, max_k)
     else:
         k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
         if not 0 <= k <= max_k:
