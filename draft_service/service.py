@@ -9,7 +9,8 @@ import torch
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal
+from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.settings import DraftSettings
 from specdec.engine import host_memory
 from specdec.observability.prometheus import ServiceMetrics
@@ -224,8 +225,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         try:
             session.sync(request.appended_token_ids)
-            if num_branches > 1:
-                session.keep_alternatives()
             session.start_proposal(k, predicted, num_branches, budget_s, done)
         except BaseException:
             release()

@@ -51,7 +51,7 @@ from coordinator.api.client import Completion, generate  # noqa: E402
 from coordinator.request_store.store import MemoryStore, RedisStore, StoredRequest  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
-from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal  # noqa: E402
 from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402

@@ -21,8 +21,10 @@ from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
 from coordinator.speculation.verify_client import VerifyClient
-from draft_service.drafters import base
-from draft_service.drafters.base import Alternative, _likely_outcomes
+from draft_service.drafters import model_drafting
+from draft_service.drafters.contract import Proposal
+from draft_service.drafters.model_drafting import likely_outcomes
+from draft_service.drafters.proposal_work import Alternative
 from specdec.rpc.errors import FailedPrecondition
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import StructuredOutput
@@ -146,7 +148,7 @@ def test_no_proactive_draft_where_its_state_is_shared_or_short(tiny_drafters):
         session.prefill(PROMPT)
         proposal = session.propose(4)
         assert not session.draft_next(5, [], proposal)  # 4 of 5 tokens: the draft ended early
-        assert not session.draft_next(4, [1, 2], base.Proposal(proposal.tokens))  # no bonus guessed
+        assert not session.draft_next(4, [1, 2], Proposal(proposal.tokens))  # no bonus guessed
         session.window = len(PROMPT) + 8
         assert not session.draft_next(4, [], proposal)  # 12 + 4 + 1 + 4 tokens > 20
         session.window = 1024
@@ -222,7 +224,7 @@ def test_a_branch_is_begun_only_if_it_ends_within_the_budget(tiny_drafters, monk
         clock[0] += 1.0
         return submit(work, *args)
 
-    monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(model_drafting, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(session.engine, "submit", submit_one_second)
     try:
         session.prefill(PROMPT)
@@ -241,15 +243,17 @@ def test_branches_are_ranked_by_the_drafts_probabilities():
     alternatives = [Alternative(0.9, 11, 0.08), None, Alternative(0.5, 13, 0.45)]
     bonus = Alternative(0.6, 14, 0.3)
     # rejection at 0: 0.08; at 2: 0.9 x 0.45 = 0.405; the second bonus: 0.9 x 0.5 x 0.3 = 0.135
-    assert _likely_outcomes([1, 2, 3], alternatives, bonus) == [(2, 13), (3, 14), (0, 11)]
-    assert _likely_outcomes([1, 2, 3], [], bonus) == [(3, 14)]  # drafted before branching: the bonus only
+    assert likely_outcomes([1, 2, 3], alternatives, bonus) == [(2, 13), (3, 14), (0, 11)]
+    assert likely_outcomes([1, 2, 3], [], bonus) == [(3, 14)]  # drafted before branching: the bonus only
 
 
 def test_model_free_drafter_refuses_draft_ahead(tiny_drafters):
     session = tiny_drafters["ngram"].new_session(SamplingParams())
     session.prefill(PROMPT)
-    with pytest.raises(FailedPrecondition, match="without predicted_token_ids"):
-        session.propose_ahead([1, 2], 3)
+    answers: list = []
+    session.start_proposal(3, [1, 2], 1, None, answers.append)
+    assert len(answers) == 1 and isinstance(answers[0], FailedPrecondition)
+    assert "without predicted_token_ids" in str(answers[0])
 
 
 async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, draft_ahead: bool, branches: int = 1):

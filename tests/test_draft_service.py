@@ -11,7 +11,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from draft_service.drafters.base import ModelDraftSession
+from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.service import DraftServicer
 from draft_service.settings import DraftSettings
 from specdec.observability.prometheus import ServiceMetrics

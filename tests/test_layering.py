@@ -107,9 +107,9 @@ def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
     found = imports(source, "specdec.example")
     assert {"grpc", "specdec.rpc", "specdec.rpc.tls", "coordinator.api.client", "torch"} <= found
     assert not {name for name in found if name.startswith("specdec.engine.engine")}
-    assert imports("from . import ngram\nfrom .base import Drafter\n", "draft_service.drafters.suffix") >= {
+    assert imports("from . import ngram\nfrom .contract import Drafter\n", "draft_service.drafters.suffix") >= {
         "draft_service.drafters.ngram",
-        "draft_service.drafters.base",
+        "draft_service.drafters.contract",
     }
 
 

@@ -21,7 +21,9 @@ COVERED_BY = {
     "coordinator/speculation/plan.py": "test_draft_client.py",  # which resolved requests use the draft service
     "coordinator/speculation/policy/ema.py": "test_acceptance_model.py",  # the average every estimate keeps
     "coordinator/speculation/policy/k_policy.py": "test_greedy_equality.py",  # a random policy through the contract
-    "draft_service/drafters/base.py": "test_draft_service.py",
+    "draft_service/drafters/contract.py": "test_draft_service.py",  # every drafter through the service
+    "draft_service/drafters/grammar_vocabulary.py": "test_structured_output.py",  # the draft masked as the target
+    "draft_service/drafters/proposal_work.py": "test_draft_ahead.py",  # a proposal's steps, ahead or not
     "draft_service/drafters/llama_cpp.py": "test_llama_batched.py",
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
     "draft_service/service.py": "test_draft_service.py",

@@ -2,7 +2,9 @@
 batched like the target: its sessions share one KV store (:class:`specdec.engine.ragged_lm.RaggedLM`, within
 its budget of ``kv_cache_max_bytes``) and one engine loop."""
 
-from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
+from draft_service.drafters.contract import Drafter
+from draft_service.drafters.grammar_vocabulary import GrammarVocabulary
+from draft_service.drafters.model_drafting import ModelDraftSession
 from specdec.engine.engine import Engine
 from specdec.engine.kv import SequenceKV
 from specdec.engine.models import context_window, load_causal_lm

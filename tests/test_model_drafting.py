@@ -1,5 +1,6 @@
-"""The model drafters' session (:mod:`draft_service.drafters.base`), on the tiny transformers
-draft: its context window, and the owner its KV store preempts by."""
+"""The model drafters' session (:mod:`draft_service.drafters.model_drafting`), on the tiny
+transformers draft: its context window, and the owner its KV store preempts by (its drafts ahead,
+branches and proactive drafts are test_draft_ahead.py's)."""
 
 from specdec.sampling.sampling_params import SamplingParams
 
