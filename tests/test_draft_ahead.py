@@ -23,8 +23,7 @@ from coordinator.speculation.upstream import ServiceClients
 from coordinator.speculation.verify_client import VerifyClient
 from draft_service.drafters import model_drafting
 from draft_service.drafters.contract import Proposal
-from draft_service.drafters.model_drafting import likely_outcomes
-from draft_service.drafters.proposal_work import Alternative
+from draft_service.drafters.model_drafting import Alternative, likely_outcomes
 from specdec.rpc.errors import FailedPrecondition
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import StructuredOutput

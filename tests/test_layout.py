@@ -17,13 +17,10 @@ COVERED_BY = {
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
     "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
     "coordinator/request_store/redis_client.py": "test_store.py",  # every store test on one Redis and on a cluster
-    "coordinator/speculation/draft_proposal.py": "test_draft_ahead.py",  # drafted ahead: hits by branch, misses
     "coordinator/speculation/plan.py": "test_draft_client.py",  # which resolved requests use the draft service
-    "coordinator/speculation/policy/ema.py": "test_acceptance_model.py",  # the average every estimate keeps
     "coordinator/speculation/policy/k_policy.py": "test_greedy_equality.py",  # a random policy through the contract
     "draft_service/drafters/contract.py": "test_draft_service.py",  # every drafter through the service
     "draft_service/drafters/grammar_vocabulary.py": "test_structured_output.py",  # the draft masked as the target
-    "draft_service/drafters/proposal_work.py": "test_draft_ahead.py",  # a proposal's steps, ahead or not
     "draft_service/drafters/llama_cpp.py": "test_llama_batched.py",
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
     "draft_service/service.py": "test_draft_service.py",

@@ -1,20 +1,17 @@
-"""The coordinator's client of the draft service: the one place that decides whether a request's round
-may ask the draft service, as :mod:`coordinator.speculation.verify_client` is for the verify
-service.
+"""The coordinator's client of the draft service (:class:`DraftClient`, one per coordinator) and a
+request's session on it (:class:`DraftSession`): the one place that decides whether a request's
+round may ask the draft service, as :mod:`coordinator.speculation.verify_client` is for the verify
+service; and what a round takes from it (:class:`DraftProposal`: a proposal asked for, or one
+drafted ahead, :class:`DraftAhead`).
 
-:class:`DraftClient`, one per coordinator, is the draft service as all its requests see it: a call
-that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
-meanwhile) unless a late answer shows it alive first, and its last GetInfo stands in while it is
-down. :class:`DraftSession`, one per request, is the request's session on it: opened by a Prefill of
-the committed log in the background, told the committed tokens it has not seen at each Propose,
-drafting ahead (a model drafter, see :class:`coordinator.speculation.draft_proposal.DraftAhead`),
-and after a failure left alone for ``retry_s`` seconds before it is prefilled again under a new
-session id (so a late call to the old one cannot collide). A Propose that missed its deadline is the
-exception: the session is kept, and if the draft answers the call late (it was slowed by a burst of
-load, not hung), the session is used again at once with what that call carried; only when no answer
-came within ``retry_s`` is it released and prefilled again. Why: a burst of requests arriving
-together misses the deadline learnt at low load without the draft being hung
-(docs/faults.md#a-draft-that-hangs).
+A session is opened by a Prefill of the committed log in the background, told the committed tokens
+it has not seen at each Propose, and after a failure left alone for ``retry_s`` seconds before it
+is prefilled again under a new session id (so a late call to the old one cannot collide). A
+Propose that missed its deadline is the exception: the session is kept, and if the draft answers
+the call late (slowed by a burst of load, not hung), it is used again at once with what that call
+carried; only when no answer came within ``retry_s`` is it released and prefilled again. Why: a
+burst of requests arriving together misses the deadline learnt at low load without the draft being
+hung (docs/faults.md#a-draft-that-hangs).
 """
 
 import asyncio
@@ -23,9 +20,9 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
-from coordinator.observability.metrics import HIT, MISS
-from coordinator.speculation.draft_proposal import DraftAhead, DraftProposal
+from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
 from coordinator.speculation.plan import ResolvedRequest
 from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
@@ -115,19 +112,80 @@ class DraftClient:
         await self.clients.release_draft(replica, session_id)
 
 
-class DraftSession:
-    """A request's session on the draft service (see the module docstring).
+@dataclass
+class DraftAhead:
+    """A Propose for the next round, sent with round ``round``'s Verify when the committed log held
+    ``start`` tokens: its main branch is every ``predicted`` token accepted, then the bonus token
+    the draft guessed; its other branches (``ProposeResponse.branches``) other outcomes. ``task``
+    gives the ProposeResponse or raises SpecdecError; ``sent`` and ``answered`` (time.perf_counter(),
+    0 until then) time its round trip."""
 
-    Args: ``service`` the coordinator's :class:`DraftClient`; ``request`` the resolved request
-    (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
-    ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
-    new session; ``in_background`` runs a Release (a function making the call) without waiting;
-    ``retry_s`` seconds without the draft after a failure; ``owner`` the tag of the request's client
-    its sessions carry (DraftServicePrefillRequest.owner). With the request's plan
-    (``request.draft``, :class:`coordinator.speculation.plan.DraftPlan`) drafting ahead, it drafts the
-    next round while this one verifies, for up to ``branches`` outcomes of its verification, as
-    many as the draft can draft while the target verifies (:meth:`observe_verify`).
-    """
+    task: asyncio.Future
+    round: int
+    start: int
+    predicted: list[int]
+    request_bytes: int
+    sent: float = field(default_factory=time.perf_counter)
+    answered: float = 0.0
+
+    def call_ms(self, response: draft_pb2.ProposeResponse) -> float:
+        """The Propose's round trip beyond the draft's compute, ms (0 while unanswered)."""
+        return max(0.0, (self.answered - self.sent) * 1000 - response.compute_ms) if self.answered else 0.0
+
+    def hit(
+        self, committed: list[int], response: draft_pb2.ProposeResponse
+    ) -> tuple[draft_pb2.ProposeResponse, str] | None:
+        """The proposal of the branch verification went down, as a ProposeResponse, and that
+        branch's kind (MAIN, BONUS or RECOVERED); None when it went down none drafted."""
+        outcome, main = committed[self.start :], [*self.predicted, response.predicted_bonus_token_id]
+        if response.token_ids and response.HasField("predicted_bonus_token_id") and outcome == main:
+            return response, MAIN
+        for branch in response.branches:
+            if branch.token_ids and outcome == [*self.predicted[: branch.num_accepted], branch.next_token_id]:
+                proposal = draft_pb2.ProposeResponse(
+                    token_ids=branch.token_ids,
+                    distributions=branch.distributions,
+                    forced=branch.forced,
+                    compute_ms=response.compute_ms,
+                )
+                return proposal, BONUS if branch.num_accepted == len(self.predicted) else RECOVERED
+        return None
+
+
+@dataclass
+class DraftProposal:
+    """A round's proposal from the draft: the response (None when the draft is unavailable or
+    failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
+    branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
+    draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both ways,
+    the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for a hit,
+    drafted during the previous round: a miss waits for both) and that call's round trip beyond them
+    (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for none), and the
+    same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss; off the round's
+    critical path, a measure of the draft link for :class:`StepCosts`)."""
+
+    response: draft_pb2.ProposeResponse | None = None
+    wait_ms: float = 0.0
+    ahead: str = ""
+    wire_bytes: int = 0
+    branch: str = ""
+    num_branches: int = 0
+    compute_ms: float = 0.0
+    call_ms: float = 0.0
+    ahead_call_ms: float = 0.0
+
+
+class DraftSession:
+    """A request's session on the draft service (see the module docstring). Args: ``service`` the
+    coordinator's :class:`DraftClient`; ``request`` the resolved request (its drafter, sampling;
+    ``uses_draft_service`` False makes this session never open); ``committed`` the request's
+    committed log, read at every call; ``new_session_id()`` names each new session;
+    ``in_background`` runs a Release (a function making the call) without waiting; ``retry_s``
+    seconds without the draft after a failure; ``owner`` the tag of the request's client its
+    sessions carry (DraftServicePrefillRequest.owner). With the request's plan (``request.draft``,
+    :class:`coordinator.speculation.plan.DraftPlan`) drafting ahead, it drafts the next round while
+    this one verifies, for up to ``branches`` outcomes of its verification, as many as the draft can
+    draft while the target verifies (:meth:`observe_verify`)."""
 
     def __init__(
         self,
@@ -155,8 +213,6 @@ class DraftSession:
         self._late = False  # the session's last Propose missed its deadline: its late answer is awaited
         self.num_cached_tokens: int | None = None  # found in the draft's prefix cache at the first Prefill
         self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
-
-    # --- opening -------------------------------------------------------------------------
 
     def opens_at_once(self, policy: KPolicy) -> bool:
         """Whether the session is prefilled alongside the target's: always under sampling (see
@@ -292,8 +348,6 @@ class DraftSession:
             log.info("draft session %s answered late: drafting again", session_id)
             self._late, self.seen, self.retry_at = False, seen, 0.0
 
-    # --- proposing -----------------------------------------------------------------------
-
     async def proposal(self, k: int, round_number: int, start: float, max_k: int | None = None) -> DraftProposal:
         """Round ``round_number``'s proposal of up to ``k`` tokens (``start``: the round's
         time.perf_counter()): the one drafted ahead during the previous round when verification
@@ -411,8 +465,6 @@ class DraftSession:
         """Learns how long a round's verify call took (an EMA), the time the next draft-ahead's
         branches may take (``ProposeRequest.branch_budget_ms``)."""
         self.verify_ms = ms if not self.verify_ms else 0.7 * self.verify_ms + 0.3 * ms
-
-    # --- releasing -----------------------------------------------------------------------
 
     async def release(self) -> None:
         """Releases the session in the background; a prefill still running is cancelled and its

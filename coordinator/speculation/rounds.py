@@ -55,8 +55,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
-from coordinator.speculation.draft_client import DraftClient, DraftSession
-from coordinator.speculation.draft_proposal import DraftProposal
+from coordinator.speculation.draft_client import DraftClient, DraftProposal, DraftSession
 from coordinator.speculation.plan import ResolvedRequest
 from coordinator.speculation.policy.k_policy import KPolicy, Matches
 from coordinator.speculation.verify_client import Admit, DecodeAhead, VerifyClient, VerifySession

@@ -11,8 +11,13 @@ Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the 
 from dataclasses import dataclass
 
 from coordinator.observability.metrics import RoundRecord
-from coordinator.speculation.policy.ema import ema
 from specdec.token_ids import common_prefix_length
+
+
+def ema(old: float, new: float, weight: float) -> float:
+    """Exponential moving average: ``weight`` on the new observation (every estimate of the K
+    policy is kept by one: acceptance rates, step costs, load)."""
+    return (1.0 - weight) * old + weight * new
 
 
 @dataclass

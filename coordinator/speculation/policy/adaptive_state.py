@@ -6,9 +6,8 @@ import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
-from coordinator.speculation.policy.acceptance_model import AcceptanceModel
+from coordinator.speculation.policy.acceptance_model import AcceptanceModel, ema
 from coordinator.speculation.policy.adaptive import AdaptiveK
-from coordinator.speculation.policy.ema import ema
 from coordinator.speculation.policy.step_budget import Bid
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import MISS, RoundRecord
-from coordinator.speculation.policy.ema import ema
+from coordinator.speculation.policy.acceptance_model import ema
 from specdec.engine.step_line import fit_line
 
 
@@ -105,7 +105,7 @@ class StepCosts:
         """The round's expected wait for a model drafter's proposal of ``drafted`` forwarded tokens.
         Not drafted ahead (``hit_probability`` None): the call's round trip (``propose_call_ms``)
         and the ``drafted`` forwards. Drafted ahead
-        (:class:`coordinator.speculation.draft_proposal.DraftAhead`): while the target verifies one
+        (:class:`coordinator.speculation.draft_client.DraftAhead`): while the target verifies one
         round, the draft drafts the next one's proposal, ``drafted`` + 1 forwards (its guess of the
         bonus token first), so every round waits for what of them, the draft call's round trip
         included, outlasts the verify call's (its ms and the round's overhead, the verify call's
