@@ -27,7 +27,6 @@ from coordinator.api.cache_salt import cache_salt
 from coordinator.api.grpc_auth import ApiKeyInterceptor, CallsInProgress
 from coordinator.api.http_api import HttpLimits, HttpServer, create_app
 from coordinator.api.output import StreamOutput, read_within, written
-from coordinator.api.request import LOOKUPS, ResolvedRequest
 from coordinator.observability.metrics import MetricsRecorder
 from coordinator.observability.prometheus import CoordinatorMetrics
 from coordinator.observability.tracing import request_attributes, round_attributes
@@ -46,12 +45,15 @@ from coordinator.request_store.store import (
     store_id,
 )
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.adaptive import SUFFIX_LENGTHS, AdaptiveK, AdaptiveState
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.placement import Placement
+from coordinator.speculation.plan import LOOKUPS, ResolvedRequest
+from coordinator.speculation.policy.adaptive_state import SUFFIX_LENGTHS, AdaptiveState
+from coordinator.speculation.policy.fixed import FixedK
+from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.background import BackgroundTasks
 from specdec.engine.model_files import load_tokenizer
 from specdec.engine.vocab import tokenizer_fingerprint
@@ -83,7 +85,7 @@ class RunningRequest:
 
     resolved: ResolvedRequest
     target: str
-    policy: AdaptiveK | None
+    policy: KPolicy
     rounds: RequestRounds
     journal: RequestJournal
     output: StreamOutput
@@ -107,7 +109,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.clients = clients
-        self.replicas = VerifyReplicas(clients)
+        self.verify_client = VerifyClient(clients)
         self.metrics = metrics
         self.store = store
         self.adaptive = AdaptiveState(
@@ -127,7 +129,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.queue = FairQueue(
             settings.max_queued_requests, settings.queue_timeout_s, metrics.num_requests_waiting, metrics.queue_time
         )
-        self.draft_service = DraftService(clients, settings.draft_retry_s)
+        self.draft_client = DraftClient(clients, settings.draft_retry_s)
         self._num_running = 0  # requests in progress (each choice of a request with n > 1 counts)
         self._background = BackgroundTasks()  # releases, journal ends and priors written after a request
 
@@ -215,11 +217,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _resolve(self, request, owner: str):
         """The validated request of ``owner``, its cache salt set
-        (:func:`coordinator.api.cache_salt.cache_salt`), the target's GetInfo and, under adaptive
-        K, the request's policy, warm-started from the owner's estimates (every owner's with
-        ``shared_caches``)."""
+        (:func:`coordinator.api.cache_salt.cache_salt`), the target's GetInfo and the request's K
+        policy: its fixed K, or adaptive K warm-started from the owner's estimates (every owner's
+        with ``shared_caches``)."""
         verify_info, draft_info = await asyncio.gather(
-            self.replicas.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_service.info()
+            self.verify_client.info(time.monotonic() + self.settings.failover_timeout_s), self.draft_client.info()
         )
         resolved = await asyncio.to_thread(  # tokenizing and grammar compiling: off the event loop
             request_validation.resolve,
@@ -232,26 +234,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         )
         shared = self.settings.shared_caches
         resolved = dataclasses.replace(resolved, cache_salt=cache_salt(owner, request.cache_salt, shared))
-        policy = None
-        if resolved.adaptive:
-            estimates_of = "" if shared else owner  # whose acceptance estimates it starts from and adds to
-            drafter = None  # the request's lookup alone
-            if resolved.uses_draft_service:
-                assert draft_info is not None  # resolve() refuses a drafter of a draft service never reached
-                drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
-            with contextlib.suppress(StoreUnavailable):
-                priors = await self.store.load_priors(verify_info.model, estimates_of)
-                self.adaptive.set_priors(verify_info.model, priors, estimates_of)
-            lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
-            policy = self.adaptive.policy(
-                drafter,
-                verify_info,
-                resolved.num_speculative_tokens,
-                {name: lengths[name] for name in self._lookup_names(resolved)},
-                self._num_running - 1,
-                hidden_behind_verify=resolved.draft.hidden_behind_verify,
-                owner=estimates_of,
-            )
+        if not resolved.adaptive:
+            return resolved, verify_info, FixedK(resolved.drafter, resolved.num_speculative_tokens)
+        estimates_of = "" if shared else owner  # whose acceptance estimates it starts from and adds to
+        drafter = None  # the request's lookup alone
+        if resolved.uses_draft_service:
+            assert draft_info is not None  # resolve() refuses a drafter of a draft service never reached
+            drafter = next(d for d in draft_info.drafters if d.name == resolved.drafter)
+        with contextlib.suppress(StoreUnavailable):
+            priors = await self.store.load_priors(verify_info.model, estimates_of)
+            self.adaptive.set_priors(verify_info.model, priors, estimates_of)
+        lengths = {NGRAM: self.settings.ngram_max, SUFFIX: SUFFIX_LENGTHS}
+        policy = self.adaptive.policy(
+            drafter,
+            verify_info,
+            resolved.num_speculative_tokens,
+            {name: lengths[name] for name in self._lookup_names(resolved)},
+            self._num_running - 1,
+            hidden_behind_verify=resolved.draft.hidden_behind_verify,
+            owner=estimates_of,
+        )
         return resolved, verify_info, policy
 
     def _lookup_names(self, resolved) -> list[str]:
@@ -350,10 +352,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.max_new_tokens,
             request.resume_from,
         )
-        lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups} if policy else {}
+        lookups = {name: self._new_lookup(name, resolved) for name in policy.lookups}
         rounds = RequestRounds(
-            self.draft_service,
-            self.replicas,
+            self.draft_client,
+            self.verify_client,
             uuid.uuid4().hex,
             resolved,
             [*resolved.prompt_ids, *resumed],
@@ -435,9 +437,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._background.run(self._release(rounds))
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
         self.metrics.observe_faults(rounds.draft.failures, rounds.verify.rebuilds)
-        if running.policy:
-            self.adaptive.remember(running.policy)
-            self._background.run(self._save_priors(running.target, running.policy.owner))
+        learnt_by = running.policy.end()  # the owner whose warm starts it changed (None: a fixed K)
+        if learnt_by is not None:
+            self._background.run(self._save_priors(running.target, learnt_by))
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` seconds for what the ended requests left running: their

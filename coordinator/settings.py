@@ -1,4 +1,5 @@
 import dataclasses
+import os
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -11,6 +12,9 @@ from specdec.lookups.ngram import NgramIndex
 from specdec.rpc.tls import check_client_files
 from specdec.sampling.structured_output import GrammarLimits
 from specdec.settings import CommaSeparated, ServiceSettings
+
+# Settings renamed, by their old name: their variables stop the start rather than go unread.
+RENAMED = {"max_num_speculative_tokens": "adaptive_k_max"}
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -226,10 +230,12 @@ class CoordinatorSettings(ServiceSettings):
         description="Choose K every round for requests that set no num_speculative_tokens "
         "(0 = plain decode when speculation does not pay); off: they get num_speculative_tokens.",
     )
-    max_num_speculative_tokens: int = Field(
+    adaptive_k_max: int = Field(
         8,
-        description="Largest K the adaptive choice makes; with structured output, the tokens the grammar forces "
-        "(free: no draft forward) come on top of it, up to the verify service's largest K.",
+        description="Largest K (num_speculative_tokens) the adaptive choice makes; with structured output, the "
+        "tokens the grammar forces (free: no draft forward) come on top of it, up to the verify service's largest K "
+        "(its --max-num-speculative-tokens, the per-call limit). Formerly max_num_speculative_tokens, whose variable "
+        "now stops the start.",
     )
     probe_interval: int = Field(
         16,
@@ -567,6 +573,18 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError("draft_addresses and draft_address are both set: give every replica in draft_addresses")
         if not self.draft_addresses:
             self.draft_addresses = [self.draft_address]
+        return self
+
+    @model_validator(mode="after")
+    def _no_renamed_variables(self):
+        """Refuses the environment variable of a renamed setting, which would otherwise be ignored
+        without a word (its flag is refused as unknown)."""
+        for old, new in RENAMED.items():
+            if f"SPECDEC_COORDINATOR_{old.upper()}" in os.environ:
+                raise ValueError(
+                    f"SPECDEC_COORDINATOR_{old.upper()} is set: the setting is now {new}; set "
+                    f"SPECDEC_COORDINATOR_{new.upper()} (--{new.replace('_', '-')}) instead"
+                )
         return self
 
     @model_validator(mode="after")

@@ -9,10 +9,11 @@ import torch
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from draft_service.drafters.base import Drafter, DraftSession, ModelDraftSession, Proposal
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal
+from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.settings import DRAFTERS, DraftSettings
 from specdec.engine import host_memory
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters, parse_delays
 from specdec.rpc.errors import InvalidArgument, grpc_errors
 from specdec.rpc.server import RunningService, start_service
@@ -232,8 +233,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         try:
             session.sync(request.appended_token_ids)
-            if num_branches > 1:
-                session.keep_alternatives()
             session.start_proposal(k, predicted, num_branches, budget_s, done)
         except BaseException:
             release()

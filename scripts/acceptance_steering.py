@@ -19,7 +19,7 @@ import random
 import statistics
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
-from coordinator.speculation.adaptive import AdaptiveState
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from specdec.v1 import draft_pb2, verify_pb2
 
 VERIFY_MS = [60.0, 70.0, 75.0, 80.0, 85.0]  # K = 0..4
@@ -52,7 +52,7 @@ def request(state: AdaptiveState, owner: str, acceptance: float, tokens: int, rn
         )
         policy.observe(record, None, [1])
         done, rounds, ms = done + accepted + 1, rounds + 1, ms + wall_ms
-    state.remember(policy)
+    policy.end()
     return rounds, ms
 
 

@@ -45,7 +45,12 @@ PARTS = [
     ("request store", ("coordinator/request_store/", "redis/")),
     (
         "metrics and tracing",
-        ("prometheus_client", "opentelemetry", "coordinator/observability/metrics.py", "specdec/observability/prom.py"),
+        (
+            "prometheus_client",
+            "opentelemetry",
+            "coordinator/observability/metrics.py",
+            "specdec/observability/prometheus.py",
+        ),
     ),
     ("round logic (coordinator)", ("coordinator/",)),
     ("drafter (draft service)", ("draft_service/",)),

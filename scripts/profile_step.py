@@ -1,7 +1,7 @@
 """The verify service's batched step by how its sequences' new tokens mix (decodes alone,
 beside verifies of K + 1 tokens, beside a prefill chunk), and the decodes' step beside a draft's
 prefill on the same cores at each of ``--draft-nice``; findings in specdec/engine/ragged_lm.py's module
-docstring, draft_service/settings.py's ``nice`` and coordinator/speculation/adaptive.py's
+docstring, draft_service/settings.py's ``nice`` and coordinator/speculation/policy/step_costs.py's
 ``StepCosts.step_ms``.
 
 Loads the target as the verify service does (float32, linear layers packed on the CPU), prefills

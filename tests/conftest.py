@@ -51,14 +51,14 @@ from coordinator.api.client import Completion, generate  # noqa: E402
 from coordinator.request_store.store import MemoryStore, RedisStore, StoredRequest  # noqa: E402
 from coordinator.service import serve as serve_coordinator  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
-from draft_service.drafters.base import Drafter, DraftSession, Proposal  # noqa: E402
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal  # noqa: E402
 from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
 from draft_service.drafters.transformers_lm import TransformersDrafter  # noqa: E402
 from draft_service.service import build as build_draft  # noqa: E402
 from draft_service.settings import DraftSettings  # noqa: E402
 from specdec.engine.model_files import load_tokenizer  # noqa: E402
 from specdec.engine.models import load_causal_lm  # noqa: E402
-from specdec.observability.prom import EngineMetrics  # noqa: E402
+from specdec.observability.prometheus import EngineMetrics  # noqa: E402
 from specdec.rpc.server import GRPC_OPTIONS  # noqa: E402
 from specdec.sampling.grammar import GrammarMatcher  # noqa: E402
 from specdec.sampling.probs import sample  # noqa: E402
@@ -319,7 +319,7 @@ def tiny_drafters(tiny_models, tiny_target) -> dict[str, Drafter]:
 # (tiny_pipeline, tests/test_http_api.py): the test process, and the suite's other worker beside
 # it, may stall a Propose past the default 250 ms, and a round that then decodes without the draft
 # consumes a seeded sample's random draws differently (another completion for the same seed). The
-# deadline itself is tested with coordinators of its own (tests/test_draft_side.py, the fault matrix).
+# deadline itself is tested with coordinators of its own (tests/test_draft_client.py, the fault matrix).
 IN_PROCESS_PROPOSE_FLOOR_S = 5.0
 
 

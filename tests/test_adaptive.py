@@ -8,18 +8,12 @@ import weakref
 import pytest
 
 from coordinator.api.client import generate
-from coordinator.observability.metrics import HIT, MISS, RoundRecord
+from coordinator.observability.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.adaptive import (
-    PLAIN,
-    AcceptanceModel,
-    AdaptiveK,
-    AdaptiveState,
-    Load,
-    StepCosts,
-    drafted_outcome,
-)
-from specdec.engine.step_line import fit_line
+from coordinator.speculation.policy.acceptance_model import AcceptanceModel, drafted_outcome
+from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
+from coordinator.speculation.policy.step_costs import Load, StepCosts
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramMatch
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -42,39 +36,6 @@ def record(k: int, drafted: int, accepted: int) -> RoundRecord:
         wall_ms=FLAT[drafted] + drafted + 2.0,
         wire_bytes=0,
     )
-
-
-def test_expected_tokens_follow_the_per_position_rates():
-    model = AcceptanceModel([0.9, 0.5, 0.2, 0.0])
-    assert model.expected_tokens(0) == 1.0
-    assert model.expected_tokens(3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
-    assert AcceptanceModel([0.5] * 4).expected_tokens(4) == pytest.approx((1 - 0.5**5) / 0.5)  # the brief's formula
-
-
-def test_observe_updates_only_the_observed_positions():
-    model = AcceptanceModel([0.5] * 4, weight=0.5)
-    model.observe(drafted=4, accepted=1)  # position 1 passed, position 2 rejected, 3 and 4 unseen
-    assert model.rates == [0.75, 0.25, 0.5, 0.5]
-    model.observe(drafted=2, accepted=2)  # both passed, nothing rejected
-    assert model.rates == [0.875, 0.625, 0.5, 0.5]
-
-
-def test_positions_never_reached_count_the_deepest_observed_rate():
-    """Optimism under uncertainty: rounds of K = 2 that always pass lift positions 3 and 4, which
-    no round reached, to position 2's rate, so that K grows; before any observation, and below
-    the deepest observed position's rate, the estimates count as they are."""
-    model = AcceptanceModel([0.3] * 4, weight=0.5)
-    assert model.expected_tokens(4) == pytest.approx(1 + 0.3 + 0.09 + 0.027 + 0.0081)
-    for _ in range(4):
-        model.observe(drafted=2, accepted=2)
-    assert model.observed == 2 and model.rates[2:] == [0.3, 0.3]
-    rate = model.rates[1]
-    assert model.expected_tokens(4) == pytest.approx(sum(rate**i for i in range(5)))
-    costs = StepCosts(draft_ms_per_token=5.0, verify_ms=list(FLAT), overhead_ms=2.0)
-    policy = AdaptiveK(4, "llama-cpp", model, {}, costs)
-    assert policy.next_round({}) == ("llama-cpp", 4)
-    model.observe(drafted=4, accepted=2)  # position 3 rejected: now observed, and low
-    assert model.observed == 3 and model.expected_tokens(4) < 1 + rate + rate**2 + rate**3
 
 
 def test_verify_rounds_are_costed_on_a_line_not_one_noisy_measurement_per_k():
@@ -393,54 +354,6 @@ def test_rounds_a_lookup_wins_do_not_put_the_probe_off():
     assert chosen == [PLAIN, PLAIN, NGRAM, PLAIN, "llama-cpp", NGRAM, PLAIN, PLAIN, NGRAM, "llama-cpp", PLAIN, NGRAM]
 
 
-def test_costs_follow_live_rounds():
-    costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0, 60.0], overhead_ms=1.0, weight=0.5)
-    costs.observe(
-        RoundRecord(
-            drafter="llama-cpp",
-            k=1,
-            num_drafted=1,
-            num_accepted=1,
-            draft_ms=20.0,
-            verify_ms=80.0,
-            wall_ms=106.0,
-            wire_bytes=0,
-        ),
-        draft_call=True,
-    )
-    assert (costs.draft_ms_per_token, costs.verify_ms, costs.overhead_ms) == (15.0, [50.0, 70.0], 3.5)
-    costs.observe(
-        RoundRecord(
-            drafter=NGRAM, k=1, num_drafted=1, num_accepted=1, draft_ms=0.0, verify_ms=70.0, wall_ms=73.0, wire_bytes=0
-        ),
-        draft_call=False,
-    )
-    assert (costs.draft_ms_per_token, costs.overhead_ms) == (15.0, 3.25)  # a lookup round: no draft time
-    # in a batch: the step's forward time (120 ms) is the cost of its 8 tokens; the 180 ms the call
-    # waited for it (counted in the service's 300 ms) was other sequences' work: priced nowhere
-    costs.observe(
-        RoundRecord(
-            drafter=PLAIN,
-            k=0,
-            num_drafted=0,
-            num_accepted=0,
-            draft_ms=0.0,
-            verify_ms=300.0,
-            wall_ms=302.0,
-            wire_bytes=0,
-            batch_size=4,
-            batched_tokens=8,
-            queue_ms=180.0,
-            step_ms=120.0,
-        ),
-        draft_call=False,
-    )
-    # (a new point starts from the line through the alone costs, 30 + 20 ms per token: 190 ms)
-    assert costs.batched_ms[8] == pytest.approx(155.0) and costs.overhead_ms == pytest.approx(2.625)
-    assert costs.round_ms(0, draft_call=False) == pytest.approx(min(50.0, costs.step_ms(2)) + 2.625)
-    assert costs.round_ms(1) == pytest.approx(15.0 + costs.step_ms(2) + 2.625)
-
-
 def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
     """A drafter whose forwards cost nothing (model-free) beside a verify step that costs the same
     at every K: with its drafts rejected, plain decode wins, because a round that asks the draft
@@ -478,107 +391,6 @@ def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
     assert costs.propose_call_ms == 0.5
     costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.5  # nothing drafted ahead: nothing learnt
-
-
-def test_a_round_trip_to_the_draft_alone_delays_a_proposal_drafted_ahead():
-    """The coordinator beside the verify service, 20 ms to the draft: a proposal drafted ahead is
-    ready 20 ms after its forwards, past a verify call that answers over loopback, so a round
-    waits for it; where both links carry the same round trip (in the round's overhead), the
-    verify hides it."""
-    beside = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0] * 9, overhead_ms=2.0, propose_call_ms=20.0)
-    # 4 + 1 forwards (50 ms) against a verify of 50 ms + 2 ms: the round trip outlasts it by 18 ms
-    assert beside.draft_wait_ms(4, 50.0, hit_probability=1.0) == pytest.approx(18.0)
-    apart = dataclasses.replace(beside, overhead_ms=22.0)
-    assert apart.draft_wait_ms(4, 50.0, hit_probability=1.0) == 0.0
-    # a miss also waits for a proposal of its own, round trip included
-    assert beside.draft_wait_ms(4, 50.0, hit_probability=0.0) == pytest.approx(18.0 + 20.0 + 40.0)
-
-
-def test_a_step_that_ran_prefill_chunks_stays_out_of_the_step_line():
-    """The step line's slope is a draft token's cost: a step of 14 decodes and a 128-token
-    prefill chunk (cheaper tokens) would bring it down to what a chunk's token costs."""
-    costs = StepCosts(draft_ms_per_token=1.0, verify_ms=[50.0, 60.0], batched_ms={14: 150.0, 28: 210.0})
-    line = [costs.step_ms(n) for n in (14, 28)]
-
-    def observe_step(prefill: int) -> None:
-        record = RoundRecord(
-            drafter=PLAIN,
-            k=0,
-            num_drafted=0,
-            num_accepted=0,
-            draft_ms=0.0,
-            verify_ms=330.0,
-            wall_ms=331.0,
-            wire_bytes=0,
-            batch_size=15,
-            batched_tokens=142,
-            step_ms=320.0,
-            prefill_tokens=prefill,
-        )
-        costs.observe(record, draft_call=False)
-
-    observe_step(prefill=128)
-    assert 142 not in costs.batched_ms and [costs.step_ms(n) for n in (14, 28)] == pytest.approx(line)
-    observe_step(prefill=0)  # 142 tokens of decoding work
-    assert 142 in costs.batched_ms
-
-
-def test_rounds_are_priced_by_the_verify_services_published_step_line():
-    """A fresh coordinator prices by the line the verify service published (its GetInfo's, then
-    the newest Step message's), which sees every coordinator's steps; its own fit of its few
-    rounds only where the service publishes none."""
-    published: list[tuple[float, float]] = []
-    state = AdaptiveState(service_line=lambda: published[-1] if published else None)
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
-    load = common_pb2.ServiceLoad(step_intercept_ms=40.0, step_ms_per_token=2.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0], load=load)
-    costs = state.policy(drafter, target, k_max=4, lookups={}).costs
-    assert costs.step_ms(10) == pytest.approx(40.0 + 2.0 * 10)  # GetInfo's line
-    published.append((30.0, 1.0))  # a Step message's
-    assert costs.step_ms(10) == pytest.approx(30.0 + 1.0 * 10)
-    own = AdaptiveState().policy(
-        drafter, verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0]), 4, {}
-    )
-    # no service line: its own fit through K = 1..4 (K = 3 and 4 at K = 2's measurement)
-    assert own.costs.line() == pytest.approx(fit_line({2: 55.0, 3: 60.0, 4: 60.0, 5: 60.0}))
-
-
-def test_sessions_warm_start_from_the_previous_ones():
-    state = AdaptiveState(prior_rate=0.8)
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
-    first = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
-    assert first.acceptance.rates == [0.8] * 4 and first.costs.verify_ms == [50.0, 55.0, 60.0, 60.0, 60.0]
-    assert [m.rates for m in first.lookups[NGRAM]] == [[0.5] * 4] * 2  # observed every round: no optimism needed
-    first.acceptance.rates = [0.0] * 4
-    first.lookups[NGRAM][1].rates = [1.0] * 4
-    state.remember(first)
-    second = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
-    assert second.acceptance.rates == [0.4] * 4 and second.costs is first.costs
-    assert [m.rates for m in second.lookups[NGRAM]] == [[0.5] * 4, [0.75] * 4]
-    lookup_only = state.policy(None, target, k_max=4, lookups={NGRAM: 2})  # drafter "ngram": no model
-    assert lookup_only.drafter is None and lookup_only.lookups[NGRAM][1].rates == [0.75] * 4
-
-
-def test_an_owner_warm_starts_from_its_own_requests_alone():
-    """Warm starts are per owner: requests of ka whose drafts all failed lower ka's estimates, not
-    kb's, whose requests start from the priors; kb's own requests still teach kb's."""
-    state = AdaptiveState(prior_rate=0.8)
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
-    for _ in range(5):  # an attacker's requests, every draft rejected
-        steering = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="ka")
-        steering.acceptance.rates = [0.0] * 4
-        steering.lookups[NGRAM][0].rates = [0.0] * 4
-        state.remember(steering)
-    victim = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="kb")
-    assert victim.acceptance.rates == [0.8] * 4
-    assert [m.rates for m in victim.lookups[NGRAM]] == [[0.5] * 4] * 2
-    assert state.policy(drafter, target, k_max=4, lookups={}, owner="ka").acceptance.rates[0] < 0.1
-    assert state.priors_of("t", "kb")["llama-cpp"] == [0.8] * 4
-    victim.acceptance.rates = [1.0] * 4
-    state.remember(victim)
-    assert state.policy(drafter, target, k_max=4, lookups={}, owner="kb").acceptance.rates == [0.9] * 4
 
 
 # a verify service measured alone and at a step of 16 sequences (GetInfo)
@@ -754,27 +566,6 @@ def test_the_others_prefill_is_work_a_lookup_token_must_beat():
     assert alone.next_round(match)[0] == NGRAM
 
 
-def test_load_counts_every_running_sequence_not_only_those_in_the_step():
-    """16 sessions run, but the round's step held 4 (the rest were away drafting): the others are
-    15, each bringing the step's mean tokens per other sequence."""
-    load = Load(weight=1.0)
-    record = RoundRecord(
-        drafter="llama-cpp",
-        k=3,
-        num_drafted=3,
-        num_accepted=1,
-        draft_ms=20.0,
-        verify_ms=120.0,
-        wall_ms=150.0,
-        wire_bytes=0,
-        batch_size=4,
-        batched_tokens=10,
-        running_seqs=16,
-    )
-    load.observe(record, committed=2)
-    assert (load.others_seqs, load.others_tokens, load.round_tokens) == (15, 15 * 2.0, 2)
-
-
 def test_the_wait_for_the_step_in_progress_does_not_make_a_round_look_dear():
     """Under a burst a round waits hundreds of ms behind other prompts' prefill chunks: that is
     their work, not this request's cost, and does not make speculation look worth a draft that,
@@ -803,7 +594,7 @@ def test_the_wait_for_the_step_in_progress_does_not_make_a_round_look_dear():
     assert not loaded.wants_drafter(None, 64, remaining=64)
 
 
-# ---- the step budget and the lookup ledger ----
+# ---- the step budget ----
 
 BATCHED = {8: 100.0, 16: 140.0, 24: 180.0}  # a step of 8, 16, 24 batched tokens: 60 ms + 5 ms a token
 
@@ -841,72 +632,3 @@ def test_alone_the_budget_leaves_the_requests_own_choice():
     bids: dict = {}
     assert budgeted(0.6, 0, bids).next_round({}) == budgeted(0.6, 0, None).next_round({})
     assert len(bids) == 1
-
-
-def test_a_requests_bid_leaves_with_it():
-    state = AdaptiveState()
-    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=2.0)
-    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=FLAT)
-    policies = [state.policy(drafter, target, k_max=4, lookups={}) for _ in range(2)]
-    for policy in policies:
-        policy.next_round({})
-    assert len(state.bids["t"]) == 2
-    state.remember(policies.pop())
-    assert len(state.bids["t"]) == 1
-    policies.clear()  # a request that failed: its policy goes, and its bid with it
-    assert len(state.bids["t"]) == 0
-    assert AdaptiveState(step_budget=False).policy(drafter, target, k_max=4, lookups={}).bids is None
-
-
-def lookup_request(others: int) -> AdaptiveK:
-    """A request whose n-gram estimates read 95% (a run of passes) with ``others`` besides it."""
-    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
-    load = Load(others_seqs=others, others_tokens=others)
-    return AdaptiveK(4, None, None, {NGRAM: [AcceptanceModel([0.95] * 4)]}, costs, load=load)
-
-
-def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
-    """Under load every lookup round is rejected at its first token: once the lookups drafted 8
-    tokens and gained nothing of what they owed, the request stops looking up."""
-    policy, match = lookup_request(7), NgramMatch(2, [7, 8, 9, 10])
-    while policy.lookups_on:
-        drafter, k = policy.next_round({NGRAM: match})
-        assert drafter == NGRAM and k > 0
-        policy.observe(
-            RoundRecord(
-                drafter=NGRAM,
-                k=k,
-                num_drafted=k,
-                num_accepted=0,
-                draft_ms=0.0,
-                verify_ms=100.0,
-                wall_ms=102.0,
-                wire_bytes=0,
-            ),
-            {NGRAM: match},
-            [3],
-        )
-    ledger = policy.lookup_ledger
-    assert ledger.drafted >= 8 and ledger.gained == 0 < ledger.owed
-
-
-def test_lookups_that_pay_stay_on():
-    policy, match = lookup_request(7), NgramMatch(2, [7, 8])
-    for _ in range(20):
-        drafter, k = policy.next_round({NGRAM: match})
-        policy.observe(
-            RoundRecord(
-                drafter=drafter,
-                k=k,
-                num_drafted=k,
-                num_accepted=k,
-                draft_ms=0.0,
-                verify_ms=100.0,
-                wall_ms=102.0,
-                wire_bytes=0,
-            ),
-            {NGRAM: match},
-            [7, 8, 3][: k + 1],
-        )
-    assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
-    assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from specdec_app.bench.cpu_pinning import cpu_pinning, pinned
 from specdec_app.bench.measurement import Measurement
-from specdec_app.bench.placement import pinned, placement
 from specdec_app.bench.questions import load_questions
 from specdec_app.bench.report import OVERALL, expected_tokens_per_round, machine_line, predicted_speedup, summarize
 from specdec_app.bench.run import cpu_isa, machine_info, parse_pipeline
@@ -182,10 +182,10 @@ def test_bench_bad_option_is_a_clear_error(tmp_path, args, message):
 
 
 def test_split_pins_one_cpu_each_and_shared_tells_the_coordinator():
-    split = placement("split")
+    split = cpu_pinning("split")
     assert split.cpus["draft"].isdisjoint(split.cpus["verify"]) and len(split.cpus["verify"]) == 1
-    assert split.service_args["verify"] == ["--num-threads", "1"] and placement("shared").cpus == {}
-    assert placement("shared").service_args == {"coordinator": ["--draft-shares-target-cores"]}
+    assert split.service_args["verify"] == ["--num-threads", "1"] and cpu_pinning("shared").cpus == {}
+    assert cpu_pinning("shared").service_args == {"coordinator": ["--draft-shares-target-cores"]}
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     with pinned(split.cpus["verify"]):
         assert os.sched_getaffinity(0) == split.cpus["verify"] and torch.get_num_threads() == 1

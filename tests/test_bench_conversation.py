@@ -36,7 +36,7 @@ from specdec_app.bench.conversation import (
     second_turn,
     targets,
 )
-from specdec_app.bench.placement import SHARED, Placement
+from specdec_app.bench.cpu_pinning import SHARED, CpuPinning
 from specdec_app.bench.questions import Question, generate_request
 from specdec_app.bench.report import OVERALL
 from specdec_app.bench.transformers_methods import TransformersMethod
@@ -238,7 +238,7 @@ def test_bad_options_are_a_clear_error(tmp_path, args, message):
 
 
 def test_both_placements_pair_each_pipeline_with_its_uncached_twin_and_its_plain():
-    split = Placement("split", {"draft": frozenset({0}), "verify": frozenset({1})})
+    split = CpuPinning("split", {"draft": frozenset({0}), "verify": frozenset({1})})
     suffixes = method_suffixes([SHARED, split])
     assert suffixes == {
         "@shared": (SHARED, True),

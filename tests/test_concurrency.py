@@ -13,7 +13,7 @@ import torch
 from coordinator.api.client import generate
 from specdec.engine.batching import BatchedLM, SequenceStep
 from specdec.engine.engine import Engine, Work
-from specdec.observability.prom import EngineMetrics
+from specdec.observability.prometheus import EngineMetrics
 from specdec.rpc.errors import Unavailable
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.sampling.sampling_params import SamplingParams

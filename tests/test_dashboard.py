@@ -13,7 +13,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from coordinator.observability.prometheus import CoordinatorMetrics
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.sessions import SessionRegistry
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/specdec-dashboard.json"

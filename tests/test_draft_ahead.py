@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
-from draft_service.drafters import base
-from draft_service.drafters.base import Alternative, _likely_outcomes
+from coordinator.speculation.verify_client import VerifyClient
+from draft_service.drafters import model_drafting
+from draft_service.drafters.contract import Proposal
+from draft_service.drafters.model_drafting import Alternative, likely_outcomes
 from specdec.rpc.errors import FailedPrecondition
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import StructuredOutput
@@ -145,7 +147,7 @@ def test_no_proactive_draft_where_its_state_is_shared_or_short(tiny_drafters):
         session.prefill(PROMPT)
         proposal = session.propose(4)
         assert not session.draft_next(5, [], proposal)  # 4 of 5 tokens: the draft ended early
-        assert not session.draft_next(4, [1, 2], base.Proposal(proposal.tokens))  # no bonus guessed
+        assert not session.draft_next(4, [1, 2], Proposal(proposal.tokens))  # no bonus guessed
         session.window = len(PROMPT) + 8
         assert not session.draft_next(4, [], proposal)  # 12 + 4 + 1 + 4 tokens > 20
         session.window = 1024
@@ -221,7 +223,7 @@ def test_a_branch_is_begun_only_if_it_ends_within_the_budget(tiny_drafters, monk
         clock[0] += 1.0
         return submit(work, *args)
 
-    monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(model_drafting, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(session.engine, "submit", submit_one_second)
     try:
         session.prefill(PROMPT)
@@ -240,15 +242,17 @@ def test_branches_are_ranked_by_the_drafts_probabilities():
     alternatives = [Alternative(0.9, 11, 0.08), None, Alternative(0.5, 13, 0.45)]
     bonus = Alternative(0.6, 14, 0.3)
     # rejection at 0: 0.08; at 2: 0.9 x 0.45 = 0.405; the second bonus: 0.9 x 0.5 x 0.3 = 0.135
-    assert _likely_outcomes([1, 2, 3], alternatives, bonus) == [(2, 13), (3, 14), (0, 11)]
-    assert _likely_outcomes([1, 2, 3], [], bonus) == [(3, 14)]  # drafted before branching: the bonus only
+    assert likely_outcomes([1, 2, 3], alternatives, bonus) == [(2, 13), (3, 14), (0, 11)]
+    assert likely_outcomes([1, 2, 3], [], bonus) == [(3, 14)]  # drafted before branching: the bonus only
 
 
 def test_model_free_drafter_refuses_draft_ahead(tiny_drafters):
     session = tiny_drafters["ngram"].new_session(SamplingParams())
     session.prefill(PROMPT)
-    with pytest.raises(FailedPrecondition, match="without predicted_token_ids"):
-        session.propose_ahead([1, 2], 3)
+    answers: list = []
+    session.start_proposal(3, [1, 2], 1, None, answers.append)
+    assert len(answers) == 1 and isinstance(answers[0], FailedPrecondition)
+    assert "without predicted_token_ids" in str(answers[0])
 
 
 async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, draft_ahead: bool, branches: int = 1):
@@ -260,18 +264,18 @@ async def _generate(pipeline, drafter: str, k: int, sampling: SamplingParams, dr
     plan = DraftPlan(drafts_ahead=draft_ahead, branches=branches)
     request = ResolvedRequest(PROMPT, MAX_NEW, sampling, [], k, drafter, adaptive=False, draft=plan)
     rounds = RequestRounds(
-        DraftService(clients),
-        VerifyReplicas(clients),
+        DraftClient(clients),
+        VerifyClient(clients),
         f"ahead-{drafter}-{draft_ahead}-{branches}-{sampling.seed}",
         request,
         list(PROMPT),
     )
     rounds.draft.observe_verify(60_000)  # time enough for every branch: the tiny models' verify takes ms
-    generated, outcomes = [], []
+    generated, outcomes, policy = [], [], FixedK(drafter, k)
     try:
-        generated, _ = await rounds.prefill()  # the first token: the target's prefill
+        generated, _ = await rounds.prefill(policy)  # the first token: the target's prefill
         while len(generated) < MAX_NEW:
-            new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+            new, _, record = await rounds.step(policy, MAX_NEW - len(generated) - 1)
             generated += new
             outcome = ":".join(filter(None, [record.draft_ahead, record.draft_ahead_branch]))
             outcomes.append(outcome + "+asked" * (record.draft_compute_ms > 0))

@@ -13,10 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from draft_service.drafters import llama_cpp
-from draft_service.drafters.base import ModelDraftSession
+from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.service import DraftServicer, load_drafters
 from draft_service.settings import DraftSettings
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.sessions import SessionRegistry
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2

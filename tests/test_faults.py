@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.api.client import Completion, generate
 from coordinator.request_store.store import FINISHED, RedisStore
-from coordinator.speculation.adaptive import AdaptiveState
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.sampling.structured_output import StructuredOutput
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -88,7 +88,7 @@ def fleet(tiny_models, redis_server, tmp_path_factory):
     service_args += ["--debug-rpc-delay-ms", f"Prefill={PREFILL_HOLD_MS}"]
     coordinator_args = ["--max-new-tokens-limit", "512", "--draft-retry-s", "0.5", "--failover-timeout-s", "30"]
     # adaptive K up to the fixed K, so that every stream of a burst decodes at about the same pace
-    coordinator_args += ["--max-num-speculative-tokens", str(K)]
+    coordinator_args += ["--adaptive-k-max", str(K)]
     coordinator_args += ["--rpc-timeout-s", str(RPC_TIMEOUT_S), "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
     logs = tmp_path_factory.mktemp("fault-logs")
     with process_fleet(

@@ -7,12 +7,13 @@ import random
 import pytest
 
 from coordinator.api.client import generate
-from coordinator.api.request import DraftPlan, ResolvedRequest
 from coordinator.settings import CoordinatorSettings
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -109,8 +110,9 @@ def test_plain_decode_sends_each_decode_ahead_and_survives_a_lost_session(tiny_p
     async def run() -> tuple[list[int], list, int]:
         clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         request = ResolvedRequest(ids, MAX_NEW, SamplingParams(), [], 0, "", adaptive=False)
-        rounds = RequestRounds(DraftService(clients), VerifyReplicas(clients), "ahead", request, list(ids))
-        generated, _ = await rounds.prefill()
+        rounds = RequestRounds(DraftClient(clients), VerifyClient(clients), "ahead", request, list(ids))
+        policy = FixedK(request.drafter, request.num_speculative_tokens)
+        generated, _ = await rounds.prefill(policy)
         records = []
         try:
             while len(generated) < MAX_NEW:
@@ -119,7 +121,7 @@ def test_plain_decode_sends_each_decode_ahead_and_survives_a_lost_session(tiny_p
                 if len(records) == 20:
                     stray = verify_pb2.DecodeRequest(session_id=rounds.verify.session_id)
                     await clients.decode(rounds.verify.replica, stray)
-                new, _, record = await rounds.step(None, MAX_NEW - len(generated) - 1)
+                new, _, record = await rounds.step(policy, MAX_NEW - len(generated) - 1)
                 generated.extend(new)
                 records.append(record)
         finally:
@@ -142,7 +144,8 @@ def until_eos(expected: list[int]) -> int:
 async def run_rounds(rounds: RequestRounds, policy=None) -> tuple[list[int], list]:
     """Runs a request's rounds (``policy`` None: its fixed K) to MAX_NEW tokens and releases its
     sessions; returns the generated tokens (at most MAX_NEW) and the rounds' records."""
-    generated, _ = await rounds.prefill()  # the first token: the target's prefill
+    policy = policy or FixedK(rounds.request.drafter, rounds.request.num_speculative_tokens)
+    generated, _ = await rounds.prefill(policy)  # the first token: the target's prefill
     records = []
     try:
         while len(generated) < MAX_NEW:
@@ -166,8 +169,8 @@ def test_on_shared_cores_the_first_round_waits_for_the_draft(tiny_pipeline, refe
         try:
             return await run_rounds(
                 RequestRounds(
-                    DraftService(clients),
-                    VerifyReplicas(clients),
+                    DraftClient(clients),
+                    VerifyClient(clients),
                     "shared-first",
                     request,
                     list(ids),
@@ -198,6 +201,9 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         k_max = k_limit = 8
         lookups_on = True
 
+        def opens_draft_at_prefill(self, context_tokens: int, remaining: int) -> bool:
+            return True
+
         def wants_drafter(self, matches, context_tokens: int = 0, remaining: int = 0) -> bool:
             return True
 
@@ -218,13 +224,16 @@ def test_k_changing_every_round_equals_plain_greedy(tiny_pipeline, references, d
         def observe_draft_prefill(self, num_tokens, ms) -> None:
             pass
 
+        def end(self) -> None:
+            pass
+
     async def run(clients: ServiceClients, prompt_ids: list[int]) -> tuple[list[int], list]:
         plan = DraftPlan(prefill_with_target=draft_prefill_with_target)
         request = ResolvedRequest(prompt_ids, MAX_NEW, SamplingParams(), [], 8, drafter, adaptive=False, draft=plan)
         lookups = {NGRAM: NgramIndex(1, 3), SUFFIX: SuffixIndex(SuffixCache(), len(prompt_ids))}
         rounds = RequestRounds(
-            DraftService(clients),
-            VerifyReplicas(clients),
+            DraftClient(clients),
+            VerifyClient(clients),
             f"k-schedule-{drafter}-{len(prompt_ids)}",
             request,
             list(prompt_ids),

@@ -107,9 +107,9 @@ def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones():
     found = imports(source, "specdec.example")
     assert {"grpc", "specdec.rpc", "specdec.rpc.tls", "coordinator.api.client", "torch"} <= found
     assert not {name for name in found if name.startswith("specdec.engine.engine")}
-    assert imports("from . import ngram\nfrom .base import Drafter\n", "draft_service.drafters.suffix") >= {
+    assert imports("from . import ngram\nfrom .contract import Drafter\n", "draft_service.drafters.suffix") >= {
         "draft_service.drafters.ngram",
-        "draft_service.drafters.base",
+        "draft_service.drafters.contract",
     }
 
 
@@ -194,3 +194,24 @@ def test_the_coordinator_imports_without_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], f"importing the coordinator's modules imported {done.stdout.strip()}"
+
+
+# Within the coordinator: (importing part, imported part, why not). The round's input types live in
+# speculation/plan.py (validation in api/ builds them), and the Prometheus exporter reads placement
+# through a protocol of its own (observability/prometheus.py), so neither arrow is needed.
+FORBIDDEN_WITHIN_COORDINATOR = (
+    ("coordinator.speculation", "coordinator.api", "the round reads its input from speculation/plan.py"),
+    ("coordinator.observability", "coordinator.speculation", "the exporters read what speculation hands them"),
+)
+
+
+@pytest.mark.parametrize(("importer", "imported", "why"), FORBIDDEN_WITHIN_COORDINATOR)
+def test_the_coordinators_parts_import_one_way(importer, imported, why):
+    bad = [
+        f"{module} imports {target}"
+        for module in sorted(MODULES)
+        if module == importer or module.startswith(f"{importer}.")
+        for target in sorted(_edges(module))
+        if target == imported or target.startswith(f"{imported}.")
+    ]
+    assert not bad, f"{'; '.join(bad)}: {importer} must not import {imported} ({why})"

@@ -17,7 +17,10 @@ COVERED_BY = {
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
     "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
     "coordinator/request_store/redis_client.py": "test_store.py",  # every store test on one Redis and on a cluster
-    "draft_service/drafters/base.py": "test_draft_service.py",
+    "coordinator/speculation/plan.py": "test_draft_client.py",  # which resolved requests use the draft service
+    "coordinator/speculation/policy/k_policy.py": "test_greedy_equality.py",  # a random policy through the contract
+    "draft_service/drafters/contract.py": "test_draft_service.py",  # every drafter through the service
+    "draft_service/drafters/grammar_vocabulary.py": "test_structured_output.py",  # the draft masked as the target
     "draft_service/drafters/llama_cpp.py": "test_llama_batched.py",
     "draft_service/drafters/transformers_lm.py": "test_draft_service.py",
     "draft_service/service.py": "test_draft_service.py",
@@ -29,7 +32,6 @@ COVERED_BY = {
     "specdec/engine/kv.py": "test_engine.py",
     "specdec/engine/model_files.py": "test_e2e_real.py",
     "specdec/engine/models.py": "test_kv_rollback.py",
-    "specdec/observability/prom.py": "test_prometheus.py",
     "specdec/sampling/probs.py": "test_sampling.py",  # the transform, draws and the sampling chi-square test
     "specdec/sampling/sampling_params.py": "test_sampling.py",
     "specdec/rpc/service_load.py": "test_load.py",  # the services' load reports
@@ -41,6 +43,7 @@ COVERED_BY = {
     "specdec_app/bench/chart.py": "test_bench_concurrency.py",
     "specdec_app/bench/dns_server.py": "test_discovery.py",  # the records a test changes while coordinators run
     "specdec_app/bench/conversation.py": "test_bench_conversation.py",
+    "specdec_app/bench/cpu_pinning.py": "test_bench.py",  # --placement's pinnings and the pinned plain baseline
     "specdec_app/bench/cpu_time.py": "test_bench_cpu_time.py",
     "specdec_app/bench/load_generator.py": "test_bench_concurrency.py",
     "specdec_app/bench/load_methods.py": "test_bench_concurrency.py",
@@ -82,3 +85,15 @@ def test_the_list_names_real_tests_and_only_modules_that_need_it():
     assert not stale, f"remove from COVERED_BY (gone, or now with a test of their own): {stale}"
     absent = {m: t for m, t in COVERED_BY.items() if not (ROOT / "tests" / t).exists()}
     assert not absent, f"COVERED_BY names test files that do not exist: {absent}"
+
+
+MAX_ROUND_PATH_LINES = 500  # a file of the round's path (coordinator/speculation/) is read whole
+
+
+def test_no_file_of_the_round_path_is_over_its_size():
+    long = {}
+    for path in sorted((ROOT / "coordinator" / "speculation").rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_ROUND_PATH_LINES:
+            long[path.relative_to(ROOT).as_posix()] = lines
+    assert not long, f"split these by concept (at most {MAX_ROUND_PATH_LINES} lines each): {long}"

@@ -15,7 +15,7 @@ import torch
 from draft_service.drafters.llama_cpp import LlamaCppDrafter, LlamaCppLM, requantized
 from specdec.engine.batching import SequenceStep
 from specdec.engine.model_files import derived_path, load_tokenizer, resolve_model
-from specdec.observability.prom import EngineMetrics
+from specdec.observability.prometheus import EngineMetrics
 from specdec.rpc.errors import ResourceExhausted
 from specdec.sampling.grammar import GrammarMatcher
 from specdec.sampling.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import torch
 from coordinator.api.client import generate
 from specdec.engine.prefix_cache import ROOT, PrefixCache
 from specdec.engine.ragged_lm import BLOCK_SIZE
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.sampling.sampling_params import SamplingParams
 from specdec.v1 import coordinator_pb2
 from tests.conftest import plain_greedy

@@ -5,12 +5,12 @@ plain decoding is test_greedy_equality.py's)."""
 import asyncio
 import random
 
-from coordinator.api.request import DraftPlan, ResolvedRequest
-from coordinator.speculation.adaptive import AdaptiveState
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from coordinator.speculation.rounds import INDEX_CHUNK, RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramIndex
 from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
@@ -33,9 +33,7 @@ def test_the_prompt_is_indexed_a_chunk_at_a_time_between_other_requests_work():
 
     async def index_beside_other_work() -> tuple[dict, int]:
         clients = ServiceClients(["127.0.0.1:9"], ["127.0.0.1:9"], 1, 1)  # never called
-        rounds = RequestRounds(
-            DraftService(clients), VerifyReplicas(clients), "index", request, list(prompt), lookups()
-        )
+        rounds = RequestRounds(DraftClient(clients), VerifyClient(clients), "index", request, list(prompt), lookups())
         turns, indexing = 0, asyncio.ensure_future(rounds._index_lookups(list(prompt)))
         while not indexing.done():
             turns += 1
@@ -70,8 +68,8 @@ def test_the_first_tokens_decision_on_the_draft_counts_the_coordinators_running_
         clients = ServiceClients([tiny_pipeline.draft_address], [tiny_pipeline.verify_address], 60, 60)
         policy = AdaptiveState().policy(drafter, target, k_max=4, lookups={})
         rounds = RequestRounds(
-            DraftService(clients),
-            VerifyReplicas(clients),
+            DraftClient(clients),
+            VerifyClient(clients),
             f"burst-{running}",
             request,
             list(prompt),

@@ -36,13 +36,16 @@ import pytest
 import torch
 
 import verify_service.target as target_module
-from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN
-from coordinator.speculation.adaptive import AcceptanceModel, AdaptiveK, StepCosts
-from coordinator.speculation.draft_side import DraftService
-from coordinator.speculation.failover import VerifyReplicas
+from coordinator.speculation.draft_client import DraftClient
+from coordinator.speculation.plan import ResolvedRequest
+from coordinator.speculation.policy.acceptance_model import AcceptanceModel
+from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.fixed import FixedK
+from coordinator.speculation.policy.step_costs import StepCosts
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from draft_service.drafters.transformers_lm import TransformersDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
@@ -207,14 +210,15 @@ async def pipeline_tokens(
     committed; returns them, and each round's (drafter, K)."""
     request = ResolvedRequest(PROMPT, 3, params, [], K_MAX, "model", adaptive=True)
     request_rounds = RequestRounds(
-        DraftService(clients), VerifyReplicas(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
+        DraftClient(clients), VerifyClient(clients), session_prefix, request, list(PROMPT), {NGRAM: NgramIndex(1, 2)}
     )
     policy, rounds = adaptive_policy(), []
     try:
-        # no policy at the prefill: it would start from the load the prefill met (32 sessions at
-        # once), with which these synthetic costs make every first round a plain one, and the
-        # model drafter's K = 3 rounds, which follow a full acceptance, would hardly ever run
-        await request_rounds.prefill(None)
+        # a fixed K at the prefill: the adaptive policy would start from the load the prefill met
+        # (32 sessions at once), with which these synthetic costs make every first round a plain
+        # one, and the model drafter's K = 3 rounds, which follow a full acceptance, would hardly
+        # ever run
+        await request_rounds.prefill(FixedK(request.drafter, K_MAX))
         while len(request_rounds.committed) < len(PROMPT) + 3:
             _, _, record = await request_rounds.step(policy, K_MAX)
             rounds.append((record.drafter, record.k))

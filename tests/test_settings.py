@@ -2,7 +2,7 @@
 change before any model loads: the session services' limits (specdec/settings.py), under which a
 step could never fill, or never hold a verify of the largest K; the draft service's default
 drafter, which must be among the drafters it hosts; the coordinator's Redis Cluster, which needs a
-URL of database 0."""
+URL of database 0; and the variable of a renamed setting."""
 
 import subprocess
 import sys
@@ -83,3 +83,13 @@ def test_specdec_serve_draft_refuses_it_before_any_model_loads():
     assert refused.returncode == 2, refused.stderr
     assert "error: specdec serve draft: --default-drafter (SPECDEC_DRAFT_DEFAULT_DRAFTER)" in refused.stderr
     assert "Traceback" not in refused.stderr and "llama" not in refused.stderr.replace("llama-cpp", "")
+
+
+def test_the_variable_of_a_renamed_setting_stops_the_start(monkeypatch):
+    """The coordinator's cap on adaptive K was max_num_speculative_tokens, the name of the services'
+    per-call limit: its old variable is refused, naming the new one, rather than ignored."""
+    assert CoordinatorSettings(adaptive_k_max=4).adaptive_k_max == 4
+    monkeypatch.setenv("SPECDEC_COORDINATOR_MAX_NUM_SPECULATIVE_TOKENS", "4")
+    with pytest.raises(ValidationError) as refused:
+        CoordinatorSettings()
+    assert "SPECDEC_COORDINATOR_ADAPTIVE_K_MAX (--adaptive-k-max)" in str(refused.value)

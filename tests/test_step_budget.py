@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.speculation.step_budget import Bid, allocate
+from coordinator.speculation.policy.step_budget import Bid, allocate
 
 
 def goodput(bids: dict[str, Bid], ks: dict[str, int], intercept: float, slope: float, others: float) -> float:

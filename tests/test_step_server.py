@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specdec.handoff import together
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters
 from specdec.rpc.errors import NotFound
 from specdec.rpc.step_server import StepCalls

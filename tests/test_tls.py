@@ -34,8 +34,8 @@ from coordinator.api.http_api import HttpServer
 from coordinator.request_store.store import RedisStore, StoredRequest, StoreUnavailable
 from coordinator.settings import CoordinatorSettings
 from coordinator.speculation import upstream
-from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
 from draft_service.settings import DraftSettings
@@ -242,7 +242,7 @@ def test_coordinator_follows_its_rotated_client_certificate(tls_pipeline, pki, t
 
     async def run() -> None:
         clients = ServiceClients([tls_pipeline["draft"]], [tls_pipeline["verify"]], 10, 10, tls=tls)
-        replicas = VerifyReplicas(clients)
+        replicas = VerifyClient(clients)
         try:
             assert (await clients.draft_info(tls_pipeline["draft"])).drafters
             files.leaf(trustme.CA().issue_cert("specdec-coordinator"), "coordinator")

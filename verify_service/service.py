@@ -9,7 +9,7 @@ from opentelemetry import trace
 from specdec.engine import host_memory
 from specdec.engine.engine import StepStats
 from specdec.engine.ragged_lm import OverBudget
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters, parse_delays
 from specdec.rpc.errors import FailedPrecondition, grpc_errors
 from specdec.rpc.server import RunningService, start_service

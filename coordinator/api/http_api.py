@@ -244,7 +244,7 @@ def create_app(servicer, served_model_names: list[str], max_body_bytes: int) -> 
     )
     # added last, so it runs first: a call without a key is answered before its body is read
     app.add_middleware(ApiKeyMiddleware, keys=servicer.keys, answer=lambda err: _error(ApiError.from_specdec(err)))
-    models = ModelNames(servicer.replicas.info, served_model_names)
+    models = ModelNames(servicer.verify_client.info, served_model_names)
     started = int(time.time())
 
     @app.get("/health")

@@ -1,52 +1,27 @@
-"""Validation of a GenerateRequest into the parameters of its speculative rounds."""
+"""Validation of a GenerateRequest into the parameters of its speculative rounds
+(:class:`coordinator.speculation.plan.ResolvedRequest`)."""
 
 import dataclasses
 import functools
 import secrets
-from dataclasses import dataclass
 
 from llguidance import LLTokenizer
 
 from coordinator.api.prompt_bound import token_bound
 from coordinator.settings import CoordinatorSettings
-from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
-from specdec.lookups.suffix import DRAFTER_NAME as SUFFIX
+from coordinator.speculation.plan import LOOKUPS, DraftPlan, ResolvedRequest
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
-from specdec.sampling.grammar import ForcedTokenLookup, GrammarMatcher
 from specdec.sampling.sampling_params import SamplingParams
-from specdec.sampling.structured_output import GrammarLimits, GrammarTooLarge, StructuredOutput, grammar_tokenizer
+from specdec.sampling.structured_output import GrammarTooLarge, StructuredOutput, grammar_tokenizer
 from specdec.v1 import coordinator_pb2, draft_pb2, verify_pb2
 
 # The roles a chat message may have: those the chat templates know (OpenAI's developer is a system message)
 CHAT_ROLES = ("system", "user", "assistant")
-LOOKUPS = (NGRAM, SUFFIX)  # model-free drafters the coordinator runs itself under adaptive K
-DEFAULT_LIMITS = GrammarLimits()
-
-
-@dataclass(frozen=True, kw_only=True)
-class DraftPlan:
-    """How a request that uses the draft service uses it, decided once where the request is
-    resolved (:func:`resolve`) and read by the round (:mod:`coordinator.speculation.rounds`), its
-    draft side (:mod:`coordinator.speculation.draft_side`) and adaptive K. ``drafts_ahead``: a
-    model drafter's proposal for the next round is asked for with this round's Verify
-    (``--draft-ahead``). ``hidden_behind_verify``: that draft has hardware of its own (not
-    ``--draft-shares-target-cores``), so its forwards ahead overlap the verify and adaptive K
-    prices a round by what of them outlasts it (where it shares the target's cores they slow the
-    verify instead, and a round is priced at its K forwards). ``branches``: outcomes of each
-    verification drafted ahead (``--draft-ahead-branches``; 1 under sampling, where a branch is
-    hit only when the sampled token is the draft's second choice, and where the draft shares the
-    target's cores). ``prefill_with_target``: the draft session prefills beside the target's
-    prefill; else (greedy, the draft on the target's cores) only once the first token shows the
-    request will use it."""
-
-    drafts_ahead: bool = False
-    hidden_behind_verify: bool = False
-    branches: int = 1
-    prefill_with_target: bool = True
 
 
 def draft_plan(settings: CoordinatorSettings, sampling: SamplingParams, model_drafter: bool) -> DraftPlan:
-    """The plan (:class:`DraftPlan`) of a request with ``sampling`` whose drafter runs a model or not."""
+    """The plan (:class:`coordinator.speculation.plan.DraftPlan`) of a request with ``sampling``
+    whose drafter runs a model or not."""
     ahead, shares = settings.draft_ahead and model_drafter, settings.draft_shares_target_cores
     return DraftPlan(
         drafts_ahead=ahead,
@@ -54,49 +29,6 @@ def draft_plan(settings: CoordinatorSettings, sampling: SamplingParams, model_dr
         branches=settings.draft_ahead_branches if ahead and sampling.greedy and not shares else 1,
         prefill_with_target=not shares or not sampling.greedy,
     )
-
-
-@dataclass(frozen=True)
-class ResolvedRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    num_speculative_tokens: int  # the fixed K, or the adaptive choice's largest K
-    drafter: str
-    adaptive: bool
-    ignore_eos: bool = False
-    # adaptive K with structured output and grammar-aware drafting: the target's vocabulary as the
-    # grammar library sees it, for the coordinator's forced-token lookup (None: no such lookup)
-    grammar_tokenizer: LLTokenizer | None = None
-    grammar_limits: GrammarLimits = DEFAULT_LIMITS
-    draft: DraftPlan = DraftPlan()  # how it uses the draft service (when it does: uses_draft_service)
-    # the partition of the services' shared caches it uses (coordinator.api.cache_salt): set by the
-    # coordinator from the caller's owner and the request's cache_salt, never the API key itself
-    cache_salt: str = ""
-
-    @property
-    def max_length(self) -> int:
-        """The most tokens its sessions hold: the prompt's and the most it may generate (what
-        placement weighs a session by)."""
-        return len(self.prompt_ids) + self.max_new_tokens
-
-    @property
-    def uses_draft_service(self) -> bool:
-        """False for plain decode, for an adaptive request with a model-free drafter (ngram or
-        suffix: the coordinator runs the lookup itself), and when the draft service was never
-        reached (no drafter)."""
-        return (
-            self.num_speculative_tokens > 0 and bool(self.drafter) and not (self.adaptive and self.drafter in LOOKUPS)
-        )
-
-    def forced_token_lookup(self) -> ForcedTokenLookup | None:
-        """A new forced-token lookup over the request's grammar (see ``grammar_tokenizer``)."""
-        spec = self.sampling.structured_output
-        if self.grammar_tokenizer is None or spec is None:
-            return None
-        matcher = GrammarMatcher(spec, self.grammar_tokenizer, self.grammar_limits)
-        return ForcedTokenLookup(matcher, len(self.prompt_ids))
 
 
 def _field(request, name: str, default):
@@ -246,7 +178,7 @@ def resolve(
     max_k = verify_info.max_num_speculative_tokens
     adaptive = settings.adaptive and not request.HasField("num_speculative_tokens")
     if adaptive:
-        k = min(settings.max_num_speculative_tokens, max_k)
+        k = min(settings.adaptive_k_max, max_k)
     else:
         k = _field(request, "num_speculative_tokens", settings.num_speculative_tokens)
         if not 0 <= k <= max_k:

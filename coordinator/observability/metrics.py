@@ -42,7 +42,7 @@ class RoundRecord:
     ``forced``: per proposed token, whether the request's grammar forced it (the forced-token
     lookup's, or the model drafter's jump-forward: no draft forward), empty when none was;
     ``draft_ahead_branch``: of a hit, the branch verification went down (``"main"``, ``"bonus"``
-    or ``"recovered"``, see :mod:`coordinator.speculation.draft_side`); ``draft_ahead_branches``:
+    or ``"recovered"``, see :mod:`coordinator.speculation.draft_client`); ``draft_ahead_branches``:
     the branches besides the main one drafted ahead for this round; ``draft_compute_ms``: the
     draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call), and
     ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads, the

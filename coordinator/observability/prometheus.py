@@ -1,17 +1,16 @@
 """The coordinator's Prometheus metrics, fed from the same RoundRecords and RequestMetrics the
-request's own metrics are built from (names as vLLM's, see :mod:`specdec.observability.prom`)."""
+request's own metrics are built from (names as vLLM's, see :mod:`specdec.observability.prometheus`)."""
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coordinator.observability.metrics import BONUS, MAIN, RECOVERED, RoundRecord
-from coordinator.speculation.placement import Placement
-from specdec.observability.prom import ServiceMetrics
-from specdec.v1 import coordinator_pb2
+from specdec.observability.prometheus import ServiceMetrics
+from specdec.v1 import common_pb2, coordinator_pb2
 
 # Seconds; vLLM's buckets for the request latencies, finer ones for a round's parts.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -47,12 +46,34 @@ def load_band(batch_size: int) -> str:
     return next((band for limit, band in LOAD_BANDS if batch_size <= limit), "33+")
 
 
-class _Placements(Collector):
-    """Per replica of the draft and the verify service (labels ``service``, ``replica``), read
-    from placement (:mod:`coordinator.speculation.placement`) at every scrape: the sessions placed
+class PlacedReplica(Protocol):
+    """What the exporter reads of one replica (placement's
+    :class:`coordinator.speculation.placement.ReplicaState`): the sessions this coordinator placed
     there, the prompt tokens they found in its prefix cache, and its last load report."""
 
-    def __init__(self, placements: Mapping[Any, Placement]):
+    @property
+    def placed(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    @property
+    def load(self) -> common_pb2.ServiceLoad | None: ...
+
+
+class Placements(Protocol):
+    """One service's replicas as the exporter reads them at a scrape (placement's
+    :class:`coordinator.speculation.placement.Placement`): safe to call from the scrape's thread."""
+
+    def replicas(self) -> Sequence[tuple[str, PlacedReplica]]: ...
+
+
+class _Placements(Collector):
+    """Per replica of the draft and the verify service (labels ``service``, ``replica``), read
+    from placement at every scrape: the sessions placed there, the prompt tokens they found in its
+    prefix cache, and its last load report."""
+
+    def __init__(self, placements: Mapping[Any, Placements]):
         self.placements = placements
 
     def collect(self):
@@ -211,7 +232,7 @@ class CoordinatorMetrics(ServiceMetrics):
             "specdec_round_coordination_time_seconds", "A round's wall time less draft and verify time.", ROUND_BUCKETS
         )
 
-    def track_placements(self, placements: Mapping[Any, Placement]) -> None:
+    def track_placements(self, placements: Mapping[Any, Placements]) -> None:
         """Exports each replica's placements and last load (:class:`_Placements`)."""
         self.registry.register(_Placements(placements))
 

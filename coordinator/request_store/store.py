@@ -28,7 +28,7 @@ cluster slot; ``<id>`` is the store id):
                                      appends to the list: protobuf merges repeated fields)
     specdec:acceptance:<target>    hash: drafter (or ngram/<n>) -> JSON list of per-position rates
     specdec:acceptance-of:<owner>:<target>  the same, of one owner's requests (adaptive K's warm
-                                   starts are per owner: coordinator.speculation.adaptive.AdaptiveState)
+                                   starts are per owner: coordinator.speculation.policy.adaptive_state.AdaptiveState)
     specdec:running:{<client>}     sorted set: the client's running requests' leases -> their
                                    expiry (unix ms), see :meth:`RequestStore.acquire_leases`
     specdec:finished:{<client>}    sorted set: the store ids of the client's ended requests -> when

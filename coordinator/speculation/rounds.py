@@ -9,8 +9,8 @@ n-gram or suffix (:meth:`RequestRounds.lookup_matches`), or, with structured out
 the request's grammar forces (:class:`specdec.sampling.grammar.ForcedTokenLookup`); the draft session then
 catches up at its next Propose.
 
-The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_side.DraftSide`'s;
-the verify side is :class:`coordinator.speculation.failover.VerifySession`'s.
+The draft side (its session, draft-ahead, its faults) is :class:`coordinator.speculation.draft_client.DraftSession`'s;
+the verify side is :class:`coordinator.speculation.verify_client.VerifySession`'s.
 
 Draft-ahead (model drafters, ``DraftPlan.drafts_ahead``): while the verify service checks a round's
 proposal, the draft service already drafts the next round's, on the branch where verification
@@ -31,7 +31,7 @@ Its answer is the next round's, whatever that round would have chosen; a Decode 
 failed, or went to a session rebuilt since, is decoded again. Every Decode names the committed
 length it follows (``DecodeRequest.num_committed_tokens``): one that overtook the Decode before it
 fails instead of committing out of order, and a session that committed a Decode given up on (run
-late) fails the next one and is rebuilt (:meth:`coordinator.speculation.failover.VerifySession.decode`).
+late) fails the next one and is rebuilt (:meth:`coordinator.speculation.verify_client.VerifySession.decode`).
 
 Faults. The committed log here is the truth; a service's session is a cache of it that can be
 rebuilt by a Prefill of the log, under a new session id (so a late call to the old one cannot
@@ -42,7 +42,7 @@ collide; the old one is released in the background):
   the coordinator's n-gram and suffix lookups under adaptive K) until ``draft_retry_s`` has passed; then the
   draft session is prefilled again and speculation resumes when it answers;
 - a verify call fails (the replica is unreachable or missed its deadline, or answers NOT_FOUND):
-  the session is rebuilt on a replica and the call retried (:mod:`coordinator.speculation.failover`), until
+  the session is rebuilt on a replica and the call retried (:mod:`coordinator.speculation.verify_client`), until
   ``failover_timeout_s`` has passed; then the request fails with UNAVAILABLE.
 A retried call is exact: Verify and Decode depend only on the committed log and the per-position
 seed, so greedy and seeded sampling output is the same as without the fault.
@@ -54,11 +54,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import PLAIN, RoundRecord
-from coordinator.speculation.adaptive import AdaptiveK, Matches
-from coordinator.speculation.draft_side import DraftProposal, DraftService, DraftSide
-from coordinator.speculation.failover import Admit, DecodeAhead, VerifyReplicas, VerifySession
+from coordinator.speculation.draft_client import DraftClient, DraftProposal, DraftSession
+from coordinator.speculation.plan import ResolvedRequest
+from coordinator.speculation.policy.k_policy import KPolicy, Matches
+from coordinator.speculation.verify_client import Admit, DecodeAhead, VerifyClient, VerifySession
 from specdec.background import BackgroundTasks
 from specdec.lookups.ngram import NgramIndex, NgramMatch
 from specdec.lookups.suffix import SuffixIndex, SuffixMatch
@@ -138,9 +138,9 @@ def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) ->
 
 class RequestRounds:
     """One request's rounds: its committed log, its session on the draft service and its session
-    on a verify replica (:class:`coordinator.speculation.failover.VerifySession`); :meth:`step` runs a round.
+    on a verify replica (:class:`coordinator.speculation.verify_client.VerifySession`); :meth:`step` runs a round.
 
-    Args: ``draft_service`` the coordinator's draft service, ``replicas`` its verify replicas (both
+    Args: ``draft_client`` and ``verify_client``, the coordinator's clients of the draft and the verify service (both
     shared by its requests); ``session_prefix`` begins the id of every session the request opens
     (``<prefix>.d1``, ``<prefix>.v2``, ...: a rebuilt session gets a new id); ``committed`` the
     request's committed log (prompt plus generated tokens, when a resumed request starts from
@@ -150,13 +150,13 @@ class RequestRounds:
     the draft counts, see :meth:`prefill`); ``owner``: the tag of the request's client that its
     sessions carry (:func:`coordinator.api.admission.owner_tag`). How the request uses the draft
     (draft-ahead, when its session prefills) is its plan, ``request.draft``
-    (:class:`coordinator.api.request.DraftPlan`). Each round's record says whether its proposal was
+    (:class:`coordinator.speculation.plan.DraftPlan`). Each round's record says whether its proposal was
     drafted ahead (``RoundRecord.draft_ahead``)."""
 
     def __init__(
         self,
-        draft_service: DraftService,
-        replicas: VerifyReplicas,
+        draft_client: DraftClient,
+        verify_client: VerifyClient,
         session_prefix: str,
         request: ResolvedRequest,
         committed: list[int],
@@ -174,8 +174,8 @@ class RequestRounds:
         self.forced = request.forced_token_lookup()  # adaptive K with structured output only
         self._generation = 0  # numbers the session ids of rebuilt sessions
         self._releases = BackgroundTasks()
-        self.draft = DraftSide(
-            draft_service,
+        self.draft = DraftSession(
+            draft_client,
             request,
             committed,
             lambda: self._new_session_id("d"),
@@ -184,7 +184,7 @@ class RequestRounds:
             owner,
         )
         self.verify = VerifySession(
-            replicas,
+            verify_client,
             committed,
             request.sampling,
             lambda: self._new_session_id("v"),
@@ -204,7 +204,7 @@ class RequestRounds:
         return f"{self.session_prefix}.{service}{self._generation}"
 
     async def prefill(
-        self, policy: AdaptiveK | None = None, admit: Admit | None = None
+        self, policy: KPolicy, admit: Admit | None = None
     ) -> tuple[list[int], list[common_pb2.TokenLogprobs]]:
         """Opens the session on a verify replica, which also decodes the request's first token in
         the forward of the prompt's last chunk, as plain decoding does; returns that token,
@@ -218,15 +218,15 @@ class RequestRounds:
         their turn in ``admit`` too.
 
         The draft session (when the request uses one) is prefilled in the background when the
-        first round may use it (:meth:`DraftSide.opens_at_once` under ``policy``, None for a
+        first round may use it (:meth:`DraftSession.opens_at_once` under ``policy``: at once for a
         fixed K; decided again after the first token with the load the target's prefill met, or
-        the coordinator's requests running then where more, :meth:`AdaptiveK.observe_prefill`, as
+        the coordinator's requests running then where more, :meth:`KPolicy.observe_prefill`, as
         in a burst the first prompts are prefilled before the others reach the verify service),
         else when a round first wants it; a draft that fails here is only retried later.
         It starts beside the target's prefill (a draft on its own device is then ready for the
         first round), or, without ``request.draft.prefill_with_target`` (greedy decoding), after the
         first token, so that no draft work slows the target's prefill where both share the same
-        cores. The first round then waits for it (bounded, :meth:`DraftSide.wait_for_prefill`):
+        cores. The first round then waits for it (bounded, :meth:`DraftSession.wait_for_prefill`):
         plain rounds beside it would share the cores with it, each slower than alone and the
         prefill slower still (docs/architecture.md#one-round). With a draft on its own device, greedy rounds do not
         wait (a small draft prefills a long prompt slower than the target): they run without the
@@ -249,7 +249,7 @@ class RequestRounds:
             await indexing
         first = [response.next_token_id] if decode else []
         self.committed.extend(first)
-        if policy is not None and response.HasField("step"):
+        if response.HasField("step"):
             running = max(response.step.num_running_seqs, self.running_requests())
             policy.observe_prefill(response.step.num_seqs, running)
         if not opened and self.draft.opens_at_once(policy):  # with the load the prefill met
@@ -274,7 +274,7 @@ class RequestRounds:
     def lookup_matches(self, k: int, forced_k: int = 0, lookups: bool = True) -> Matches:
         """Each lookup's proposal of up to ``k`` tokens after the committed log, by lookup name
         (those without a match left out; none with ``lookups`` False: the request's lookups did
-        not pay, :class:`coordinator.speculation.adaptive.LookupLedger`), and the forced-token
+        not pay, :class:`coordinator.speculation.policy.lookup_ledger.LookupLedger`), and the forced-token
         lookup's of up to ``forced_k`` (a request with one: structured output under adaptive K).
         Call it every round: the lookups index the tokens committed since the last call."""
         matches: dict[str, NgramMatch | SuffixMatch | ForcedMatch | None] = {
@@ -284,15 +284,13 @@ class RequestRounds:
             matches[FORCED] = self.forced.lookup(self.committed, forced_k)
         return {name: match for name, match in matches.items() if match}
 
-    async def step(
-        self, policy: AdaptiveK | None, max_k: int
-    ) -> tuple[list[int], list[common_pb2.TokenLogprobs], RoundRecord]:
+    async def step(self, policy: KPolicy, max_k: int) -> tuple[list[int], list[common_pb2.TokenLogprobs], RoundRecord]:
         """Runs one round of at most ``max_k`` draft tokens (a round commits up to K + 1 tokens:
         never draft past the request's budget). Returns the newly committed tokens, their
         log-probabilities (one per token with ``sampling.logprobs``, else none) and the round's
         record. Read top to bottom, like gpt-fast's ``speculative_decode``:
 
-        1. choose the proposer and K: fixed by the request, or by the adaptive ``policy`` among the
+        1. choose the proposer and K (``policy``): fixed by the request, or by adaptive K among the
            draft model and the coordinator's lookups, from their acceptance estimates;
         2. propose: a lookup's match, or the draft service's proposal (drafted ahead during the
            previous round when verification went down its branch, else asked for now); none while
@@ -310,7 +308,7 @@ class RequestRounds:
         # the round's clock starts after that wait: it is the draft's opening, not a round's cost
         start = time.perf_counter()
         opened = self.draft.check_prefill()
-        if policy is not None and opened is not None:
+        if opened is not None:
             policy.observe_draft_prefill(*opened)
         matches = self._round_matches(policy, max_k)
         if self._ahead is None:
@@ -325,21 +323,16 @@ class RequestRounds:
         self.committed.extend(verified.new)  # 4.
         record = round_record(proposal, verified, ms_since(start))
         log.debug("sessions %s.* round: %s", self.session_prefix, record)
-        if policy is not None:  # 5.
-            policy.observe(record, matches, verified.new)
+        policy.observe(record, matches, verified.new)  # 5.
         return verified.new, verified.logprobs, record
 
-    def _round_matches(self, policy: AdaptiveK | None, max_k: int) -> Matches:
-        """The lookups' matches the adaptive ``policy`` chooses among (none without one)."""
-        if policy is None:
-            return {}
+    def _round_matches(self, policy: KPolicy, max_k: int) -> Matches:
+        """The lookups' matches ``policy`` chooses among (none for a fixed K: it has no lookups)."""
         return self.lookup_matches(min(policy.k_max, max_k), min(policy.k_limit, max_k), policy.lookups_on)
 
-    def _choose(self, policy: AdaptiveK | None, matches: Matches, max_k: int) -> tuple[str, int]:
-        """The round's proposer and K: the request's drafter and K, or the adaptive ``policy``'s
-        choice, which may first open the draft session (:meth:`AdaptiveK.wants_drafter`)."""
-        if policy is None:
-            return self.request.drafter, min(self.request.num_speculative_tokens, max_k)
+    def _choose(self, policy: KPolicy, matches: Matches, max_k: int) -> tuple[str, int]:
+        """The round's proposer and K, ``policy``'s choice, which may first open the draft session
+        (:meth:`KPolicy.wants_drafter`)."""
         if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
             self.draft.open()
         proposer, k = policy.next_round(matches, self.draft.available())
@@ -349,7 +342,7 @@ class RequestRounds:
         """The proposal of ``k`` tokens by ``proposer``: a lookup's match (point masses under
         sampling), or the draft service's; an empty one, proposed by PLAIN, for K = 0 or while the
         draft is unavailable (``start``: the round's time.perf_counter(); ``max_k``: see
-        :meth:`DraftSide.proposal`)."""
+        :meth:`DraftSession.proposal`)."""
         if k == 0:
             return RoundProposal(proposer=PLAIN, k=0)
         if proposer in matches:
@@ -374,16 +367,12 @@ class RequestRounds:
             drafted=drafted,
         )
 
-    def _decodes_ahead(self, policy: AdaptiveK | None, matches: Matches, max_k: int) -> bool:
+    def _decodes_ahead(self, policy: KPolicy, matches: Matches, max_k: int) -> bool:
         """Whether a plain round sends the next round's Decode with its own: the request's budget
         has a token for it (``max_k``, this round's, at least 1), and the next round will decode
         too: the request's fixed K is 0, or adaptive K would choose plain decode for ``matches``
-        (:meth:`AdaptiveK.decodes_ahead`)."""
-        if not self.decode_ahead or max_k < 1:
-            return False
-        if policy is None:
-            return self.request.num_speculative_tokens == 0
-        return policy.decodes_ahead(matches, self.draft.available())
+        (:meth:`KPolicy.decodes_ahead`)."""
+        return self.decode_ahead and max_k >= 1 and policy.decodes_ahead(matches, self.draft.available())
 
     async def _verify_or_decode(
         self, proposal: list[int], distributions: list[common_pb2.TokenDistribution], decode_ahead: bool
@@ -444,7 +433,7 @@ class RequestRounds:
             self.verify.release_everywhere(sessions["verify"])
 
     async def release(self) -> None:
-        """Releases both sessions (:meth:`DraftSide.release`) and waits for the background
+        """Releases both sessions (:meth:`DraftSession.release`) and waits for the background
         releases; failures are logged (the services' idle timeout reclaims what is left). A Decode
         sent ahead for a round that never came (the request finished) is dropped."""
         if self._ahead is not None:

@@ -8,7 +8,7 @@ Each service is a :class:`ReplicaSet`: the addresses discovery finds for its tar
 connection, one Step stream), followed as they come and go. Which replica a session opens on is
 :mod:`coordinator.speculation.placement`'s choice, fed from here with every replica's load
 reports and round trips; whether to go on asking one that failed is
-:mod:`coordinator.speculation.draft_side`'s and :mod:`coordinator.speculation.failover`'s concern.
+:mod:`coordinator.speculation.draft_client`'s and :mod:`coordinator.speculation.verify_client`'s concern.
 """
 
 import asyncio

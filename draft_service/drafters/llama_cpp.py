@@ -57,7 +57,9 @@ import llama_cpp
 import numpy as np
 import torch
 
-from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
+from draft_service.drafters.contract import Drafter
+from draft_service.drafters.grammar_vocabulary import GrammarVocabulary
+from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.settings import DraftSettings
 from specdec.engine.batching import BatchedLM, SequenceStep
 from specdec.engine.engine import Engine

@@ -3,7 +3,7 @@ model: q is a point mass on each proposed token."""
 
 from collections.abc import Sequence
 
-from draft_service.drafters.base import Drafter, DraftSession, Proposal
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal
 from specdec.lookups.ngram import DRAFTER_NAME, NgramIndex
 from specdec.sampling.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ tenant's) share one partition of a cache of their outputs, so a request can draf
 
 from collections.abc import Sequence
 
-from draft_service.drafters.base import Drafter, DraftSession, Proposal
+from draft_service.drafters.contract import Drafter, DraftSession, Proposal
 from specdec.lookups.suffix import DRAFTER_NAME, ProposalLimits, SuffixCache, SuffixIndex
 from specdec.sampling.sampling_params import SamplingParams
 

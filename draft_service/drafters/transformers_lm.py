@@ -3,7 +3,9 @@ batched like the target: its sessions share one KV store (:class:`specdec.engine
 its budget of ``kv_cache_max_bytes``) and one engine loop; on a CPU its linear layers run on oneDNN, as
 the target's (:mod:`specdec.engine.cpu_linear`)."""
 
-from draft_service.drafters.base import Drafter, GrammarVocabulary, ModelDraftSession
+from draft_service.drafters.contract import Drafter
+from draft_service.drafters.grammar_vocabulary import GrammarVocabulary
+from draft_service.drafters.model_drafting import ModelDraftSession
 from specdec.engine.cpu_linear import pack_linears
 from specdec.engine.engine import Engine
 from specdec.engine.kv import SequenceKV

@@ -78,7 +78,7 @@ from opentelemetry import trace
 from specdec.engine.batching import BatchedLM, SequenceStep
 from specdec.engine.step_line import StepLine
 from specdec.handoff import together
-from specdec.observability.prom import EngineMetrics
+from specdec.observability.prometheus import EngineMetrics
 from specdec.rpc.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 the steps (:class:`specdec.engine.engine.Engine`) and published with every reply of its service
 (``ServiceLoad.step_intercept_ms`` and ``step_ms_per_token``, :mod:`specdec.rpc.service_load`), so
 that every coordinator, a fresh one included, prices its rounds from the service's own
-measurements over every caller's steps (:class:`coordinator.speculation.adaptive.StepCosts`), not
+measurements over every caller's steps (:class:`coordinator.speculation.policy.step_costs.StepCosts`), not
 only from the rounds it ran itself.
 
 The line is fitted through one point per number of batched tokens: the start-up profile's

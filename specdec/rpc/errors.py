@@ -47,7 +47,7 @@ F = TypeVar("F", bound=Callable)
 def grpc_errors(method: F) -> F:
     """Decorates a sync servicer method: a SpecdecError aborts the call with its status code, any
     other exception fails it as UNKNOWN (grpc's answer). Each failure is counted in the servicer's
-    ``metrics.rpc_errors`` (a :class:`specdec.observability.prom.ServiceMetrics`) under its status code."""
+    ``metrics.rpc_errors`` (a :class:`specdec.observability.prometheus.ServiceMetrics`) under its status code."""
 
     @functools.wraps(method)
     def wrapper(self, request, context: grpc.ServicerContext):

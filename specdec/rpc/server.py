@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc import tls
 from specdec.rpc.decoding import AioRejectUndecodable, RejectUndecodable
 from specdec.rpc.delay_hook import DelayCalls, parse_delays
@@ -303,7 +303,7 @@ def start_service(
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``; ``service_name`` the
     full name reflection and health report; ``sessions`` the servicer's
     :class:`specdec.rpc.sessions.SessionRegistry`, exported by ``servicer.metrics`` (a
-    :class:`specdec.observability.prom.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
+    :class:`specdec.observability.prometheus.ServiceMetrics`) on ``settings.metrics_port``; ``settings`` a
     :class:`specdec.settings.SessionServiceSettings` (its ``max_workers`` also bounds the calls in
     progress: :func:`service_max_concurrent_rpcs`).
     """

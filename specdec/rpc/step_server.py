@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from opentelemetry import propagate, trace
 
 from specdec.handoff import Outbox
-from specdec.observability.prom import ServiceMetrics
+from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.errors import InvalidArgument, SpecdecError, status_code
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 

@@ -51,9 +51,9 @@ from rich.console import Console
 
 from specdec.engine.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
+from specdec_app.bench.cpu_pinning import PINNED_PLAIN, CpuPinning
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.pipeline_method import PipelineMethod, start_cluster
-from specdec_app.bench.placement import PINNED_PLAIN, Placement
 from specdec_app.bench.questions import Question
 from specdec_app.bench.report import (
     BASELINE,
@@ -168,7 +168,7 @@ def second_turn(question: Question, answer: str, follow_ups: dict[str, list[str]
     )
 
 
-def _transformers_methods(config: ConversationConfig, placements: list[Placement], console: Console) -> list:
+def _transformers_methods(config: ConversationConfig, placements: list[CpuPinning], console: Console) -> list:
     """``plain``, and ``plain/verify-cpu`` pinned to the split placement's verify CPU."""
     console.print(f"loading the target {config.target} in transformers (plain)...")
     target, tokenizer = load_causal_lm(config.target, config.dtype)
@@ -184,7 +184,7 @@ def placement_suffix(name: str, placements: list[str]) -> str:
     return f"@{name}" if len(placements) > 1 else ""
 
 
-def method_suffixes(placements: list[Placement]) -> dict[str, tuple[Placement, bool]]:
+def method_suffixes(placements: list[CpuPinning]) -> dict[str, tuple[CpuPinning, bool]]:
     """Each pipeline method's name suffix: its placement and whether its services cache prefixes."""
     names = [where.name for where in placements]
     return {

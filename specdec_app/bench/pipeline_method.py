@@ -8,9 +8,9 @@ from pathlib import Path
 from coordinator.api.client import Completion, stream
 from coordinator.observability.metrics import PLAIN
 from specdec.timing import ms_since
+from specdec_app.bench.cpu_pinning import SHARED, CpuPinning
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.network import LINKS, DelayedLinks, NetworkSetting
-from specdec_app.bench.placement import SHARED, Placement
 from specdec_app.bench.questions import Question, generate_request
 from specdec_app.launcher import LocalCluster, free_port
 
@@ -76,7 +76,7 @@ def start_cluster(
     dtype: str,
     log_dir: Path,
     http_port: int = 0,
-    placement: Placement = SHARED,
+    placement: CpuPinning = SHARED,
     extra_args: dict[str, list[str]] | None = None,
     prefix_caching: bool = False,
     network: bool = False,

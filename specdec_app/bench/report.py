@@ -325,7 +325,7 @@ PLACEMENT_TEXTS = {
 
 
 def _placement(report: dict) -> str:
-    """The line saying where the processes ran (see :mod:`specdec_app.bench.placement`)."""
+    """The line saying where the processes ran (see :mod:`specdec_app.bench.cpu_pinning`)."""
     names = report["config"]["placements"]
     if len(names) == 1:
         return f"placement {PLACEMENT_TEXTS[names[0]]}"

@@ -19,10 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec.engine.cpu_linear import cpu_runs
 from specdec.engine.models import load_causal_lm
 from specdec_app.bench.chart import write_chart
+from specdec_app.bench.cpu_pinning import PINNED_PLAIN, CpuPinning, cpu_pinning
 from specdec_app.bench.measurement import Measurement
 from specdec_app.bench.network import NetworkOptions, NetworkSetting
 from specdec_app.bench.pipeline_method import OnNetwork, PipelineMethod, peak_rss_bytes, start_cluster
-from specdec_app.bench.placement import PINNED_PLAIN, Placement, placement
 from specdec_app.bench.questions import Question, load_questions
 from specdec_app.bench.report import BASELINE, network_rows, summarize, write_json, write_markdown
 from specdec_app.bench.transformers_methods import TransformersMethod
@@ -199,15 +199,15 @@ def compared_to_plain(runs: list[dict[str, Measurement]], names: list[str]) -> l
     return [by_method[name] for by_method in runs for name in names]
 
 
-def parse_placements(names: list[str]) -> list[Placement]:
-    """The placements of ``--placement`` (:mod:`specdec_app.bench.placement`). Raises ValueError
+def parse_placements(names: list[str]) -> list[CpuPinning]:
+    """The placements of ``--placement`` (:mod:`specdec_app.bench.cpu_pinning`). Raises ValueError
     for an unknown or repeated name, or none."""
     if not names or len(set(names)) < len(names):
         raise ValueError("--placement: name each placement once (shared, split or both)")
-    return [placement(name) for name in names]
+    return [cpu_pinning(name) for name in names]
 
 
-def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int | None]], list[Placement]]:
+def _validated(config: BenchConfig) -> tuple[list[Question], list[tuple[str, int | None]], list[CpuPinning]]:
     placements = parse_placements(config.placements)
     config.network()  # ValueError for a bad network setting
     return config.load_questions(), [parse_pipeline(spec) for spec in config.pipelines], placements

@@ -13,8 +13,8 @@ from transformers.generation.streamers import BaseStreamer
 from coordinator.api.request import prompt_ids
 from coordinator.observability.metrics import histogram
 from specdec.timing import ms_since
+from specdec_app.bench.cpu_pinning import pinned
 from specdec_app.bench.measurement import Measurement
-from specdec_app.bench.placement import pinned
 from specdec_app.bench.questions import Question, generate_request
 
 
@@ -104,7 +104,7 @@ class TransformersMethod:
     """One way of running the target's ``generate``: ``plain``, ``hf-prompt-lookup/K=k`` or
     ``hf-assisted/K=k`` (``assistant`` = the draft model; constant K, no confidence cut-off, so
     that it matches a fixed-K pipeline). ``cpus``: run pinned to them with one torch thread
-    (:func:`specdec_app.bench.placement.pinned`; ``name`` then says where). ``constraint``: a
+    (:func:`specdec_app.bench.cpu_pinning.pinned`; ``name`` then says where). ``constraint``: a
     question's schema (``Question.schema``) to logits processors for ``generate`` (plain
     constrained decoding, :func:`specdec_app.bench.structured.grammar_constraint`)."""
 

@@ -7,7 +7,7 @@ Speculative Decoding for Serving LLMs Using Goodput"), the budget is allocated g
 marginal goodput:
 
 - a step of n batched tokens costs ``intercept_ms + slope_ms * n`` (ms; the line
-  :meth:`coordinator.speculation.adaptive.StepCosts.step_ms` fits, the round's overhead in the
+  :meth:`coordinator.speculation.policy.step_costs.StepCosts.step_ms` fits, the round's overhead in the
   intercept);
 - every request brings one token of its own (the target's bonus token, or its plain decode step:
   1 expected committed token), and the step's other work (``others_tokens``: prefill chunks, other

@@ -1,6 +1,6 @@
-"""The coordinator's draft side (coordinator/speculation/draft_side.py) against the real draft
-service of the tiny pipeline, and an address nothing listens on: when a request may ask the
-draft, what a failure costs, and what a lost session does."""
+"""The coordinator's client of the draft service (coordinator/speculation/draft_client.py) against
+the real draft service of the tiny pipeline, and an address nothing listens on: when a request may
+ask the draft, what a failure costs, and what a lost session does."""
 
 import asyncio
 import dataclasses
@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from coordinator.api.request import DraftPlan, ResolvedRequest
-from coordinator.speculation.draft_side import DraftService, DraftSide
+from coordinator.speculation.draft_client import DraftClient, DraftSession
+from coordinator.speculation.plan import DraftPlan, ResolvedRequest
+from coordinator.speculation.policy.fixed import FixedK
 from coordinator.speculation.upstream import ProposeDeadline, ServiceClients
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.service import build as build_draft
@@ -33,22 +34,22 @@ def clients_of(pipeline, draft_address: str | None = None) -> ServiceClients:
 
 
 def session_of(
-    service: DraftService, resolved: ResolvedRequest, released: list, name: str = "ds", draft_ahead: bool = False
-) -> DraftSide:
+    service: DraftClient, resolved: ResolvedRequest, released: list, name: str = "ds", draft_ahead: bool = False
+) -> DraftSession:
     ids = iter(f"{name}.d{i}" for i in range(1, 100))
 
     def in_background(release):
         released.append(asyncio.ensure_future(release()))
 
     resolved = dataclasses.replace(resolved, draft=DraftPlan(drafts_ahead=draft_ahead))
-    return DraftSide(service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, retry_s=0.5)
+    return DraftSession(service, resolved, list(resolved.prompt_ids), lambda: next(ids), in_background, retry_s=0.5)
 
 
 def test_a_session_proposes_once_open_and_its_release_frees_it(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline)
         released: list = []
-        session = session_of(DraftService(clients), request(), released, "open")
+        session = session_of(DraftClient(clients), request(), released, "open")
         try:
             assert not session.available()  # nothing opened yet: a round is a plain one
             session.open()
@@ -75,7 +76,7 @@ def test_no_draft_ahead_after_a_proposal_that_would_end_the_request(tiny_pipelin
     async def run():
         clients = clients_of(tiny_pipeline)
         released: list = []
-        service = DraftService(clients)
+        service = DraftClient(clients)
         session = session_of(service, request(), released, f"ahead{max_k}", draft_ahead=True)
         try:
             await opened(session)
@@ -94,7 +95,7 @@ def test_a_lost_session_is_prefilled_again_under_a_new_id(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline)
         released: list = []
-        service = DraftService(clients)
+        service = DraftClient(clients)
         session = session_of(service, request(), released, "lost")
         try:
             session.open()
@@ -116,7 +117,7 @@ def test_an_unreachable_draft_marks_the_service_down_for_every_request(tiny_pipe
     async def run():
         clients = clients_of(tiny_pipeline, f"127.0.0.1:{free_port()}")
         released: list = []
-        service = DraftService(clients, down_s=5.0)
+        service = DraftClient(clients, down_s=5.0)
         first, second = (session_of(service, request(), released, name) for name in ("a", "b"))
         try:
             assert await service.info() is None  # never reached: requests run without a draft
@@ -140,7 +141,7 @@ def test_an_unreachable_draft_marks_the_service_down_for_every_request(tiny_pipe
 def test_the_last_draft_info_stands_in_while_the_service_is_down(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline)
-        service = DraftService(clients, down_s=5.0)
+        service = DraftClient(clients, down_s=5.0)
         try:
             info = await service.info()
             assert {d.name: d.model for d in info.drafters}["transformers"]
@@ -164,9 +165,9 @@ def test_which_requests_open_a_draft_session(tiny_pipeline, resolved, opens):
     async def run():
         clients = clients_of(tiny_pipeline)
         released: list = []
-        session = session_of(DraftService(clients), resolved, released, f"which-{resolved.drafter}-{opens}")
+        session = session_of(DraftClient(clients), resolved, released, f"which-{resolved.drafter}-{opens}")
         try:
-            if session.opens_at_once(None):
+            if session.opens_at_once(FixedK(resolved.drafter, resolved.num_speculative_tokens)):
                 session.open()
             await asyncio.sleep(0.3)
             session.check_prefill()
@@ -188,7 +189,7 @@ def test_a_late_answer_clears_the_down_mark(tiny_pipeline):
     async def run():
         clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
         clients.propose_deadline.observe(0.05, 3)  # learnt while the draft was fast
-        service, replica = DraftService(clients, down_s=30.0), f"127.0.0.1:{draft.port}"
+        service, replica = DraftClient(clients, down_s=30.0), f"127.0.0.1:{draft.port}"
         try:
             await service.prefill(replica, draft_pb2.DraftServicePrefillRequest(session_id="late", token_ids=PROMPT))
             with pytest.raises(Unavailable, match="deadline"):
@@ -212,7 +213,7 @@ def late_draft(delay_ms: int, rpc: str = "Propose"):
     return build_draft(settings, drafters={"ngram": NgramDrafter(1, 3)})
 
 
-async def opened(session: DraftSide) -> None:
+async def opened(session: DraftSession) -> None:
     session.open()
     while session.session_id is None:  # greedy rounds do not wait for the prefill: the test does
         await asyncio.sleep(0.02)
@@ -229,7 +230,7 @@ def test_a_propose_answered_late_keeps_its_session(tiny_pipeline):
         clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
         clients.propose_deadline.observe(0.05, 3)  # learnt while the draft was fast
         released: list = []
-        session = session_of(DraftService(clients, down_s=0.1), request(drafter="ngram"), released, "late")
+        session = session_of(DraftClient(clients, down_s=0.1), request(drafter="ngram"), released, "late")
         try:
             await opened(session)
             session.committed.extend([7, 5])  # tokens the draft has not seen: the Propose carries them
@@ -262,7 +263,7 @@ def test_a_propose_never_answered_in_time_is_prefilled_again(tiny_pipeline):
         clients = clients_of(tiny_pipeline, f"127.0.0.1:{draft.port}")
         clients.propose_deadline.observe(0.05, 3)
         released: list = []
-        session = session_of(DraftService(clients, down_s=0.1), request(drafter="ngram"), released, "gone")
+        session = session_of(DraftClient(clients, down_s=0.1), request(drafter="ngram"), released, "gone")
         try:
             await opened(session)
             assert (await session.proposal(3, round_number=1, start=0.0)).response is None
@@ -288,7 +289,7 @@ def test_a_sampling_request_that_starts_while_the_draft_is_down_counts_a_failure
 
     async def run():
         clients = clients_of(tiny_pipeline)
-        service, released = DraftService(clients, down_s=0.3), []
+        service, released = DraftClient(clients, down_s=0.3), []
         session = session_of(service, request(drafter="ngram", temperature=0.8), released, "down-at-start")
         try:
             service.mark_down(tiny_pipeline.draft_address)
@@ -322,7 +323,7 @@ def test_a_sampling_request_waits_one_deadline_for_its_draft_prefill(tiny_pipeli
         clients.propose_deadline.observe(0.05, 3)
         released: list = []
         sampled = request(drafter="ngram", temperature=0.8)
-        session = session_of(DraftService(clients), sampled, released, "slow-prefill")
+        session = session_of(DraftClient(clients), sampled, released, "slow-prefill")
         try:
             session.open()
             start = time.monotonic()

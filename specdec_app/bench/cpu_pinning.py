@@ -1,4 +1,5 @@
-"""Where the batch-1 benchmark's processes run (``specdec bench --placement``).
+"""CPU pinning: where the batch-1 benchmark's processes run (``specdec bench --placement``; not the
+coordinator's replica placement, :mod:`coordinator.speculation.placement`).
 
 - ``shared``: every process on every core, each with its libraries' default thread counts (one
   machine running everything, as ``specdec up`` does).
@@ -24,7 +25,7 @@ PINNED_PLAIN = "plain/verify-cpu"
 
 
 @dataclass(frozen=True)
-class Placement:
+class CpuPinning:
     """``cpus``: the CPU set per service (``draft``, ``verify``); empty for ``shared``."""
 
     name: str
@@ -40,12 +41,12 @@ class Placement:
         return {"verify": ["--num-threads", "1"], "draft": ["--num-threads", "1", "--llama-cpp-n-threads", "1"]}
 
 
-SHARED = Placement("shared", {})
+SHARED = CpuPinning("shared", {})
 
 
-def placement(name: str) -> Placement:
-    """The placement called ``name`` on this machine. Raises ValueError for an unknown name, or
-    ``split`` with fewer than 2 CPUs available to this process."""
+def cpu_pinning(name: str) -> CpuPinning:
+    """The CPU pinning of ``--placement name`` on this machine. Raises ValueError for an unknown
+    name, or ``split`` with fewer than 2 CPUs available to this process."""
     if name not in PLACEMENTS:
         raise ValueError(f"--placement {name!r}: use one of {', '.join(PLACEMENTS)}")
     if name == "shared":
@@ -53,7 +54,7 @@ def placement(name: str) -> Placement:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise ValueError(f"--placement split needs 2 CPUs; this process may run on {len(cpus)}: use --placement shared")
-    return Placement(name, {"draft": frozenset(cpus[:1]), "verify": frozenset(cpus[1:2])})
+    return CpuPinning(name, {"draft": frozenset(cpus[:1]), "verify": frozenset(cpus[1:2])})
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
-"""The model drafters' session (:mod:`draft_service.drafters.base`), on the tiny transformers
-draft: its context window, the owner its KV store preempts by, and a draft position's
-alternative."""
+"""The model drafters' session (:mod:`draft_service.drafters.model_drafting`), on the tiny
+transformers draft: its context window, the owner its KV store preempts by and a draft position's
+alternative (its drafts ahead, branches and proactive drafts are test_draft_ahead.py's)."""
 
 import pytest
 import torch
 
-from draft_service.drafters.base import Alternative
+from draft_service.drafters.model_drafting import Alternative
 from specdec.sampling.sampling_params import SamplingParams
 
 

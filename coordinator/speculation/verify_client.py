@@ -1,8 +1,10 @@
-"""Failover between verify replicas: a request's session on the verify service lives on one
-replica at a time, and is rebuilt on another from the coordinator's committed log when its
-replica fails, loses it, or is gone from discovery.
+"""The coordinator's client of the verify service, as :mod:`coordinator.speculation.draft_client`
+is of the draft service: a request's session on the verify service (:class:`VerifySession`: its
+Verify and Decode calls, decode ahead) lives on one replica at a time, and fails over: it is
+rebuilt on another from the coordinator's committed log when its replica fails, loses it, or is
+gone from discovery.
 
-:class:`VerifyReplicas`, one per coordinator, keeps which replicas failed recently and the order
+:class:`VerifyClient`, one per coordinator, keeps which replicas failed recently and the order
 to try them in: placement's (:mod:`coordinator.speculation.placement`: prefix affinity and load),
 those that failed in the last ``down_s`` last. A call that finds its replica unreachable, past its
 deadline, or without the session (NOT_FOUND: restarted, evicted as idle, preempted) marks the
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.25  # between passes over the verify replicas while none can take the session
 
 
-class VerifyReplicas:
+class VerifyClient:
     """The verify replicas of ``clients`` as every request of a coordinator sees them: a replica
     that failed a call is tried last for ``down_s`` seconds. Replicas are named by their
     ``host:port``."""
@@ -114,7 +116,7 @@ class VerifySession:
 
     def __init__(
         self,
-        replicas: VerifyReplicas,
+        replicas: VerifyClient,
         committed: list[int],
         sampling: SamplingParams,
         new_session_id: Callable[[], str],

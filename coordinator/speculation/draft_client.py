@@ -1,19 +1,17 @@
-"""The draft side of the coordinator: the one place that decides whether a request's round may
-ask the draft service, as :mod:`coordinator.speculation.failover` is for the verify side.
+"""The coordinator's client of the draft service (:class:`DraftClient`, one per coordinator) and a
+request's session on it (:class:`DraftSession`): the one place that decides whether a request's
+round may ask the draft service, as :mod:`coordinator.speculation.verify_client` is for the verify
+service; and what a round takes from it (:class:`DraftProposal`: a proposal asked for, or one
+drafted ahead, :class:`DraftAhead`).
 
-:class:`DraftService`, one per coordinator, is the draft service as all its requests see it: a
-call that found it unreachable or late marks it down for ``down_s`` seconds (no request asks it
-meanwhile) unless a late answer shows it alive first, and its last GetInfo stands in while it is
-down. :class:`DraftSide`, one per
-request, is the request's session on it: opened by a Prefill of the committed log in the
-background, told the committed tokens it has not seen at each Propose, drafting ahead (a model
-drafter, see :class:`DraftAhead`), and after a failure left alone for ``retry_s`` seconds before
-it is prefilled again under a new session id (so a late call to the old one cannot collide). A
+A session is opened by a Prefill of the committed log in the background, told the committed tokens
+it has not seen at each Propose, and after a failure left alone for ``retry_s`` seconds before it
+is prefilled again under a new session id (so a late call to the old one cannot collide). A
 Propose that missed its deadline is the exception: the session is kept, and if the draft answers
-the call late (it was slowed by a burst of load, not hung), the session is used again at once with
-what that call carried; only when no answer came within ``retry_s`` is it released and prefilled
-again. Why: a burst of requests arriving together misses the deadline learnt at low load without
-the draft being hung (docs/faults.md#a-draft-that-hangs).
+the call late (slowed by a burst of load, not hung), it is used again at once with what that call
+carried; only when no answer came within ``retry_s`` is it released and prefilled again. Why: a
+burst of requests arriving together misses the deadline learnt at low load without the draft being
+hung (docs/faults.md#a-draft-that-hangs).
 """
 
 import asyncio
@@ -24,9 +22,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.api.request import ResolvedRequest
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
-from coordinator.speculation.adaptive import AdaptiveK
+from coordinator.speculation.plan import ResolvedRequest
+from coordinator.speculation.policy.k_policy import KPolicy
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD, ServiceClients
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.rpc.step_client import MissedDeadline
@@ -36,11 +34,11 @@ from specdec.v1 import draft_pb2
 log = logging.getLogger(__name__)
 
 
-class DraftService:
+class DraftClient:
     """The draft service's replicas (a draft pool, shared by every coordinator) as every request of
     a coordinator sees them: a replica whose call failed to answer (unreachable, or past its
     deadline) is down for ``down_s`` seconds (no session opens there meanwhile, and its sessions
-    move to another, see :class:`DraftSide`) unless a late answer shows it alive first; the
+    move to another, see :class:`DraftSession`) unless a late answer shows it alive first; the
     last GetInfo stands in while every replica is down. Replicas are named by their ``host:port``;
     which one a session opens on is placement's choice (:mod:`coordinator.speculation.placement`)."""
 
@@ -139,12 +137,8 @@ class DraftAhead:
     ) -> tuple[draft_pb2.ProposeResponse, str] | None:
         """The proposal of the branch verification went down, as a ProposeResponse, and that
         branch's kind (MAIN, BONUS or RECOVERED); None when it went down none drafted."""
-        outcome = committed[self.start :]
-        if (
-            response.token_ids
-            and response.HasField("predicted_bonus_token_id")
-            and outcome == [*self.predicted, response.predicted_bonus_token_id]
-        ):
+        outcome, main = committed[self.start :], [*self.predicted, response.predicted_bonus_token_id]
+        if response.token_ids and response.HasField("predicted_bonus_token_id") and outcome == main:
             return response, MAIN
         for branch in response.branches:
             if branch.token_ids and outcome == [*self.predicted[: branch.num_accepted], branch.next_token_id]:
@@ -163,12 +157,12 @@ class DraftProposal:
     """A round's proposal from the draft: the response (None when the draft is unavailable or
     failed), the ms the round waited for it, the draft-ahead outcome (HIT, MISS or ``""``), the
     branch of a hit (MAIN, BONUS or RECOVERED, else ``""``), the branches besides the main one the
-    draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both
-    ways, the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for
-    a hit, drafted during the previous round: a miss waits for both) and that call's round trip
-    beyond them (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for
-    none), and the same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss;
-    off the round's critical path, a measure of the draft link for :class:`StepCosts`)."""
+    draft drafted ahead for this round, the protobuf bytes of the round's Propose calls both ways,
+    the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for a hit,
+    drafted during the previous round: a miss waits for both) and that call's round trip beyond them
+    (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for none), and the
+    same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss; off the round's
+    critical path, a measure of the draft link for :class:`StepCosts`)."""
 
     response: draft_pb2.ProposeResponse | None = None
     wait_ms: float = 0.0
@@ -181,23 +175,21 @@ class DraftProposal:
     ahead_call_ms: float = 0.0
 
 
-class DraftSide:
-    """A request's session on the draft service (see the module docstring).
-
-    Args: ``service`` the coordinator's :class:`DraftService`; ``request`` the resolved request
-    (its drafter, sampling; ``uses_draft_service`` False makes this session never open);
-    ``committed`` the request's committed log, read at every call; ``new_session_id()`` names each
-    new session; ``in_background`` runs a Release (a function making the call) without waiting;
-    ``retry_s`` seconds without the draft after a failure; ``owner`` the tag of the request's client
-    its sessions carry (DraftServicePrefillRequest.owner). With the request's plan
-    (``request.draft``, :class:`coordinator.api.request.DraftPlan`) drafting ahead, it drafts the
-    next round while this one verifies, for up to ``branches`` outcomes of its verification, as
-    many as the draft can draft while the target verifies (:meth:`observe_verify`).
-    """
+class DraftSession:
+    """A request's session on the draft service (see the module docstring). Args: ``service`` the
+    coordinator's :class:`DraftClient`; ``request`` the resolved request (its drafter, sampling;
+    ``uses_draft_service`` False makes this session never open); ``committed`` the request's
+    committed log, read at every call; ``new_session_id()`` names each new session;
+    ``in_background`` runs a Release (a function making the call) without waiting; ``retry_s``
+    seconds without the draft after a failure; ``owner`` the tag of the request's client its
+    sessions carry (DraftServicePrefillRequest.owner). With the request's plan (``request.draft``,
+    :class:`coordinator.speculation.plan.DraftPlan`) drafting ahead, it drafts the next round while
+    this one verifies, for up to ``branches`` outcomes of its verification, as many as the draft can
+    draft while the target verifies (:meth:`observe_verify`)."""
 
     def __init__(
         self,
-        service: DraftService,
+        service: DraftClient,
         request: ResolvedRequest,
         committed: list[int],
         new_session_id: Callable[[], str],
@@ -222,17 +214,14 @@ class DraftSide:
         self.num_cached_tokens: int | None = None  # found in the draft's prefix cache at the first Prefill
         self._ahead: DraftAhead | None = None  # the Propose drafting ahead, in flight or unread
 
-    # --- opening -------------------------------------------------------------------------
-
-    def opens_at_once(self, policy: AdaptiveK | None) -> bool:
-        """Whether the session is prefilled alongside the target's: always under a fixed K or
-        sampling (see :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under adaptive K and
-        greedy decoding only if the first round would use the drafter, its prefill priced in
-        (:meth:`AdaptiveK.wants_drafter`), else when a later one would."""
-        if policy is None or not self.request.sampling.greedy:
+    def opens_at_once(self, policy: KPolicy) -> bool:
+        """Whether the session is prefilled alongside the target's: always under sampling (see
+        :meth:`coordinator.speculation.rounds.RequestRounds.prefill`); under greedy decoding as
+        ``policy`` decides (:meth:`KPolicy.opens_draft_at_prefill`: always for a fixed K)."""
+        if not self.request.sampling.greedy:
             return True
         generated = len(self.committed) - len(self.request.prompt_ids)
-        return policy.wants_drafter(None, len(self.committed), self.request.max_new_tokens - generated)
+        return policy.opens_draft_at_prefill(len(self.committed), self.request.max_new_tokens - generated)
 
     def available(self) -> bool:
         """Whether this round may ask the draft service: the session is open (prefilled) and the
@@ -359,8 +348,6 @@ class DraftSide:
             log.info("draft session %s answered late: drafting again", session_id)
             self._late, self.seen, self.retry_at = False, seen, 0.0
 
-    # --- proposing -----------------------------------------------------------------------
-
     async def proposal(self, k: int, round_number: int, start: float, max_k: int | None = None) -> DraftProposal:
         """Round ``round_number``'s proposal of up to ``k`` tokens (``start``: the round's
         time.perf_counter()): the one drafted ahead during the previous round when verification
@@ -478,8 +465,6 @@ class DraftSide:
         """Learns how long a round's verify call took (an EMA), the time the next draft-ahead's
         branches may take (``ProposeRequest.branch_budget_ms``)."""
         self.verify_ms = ms if not self.verify_ms else 0.7 * self.verify_ms + 0.3 * ms
-
-    # --- releasing -----------------------------------------------------------------------
 
     async def release(self) -> None:
         """Releases the session in the background; a prefill still running is cancelled and its

@@ -1,12 +1,12 @@
-"""Failover's view of the verify replicas (:mod:`coordinator.speculation.failover`)."""
+"""The verify client's view of the verify replicas (:mod:`coordinator.speculation.verify_client`)."""
 
 import asyncio
 
 import pytest
 
-from coordinator.speculation.failover import VerifyReplicas
 from coordinator.speculation.placement import Placement
 from coordinator.speculation.upstream import ServiceClients
+from coordinator.speculation.verify_client import VerifyClient
 from specdec.rpc.errors import Unavailable
 from specdec_app.launcher import free_port
 
@@ -19,7 +19,7 @@ def test_a_getinfo_does_not_take_a_placements_turn():
     async def run() -> list[str]:
         placements = {"draft": Placement("round-robin"), "verify": Placement("round-robin")}
         clients = ServiceClients([addresses[0]], addresses, 0.5, 0.5, placements=placements)
-        replicas, firsts = VerifyReplicas(clients), []
+        replicas, firsts = VerifyClient(clients), []
         try:
             for _ in range(2):
                 firsts.append(replicas.order()[0])

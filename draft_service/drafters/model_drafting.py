@@ -1,7 +1,9 @@
-"""The drafter interface, and the proposal loop shared by model-based drafters."""
+"""Model drafting: a causal LM's proposals as work of its drafter's engine loop
+(:class:`ModelDraftSession`; one proposal's steps, a draft position a step batched with every other
+session's proposal: :class:`ProposalWork`), drafted ahead for several outcomes of the verification
+in flight (branches, :class:`_ProposeCall`, ranked by the :class:`Alternative` each step keeps)
+and proactively, before the Propose that asks for them (:meth:`ModelDraftSession.draft_next`)."""
 
-import abc
-import contextlib
 import logging
 import threading
 import time
@@ -9,68 +11,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from llguidance import LLTokenizer
-from opentelemetry import trace
 
+from draft_service.drafters.contract import Branch, DraftSession, Proposal
+from draft_service.drafters.grammar_vocabulary import GrammarVocabulary
 from specdec.engine.batching import SequenceStep
 from specdec.engine.engine import Engine, Work
 from specdec.engine.kv import SequenceKV, prefill
 from specdec.engine.vocab import check_token_ids
-from specdec.rpc.errors import FailedPrecondition
 from specdec.rpc.step_server import wait_for_reply
-from specdec.rpc.wire import encode_distributions
 from specdec.sampling.grammar import GrammarMatcher
 from specdec.sampling.logits_processors import process
 from specdec.sampling.probs import argmax, best_other, logits_to_probs, round_generator, sample
 from specdec.sampling.sampling_params import SamplingParams
-from specdec.sampling.structured_output import UNLIMITED, grammar_tokenizer
-from specdec.timing import min_ms
-from specdec.token_ids import point_masses
-from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
 CANCEL_WAIT_S = 10.0  # closing a session waits this long at most for its proactive draft to stop
-
-
-@dataclass
-class Proposal:
-    """Draft tokens and the draft distributions q they were drawn from.
-
-    ``probs`` is ``[len(tokens), V]`` float32 for a model drafter under sampling; None means a
-    point mass on each token (greedy decoding, or a model-free drafter). ``forced``: per token,
-    whether the grammar forced it (jump-forward: no draft forward); empty when none was.
-    """
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
-    bonus_token_id: int | None = None  # draft-ahead: the guessed bonus token the tokens continue
-    forced: list[bool] = field(default_factory=list)
-    # draft-ahead: the proposals of the other outcomes drafted (ProposeRequest.num_branches)
-    branches: list["Branch"] = field(default_factory=list)
-    proactive: bool = False  # drafted before the Propose asked for it (ModelDraftSession.draft_next)
-
-    def first(self, k: int) -> "Proposal":
-        """The proposal cut to its first ``k`` tokens, without branches: the one a proposal of
-        ``k`` tokens gives, since each draft token depends only on those before it (under sampling
-        too: one generator draws them in order)."""
-        probs = None if self.probs is None else self.probs[:k]
-        return Proposal(self.tokens[:k], probs, self.bonus_token_id, self.forced[:k])
-
-    def distributions(self) -> list[common_pb2.TokenDistribution]:
-        if self.probs is not None:
-            return encode_distributions(self.probs)
-        return point_masses(self.tokens)
-
-
-@dataclass
-class Branch:
-    """A proposal drafted ahead for the outcome "the first ``num_accepted`` predicted tokens
-    accepted, then ``next_token``" (see :meth:`ModelDraftSession.propose_ahead`)."""
-
-    num_accepted: int
-    next_token: int
-    proposal: Proposal
 
 
 @dataclass
@@ -100,120 +55,7 @@ class Alternative:
         return cls(chosen_prob, other, prob)
 
 
-class DraftSession(abc.ABC):
-    """One request's state on a drafter: the committed tokens and whatever cache serves them."""
-
-    vocab_size: int | None = None  # a model drafter's: every token id lies below it
-
-    def __init__(self, sampling: SamplingParams):
-        self.sampling = sampling
-        self.committed: list[int] = []
-
-    def prefill(self, committed: Sequence[int]) -> None:
-        """Starts from ``committed``. Raises InvalidArgument for an id outside the vocabulary."""
-        check_token_ids(committed, self.vocab_size, "token_ids")
-        self.committed = list(committed)
-
-    def sync(self, appended: Sequence[int]) -> None:
-        """Appends committed tokens; caches roll back lazily at the next proposal. Raises
-        InvalidArgument for an id outside the vocabulary."""
-        check_token_ids(appended, self.vocab_size, "appended_token_ids")
-        self.committed.extend(appended)
-
-    @abc.abstractmethod
-    def propose(self, k: int) -> Proposal:
-        """Proposes up to ``k`` tokens continuing ``committed``."""
-
-    def start_proposal(
-        self,
-        k: int,
-        predicted: Sequence[int],
-        num_branches: int,
-        budget_s: float | None,
-        done: Callable[[Proposal | BaseException], None],
-    ) -> None:
-        """Starts :meth:`propose` (no ``predicted``) or :meth:`propose_ahead` and returns without
-        waiting for it: ``done`` is called once with the proposal or the error it raised. Here (a
-        drafter without a model, whose proposal costs no forward) it runs at once, on this thread;
-        a model drafter's runs as work of its engine loop and ``done`` comes from the engine's
-        thread, so that the draft service waits for no proposal in a thread of its own."""
-        try:
-            proposal = self.propose_ahead(predicted, k, num_branches, budget_s) if predicted else self.propose(k)
-        except Exception as err:  # the caller's error to answer with
-            done(err)
-            return
-        done(proposal)
-
-    def keep_alternatives(self) -> None:  # noqa: B027 (a no-op unless drafting ahead: model-free drafters do not)
-        """From now on, each proposal keeps its :class:`Alternative` per token, for the branches of
-        the draft-ahead that follows it (``ProposeRequest.num_branches`` > 1)."""
-
-    def draft_next(self, k: int, predicted: Sequence[int], proposal: Proposal) -> bool:
-        """Proactive drafting (see :meth:`ModelDraftSession.draft_next`); here a no-op: a proposal
-        without a model costs no forward to hide. Returns whether it started a draft."""
-        return False
-
-    def propose_ahead(
-        self, predicted: Sequence[int], k: int, num_branches: int = 1, budget_s: float | None = None
-    ) -> Proposal:
-        """Drafts ahead: up to ``k`` tokens continuing ``committed`` + ``predicted`` + the draft's
-        guess of the bonus token (``Proposal.bonus_token_id``), none of them committed; with
-        ``num_branches`` > 1, the proposals of other outcomes too, within ``budget_s`` seconds
-        (:meth:`ModelDraftSession.propose_ahead`). Raises FailedPrecondition here: only a model
-        drafter has a draft's time to hide."""
-        raise FailedPrecondition(
-            f"drafter {type(self).__name__} proposes without a model: send Propose without "
-            "predicted_token_ids (draft-ahead is for model drafters)"
-        )
-
-    def close(self) -> None:  # noqa: B027 (a no-op unless there is a cache: model-free drafters have none)
-        """Frees the session's cache."""
-
-    def kv_cache_bytes(self) -> int:
-        """Bytes the session's KV cache holds (0 for a drafter without one)."""
-        return 0
-
-    def num_cached_tokens(self) -> int:
-        """Tokens of the prefilled context found in the drafter's prefix cache, not computed
-        again (0 for a drafter without a model)."""
-        return 0
-
-
-class Drafter(abc.ABC):
-    """A kind of draft, shared by its sessions.
-
-    ``vocab_fingerprint`` is empty for drafters that work with any vocabulary; ``engine`` is None
-    for drafters without a model (their sessions need no batched steps).
-    """
-
-    name: str
-    model: str = ""
-    vocab_fingerprint: str = ""
-    step_ms: float = 0.0  # ms per proposed token, see measure_step_ms
-    engine: Engine | None = None  # the engine loop of a model drafter's batched steps
-
-    @abc.abstractmethod
-    def new_session(self, sampling: SamplingParams, cache_salt: str = "", owner: str = "") -> DraftSession:
-        """A new session. ``cache_salt``: the partition of the drafter's caches shared across
-        sessions (a model's prefix cache, the suffix drafter's outputs) that the session reads
-        and adds to: the tenant's (docs/security.md#tenants-and-the-caches). ``owner``: whom it
-        serves (an opaque tag): a model's KV store that must preempt takes from the owner holding
-        the most (:meth:`specdec.engine.batching.BatchedLM.allocate`)."""
-
-    def measure_step_ms(self, k: int = 8, context_len: int = 64) -> float:
-        """Measures the ms per proposed token of a K-token proposal after ``context_len`` tokens
-        (the fastest of 3), for the coordinator's choice of K; stores and returns it. The context
-        repeats ids 3..31 (valid in any vocabulary), so n-gram lookup finds a match too. It also
-        warms the drafter up, so the first request does not pay for lazy initialisation."""
-        with tracer.start_as_current_span("measure_step_ms", attributes={"specdec.drafter": self.name}):
-            session = self.new_session(SamplingParams())
-            session.prefill([3 + i % 29 for i in range(context_len)])
-            self.step_ms = min_ms(lambda: session.propose(k)) / k
-            session.close()
-        return self.step_ms
-
-
-class _Propose(Work):
+class ProposalWork(Work):
     """Engine work for one proposal of up to ``k`` tokens: the first step feeds the tokens of the
     context the sequence has not cached, each later one the token chosen at the previous step (one
     step per draft position, batched with every other session's proposal).
@@ -329,7 +171,7 @@ class _Propose(Work):
         return True
 
 
-def _likely_outcomes(
+def likely_outcomes(
     predicted: Sequence[int], alternatives: list[Alternative | None], bonus: Alternative | None
 ) -> list[tuple[int, int]]:
     """The outcomes of verifying ``predicted`` other than "all accepted, the first bonus guess",
@@ -358,7 +200,7 @@ class _DraftedNext:
     start: int
     ahead: list[int]
     k: int
-    work: _Propose
+    work: ProposalWork
     began: float = field(default_factory=time.monotonic)
     took_s: float = 0.0  # from its start to its end, once ended
     outcome: Proposal | BaseException | None = None
@@ -387,7 +229,7 @@ class ModelDraftSession(DraftSession):
         kv_cache: SequenceKV,
         window: int,
         engine: Engine,
-        vocabulary: "GrammarVocabulary | None" = None,
+        vocabulary: GrammarVocabulary | None = None,
     ):
         super().__init__(sampling)
         self.kv_cache = kv_cache
@@ -442,88 +284,19 @@ class ModelDraftSession(DraftSession):
         done: Callable[[Proposal | BaseException], None],
     ) -> None:
         """Queues the proposal (:meth:`propose`, or :meth:`propose_ahead` and its branches one after
-        another) on the engine and returns; ``done`` is called from the engine's thread. The
-        proposal drafted proactively (:meth:`draft_next`) answers instead when it is the one asked
-        for. Raises InvalidArgument for a predicted id outside the vocabulary."""
-        start = time.monotonic()
+        another: :class:`_ProposeCall`) on the engine and returns; ``done`` is called from the
+        engine's thread. The proposal drafted proactively (:meth:`draft_next`) answers instead when
+        it is the one asked for. With ``num_branches`` > 1 the session keeps each proposal's
+        alternatives from now on (:meth:`keep_alternatives`), for the branches of the draft-ahead
+        that follows. Raises InvalidArgument for a predicted id outside the vocabulary."""
+        if num_branches > 1:
+            self.keep_alternatives()
         if predicted:
             check_token_ids(predicted, self.vocab_size, "predicted_token_ids")
-            if num_branches > 1:
-                self.keep_alternatives()
         if len(self.committed) + (len(predicted) + 1 if predicted else 0) + k > self.window:
             done(Proposal([]))
             return
-        taken = self._take_next(predicted, k)
-        if taken is None:
-            self._draft(k, predicted, num_branches, budget_s, start, done)
-            return
-        drafted, bonus = taken
-
-        def answer(outcome: Proposal | BaseException) -> None:
-            if isinstance(outcome, BaseException) or (bonus is not None and outcome.bonus_token_id != bonus):
-                # preempted, the engine stopping, or it guessed another bonus token: drafted now instead
-                self._draft(k, predicted, num_branches, budget_s, start, done)
-                return
-            proposal = outcome.first(k)
-            proposal.proactive = True
-            if bonus is not None:  # committed, not guessed: a plain Propose's proposal has none
-                proposal.bonus_token_id = None
-            self._drafted_main(
-                drafted.work, proposal, k, predicted, num_branches, budget_s, start, drafted.took_s, done
-            )
-
-        with self._next_lock:
-            if drafted.outcome is None:
-                drafted.waiting = answer
-                return
-        answer(drafted.outcome)
-
-    def _draft(
-        self,
-        k: int,
-        predicted: Sequence[int],
-        num_branches: int,
-        budget_s: float | None,
-        start: float,
-        done: Callable[[Proposal | BaseException], None],
-    ) -> None:
-        """Queues the proposal and its branches (see :meth:`start_proposal`); ``start``: the
-        Propose's time.monotonic(), from which ``budget_s`` counts."""
-        work = _Propose(self, k, predicted)
-
-        def drafted(_proposal, _stats, error: BaseException | None) -> None:
-            if error is not None:
-                done(error)
-                return
-            last_s = time.monotonic() - start
-            self._drafted_main(work, work.result, k, predicted, num_branches, budget_s, start, last_s, done)
-
-        self.engine.submit(work, drafted)
-
-    def _drafted_main(
-        self,
-        work: _Propose,
-        proposal: Proposal,
-        k: int,
-        predicted: Sequence[int],
-        num_branches: int,
-        budget_s: float | None,
-        start: float,
-        last_s: float,
-        done: Callable[[Proposal | BaseException], None],
-    ) -> None:
-        """Once the main branch (``proposal`` of ``k`` tokens, drafted by ``work`` now or
-        proactively, in ``last_s`` seconds) is drafted: drafting ahead, drafts the other
-        ``num_branches - 1`` most likely outcomes within the budget (see :meth:`propose_ahead`),
-        then ``done(proposal)``."""
-        if not predicted:
-            done(proposal)
-            return
-        alternatives = self.alternatives.get(tuple(predicted), [])
-        self.alternatives = {tuple(proposal.tokens): self.alternatives.get(tuple(work.result.tokens), [])}
-        outcomes = _likely_outcomes(predicted, alternatives, work.bonus_alternative)[: num_branches - 1]
-        deadline = None if budget_s is None else start + budget_s
-        self._draft_branches(proposal, predicted, k, outcomes, deadline, last_s, done)
+        _ProposeCall(self, k, predicted, num_branches, budget_s, done).start()
 
     def draft_next(self, k: int, predicted: Sequence[int], proposal: Proposal) -> bool:
         """Proactive drafting (SpecEdge's proactive edge drafting: Park et al., "SpecEdge: Scalable
@@ -556,7 +329,7 @@ class ModelDraftSession(DraftSession):
             ahead = [*predicted, bonus, *proposal.tokens]
         if len(self.committed) + len(ahead) + 1 + k > self.window:
             return False
-        work = _Propose(self, k, ahead)
+        work = ProposalWork(self, k, ahead)
         drafted = _DraftedNext(len(self.committed), ahead, k, work)
         with self._next_lock:
             replaced, self._next = self._next, drafted
@@ -597,41 +370,9 @@ class ModelDraftSession(DraftSession):
         drafted.cancel()
         return None
 
-    def _draft_branches(
-        self,
-        proposal: Proposal,
-        predicted: Sequence[int],
-        k: int,
-        outcomes: list[tuple[int, int]],
-        deadline: float | None,
-        last_s: float,
-        done: Callable[[Proposal | BaseException], None],
-    ) -> None:
-        """Drafts the branch of ``outcomes[0]`` (``(num_accepted, next_token)``), then the rest, each
-        on the engine after the one before, unless it would end after ``deadline``
-        (time.monotonic(); ``last_s``: how long the branch before took); then ``done(proposal)``."""
-        began = time.monotonic()
-        if not outcomes or (deadline is not None and began + last_s > deadline):
-            done(proposal)  # a branch past the deadline would still be drafting when verification ends
-            return
-        (num_accepted, token), rest = outcomes[0], outcomes[1:]
-
-        def drafted(branch, _stats, error: BaseException | None) -> None:
-            if error is not None:
-                done(error)
-                return
-            if branch.tokens:
-                proposal.branches.append(Branch(num_accepted, token, branch))
-            self._draft_branches(proposal, predicted, k, rest, deadline, time.monotonic() - began, done)
-
-        try:
-            work = _Propose(self, k, [*predicted[:num_accepted], token], guess_bonus=False)
-        except Exception as err:  # the grammar's, say: the Propose fails with it (called on the engine's thread)
-            done(err)
-            return
-        self.engine.submit(work, drafted)
-
     def keep_alternatives(self) -> None:
+        """From now on, each proposal keeps its :class:`Alternative` per token, for the branches of
+        the draft-ahead that follows it (``ProposeRequest.num_branches`` > 1)."""
         self.branching = True
 
     def kv_cache_bytes(self) -> int:
@@ -652,34 +393,118 @@ class ModelDraftSession(DraftSession):
         self.kv_cache.close()
 
 
-class GrammarVocabulary:
-    """A model drafter's tokenizer as the grammar library sees it, one per set of EOS ids (the
-    target's, sent with each request), so the draft's masks are the target's. Built at start-up
-    for the drafter's own EOS ids, the target's too when they share a vocabulary; another set is
-    built at its first structured-output request (about 0.4 s for SmolLM2, the GIL held, so the
-    draft's steps wait)."""
+class _ProposeCall:
+    """One Propose of a :class:`ModelDraftSession`, answered in steps on the drafter's engine: the
+    main branch (:meth:`start`: the proactive draft where it is the one asked for, else
+    :meth:`_draft_main`), then, drafting ahead, the other ``num_branches - 1`` most likely outcomes
+    one after another (:meth:`_branch_out`, :meth:`_draft_next_branch`), none begun that would end
+    after ``budget_s`` seconds from the call's start; then ``done(proposal)``, or ``done(error)``
+    at the first error. Each step after the first runs on the engine's thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
-        self._tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._built: dict[tuple[int, ...], LLTokenizer] = {}
-        with contextlib.suppress(ValueError):  # a tokenizer llguidance cannot read: refused per request
-            self._vocabulary(tuple(eos_token_ids))
+    def __init__(
+        self,
+        session: "ModelDraftSession",
+        k: int,
+        predicted: Sequence[int],
+        num_branches: int,
+        budget_s: float | None,
+        done: Callable[[Proposal | BaseException], None],
+    ):
+        self.session, self.k, self.predicted = session, k, list(predicted)
+        self.num_branches, self.done = num_branches, done
+        self.start_s = time.monotonic()  # the Propose's start, from which budget_s counts
+        self.deadline = None if budget_s is None else self.start_s + budget_s
+        self.main: ProposalWork | None = None  # the main branch's work, drafted now
+        self.proactive: _DraftedNext | None = None  # the proactive draft that answers, when one does
+        self.bonus: int | None = None  # the committed token a plain Propose's proactive draft guessed
+        self.proposal = Proposal([])  # the main branch, once drafted
+        self.outcomes: list[tuple[int, int]] = []  # the branches still to draft, (num_accepted, next_token)
+        self.branch = (0, 0)  # the branch being drafted, by ``branch_work`` since ``branch_began``
+        self.branch_work: ProposalWork | None = None
+        self.branch_began = 0.0
+        self.last_s = 0.0  # how long the branch before took: the next one is expected to take as long
 
-    def matcher(self, sampling: SamplingParams, committed: Sequence[int]) -> GrammarMatcher | None:
-        """The request's grammar state after ``committed`` (its generated part); None without
-        structured output. Raises InvalidArgument for a spec that does not compile."""
-        if sampling.structured_output is None:
-            return None
+    def start(self) -> None:
+        """The main branch: the session's proactive draft where it is this one (waiting for it to
+        end where it runs), else drafted now."""
+        session = self.session
+        taken = session._take_next(self.predicted, self.k)
+        if taken is None:
+            self._draft_main()
+            return
+        self.proactive, self.bonus = taken
+        with session._next_lock:
+            if self.proactive.outcome is None:
+                self.proactive.waiting = self._proactive_ended
+                return
+        self._proactive_ended(self.proactive.outcome)
+
+    def _proactive_ended(self, outcome: Proposal | BaseException) -> None:
+        """The proactive draft ended with ``outcome``: its first ``k`` tokens are the main branch,
+        unless it failed (preempted, the engine stopping) or guessed another bonus token than the
+        one committed; then the main branch is drafted now."""
+        assert self.proactive is not None
+        if isinstance(outcome, BaseException) or (self.bonus is not None and outcome.bonus_token_id != self.bonus):
+            self._draft_main()
+            return
+        proposal = outcome.first(self.k)
+        proposal.proactive = True
+        if self.bonus is not None:  # committed, not guessed: a plain Propose's proposal has none
+            proposal.bonus_token_id = None
+        self._branch_out(self.proactive.work, proposal, self.proactive.took_s)
+
+    def _draft_main(self) -> None:
+        self.main = ProposalWork(self.session, self.k, self.predicted)
+        self.session.engine.submit(self.main, self._main_drafted)
+
+    def _main_drafted(self, _proposal, _stats, error: BaseException | None) -> None:
+        if error is not None:
+            self.done(error)
+            return
+        assert self.main is not None
+        self._branch_out(self.main, self.main.result, time.monotonic() - self.start_s)
+
+    def _branch_out(self, work: ProposalWork, proposal: Proposal, took_s: float) -> None:
+        """The main branch is ``proposal``, drafted by ``work`` in ``took_s`` seconds: a plain
+        Propose is answered with it; a draft-ahead first drafts its other branches, the most likely
+        outcomes of verifying ``predicted`` by the alternatives the draft kept
+        (:func:`likely_outcomes`)."""
+        if not self.predicted:
+            self.done(proposal)
+            return
+        session = self.session
+        alternatives = session.alternatives.get(tuple(self.predicted), [])
+        session.alternatives = {tuple(proposal.tokens): session.alternatives.get(tuple(work.result.tokens), [])}
+        self.outcomes = likely_outcomes(self.predicted, alternatives, work.bonus_alternative)[: self.num_branches - 1]
+        self.proposal, self.last_s = proposal, took_s
+        self._draft_next_branch()
+
+    def _draft_next_branch(self) -> None:
+        """Drafts the next branch on the engine, unless none is left or it would end after the
+        deadline (expected to take as long as the branch before); then answers with the proposal
+        and its branches."""
+        began = time.monotonic()
+        if not self.outcomes or (self.deadline is not None and began + self.last_s > self.deadline):
+            self.done(self.proposal)  # a branch past the deadline would still be drafting when verification ends
+            return
+        self.branch, self.branch_began = self.outcomes.pop(0), began
+        num_accepted, token = self.branch
         try:
-            vocabulary = self._vocabulary(sampling.eos_token_ids)
-        except ValueError as err:
-            raise FailedPrecondition(f"the drafter's tokenizer cannot be read by the grammar library: {err}") from None
-        generated = committed[sampling.num_prompt_tokens :]
-        # no limits of its own: the coordinator checked the spec against its --grammar-* limits
-        return GrammarMatcher.from_log(sampling.structured_output, vocabulary, UNLIMITED, generated)
+            self.branch_work = ProposalWork(
+                self.session, self.k, [*self.predicted[:num_accepted], token], guess_bonus=False
+            )
+        except Exception as err:  # the grammar's, say: the Propose fails with it (called on the engine's thread)
+            self.done(err)
+            return
+        self.session.engine.submit(self.branch_work, self._branch_drafted)
 
-    def _vocabulary(self, eos: tuple[int, ...]) -> LLTokenizer:
-        """Raises ValueError for a tokenizer llguidance cannot read."""
-        if eos not in self._built:
-            self._built[eos] = grammar_tokenizer(self._tokenizer, self.vocab_size, list(eos))
-        return self._built[eos]
+    def _branch_drafted(self, _proposal, _stats, error: BaseException | None) -> None:
+        if error is not None:
+            self.done(error)
+            return
+        assert self.branch_work is not None
+        branch = self.branch_work.result
+        if branch.tokens:
+            self.proposal.branches.append(Branch(*self.branch, branch))
+        self.last_s = time.monotonic() - self.branch_began
+        self._draft_next_branch()

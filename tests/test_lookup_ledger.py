@@ -1,0 +1,67 @@
+"""The lookup ledger: a request's lookups that do not pay are turned off; those that pay stay on."""
+
+from coordinator.observability.metrics import RoundRecord
+from coordinator.speculation.policy.acceptance_model import AcceptanceModel
+from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.step_costs import Load, StepCosts
+from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
+from specdec.lookups.ngram import NgramMatch
+
+FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
+
+
+BATCHED = {8: 100.0, 16: 140.0, 24: 180.0}  # a step of 8, 16, 24 batched tokens: 60 ms + 5 ms a token
+
+
+def lookup_request(others: int) -> AdaptiveK:
+    """A request whose n-gram estimates read 95% (a run of passes) with ``others`` besides it."""
+    costs = StepCosts(draft_ms_per_token=15.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
+    load = Load(others_seqs=others, others_tokens=others)
+    return AdaptiveK(4, None, None, {NGRAM: [AcceptanceModel([0.95] * 4)]}, costs, load=load)
+
+
+def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
+    """Under load every lookup round is rejected at its first token: once the lookups drafted 8
+    tokens and gained nothing of what they owed, the request stops looking up."""
+    policy, match = lookup_request(7), NgramMatch(2, [7, 8, 9, 10])
+    while policy.lookups_on:
+        drafter, k = policy.next_round({NGRAM: match})
+        assert drafter == NGRAM and k > 0
+        policy.observe(
+            RoundRecord(
+                drafter=NGRAM,
+                k=k,
+                num_drafted=k,
+                num_accepted=0,
+                draft_ms=0.0,
+                verify_ms=100.0,
+                wall_ms=102.0,
+                wire_bytes=0,
+            ),
+            {NGRAM: match},
+            [3],
+        )
+    ledger = policy.lookup_ledger
+    assert ledger.drafted >= 8 and ledger.gained == 0 < ledger.owed
+
+
+def test_lookups_that_pay_stay_on():
+    policy, match = lookup_request(7), NgramMatch(2, [7, 8])
+    for _ in range(20):
+        drafter, k = policy.next_round({NGRAM: match})
+        policy.observe(
+            RoundRecord(
+                drafter=drafter,
+                k=k,
+                num_drafted=k,
+                num_accepted=k,
+                draft_ms=0.0,
+                verify_ms=100.0,
+                wall_ms=102.0,
+                wire_bytes=0,
+            ),
+            {NGRAM: match},
+            [7, 8, 3][: k + 1],
+        )
+    assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
+    assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0
