@@ -65,3 +65,15 @@ def test_lookups_that_pay_stay_on():
         )
     assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
     assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0
+
+
+def test_lookups_are_not_searched_where_even_a_sure_proposal_would_lose():
+    """A step that costs 5 ms a token beside 7 others (the lookups at 95%) leaves a sure lookup
+    proposal worth its tokens: looked up. At 40 ms a token beside 31 others even 4 sure tokens
+    lose to plain decode: not looked up (their ledger still open), until the load is gone."""
+    assert lookup_request(7).lookups_on
+    policy = lookup_request(31)
+    policy.costs = StepCosts(15.0, verify_ms=list(FLAT), batched_ms={8: 380.0, 16: 700.0, 32: 1340.0})
+    assert policy.lookup_ledger.paid and not policy.lookups_on
+    policy.load = Load()
+    assert policy.lookups_on

@@ -247,8 +247,22 @@ class AdaptiveK:
 
     @property
     def lookups_on(self) -> bool:
-        """Whether the request's n-gram and suffix lookups are still looked up (:class:`LookupLedger`)."""
-        return self.lookup_ledger.paid
+        """Whether this round looks the request's n-gram and suffix lookups up: while they pay
+        (:class:`LookupLedger`) and a lookup proposal could win at the current load
+        (:meth:`_lookup_could_win`). Else their search (most of a plain round's coordinator CPU
+        with the suffix lookup) buys nothing; their next call indexes the tokens committed
+        meanwhile."""
+        return self.lookup_ledger.paid and self._lookup_could_win()
+
+    def _lookup_could_win(self) -> bool:
+        """Under load, whether a lookup proposal of some K in 1..``k_max`` whose every token is
+        accepted would commit more than its break-even (:meth:`_break_even`) at the current load
+        and costs; alone, True. Where a verify step's cost grows with every token (a CPU target
+        under load) even that loses to plain decode, and the lookups are not searched; where it
+        barely grows (an accelerator) they always are."""
+        if self.load.others_seqs < 1 or not self.lookups:
+            return True
+        return any(k > self._break_even(k) for k in range(1, min(self.k_max, self.k_limit) + 1))
 
     def _within_budget(self, drafter: str, k: int, matches: Matches | None) -> int:
         """``k``, at most the request's share of the step budget (:mod:`coordinator.speculation.policy.step_budget`)
