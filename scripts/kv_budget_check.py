@@ -1,5 +1,5 @@
 """Checks that a verify service under more KV than its budget holds stays within budget + model
-(docs/profiles.md#kv-memory-a-budget-in-bytes).
+(docs/profiles.md#what-the-kv-budget-bounds).
 
 Starts a verify service process with the real default model (SmolLM2-135M-Instruct, ``--model
 smollm2``) and a small ``--kv-cache-max-bytes``, then runs ``--max-sessions`` clients at once, each

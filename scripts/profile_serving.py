@@ -1,4 +1,4 @@
-"""Where the serving path's CPU time goes (issue 26's first step; findings in
+"""Where the serving path's CPU time goes (findings in
 docs/profiles.md#where-the-cpu-time-goes).
 
 Writes a near-free model (``specdec bench ceiling``'s, :func:`specdec_app.bench.ceiling.near_free_model`:

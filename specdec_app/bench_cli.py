@@ -356,7 +356,7 @@ def conversation(
 
 @bench_app.command("replicas")
 def replicas(questions: Questions = SPEC_BENCH, out: Out = Path("bench-out")) -> None:
-    """Replicas: every service a process on a loopback address of its own, against issue 47's targets.
+    """Replicas: every service a process on a loopback address of its own, against the mode's targets.
 
     Four scenarios (sessions spread over 3 verify and 2 draft replicas, prefix affinity, a slowed
     replica, a killed draft replica), in report-replicas.json and report-replicas.md; the

@@ -99,7 +99,7 @@ def test_every_query_names_exported_metrics():
         assert names, f"{title}: {expr} names no metric"
         assert names <= exported, f"{title}: {sorted(names - exported)} are not exported"
         used |= names
-    # the panels: throughput, speedup proxy, acceptance and its per-position curve,
+    # the dashboard's panels: throughput, speedup proxy, acceptance and its per-position curve,
     # latency percentiles, fallback share, sessions, KV memory, errors, faults, load and batching
     for name in (
         "specdec_generation_tokens_total",

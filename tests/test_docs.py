@@ -255,3 +255,36 @@ def test_no_page_names_the_work_process(page):
         for match in re.finditer(r"\b(stop|issue|session) [0-9]+", line, re.IGNORECASE)
     ]
     assert not found, "pages that name the work process: " + "; ".join(found)
+
+
+CODE = sorted(
+    path
+    for folder in ("coordinator", "draft_service", "verify_service", "specdec", "specdec_app", "scripts", "tests")
+    for path in (ROOT / folder).rglob("*.py")
+    if "/v1/" not in str(path) and path.name != "test_docs.py"  # generated stubs; this file's examples
+)
+DOCS_REFERENCE = re.compile(r"\b(?:docs/)?((?:[a-z_-]+)\.md)#([\w-]+)")
+
+
+def test_the_codes_references_to_the_docs_resolve():
+    """Docstrings and comments point readers at ``docs/<page>.md#<anchor>``: each page and heading
+    exists, so that moving a section cannot leave the code pointing nowhere."""
+    pages = {page.name: page for page in PAGES}
+    problems = [
+        f"{path.relative_to(ROOT)}:{number}: {match[0]}"
+        for path in CODE
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for match in DOCS_REFERENCE.finditer(line)
+        if match[1] not in pages or match[2] not in anchors(pages[match[1]])
+    ]
+    assert not problems, "references to no page or heading:\n" + "\n".join(problems)
+
+
+def test_no_code_names_the_work_process():
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in CODE
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\b(stop|issue) [0-9]+\b", line, re.IGNORECASE)
+    ]
+    assert not found, "code that names the work process: " + ", ".join(found)

@@ -111,7 +111,7 @@ def test_cli_generate_json_contract(real_cluster):
 def test_a_stopped_draft_costs_one_propose_deadline(real_cluster, smollm2):
     """SIGSTOP of the llama.cpp draft mid-request (the default models): the request completes with
     the ids of plain generate, and the client's longest wait for a message after the stop (one
-    Propose deadline, then plain decode) is reported; issue 16's target is under 1 s."""
+    Propose deadline, then plain decode) is reported; the target is under 1 s."""
     model, tokenizer = smollm2
     prompt = "Write a short story about a lighthouse keeper, in five sentences."
     ids = tokenizer.apply_chat_template(

@@ -638,7 +638,7 @@ def test_api_key_settings(tmp_path, monkeypatch):
     key_file.write_text("# rotated monthly\nc\n\n  d  \n")
     args = ["--api-key", "a", "--api-key", "b", "--api-key-file", str(key_file)]
     assert parse_settings(CoordinatorSettings, args, prog="test").api_keys == ["a", "b", "c", "d"]
-    monkeypatch.setenv("SPECDEC_API_KEYS", "e,f")  # the name
+    monkeypatch.setenv("SPECDEC_API_KEYS", "e,f")  # the name without the service prefix
     assert parse_settings(CoordinatorSettings, [], prog="test").api_keys == ["e", "f"]
     assert parse_settings(CoordinatorSettings, ["--api-key", "a"], prog="test").api_keys == ["a"]  # the flag wins
     monkeypatch.delenv("SPECDEC_API_KEYS")

@@ -1,4 +1,4 @@
-"""Dependencies point one way (issue 17): the proto (``specdec.v1``), then the core (``specdec``),
+"""Dependencies point one way: the proto (``specdec.v1``), then the core (``specdec``),
 then the services (``coordinator``, ``draft_service``, ``verify_service``), then the command
 (``specdec_app``). Read from the source with :mod:`ast`, every import counts, at module level or
 inside a function, except those under ``if TYPE_CHECKING:``. No services, no models: a few seconds."""

@@ -1,4 +1,4 @@
-"""Soak test (issue 16): 64 concurrent Generate streams for LOAD_S seconds against the services as
+"""Soak test: 64 concurrent Generate streams for LOAD_S seconds against the services as
 separate OS processes on free ports (one verify service, one draft service, two coordinators
 sharing a real Redis; the tiny models, one torch thread each), with random client cancels, client
 disconnects (the channel closed mid-stream, on its own TCP connection) and resumes (the request

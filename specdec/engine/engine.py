@@ -14,7 +14,7 @@ that misses a step waits a whole one, and the callers' turnaround grows with the
 step's end to the next call of a sequence it served: within which three quarters of the last 64
 came back, times 1.25), never past one step's forward time: a network between the callers and the
 service adds its round trip to every turnaround, and a fixed wait below it lets every step miss
-the calls that would have joined it. Why both: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+the calls that would have joined it. Why both: docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
 No wait where the sequences already queued outweigh those still to come (their wait times their
 number against a step each for the late ones): most of the batch decodes ahead and a few turn
 around, and those few join the next step.
@@ -32,7 +32,7 @@ A call is queued by :meth:`Engine.submit`, which returns at once and hands the o
 caller's callback from the engine's thread when the work is done; :meth:`Engine.run` waits for it
 instead. So a service can take many sessions' calls without a thread waiting for each (the Step
 streams, :mod:`specdec.rpc.step_server`; why:
-docs/profiles.md#calls-without-a-thread-each-and-attention-grouped-by-context). The engine
+docs/profiles.md#thread-hand-offs-and-padded-contexts). The engine
 itself drops a queued call whose deadline passed or whose caller went away.
 
 KV memory (docs/architecture.md#kv-memory-a-budget-in-bytes): a model's KV store may preempt a

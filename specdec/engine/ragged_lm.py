@@ -73,7 +73,7 @@ K + 1 tokens does not pad every decode beside it to K + 1 queries. Not
 FlexAttention: it needs ``torch.compile`` on CPU (a recompile per new shape) and is slower than
 SDPA in eager mode. A GPU port would take varlen or FlashAttention with the block table as is. The
 gather copies each sequence's cached keys and values once per layer. Why, with the measurements:
-docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
 
 Why not transformers' own continuous batching (``transformers.generation.continuous_batching``:
 ``PagedAttentionCache`` with the ``sdpa_paged`` / ``paged|eager`` attention)? It is built around its

@@ -26,7 +26,7 @@ def fit_line(points: Mapping[int, float]) -> tuple[float, float]:
     one measurement varies by up to 2x, and a dip between two points would make the tokens up to
     the next look free. The 1-token step stays out where two points remain without it: on a CPU it
     runs a matrix-vector product, cheaper per token than any step of several tokens
-    (docs/profiles.md#serving-under-load-one-engine-loop-per-model). One point: a flat line at its
+    (docs/profiles.md#the-engine-loop-and-adaptive-k-under-load). One point: a flat line at its
     ms. Raises ValueError for no points."""
     if not points:
         raise ValueError("fit_line needs at least one measured step")

@@ -7,7 +7,7 @@ session registry's counts (:meth:`specdec.rpc.sessions.SessionRegistry.num_in_us
 counters (:meth:`specdec.engine.engine.Engine.num_waiting_calls`,
 :meth:`specdec.engine.engine.Engine.num_running_seqs`, no lock) and each model's KV usage
 (:meth:`specdec.engine.batching.BatchedLM.kv_usage`: the store's lock for a sum over the sequences still
-prefilling only); its cost is in docs/profiles.md#load-reports.
+prefilling only); its cost is in docs/profiles.md#what-a-load-report-costs.
 """
 
 from collections.abc import Iterable

@@ -1,6 +1,6 @@
 """The service end of a Step stream (``VerifyService.Step``, ``DraftService.Step``): many sessions'
 per-round calls (Verify, Decode, Propose) over one long-lived stream per caller, instead of one
-unary RPC per call (docs/profiles.md#the-serving-path-step-streams says why: the profile).
+unary RPC per call (docs/profiles.md#step-streams-against-unary-calls says why: the profile).
 
 Each incoming message carries calls; each call is served exactly as its unary RPC would be (the
 same handler, its deadline from ``CallHeader.timeout_ms``, 0 for none, its span a child of the

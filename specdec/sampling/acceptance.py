@@ -19,7 +19,7 @@ counted there, comparing ints (the tensor form, with one synchronisation, is slo
 and probabilities themselves stay one ``[K_b + 1, V]`` tensor per sequence
 (the engine's views of the step's logits), each read by one argmax or one gather of its draft
 entries: concatenating them into vLLM's flattened ``[total_K + B, V]`` copies more memory than the
-test reads. Why, measured: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+test reads. Why, measured: docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
 
 Under sampling, each sequence keeps its own generator (seeded per request and position by the
 caller) and the draws are exactly those the one-token-at-a-time rule makes, in the same order:

@@ -4,7 +4,7 @@ A request asks for one of: a JSON schema (OpenAI's ``response_format: json_schem
 ``structured_outputs.json``), any JSON object (``response_format: json_object``), a regular
 expression, one of a list of strings (``choice``), or a context-free grammar in Lark or GBNF
 (``grammar``), as vLLM's ``structured_outputs``. Each compiles to one llguidance grammar
-(https://github.com/guidance-ai/llguidance; why this library: docs/profiles.md#structured-output),
+(https://github.com/guidance-ai/llguidance; why this library: docs/profiles.md#choosing-the-grammar-library),
 checked against the target's tokenizer before any token is generated, so that a bad schema or
 grammar is an INVALID_ARGUMENT naming the part that failed, never a failure mid-request.
 

@@ -16,7 +16,7 @@ load benchmark on it with three methods, through the same code as the real-model
 Defaults: N = 64 closed-loop clients, 128 new tokens. The pipeline has no ``ignore_eos``; a random
 model rarely emits EOS, and every figure counts the tokens actually generated. Besides tokens/s
 the report gives rounds/s and CPU ms per generated token per process
-(:mod:`specdec_app.bench.cpu_time`), and :func:`targets` the issue's targets at the largest N.
+(:mod:`specdec_app.bench.cpu_time`), and :func:`targets` the mode's targets at the largest N.
 """
 
 import hashlib
@@ -50,7 +50,7 @@ NEAR_FREE_CONFIG: dict[str, Any] = {
     "initializer_range": 0.3,
     "tie_word_embeddings": True,
 }
-# the CPU-time ratios the issue asks of K = 4 against K = 0, per process
+# the CPU-time ratios the targets ask of K = 4 against K = 0, per process
 CPU_TARGET_PROCESSES = ("coordinator", "verify")
 
 
@@ -96,8 +96,8 @@ def near_free_model(console: Console | None = None) -> Path:
 
 
 def targets(report: dict) -> dict:
-    """The issue's ceiling targets, from the closed-loop cells at the run's largest N (the issue's
-    N is 64): ``k0_vs_serve_tokens_per_second`` (target at least 1.5),
+    """The ceiling's targets, from the closed-loop cells at the run's largest N (64 by
+    default): ``k0_vs_serve_tokens_per_second`` (target at least 1.5),
     ``k4_vs_k0_tokens_per_second`` (target at least 1.3), where ``pipeline/adaptive`` ran
     ``adaptive_vs_best_fixed_k_tokens_per_second`` (its ratio to the fixed K with the most tokens/s,
     the smallest of its ratios to each; target at least 0.97), and per process of
@@ -177,7 +177,7 @@ def configure(config: ConcurrencyConfig, console: Console | None = None) -> Conc
     """``config`` for the ceiling: the near-free model (written if missing) as target and draft
     model, the ``transformers`` drafter (so ``pipeline/K=4`` is the self-draft), both services'
     steps sized to take every stream of the largest N (``max_num_seqs``; the default, 16, would
-    cap the batch below the issue's N = 64, where transformers serve batches all), and the draft at
+    cap the batch below the default N = 64, where transformers serve batches all), and the draft at
     the target's CPU priority (niceness 0, not the load modes' 19: every round of ``pipeline/K=4``
     waits for its self-draft's forwards, and none opens it for a probe), the coordinator told that
     the draft shares the target's cores, as it does here (``draft_shares_target_cores``: draft-ahead

@@ -1,5 +1,5 @@
 """``specdec bench conversation multi-turn|shared-system-prompt``: prefix caching in the time to
-first token, at batch 1, greedy (issue 29).
+first token, at batch 1, greedy.
 
 Requests that share a prefix with an earlier one, as chat clients send them:
 
@@ -37,7 +37,7 @@ ones: TTFT mean and p50, tokens/s, speedup over ``plain``, the share identical t
 mean prompt tokens and the mean of them the verify and the draft service found cached
 (``RequestMetrics.num_cached_prompt_tokens`` and ``num_draft_cached_prompt_tokens``; the draft's
 is 0 too for a request that never prefilled a draft session: adaptive K opens it only for a round
-that drafts with it); then the issue's targets per placement, judged on the mean TTFT of the
+that drafts with it); then the mode's targets per placement, judged on the mean TTFT of the
 measured requests overall: with prefix caching / without at most 1/3, the pipeline's /
 ``plain``'s (shared) or ``plain/verify-cpu``'s (split) at most 1 (on the first requests too).
 JSON, Markdown and a PNG of the speedups (:func:`specdec_app.bench.chart.write_chart`).
@@ -288,7 +288,7 @@ def summarize_requests(measurements: list[Measurement], methods: list[str]) -> d
 
 
 def targets(report: dict) -> list[dict]:
-    """The issue's TTFT targets per placement, read off the measured requests overall (and the
+    """The mode's TTFT targets per placement, read off the measured requests overall (and the
     pipeline against plain on the first requests too): ``name``, ``ratio`` of the mean TTFTs,
     ``ratio_p50`` of the p50s, ``goal`` (at most), ``met`` (on the mean)."""
     config, rows = report["config"], []

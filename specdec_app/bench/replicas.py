@@ -1,4 +1,4 @@
-"""``specdec bench replicas``: the services as replicas, measured against issue 47's targets.
+"""``specdec bench replicas``: the services as replicas, measured against the mode's targets.
 
 Every service is a process of its own on a loopback address of its own (verify replicas on
 127.0.0.2-4, draft replicas on 127.0.0.5-6, coordinators on 127.0.0.7-8: separate hosts on one
@@ -90,7 +90,7 @@ AFFINITY_CATEGORIES = ("qa", "translation", "math_reasoning")
 WARM_UP_TOKENS = 8
 REQUEST_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
-# the issue's targets
+# the mode's targets
 SPREAD_MAX_DEVIATION = 0.25  # every replica's share of its service's CPU within 25% of an even share
 VERIFY_NAME = "verify.specdec.bench"  # the spread scenario's verify replicas, behind one DNS name
 AFFINITY_MIN_HIT_RATIO = 0.95  # prefix-load's cached prompt tokens / one replica's
@@ -101,7 +101,7 @@ RESUME_MAX_MS = 1000.0  # from the kill to speculating again on the other draft 
 
 @dataclass
 class ReplicasConfig:
-    """What ``specdec bench replicas`` runs: the scenarios (:data:`SCENARIOS`) with the issue's
+    """What ``specdec bench replicas`` runs: the scenarios (:data:`SCENARIOS`) with the mode's
     sizes (fields, so that a quick look can shrink them); ``slow_delay_ms`` is the load scenario's
     hook delay of each Verify and Decode call of the slowed replica, chosen to make its calls
     several times slower than the others' (the report gives both per-token times)."""

@@ -1,4 +1,4 @@
-"""``specdec bench structured``: structured output at batch 1, greedy (issue 27).
+"""``specdec bench structured``: structured output at batch 1, greedy.
 
 Every prompt of ``benchmarks/structured/prompts.jsonl`` (JSON-schema extraction from a given text,
 JSON generation from a description; see its README) asks for an answer under its JSON schema.
@@ -274,7 +274,7 @@ def structured_table(report: dict) -> list[str]:
 
 
 def targets(report: dict) -> list[str]:
-    """The issue's targets, read off the overall figures: the default pipeline at least 2x plain
+    """The mode's targets, read off the overall figures: the default pipeline at least 2x plain
     constrained decoding, its acceptance no lower than the same prompts unconstrained (adaptive K,
     and the fixed-K pair at the same depth)."""
     overall = report["summary"][OVERALL]

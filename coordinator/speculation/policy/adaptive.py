@@ -16,7 +16,7 @@ greedy marginal goodput over their bids), so that the requests sharing a step do
 tokens that pay for one of them alone. W counts the others' prefill chunks as the step's work, not
 as its overhead: the service must prefill them whatever this request does, and a draft token that
 slows the step delays them as much as it delays the others' decode tokens. Why:
-docs/profiles.md#serving-under-load-one-engine-loop-per-model. Plain rounds whose Decode went out
+docs/profiles.md#the-engine-loop-and-adaptive-k-under-load. Plain rounds whose Decode went out
 with the round before (decode ahead, :class:`coordinator.speculation.rounds.RequestRounds`) pay no
 rest beyond their step (``StepCosts.plain_overhead_ms``); a round that turns around instead waits,
 under load, for the step in progress where the engine steps without it, so the options but plain
@@ -321,7 +321,7 @@ class AdaptiveK:
         draft only then, so that on a loaded service, where speculation does not pay, no draft
         prefill takes the shared hardware from the target's steps; the opening is priced because
         it is most of what the draft costs there
-        (docs/profiles.md#serving-under-load-one-engine-loop-per-model)."""
+        (docs/profiles.md#the-engine-loop-and-adaptive-k-under-load)."""
         if not self.drafter:
             return False
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token

@@ -19,7 +19,7 @@ or where a service reports none, a line fitted here to its start-up measurements
 only (:meth:`StepCosts.step_ms`: a prefill chunk's tokens cost less than a draft token's); the
 rest is the round's overhead, not its wait for the step in progress (other sequences' work, which
 their steps count: :meth:`StepCosts.observe`). How the adaptive policy scores an option with them:
-:mod:`coordinator.speculation.policy.adaptive`. Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+:mod:`coordinator.speculation.policy.adaptive`. Why: docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
 """
 
 from collections.abc import Callable
@@ -152,7 +152,7 @@ class StepCosts:
         step; without one, :func:`specdec.engine.step_line.fit_line` through this coordinator's
         points (alone: k + 1 tokens, ``verify_ms[k]``; batched: ``batched_ms``, steps of decoding
         work only, see :meth:`observe`: the slope is what a draft token adds to a step, and a
-        prefill chunk's tokens cost less). Why: docs/profiles.md#serving-under-load-one-engine-loop-per-model."""
+        prefill chunk's tokens cost less). Why: docs/profiles.md#the-engine-loop-and-adaptive-k-under-load."""
         if self.service_line is not None and (published := self.service_line()) is not None:
             return published
         if self.reported_line is not None:
@@ -184,7 +184,7 @@ class StepCosts:
         (``record.propose_call_ms``, ``record.ahead_call_ms``). The wait for the step is priced
         nowhere: it is the service running other sequences' work (their prefill chunks, under a
         burst), which their steps count (W), not time the batch loses. Why both:
-        docs/profiles.md#serving-under-load-one-engine-loop-per-model.
+        docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
         cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
