@@ -197,7 +197,7 @@ def test_prefill_beyond_the_session_limit_is_resource_exhausted(tiny_pipeline):
             stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id=sid, token_ids=[1, 2, 3]))
         with pytest.raises(grpc.RpcError) as err:
             stub.Prefill(verify_pb2.VerifyServicePrefillRequest(session_id="one-more", token_ids=[1, 2, 3]))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in err.value.details()
     finally:
         for sid in ids:
             stub.Release(verify_pb2.VerifyServiceReleaseRequest(session_id=sid))

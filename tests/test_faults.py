@@ -391,7 +391,8 @@ def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny
     only in probes, and the test hook's held Prefills price opening it at about a second, which can
     put every probe off (``AdaptiveK._opening_share``; seen once in a clean-clone suite run). A
     request with a probe or two leaves its later positions at about the prior (seen once: [0.9,
-    0.8]); its first position, which every drafted round tests, has risen."""
+    0.8]); its first position, which every drafted round tests, has risen, unless no round it was
+    asked for got its proposal in time (under a loaded suite: a round without drafts)."""
     request = requests()["adaptive"]
     request.request_id, request.max_new_tokens = "adaptive-estimates", 400
     completion = generate(fleet.coordinators[1].address, request, timeout_s=120)
@@ -403,5 +404,6 @@ def test_acceptance_estimates_are_shared_through_redis(fleet, redis_server, tiny
     while not expected <= (priors := from_redis(redis_server.url, lambda store: store.load_priors(target))).keys():
         assert time.monotonic() < deadline, f"estimates missing from Redis ({usage} rounds by drafter): {priors}"
         time.sleep(0.1)
-    if "transformers" in expected:  # a self-draft's first position always passes: above its prior once used
+    drafted = completion.metrics.drafter_usage["transformers"].num_draft_tokens if "transformers" in usage else 0
+    if drafted:  # a self-draft's first position always passes: above its prior once it drafted
         assert priors["transformers"][0] > AdaptiveState.prior_rate
