@@ -249,9 +249,9 @@ class AdaptiveK:
     def lookups_on(self) -> bool:
         """Whether this round looks the request's n-gram and suffix lookups up: while they pay
         (:class:`LookupLedger`) and a lookup proposal could win at the current load
-        (:meth:`_lookup_could_win`). Else their search (most of a plain round's coordinator CPU
-        with the suffix lookup) buys nothing; their next call indexes the tokens committed
-        meanwhile."""
+        (:meth:`_lookup_could_win`). Else their search buys nothing (the suffix lookup's was a third
+        of the coordinator's CPU at the near-free ceiling's 64 streams, every round plain); their
+        next call indexes the tokens committed meanwhile."""
         return self.lookup_ledger.paid and self._lookup_could_win()
 
     def _lookup_could_win(self) -> bool:
