@@ -20,6 +20,20 @@ def lookup_request(others: int) -> AdaptiveK:
     return AdaptiveK(4, None, None, {NGRAM: [AcceptanceModel([0.95] * 4)]}, costs, load=load)
 
 
+def lookup_round(drafter: str, k: int, accepted: int) -> RoundRecord:
+    """A round of ``k`` drafts by ``drafter``, ``accepted`` of them accepted, in 102 ms."""
+    return RoundRecord(
+        drafter=drafter,
+        k=k,
+        num_drafted=k,
+        num_accepted=accepted,
+        draft_ms=0.0,
+        verify_ms=100.0,
+        wall_ms=102.0,
+        wire_bytes=0,
+    )
+
+
 def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
     """Under load every lookup round is rejected at its first token: once the lookups drafted 8
     tokens and gained nothing of what they owed, the request stops looking up."""
@@ -27,20 +41,7 @@ def test_lookups_that_do_not_pay_are_turned_off_for_the_request():
     while policy.lookups_on:
         drafter, k = policy.next_round({NGRAM: match})
         assert drafter == NGRAM and k > 0
-        policy.observe(
-            RoundRecord(
-                drafter=NGRAM,
-                k=k,
-                num_drafted=k,
-                num_accepted=0,
-                draft_ms=0.0,
-                verify_ms=100.0,
-                wall_ms=102.0,
-                wire_bytes=0,
-            ),
-            {NGRAM: match},
-            [3],
-        )
+        policy.observe(lookup_round(NGRAM, k, 0), {NGRAM: match}, [3])
     ledger = policy.lookup_ledger
     assert ledger.drafted >= 8 and ledger.gained == 0 < ledger.owed
 
@@ -49,20 +50,7 @@ def test_lookups_that_pay_stay_on():
     policy, match = lookup_request(7), NgramMatch(2, [7, 8])
     for _ in range(20):
         drafter, k = policy.next_round({NGRAM: match})
-        policy.observe(
-            RoundRecord(
-                drafter=drafter,
-                k=k,
-                num_drafted=k,
-                num_accepted=k,
-                draft_ms=0.0,
-                verify_ms=100.0,
-                wall_ms=102.0,
-                wire_bytes=0,
-            ),
-            {NGRAM: match},
-            [7, 8, 3][: k + 1],
-        )
+        policy.observe(lookup_round(drafter, k, k), {NGRAM: match}, [7, 8, 3][: k + 1])
     assert policy.lookups_on and policy.lookup_ledger.drafted >= 8
     assert policy.lookup_ledger.gained >= policy.lookup_ledger.owed > 0
 

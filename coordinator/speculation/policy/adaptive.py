@@ -215,7 +215,7 @@ class AdaptiveK:
             k = self._within_budget(drafter, k, matches)
             drafter = drafter if k else PLAIN
         if drafter in self.lookups:
-            self.lookup_ledger.charge(k, self._break_even(k))
+            self.lookup_ledger.charge(k, self._break_even(k, self._plain_goodput()))
         self._rounds_without_drafter = 0 if drafter == self.drafter else self._rounds_without_drafter + 1
         return drafter, k
 
@@ -262,7 +262,8 @@ class AdaptiveK:
         barely grows (an accelerator) they always are."""
         if self.load.others_seqs < 1 or not self.lookups:
             return True
-        return any(k > self._break_even(k) for k in range(1, min(self.k_max, self.k_limit) + 1))
+        plain = self._plain_goodput()
+        return any(k > self._break_even(k, plain) for k in range(1, min(self.k_max, self.k_limit) + 1))
 
     def _within_budget(self, drafter: str, k: int, matches: Matches | None) -> int:
         """``k``, at most the request's share of the step budget (:mod:`coordinator.speculation.policy.step_budget`)
@@ -297,12 +298,15 @@ class AdaptiveK:
                 return model.passing(len(match.tokens))
         return []
 
-    def _break_even(self, k: int) -> float:
-        """The tokens beyond one that a lookup round of ``k`` drafts must commit to make the whole
-        batch's goodput of a plain round (:meth:`options`' measure) at the current load."""
-        others, others_tokens = self.load.others_work(), self.load.others_tokens
-        plain = (1.0 + others) / self.costs.round_ms(0, False, others_tokens)
-        return max(0.0, plain * self.costs.round_ms(k, False, others_tokens) - others - 1.0)
+    def _plain_goodput(self) -> float:
+        """The whole batch's tokens per ms of a plain round at the current load (:meth:`options`' measure)."""
+        return (1.0 + self.load.others_work()) / self.costs.round_ms(0, False, self.load.others_tokens)
+
+    def _break_even(self, k: int, plain_goodput: float) -> float:
+        """The tokens beyond one that a lookup round of ``k`` drafts must commit to make
+        ``plain_goodput`` (:meth:`_plain_goodput`) at the current load."""
+        round_ms = self.costs.round_ms(k, False, self.load.others_tokens)
+        return max(0.0, plain_goodput * round_ms - self.load.others_work() - 1.0)
 
     def opens_draft_at_prefill(self, context_tokens: int, remaining: int) -> bool:
         """Whether a greedy request opens its draft beside the target's prefill: only if the first
