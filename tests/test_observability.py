@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.api.client import generate
+from specdec.observability import telemetry
 from specdec.observability.telemetry import configure_tracing, current_span, exporter_names
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -411,6 +412,7 @@ def test_session_gauges_kv_bytes_and_errors(traced_run):
 
 
 def test_tracing_is_off_unless_an_exporter_is_named(monkeypatch):
+    monkeypatch.setattr(telemetry, "_tracing", None)  # restored after the test
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
     assert configure_tracing("verify") is False
@@ -429,6 +431,20 @@ def test_a_span_with_tracing_off_leaves_the_current_context_alone():
     with trace.use_span(outer), current_span(trace.get_tracer(__name__), "round") as span:
         assert span is trace.INVALID_SPAN and not span.is_recording()
         assert trace.get_current_span() is outer
+
+
+def test_a_process_configured_without_tracing_does_not_ask_for_a_provider_per_span(monkeypatch):
+    monkeypatch.setattr(telemetry, "_tracing", None)  # restored after the test
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert configure_tracing("coordinator") is False
+    tracer = trace.get_tracer(__name__)
+
+    def asked():
+        raise AssertionError("get_tracer_provider called per span")
+
+    monkeypatch.setattr(trace, "get_tracer_provider", asked)
+    with current_span(tracer, "round") as span:
+        assert span is trace.INVALID_SPAN
 
 
 def test_an_exporter_that_is_not_installed_is_an_error(monkeypatch):

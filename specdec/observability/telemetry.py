@@ -34,6 +34,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from pythonjsonlogger.json import JsonFormatter
 
 EXPORTER_ENTRY_POINTS = "opentelemetry_traces_exporter"
+# whether this process traces: None until configure_tracing decides (see current_span)
+_tracing: bool | None = None
 
 
 def exporter_names() -> list[str]:
@@ -68,8 +70,10 @@ def configure_tracing(service: str) -> bool:
     Raises:
         ValueError: an exporter that is not installed.
     """
+    global _tracing
     names = exporter_names()
     if not names:
+        _tracing = False
         return False
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: f"specdec-{service}"}
     provider = TracerProvider(resource=Resource.create(attributes))
@@ -91,8 +95,14 @@ def current_span(tracer: trace.Tracer, name: str, **kwargs) -> contextlib.Abstra
     """``tracer.start_as_current_span(name, **kwargs)`` where a tracer provider is installed; with
     tracing off, the invalid span without touching the current context. For spans made per round or
     per call: the API's no-op span still sets and resets the current context, and those of the
-    coordinator's rounds and Step calls were 14% of its CPU at 64 streams with tracing off."""
-    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+    coordinator's rounds and Step calls were 14% of its CPU at 64 streams with tracing off.
+
+    In a process whose :func:`configure_tracing` installed nothing, tracing is off for good,
+    without asking the API, whose ``get_tracer_provider`` looks ``OTEL_PYTHON_TRACER_PROVIDER`` up
+    in the environment at every call (a KeyError raised and caught in ``os.environ``: 7% of the
+    coordinator's CPU at 64 streams). A process that never called it (a test, an embedding
+    program) asks the API each time."""
+    if _tracing is False or (_tracing is None and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)):
         return contextlib.nullcontext(trace.INVALID_SPAN)
     return tracer.start_as_current_span(name, **kwargs)
 
