@@ -3,12 +3,19 @@ and the step budget's bids."""
 
 import pytest
 
+from coordinator.speculation.policy.acceptance_model import AcceptanceModel
 from coordinator.speculation.policy.adaptive_state import AdaptiveState
+from coordinator.speculation.policy.k_policy import Learnt
 from specdec.engine.step_line import fit_line
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.v1 import common_pb2, draft_pb2, verify_pb2
 
 FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
+
+
+def measure(model: AcceptanceModel, rate: float) -> None:
+    """As if a request's rounds had observed every position of ``model`` at ``rate``."""
+    model.rates, model.observed = [rate] * len(model.rates), len(model.rates)
 
 
 def test_rounds_are_priced_by_the_verify_services_published_step_line():
@@ -38,9 +45,10 @@ def test_sessions_warm_start_from_the_previous_ones():
     first = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
     assert first.acceptance.rates == [0.8] * 4 and first.costs.verify_ms == [50.0, 55.0, 60.0, 60.0, 60.0]
     assert [m.rates for m in first.lookups[NGRAM]] == [[0.5] * 4] * 2  # observed every round: no optimism needed
-    first.acceptance.rates = [0.0] * 4
-    first.lookups[NGRAM][1].rates = [1.0] * 4
-    first.end()
+    measure(first.acceptance, 0.0)
+    measure(first.lookups[NGRAM][1], 1.0)
+    # what it observed alone: not the n-gram's 1-token matches nor the forced-token lookup's
+    assert first.end() == Learnt("", {"llama-cpp": [0.4] * 4, "ngram/2": [0.75] * 4})
     second = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2})
     assert second.acceptance.rates == [0.4] * 4 and second.costs is first.costs
     assert [m.rates for m in second.lookups[NGRAM]] == [[0.5] * 4, [0.75] * 4]
@@ -56,16 +64,15 @@ def test_an_owner_warm_starts_from_its_own_requests_alone():
     target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=[50.0, 55.0, 60.0])
     for _ in range(5):  # an attacker's requests, every draft rejected
         steering = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="ka")
-        steering.acceptance.rates = [0.0] * 4
-        steering.lookups[NGRAM][0].rates = [0.0] * 4
+        measure(steering.acceptance, 0.0)
+        measure(steering.lookups[NGRAM][0], 0.0)
         steering.end()
     victim = state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, owner="kb")
     assert victim.acceptance.rates == [0.8] * 4
     assert [m.rates for m in victim.lookups[NGRAM]] == [[0.5] * 4] * 2
     assert state.policy(drafter, target, k_max=4, lookups={}, owner="ka").acceptance.rates[0] < 0.1
-    assert state.priors_of("t", "kb")["llama-cpp"] == [0.8] * 4
-    victim.acceptance.rates = [1.0] * 4
-    victim.end()
+    measure(victim.acceptance, 1.0)
+    assert victim.end() == Learnt("kb", {"llama-cpp": [0.9] * 4})  # for kb's estimates in the store
     assert state.policy(drafter, target, k_max=4, lookups={}, owner="kb").acceptance.rates == [0.9] * 4
 
 
