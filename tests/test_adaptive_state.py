@@ -1,5 +1,7 @@
-"""What adaptive requests share: the verify service's published step line, warm starts per owner,
-and the step budget's bids."""
+"""What adaptive requests share: the verify service's published step line, warm starts per owner
+(and, through the request store, per coordinator replica), and the step budget's bids."""
+
+import asyncio
 
 import pytest
 
@@ -74,6 +76,41 @@ def test_an_owner_warm_starts_from_its_own_requests_alone():
     measure(victim.acceptance, 1.0)
     assert victim.end() == Learnt("kb", {"llama-cpp": [0.9] * 4})  # for kb's estimates in the store
     assert state.policy(drafter, target, k_max=4, lookups={}, owner="kb").acceptance.rates == [0.9] * 4
+
+
+@pytest.mark.parametrize("with_store", ["memory", "redis"], indirect=True)
+@pytest.mark.parametrize("learner_ends_first", [True, False])
+def test_a_replica_stores_only_the_estimates_its_requests_observed(with_store, learner_ends_first):
+    """Two coordinator replicas' requests on one target, each started from the store's estimates
+    (none yet): one's request measures the self-draft, the other's never drafts with it (its
+    lookup alone pays), so the self-draft's estimate there is the default prior it warm-started.
+    Whichever ends last, the store keeps the measured estimate, and the n-gram's of both."""
+    drafter = draft_pb2.DrafterInfo(name="transformers", step_ms=60.0)
+    model = f"learner-ends-first-{learner_ends_first}"  # a Redis of the whole session: a hash of its own
+    target = verify_pb2.VerifyServiceGetInfoResponse(model=model, verify_ms=FLAT)
+    learner, bystander = AdaptiveState(prior_rate=0.8), AdaptiveState(prior_rate=0.8)
+
+    async def start(state: AdaptiveState, store):  # as the coordinator admits an adaptive request
+        state.set_priors(model, await store.load_priors(model))
+        return state.policy(drafter, target, k_max=4, lookups={NGRAM: 1})
+
+    async def end(policy, store):  # as the coordinator closes it
+        learnt = policy.end()
+        await store.save_priors(model, learnt.priors, learnt.owner)
+
+    async def scenario(store):
+        learning, bystanding = await asyncio.gather(start(learner, store), start(bystander, store))
+        measure(learning.acceptance, 1.0)
+        measure(learning.lookups[NGRAM][0], 0.6)
+        measure(bystanding.lookups[NGRAM][0], 0.2)
+        for policy in (learning, bystanding) if learner_ends_first else (bystanding, learning):
+            await end(policy, store)
+        stored = await store.load_priors(model)
+        assert stored["transformers"] == pytest.approx([0.9] * 4)  # not the bystander's 0.8
+        assert stored["ngram/1"] == pytest.approx([0.35 if learner_ends_first else 0.55] * 4)  # the last one's
+        assert "forced" not in stored  # neither observed it
+
+    with_store(scenario)
 
 
 def test_a_requests_bid_leaves_with_it():
