@@ -50,7 +50,7 @@ from coordinator.speculation.placement import Placement
 from coordinator.speculation.plan import LOOKUPS, ResolvedRequest
 from coordinator.speculation.policy.adaptive_state import SUFFIX_LENGTHS, AdaptiveState
 from coordinator.speculation.policy.fixed import FixedK
-from coordinator.speculation.policy.k_policy import KPolicy
+from coordinator.speculation.policy.k_policy import KPolicy, Learnt
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
 from coordinator.speculation.verify_client import VerifyClient
@@ -436,9 +436,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._background.run(self._release(rounds))
         self._background.run(running.journal.end(outcome, running.output.finish, running.final))
         self.metrics.observe_faults(rounds.draft.failures, rounds.verify.rebuilds)
-        learnt_by = running.policy.end()  # the owner whose warm starts it changed (None: a fixed K)
-        if learnt_by is not None:
-            self._background.run(self._save_priors(running.target, learnt_by))
+        learnt = running.policy.end()  # the warm starts it changed (None: a fixed K, or nothing observed)
+        if learnt is not None:
+            self._background.run(self._save_priors(running.target, learnt))
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` seconds for what the ended requests left running: their
@@ -495,9 +495,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         response.metrics.CopyFrom(stored.metrics)
         return response
 
-    async def _save_priors(self, target: str, owner: str) -> None:
+    async def _save_priors(self, target: str, learnt: Learnt) -> None:
         with contextlib.suppress(StoreUnavailable):
-            await self.store.save_priors(target, self.adaptive.priors_of(target, owner), owner)
+            await self.store.save_priors(target, learnt.priors, learnt.owner)
 
 
 async def serve(

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel, drafted_outcome
-from coordinator.speculation.policy.k_policy import Match, Matches
+from coordinator.speculation.policy.k_policy import Learnt, Match, Matches
 from coordinator.speculation.policy.lookup_ledger import LookupLedger
 from coordinator.speculation.policy.step_budget import Bid, allocate
 from coordinator.speculation.policy.step_costs import Load, StepCosts
@@ -406,22 +406,26 @@ class AdaptiveK:
         (:meth:`StepCosts.observe_draft_prefill`)."""
         self.costs.observe_draft_prefill(num_tokens, ms)
 
-    def end(self) -> str | None:
-        """Takes the request's bid out of the step budget and blends its acceptance estimates into
-        the warm starts of ``shared`` (:meth:`AdaptiveState.remember`). Returns its ``owner``, whose
-        warm starts changed; None without ``shared``."""
+    def end(self) -> Learnt | None:
+        """Takes the request's bid out of the step budget and blends what its rounds observed into
+        the warm starts of ``shared`` (:meth:`AdaptiveState.remember`). Returns the warm starts
+        that changed, its ``owner``'s; None without ``shared``, or when its rounds observed no
+        acceptance (say, a request of plain rounds alone without lookup matches)."""
         if self.bids is not None:
             self.bids.pop(self, None)
         if self.shared is None:
             return None
-        self.shared.remember(self)
-        return self.owner
+        priors = self.shared.remember(self)
+        return Learnt(self.owner, priors) if priors else None
 
     def acceptance_models(self) -> dict[str, AcceptanceModel]:
-        """Every acceptance model of the request, by the name its warm start is kept under."""
+        """The acceptance models the request's rounds observed, by the name each one's warm start
+        is kept under; the others hold their warm start as it began (the forced-token lookup's of
+        a request without structured output, a lookup's match length never matched, a drafter
+        never asked to draft), which is no measurement of this request's to share."""
         models = {f"{name}/{n}": model for name, lookup in self.lookups.items() for n, model in enumerate(lookup, 1)}
         if self.drafter and self.acceptance is not None:
             models[self.drafter] = self.acceptance
-        if self.forced is not None and self.forced.observed:  # a request with structured output
+        if self.forced is not None:
             models[FORCED] = self.forced
-        return models
+        return {source: model for source, model in models.items() if model.observed}

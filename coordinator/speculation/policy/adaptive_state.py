@@ -22,9 +22,11 @@ SUFFIX_LENGTHS = 4  # suffix matches of 4 tokens and more share one acceptance e
 class AdaptiveState:
     """What the coordinator's requests share per target: step costs per drafter kept fresh by
     every live round, and acceptance estimates per drafter (and per lookup and match length) that
-    warm-start each new request (an EMA over the requests that ended). ``prior_rate`` seeds a
-    model drafter's estimates never seen: optimistic, so that the first requests try it and measure
-    it (its acceptance is observed only in the rounds that use it). ``lookup_prior_rate`` seeds the
+    warm-start each new request (an EMA over what the requests that ended observed; the request
+    store shares them between coordinator replicas, each writing back only what its own requests
+    observed: :meth:`remember`). ``prior_rate`` seeds a model drafter's estimates never seen:
+    optimistic, so that the first requests try it and measure it (its acceptance is observed only
+    in the rounds that use it). ``lookup_prior_rate`` seeds the
     lookups': a coin toss, as their acceptance is observed every round whether used or not,
     and an optimistic start would have the first requests on a loaded service verify long lookups
     that mostly fail.
@@ -114,23 +116,24 @@ class AdaptiveState:
         prior += [prior_rate] * (k_max - len(prior))
         return AcceptanceModel(prior[:k_max])
 
-    def priors_of(self, target: str, owner: str = "") -> dict[str, list[float]]:
-        """``owner``'s warm starts for ``target`` by source (drafter, ``ngram/<n>``, ``forced``),
-        for the request store."""
-        return {
-            source: list(rates) for (source, model, of), rates in self.priors.items() if (model, of) == (target, owner)
-        }
-
     def set_priors(self, target: str, priors: dict[str, list[float]], owner: str = "") -> None:
         """Replaces ``owner``'s warm starts for ``target`` with those from the request store (every
-        coordinator replica's requests of that owner blend into them)."""
+        coordinator replica's requests of that owner blend into them, each writing back the sources
+        its rounds observed: :meth:`remember`)."""
         for source, rates in priors.items():
             self.priors[(source, target, owner)] = list(rates)
 
-    def remember(self, policy: AdaptiveK) -> None:
-        """Blends an ended request's acceptance estimates into the warm starts (its
-        :meth:`AdaptiveK.end` calls it)."""
+    def remember(self, policy: AdaptiveK) -> dict[str, list[float]]:
+        """Blends an ended request's acceptance estimates into its owner's warm starts, at the
+        positions its rounds observed (its :meth:`AdaptiveK.end` calls it). Returns those warm
+        starts, by source (drafter, ``ngram/<n>``, ``forced``), for the request store: the ones
+        it changed alone. Every other warm start of this replica holds what it last loaded from the
+        store, or the default prior of a source it never loaded, and writing that back would
+        overwrite what another replica's requests measured since."""
+        learnt = {}
         for source, model in policy.acceptance_models().items():
             prior = self.priors[(source, policy.target, policy.owner)]
-            for i, rate in enumerate(model.rates):
+            for i, rate in enumerate(model.rates[: model.observed]):
                 prior[i] = ema(prior[i], rate, self.request_weight)
+            learnt[source] = list(prior)
+        return learnt

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from coordinator.observability.metrics import RoundRecord
-from coordinator.speculation.policy.k_policy import Matches
+from coordinator.speculation.policy.k_policy import Learnt, Matches
 
 
 @dataclass(frozen=True)
@@ -56,5 +56,5 @@ class FixedK:
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         pass
 
-    def end(self) -> str | None:
+    def end(self) -> Learnt | None:
         return None

@@ -4,6 +4,7 @@
 object and the round (:mod:`coordinator.speculation.rounds`) reads the same whichever it has."""
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.observability.metrics import RoundRecord
@@ -13,6 +14,17 @@ from specdec.sampling.grammar import ForcedMatch
 
 Match = NgramMatch | SuffixMatch | ForcedMatch
 Matches = Mapping[str, Match]  # this round's proposal of each lookup that matched, by lookup name
+
+
+@dataclass(frozen=True)
+class Learnt:
+    """The warm starts an ended request changed, for the request store to share with every
+    coordinator replica: ``owner``'s for the request's target, by source, those its rounds observed
+    alone (:meth:`AdaptiveState.remember
+    <coordinator.speculation.policy.adaptive_state.AdaptiveState.remember>`)."""
+
+    owner: str
+    priors: dict[str, list[float]]
 
 
 class KPolicy(Protocol):
@@ -68,7 +80,7 @@ class KPolicy(Protocol):
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         """Learns what opening the draft session cost: a Prefill of ``num_tokens`` in ``ms``."""
 
-    def end(self) -> str | None:
+    def end(self) -> Learnt | None:
         """Called once, when the request ends: hands what the policy learnt to the estimates the
-        coordinator's requests share. Returns the owner whose warm starts changed (the caller
-        stores them), None when nothing was learnt."""
+        coordinator's requests share. Returns the warm starts that changed (the caller stores
+        them), None when nothing was learnt."""
