@@ -26,7 +26,7 @@ from coordinator.api.auth import MIN_KEY_BITS, ApiKeys, Caller, key_bits, peer_h
 from coordinator.api.cache_salt import cache_salt
 from coordinator.api.grpc_auth import ApiKeyInterceptor, CallsInProgress
 from coordinator.api.http_api import HttpLimits, HttpServer, create_app
-from coordinator.api.output import StreamOutput, read_within, write_each
+from coordinator.api.output import StreamOutput, read_within, written
 from coordinator.observability.metrics import MetricsRecorder
 from coordinator.observability.prometheus import CoordinatorMetrics
 from coordinator.observability.tracing import request_attributes, round_attributes
@@ -145,7 +145,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         try:
             caller = self.keys.caller(authorization, peer_host(context.peer()))
             async with contextlib.aclosing(self.serve(request, caller)) as responses:
-                await write_each(responses, context.write, self.settings.stream_stall_timeout_s)
+                async for response in responses:
+                    await written(context.write(response), self.settings.stream_stall_timeout_s)
         except SpecdecError as err:
             if isinstance(err, Overloaded):
                 context.set_trailing_metadata((("retry-after", err.retry_after),))

@@ -4,7 +4,7 @@ asked for, their text, the stop conditions, and the part of it the client has no
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
 from typing import TypeVar
 
 from coordinator.api.text import IncrementalDetokenizer
@@ -32,36 +32,6 @@ async def written(write: Awaitable[None], stall_timeout_s: float) -> None:
             f"the client read nothing for {stall_timeout_s:g} s (stream_stall_timeout_s): the stream was cut "
             "and its request cancelled"
         ) from None
-
-
-async def write_each(
-    responses: AsyncGenerator[T, None], write: Callable[[T], Awaitable[None]], stall_timeout_s: float
-) -> None:
-    """Writes every message of ``responses`` with ``write`` (a gRPC ``context.write``), in order,
-    each bounded by :func:`written`, with at most one write in flight: the next message's round
-    runs while the previous message's write completes. Why: at 64 streams a write's await ended
-    8.5 ms (median) after it began, when the event loop got to gRPC's completion, and the round
-    behind it waited that long to send its next Step call (docs/profiles.md#the-client-write-beside-the-next-round).
-
-    Raises what a write raises (StreamStalled), or what ``responses`` raises once the write in
-    flight has ended, so the client has every message before the failure, as it would with one
-    write at a time. Cancelled (the client went away), it cancels the write in flight."""
-    in_flight: asyncio.Future | None = None
-    try:
-        async for response in responses:
-            if in_flight is not None:
-                await in_flight
-            in_flight = asyncio.ensure_future(written(write(response), stall_timeout_s))
-    except asyncio.CancelledError:
-        if in_flight is not None:
-            in_flight.cancel()
-        raise
-    except BaseException:
-        if in_flight is not None:
-            await in_flight
-        raise
-    if in_flight is not None:
-        await in_flight
 
 
 async def read_within(responses: AsyncGenerator[T, None], max_wait_s: float) -> AsyncGenerator[T, None]:
