@@ -58,18 +58,6 @@ def test_costs_follow_live_rounds():
     assert costs.round_ms(1) == pytest.approx(15.0 + costs.step_ms(2) + 2.625)
 
 
-def test_a_round_shorter_than_its_parts_teaches_no_negative_overhead():
-    """The verify's time comes from the service, the round's from the coordinator: their sum can
-    pass the round's wall time, and an overhead below 0 would price a round below its parts (with a
-    line of intercept near 0, the step budget's fixed price below 0, which it refuses)."""
-    costs = StepCosts(draft_ms_per_token=10.0, verify_ms=[50.0], overhead_ms=1.0, weight=0.5)
-    record = RoundRecord(
-        drafter=PLAIN, k=0, num_drafted=0, num_accepted=0, draft_ms=0.0, verify_ms=60.0, wall_ms=55.0, wire_bytes=0
-    )
-    costs.observe(record, draft_call=False)
-    assert costs.overhead_ms == pytest.approx(0.5)
-
-
 def test_a_round_trip_to_the_draft_alone_delays_a_proposal_drafted_ahead():
     """The coordinator beside the verify service, 20 ms to the draft: a proposal drafted ahead is
     ready 20 ms after its forwards, past a verify call that answers over loopback, so a round

@@ -20,12 +20,6 @@ def test_a_line_never_falls_and_one_point_is_flat():
         fit_line({})
 
 
-def test_a_line_never_starts_below_zero():
-    # nearly all per token: the free fit's intercept is -5 ms, so the line goes through the origin
-    intercept, slope = fit_line({16: 20.0, 32: 45.0, 64: 95.0})
-    assert intercept == 0.0 and slope == pytest.approx((16 * 20 + 32 * 45 + 64 * 95) / (16**2 + 32**2 + 64**2))
-
-
 def test_steps_move_the_profiled_points_by_their_weight():
     line = StepLine(weight=0.5)
     assert line.line() is None

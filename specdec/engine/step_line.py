@@ -22,14 +22,12 @@ EMA_WEIGHT = 0.1
 
 def fit_line(points: Mapping[int, float]) -> tuple[float, float]:
     """The least-squares line through ``points`` ({batched tokens: ms}) as (intercept ms, slope ms
-    per batched token), its slope and its intercept at least 0: where the free fit's intercept is
-    negative (steps whose cost is nearly all per token, as the near-free model's), the
-    least-squares line through the origin, as no step costs less than nothing. A line rather than
-    an interpolation: on a shared CPU one measurement varies by up to 2x, and a dip between two
-    points would make the tokens up to the next look free. The 1-token step stays out where two
-    points remain without it: on a CPU it runs a matrix-vector product, cheaper per token than any
-    step of several tokens (docs/profiles.md#the-engine-loop-and-adaptive-k-under-load). One point:
-    a flat line at its ms. Raises ValueError for no points."""
+    per batched token), its slope at least 0. A line rather than an interpolation: on a shared CPU
+    one measurement varies by up to 2x, and a dip between two points would make the tokens up to
+    the next look free. The 1-token step stays out where two points remain without it: on a CPU it
+    runs a matrix-vector product, cheaper per token than any step of several tokens
+    (docs/profiles.md#the-engine-loop-and-adaptive-k-under-load). One point: a flat line at its
+    ms. Raises ValueError for no points."""
     if not points:
         raise ValueError("fit_line needs at least one measured step")
     if len(points) > 2:
@@ -37,8 +35,6 @@ def fit_line(points: Mapping[int, float]) -> tuple[float, float]:
     if len(points) < 2:
         return next(iter(points.values())), 0.0
     slope, intercept = statistics.linear_regression(list(points), list(points.values()))
-    if intercept < 0:
-        slope, intercept = statistics.linear_regression(list(points), list(points.values()), proportional=True)
     return intercept, max(0.0, slope)
 
 

@@ -217,8 +217,8 @@ class StepCosts:
         if record.decoded_ahead:  # the step began before the round did: at most the rest of the step
             seed = self.overhead_ms if self.plain_overhead_ms is None else self.plain_overhead_ms
             self.plain_overhead_ms = ema(seed, max(0.0, overhead), self.weight)
-        else:  # parts timed by other processes can add up to more than the round: never below 0
-            self.overhead_ms = ema(self.overhead_ms, max(0.0, overhead), self.weight)
+        else:
+            self.overhead_ms = ema(self.overhead_ms, overhead, self.weight)
             if record.batch_size > 1 and not record.prefill_tokens and record.step_ms > 0:
                 missed = min(1.0, record.queue_ms / record.step_ms)
                 self.missed_step_share = ema(self.missed_step_share, missed, self.weight)
