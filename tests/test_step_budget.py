@@ -4,7 +4,7 @@ request out; greedy marginal goodput checked against every allocation of a small
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from coordinator.speculation.policy.step_budget import Bid, allocate
@@ -67,6 +67,16 @@ def test_every_bidder_is_answered_and_a_bad_price_refused():
         allocate({"a": Bid([0.9])}, 10.0, 0.0)
 
 
+def test_a_line_below_zero_at_no_tokens_still_prices_the_step():
+    """A line fitted through steps dearer per token the larger they are starts below 0 (at the
+    near-free ceiling, 64 streams, its intercept with the round's overhead read -6 to -7 ms, and the
+    budget refused it, failing 2 requests). It prices a token added to the step above the step's
+    mean, so no draft token raises the goodput, however sure."""
+    bids = {i: Bid([0.99] * 4) for i in range(64)}
+    assert set(allocate(bids, -6.3, 1.226).values()) == {0}
+    assert allocate({"a": Bid([0.99])}, -5.0, 1.0) == {"a": 0}  # a step priced at nothing or less
+
+
 rates = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3)
 
 
@@ -74,12 +84,14 @@ rates = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3)
 @given(
     passing=st.lists(rates, min_size=1, max_size=3),
     draft_ms=st.lists(st.sampled_from([0.0, 3.0]), min_size=3, max_size=3),
-    intercept=st.floats(0.0, 100.0),
+    intercept=st.floats(-50.0, 100.0),
     slope=st.floats(0.1, 10.0),
     others=st.floats(0.0, 20.0),
 )
 def test_greedy_is_the_best_allocation(passing, draft_ms, intercept, slope, others):
-    """No allocation of prefixes (each bidder any K up to its drafts) has a higher goodput."""
+    """No allocation of prefixes (each bidder any K up to its drafts) has a higher goodput, the
+    intercept below 0 included wherever the step it prices costs more than nothing."""
+    assume(intercept + slope * (len(passing) + others) > 0)
     bids = {i: Bid(p, draft_ms[i]) for i, p in enumerate(passing)}
     best = goodput(bids, allocate(bids, intercept, slope, others), intercept, slope, others)
     for choice in itertools.product(*(range(len(p) + 1) for p in passing)):

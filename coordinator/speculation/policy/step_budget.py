@@ -54,13 +54,19 @@ def allocate(
     batched token) price the step; ``others_tokens`` is the step's work besides the bidders' (in
     tokens). Returns every bidder, K = 0 for those whose first draft token does not pay.
 
-    Raises ValueError when the step's price is not positive (``intercept_ms`` < 0, ``slope_ms``
-    <= 0): no draft token is then dearer than none, and the greedy order would have no end."""
-    if intercept_ms < 0 or slope_ms <= 0:
-        raise ValueError(f"a step's price needs intercept_ms >= 0 and slope_ms > 0, got {intercept_ms}, {slope_ms}")
+    ``intercept_ms`` may be below 0: a line fitted through steps that cost more per token the more
+    tokens they take (a CPU's) prices a token added to a step above the step's mean. Where the line
+    prices the step of the bidders' own tokens and the others' at 0 ms or less, no draft token can
+    raise its goodput: K = 0 for every bidder.
+
+    Raises ValueError for ``slope_ms`` <= 0: no draft token would then be dearer than none."""
+    if slope_ms <= 0:
+        raise ValueError(f"a step's price needs slope_ms > 0, got {slope_ms}")
     tokens = len(bids) + max(0.0, others_tokens)
     expected, cost = tokens, intercept_ms + slope_ms * tokens
     ks = dict.fromkeys(bids, 0)
+    if cost <= 0:
+        return ks
     for _, _, key, p, token_ms in sorted(_candidates(bids, slope_ms), key=lambda c: (-c[0], c[1])):
         if p * cost <= token_ms * expected:  # p / c <= E / C: this token lowers the step's goodput
             break
