@@ -1,8 +1,9 @@
 """The lookup ledger: a request's lookups that do not pay are turned off; those that pay stay on."""
 
-from coordinator.observability.metrics import RoundRecord
+from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel
 from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.lookup_ledger import IDLE_SEARCHES, LookupLedger
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramMatch
@@ -65,3 +66,42 @@ def test_lookups_are_not_searched_where_even_a_sure_proposal_would_lose():
     assert policy.lookup_ledger.paid and not policy.lookups_on
     policy.load = Load()
     assert policy.lookups_on
+
+
+def unlikely_lookup_request(others: int) -> AdaptiveK:
+    """A request whose n-gram estimates read 5%: its matches are searched but never chosen."""
+    policy = lookup_request(others)
+    policy.lookups = {NGRAM: [AcceptanceModel([0.05] * 4)]}
+    return policy
+
+
+def test_under_load_lookups_searched_and_never_chosen_are_turned_off():
+    """Beside 7 others, a search whose match is never good enough to choose costs the coordinator's
+    CPU for nothing: after IDLE_SEARCHES such rounds the request stops looking up."""
+    policy, match = unlikely_lookup_request(7), NgramMatch(2, [7, 8, 9, 10])
+    rounds = 0
+    while policy.lookups_on:
+        assert policy.next_round({NGRAM: match}) == (PLAIN, 0)
+        policy.observe(lookup_round(PLAIN, 0, 0), {NGRAM: match}, [3])
+        rounds += 1
+    assert rounds == IDLE_SEARCHES and policy.lookup_ledger.drafted == 0
+
+
+def test_alone_lookups_are_searched_whether_chosen_or_not():
+    """Alone, a search costs a sliver of the round: plain rounds do not count against it."""
+    policy, match = unlikely_lookup_request(0), NgramMatch(2, [7, 8, 9, 10])
+    for _ in range(3 * IDLE_SEARCHES):
+        policy.observe(lookup_round(PLAIN, 0, 0), {NGRAM: match}, [3])
+    assert policy.lookups_on and policy.lookup_ledger.searched_idle == 0
+
+
+def test_a_chosen_lookup_starts_the_idle_count_again():
+    ledger = LookupLedger()
+    for _ in range(IDLE_SEARCHES - 1):
+        ledger.searched(chosen=False)
+    ledger.searched(chosen=True)
+    for _ in range(IDLE_SEARCHES - 1):
+        ledger.searched(chosen=False)
+    assert ledger.paid
+    ledger.searched(chosen=False)
+    assert not ledger.paid

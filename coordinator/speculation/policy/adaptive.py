@@ -248,7 +248,8 @@ class AdaptiveK:
     @property
     def lookups_on(self) -> bool:
         """Whether this round looks the request's n-gram and suffix lookups up: while they pay
-        (:class:`LookupLedger`) and a lookup proposal could win at the current load
+        (:class:`LookupLedger`: their drafts, and under load their search, counted in
+        :meth:`observe`) and a lookup proposal could win at the current load
         (:meth:`_lookup_could_win`). Else their search buys nothing (the suffix lookup's was a third
         of the coordinator's CPU at the near-free ceiling's 64 streams, every round plain); their
         next call indexes the tokens committed meanwhile."""
@@ -384,7 +385,10 @@ class AdaptiveK:
 
     def observe(self, record: RoundRecord, matches: Matches | None, committed: list[int]) -> None:
         """Learns from a finished round: its record, the lookups' matches looked up before it
-        (used or not) and the tokens it committed."""
+        (used or not) and the tokens it committed. Under load, a round that searched the lookups
+        (:attr:`lookups_on`, as before the round) tells the ledger whether one was chosen."""
+        if self.load.others_seqs >= 1 and self.lookups and self.lookups_on:
+            self.lookup_ledger.searched(chosen=record.drafter in self.lookups)
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if record.decoded_ahead:  # chosen by the round before (decodes_ahead), not by next_round
             self._rounds_without_drafter += 1
