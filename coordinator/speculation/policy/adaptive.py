@@ -106,6 +106,7 @@ class AdaptiveK:
     lookup_ledger: LookupLedger = field(default_factory=LookupLedger)
     shared: "AdaptiveState | None" = field(default=None, repr=False)  # the state that made it (None: alone)
     _rounds_without_drafter: int = 0
+    _searched: bool = False  # the last answer of lookups_on: whether this round searched the lookups
 
     @property
     def k_limit(self) -> int:
@@ -252,8 +253,11 @@ class AdaptiveK:
         :meth:`observe`) and a lookup proposal could win at the current load
         (:meth:`_lookup_could_win`). Else their search buys nothing (the suffix lookup's was a third
         of the coordinator's CPU at the near-free ceiling's 64 streams, every round plain); their
-        next call indexes the tokens committed meanwhile."""
-        return self.lookup_ledger.paid and self._lookup_could_win()
+        next call indexes the tokens committed meanwhile. The round reads it once, before its
+        choice; the answer is kept for its :meth:`observe`, which would otherwise price the load
+        again."""
+        self._searched = self.lookup_ledger.paid and self._lookup_could_win()
+        return self._searched
 
     def _lookup_could_win(self) -> bool:
         """Under load, whether a lookup proposal of some K in 1..``k_max`` whose every token is
@@ -386,8 +390,8 @@ class AdaptiveK:
     def observe(self, record: RoundRecord, matches: Matches | None, committed: list[int]) -> None:
         """Learns from a finished round: its record, the lookups' matches looked up before it
         (used or not) and the tokens it committed. Under load, a round that searched the lookups
-        (:attr:`lookups_on`, as before the round) tells the ledger whether one was chosen."""
-        if self.load.others_seqs >= 1 and self.lookups and self.lookups_on:
+        (:attr:`lookups_on`, read before the round) tells the ledger whether one was chosen."""
+        if self._searched and self.lookups and self.load.others_seqs >= 1:
             self.lookup_ledger.searched(chosen=record.drafter in self.lookups)
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if record.decoded_ahead:  # chosen by the round before (decodes_ahead), not by next_round
