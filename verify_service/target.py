@@ -45,6 +45,7 @@ from specdec.sampling.sampling_params import SamplingParams
 from specdec.sampling.structured_output import UNLIMITED, grammar_tokenizer
 from specdec.timing import min_ms
 from specdec.v1 import common_pb2
+from verify_service.settings import VerifySettings
 
 tracer = trace.get_tracer(__name__)
 MEASURE_CONTEXT = 64  # tokens of context of the start-up measurements (Target.measure_costs)
@@ -496,7 +497,7 @@ class TargetSession:
             raise InvalidArgument(
                 f"{k} draft tokens exceed the verify service's limit of "
                 f"{target.max_num_speculative_tokens} (its --max-num-speculative-tokens, "
-                "SPECDEC_VERIFY_MAX_NUM_SPECULATIVE_TOKENS): send at most that many"
+                f"{VerifySettings.variable('max_num_speculative_tokens')}): send at most that many"
             )
         if len(self.committed) + k + 1 > target.max_context_length:
             raise InvalidArgument(

@@ -202,7 +202,7 @@ class LlamaCppLM(BatchedLM):
         if not 1 <= max_num_seqs <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(
                 f"max_num_seqs is {max_num_seqs}: llama.cpp holds 1 to {llama_cpp.llama_max_parallel_sequences()} "
-                f"sequences; set {DraftSettings.named('llama_cpp_max_num_seqs')} within them"
+                f"sequences; set {MAX_NUM_SEQS} within them"
             )
         if n_ctx < 1 or max_num_batched_tokens < 1:
             raise ValueError(
