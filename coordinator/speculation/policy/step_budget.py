@@ -24,8 +24,9 @@ marginal goodput:
 Decision (docs/architecture.md, "Design decisions"): the budget lives in the coordinator, which
 holds each request's acceptance estimates and proposals before the step is formed, rather than in
 the verify service's scheduler, which would receive the drafts already drafted (their cost spent)
-and would have to be sent every request's estimates with every call. A coordinator replica sees
-only its own requests: the others on the verify service count as ``others_tokens``.
+and would have to be sent every request's estimates with every call. The same budget in the verify
+engine, tried, read within the runs' spread of this one. A coordinator replica sees only its own
+requests: the others on the verify service count as ``others_tokens``.
 """
 
 from collections.abc import Hashable, Mapping, Sequence
