@@ -889,7 +889,8 @@ def test_ceiling_targets_over_repeats():
 
 def test_services_sized_for_the_load(tmp_path):
     """Sessions and streams per client follow the most requests a cell can have in flight (a
-    Poisson cell's N x requests per client); the ceiling's settings come last."""
+    Poisson cell's N x requests per client), the llama-cpp drafter's sequences the largest N with
+    a quarter to spare; the ceiling's settings come last."""
     from dataclasses import replace
 
     from specdec_app.bench.concurrency import ConcurrencyConfig, max_in_flight, service_settings
@@ -898,14 +899,16 @@ def test_services_sized_for_the_load(tmp_path):
     closed = replace(base, arrivals=["closed", "burst"])
     assert max_in_flight(closed) == 32
     assert service_settings(closed) == {  # within the defaults; the draft behind the target on their shared cores
-        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "32",
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "40",  # a quarter more: openings overlap the releases before them
         "SPECDEC_DRAFT_NICE": "19",
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
     }
+    one = replace(base, concurrency=[1])
+    assert service_settings(one)["SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS"] == "2"  # at least one to spare
     poisson = replace(base, concurrency=[64], requests_per_client=2)
     assert max_in_flight(poisson) == 128
     assert service_settings(poisson) == {
-        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "64",
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": "80",
         "SPECDEC_DRAFT_NICE": "19",
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
         "SPECDEC_COORDINATOR_MAX_STREAMS_PER_CLIENT": "128",

@@ -909,7 +909,11 @@ def max_in_flight(config: ConcurrencyConfig) -> int:
 
 def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
-    llama-cpp drafter's sequences for the largest N; the draft service at niceness 19, as it runs
+    llama-cpp drafter's sequences for the largest N and a quarter more, at least one (a request's
+    draft session opens while the sessions of the requests before it are still being released:
+    with exactly N, an opening failed with RESOURCE_EXHAUSTED and the request decoded plainly
+    until it retried, 41 times in an 85-minute sweep, and at N = 1 for up to 38 rounds of a
+    request); the draft service at niceness 19, as it runs
     on the target's cores (:attr:`draft_service.settings.DraftSettings.nice`: under load a draft
     prefill at the target's priority stalled its steps), and the coordinator told so
     (``draft_shares_target_cores``: adaptive K prices the draft's forwards as the round's wait, not
@@ -918,9 +922,9 @@ def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     sessions for :func:`max_in_flight` requests where that is above their defaults (32 and 64;
     sessions twice that plus 8, as a finished request's sessions are released while the client's
     next one opens); then ``config.service_env`` (the ceiling's)."""
-    in_flight = max_in_flight(config)
+    in_flight, n = max_in_flight(config), max(config.concurrency)
     settings = {
-        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(max(config.concurrency)),
+        "SPECDEC_DRAFT_LLAMA_CPP_MAX_NUM_SEQS": str(n + max(1, n // 4)),
         "SPECDEC_DRAFT_NICE": "19",
         "SPECDEC_COORDINATOR_DRAFT_SHARES_TARGET_CORES": "true",
     }
