@@ -910,10 +910,9 @@ def max_in_flight(config: ConcurrencyConfig) -> int:
 def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     """The ``SPECDEC_*`` variables the services start with (unless set in the environment): the
     llama-cpp drafter's sequences for the largest N and a quarter more, at least one (a request's
-    draft session opens while the sessions of the requests before it are still being released:
-    with exactly N, an opening failed with RESOURCE_EXHAUSTED and the request decoded plainly
-    until it retried, 41 times in an 85-minute sweep, and at N = 1 for up to 38 rounds of a
-    request); the draft service at niceness 19, as it runs
+    draft session opens while the sessions of the requests before it are still being released;
+    with exactly N such an opening failed with RESOURCE_EXHAUSTED and the request decoded plainly
+    until it retried); the draft service at niceness 19, as it runs
     on the target's cores (:attr:`draft_service.settings.DraftSettings.nice`: under load a draft
     prefill at the target's priority stalled its steps), and the coordinator told so
     (``draft_shares_target_cores``: adaptive K prices the draft's forwards as the round's wait, not
