@@ -8,7 +8,7 @@ Expected tokens of a round with K drafts: 1 + sum_{i=1..K} prod_{j<=i} a_j (the 
 (1 - a^(K+1)) / (1 - a) when every a_j = a).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.observability.metrics import RoundRecord
 from specdec.token_ids import common_prefix_length
@@ -28,11 +28,17 @@ class AcceptanceModel:
     counts at least the deepest observed position's rate (optimism under uncertainty): positions
     are only observed by rounds that draft that far, so with estimates kept as they started there,
     a choice of K that stayed short (because the starting estimates were low) would never learn
-    that longer proposals pass too."""
+    that longer proposals pass too.
+
+    What the policy asks of it every round, for every K (:meth:`passing`, :meth:`expected_tokens`,
+    :meth:`pass_probability`), is computed once per change of the estimates (:meth:`observe`) and
+    read from then on: asked afresh, it was a third of adaptive K's CPU a round."""
 
     rates: list[float]
     weight: float = 0.25
     observed: int = 0
+    _passing: list[float] | None = field(default=None, init=False, repr=False, compare=False)
+    _expected: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def observe_tokens(self, proposal: list[int], committed: list[int]) -> None:
         """Observes a proposal against the tokens the round committed after the same prefix."""
@@ -46,23 +52,34 @@ class AcceptanceModel:
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
         self.observed = max(self.observed, reached)
+        self._passing = None
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a round of ``k`` drafts (the target's own token included)."""
-        return 1.0 + sum(self.passing(k))
+        self._every_position()
+        return self._expected[min(max(k, 0), len(self.rates))]
 
     def pass_probability(self, k: int) -> float:
         """The probability that all of a round's first ``k`` drafts pass."""
-        return ([1.0, *self.passing(k)])[-1]
+        passing = self._every_position()
+        return passing[min(k, len(passing)) - 1] if k > 0 and passing else 1.0
 
     def passing(self, k: int) -> list[float]:
         """For i in 1..k (at most the positions modelled): the probability that drafts 1..i pass."""
-        floor = self.rates[self.observed - 1] if self.observed else 0.0
-        passing, probabilities = 1.0, []
-        for i, rate in enumerate(self.rates[:k]):
-            passing *= rate if i < self.observed else max(rate, floor)
-            probabilities.append(passing)
-        return probabilities
+        return self._every_position()[: max(k, 0)]
+
+    def _every_position(self) -> list[float]:
+        """:meth:`passing` of every position modelled, and its running sums plus one (the expected
+        tokens of each K), computed once per change of the estimates."""
+        if self._passing is None:
+            floor = self.rates[self.observed - 1] if self.observed else 0.0
+            passing, probabilities, expected = 1.0, [], [1.0]
+            for i, rate in enumerate(self.rates):
+                passing *= rate if i < self.observed else max(rate, floor)
+                probabilities.append(passing)
+                expected.append(expected[-1] + passing)
+            self._passing, self._expected = probabilities, expected
+        return self._passing
 
 
 def drafted_outcome(record: RoundRecord) -> tuple[int, int]:
