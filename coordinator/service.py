@@ -251,7 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.num_speculative_tokens,
             {name: lengths[name] for name in self._lookup_names(resolved)},
             self._num_running - 1,
-            drafts_ahead=resolved.draft.drafts_ahead,
+            hidden_behind_verify=resolved.draft.hidden_behind_verify,
             owner=estimates_of,
         )
         return resolved, verify_info, policy

@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from coordinator.api.client import generate
-from coordinator.api.request import draft_plan
 from coordinator.observability.metrics import BONUS, HIT, MAIN, MISS, RECOVERED
-from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.draft_client import DraftClient
 from coordinator.speculation.plan import DraftPlan, ResolvedRequest
 from coordinator.speculation.policy.fixed import FixedK
@@ -33,18 +31,6 @@ from specdec.v1 import coordinator_pb2
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 12, 300, 45, 9]
 MAX_NEW = 40
-
-
-@pytest.mark.parametrize("shares", [False, True])
-def test_a_draft_on_the_targets_cores_drafts_ahead_one_branch(shares):
-    """On the target's cores the draft still drafts ahead, so adaptive K prices its rounds by what
-    outlasts the verify (AdaptiveK.drafts_ahead), but one branch only, and a greedy request's
-    draft prefills after the target's."""
-    settings = CoordinatorSettings(draft_shares_target_cores=shares, draft_ahead_branches=3)
-    plan = draft_plan(settings, SamplingParams(), model_drafter=True)
-    assert plan.drafts_ahead
-    assert (plan.branches, plan.prefill_with_target) == ((1, False) if shares else (3, True))
-    assert not draft_plan(settings, SamplingParams(), model_drafter=False).drafts_ahead
 
 
 @contextlib.contextmanager

@@ -60,16 +60,17 @@ class AdaptiveState:
         k_max: int,
         lookups: Mapping[str, int],
         others: int = 0,
-        drafts_ahead: bool = False,
+        hidden_behind_verify: bool = False,
         owner: str = "",
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
         the lookups that compete, each with its number of match-length estimates (the n-gram
         index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
-        load it assumes until its first round reports the service's. ``drafts_ahead``: the
-        request's model drafter drafts ahead (:meth:`StepCosts.draft_wait_ms` prices its rounds).
-        ``owner``: whose warm starts it uses."""
+        load it assumes until its first round reports the service's. ``hidden_behind_verify``: the
+        request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
+        prices its rounds; not where the draft shares the target's cores: its forwards ahead then
+        slow the verify they would hide behind). ``owner``: whose warm starts it uses."""
         name = drafter.name if drafter else None
         key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
@@ -104,7 +105,7 @@ class AdaptiveState:
             forced=self._warm_start(
                 FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate, owner
             ),
-            drafts_ahead=drafts_ahead,
+            hidden_behind_verify=hidden_behind_verify,
             bids=self.bids.setdefault(target.model, weakref.WeakKeyDictionary()) if self.step_budget else None,
             owner=owner,
             shared=self,

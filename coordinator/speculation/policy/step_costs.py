@@ -171,8 +171,8 @@ class StepCosts:
             weight = max(self.weight, 0.5)
             self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
 
-    def observe(self, record: RoundRecord, draft_call: bool, drafts_ahead: bool = False) -> None:
-        """Learns from a finished round (``drafts_ahead``: its drafter's rounds are priced by
+    def observe(self, record: RoundRecord, draft_call: bool, hidden_behind_verify: bool = False) -> None:
+        """Learns from a finished round (``hidden_behind_verify``: its drafter's rounds are priced by
         :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
         the step that served it (``record.step_ms``; a service reporting no step: its handling
         time); the rest of the round (less the draft's time and its wait for that step,
@@ -186,7 +186,7 @@ class StepCosts:
         burst), which their steps count (W), not time the batch loses. Why both:
         docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward). With ``drafts_ahead`` it learns from the draft service's time for the
+        cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
         is what outlasted the verify, a miss's also the rest of the work ahead. A miss's proposal
         feeds the draft at most K + 1 tokens first; any other round's (the first with the draft, a
@@ -199,7 +199,7 @@ class StepCosts:
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
-            if not drafts_ahead:
+            if not hidden_behind_verify:
                 self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
             elif record.draft_compute_ms > 0:
                 self._observe_draft_forward(record.draft_compute_ms / forwarded, record.draft_ahead == MISS)
