@@ -37,8 +37,8 @@ class AcceptanceModel:
     rates: list[float]
     weight: float = 0.25
     observed: int = 0
-    _passing: list[float] | None = field(default=None, init=False, repr=False, compare=False)
-    _expected: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
+    # (passing of every position, expected tokens of every K); None: to compute (see _tables)
+    _cached: tuple[list[float], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def observe_tokens(self, proposal: list[int], committed: list[int]) -> None:
         """Observes a proposal against the tokens the round committed after the same prefix."""
@@ -52,34 +52,33 @@ class AcceptanceModel:
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
         self.observed = max(self.observed, reached)
-        self._passing = None
+        self._cached = None
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a round of ``k`` drafts (the target's own token included)."""
-        self._every_position()
-        return self._expected[min(max(k, 0), len(self.rates))]
+        return self._tables()[1][min(max(k, 0), len(self.rates))]
 
     def pass_probability(self, k: int) -> float:
         """The probability that all of a round's first ``k`` drafts pass."""
-        passing = self._every_position()
+        passing = self._tables()[0]
         return passing[min(k, len(passing)) - 1] if k > 0 and passing else 1.0
 
     def passing(self, k: int) -> list[float]:
         """For i in 1..k (at most the positions modelled): the probability that drafts 1..i pass."""
-        return self._every_position()[: max(k, 0)]
+        return self._tables()[0][: max(k, 0)]
 
-    def _every_position(self) -> list[float]:
+    def _tables(self) -> tuple[list[float], list[float]]:
         """:meth:`passing` of every position modelled, and its running sums plus one (the expected
-        tokens of each K), computed once per change of the estimates."""
-        if self._passing is None:
+        tokens of K = 0, 1, ...), computed once per change of the estimates."""
+        if self._cached is None:
             floor = self.rates[self.observed - 1] if self.observed else 0.0
             passing, probabilities, expected = 1.0, [], [1.0]
             for i, rate in enumerate(self.rates):
                 passing *= rate if i < self.observed else max(rate, floor)
                 probabilities.append(passing)
                 expected.append(expected[-1] + passing)
-            self._passing, self._expected = probabilities, expected
-        return self._passing
+            self._cached = probabilities, expected
+        return self._cached
 
 
 def drafted_outcome(record: RoundRecord) -> tuple[int, int]:
