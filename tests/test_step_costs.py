@@ -120,3 +120,58 @@ def test_load_counts_every_running_sequence_not_only_those_in_the_step():
     )
     load.observe(record, committed=2)
     assert (load.others_seqs, load.others_tokens, load.round_tokens) == (15, 15 * 2.0, 2)
+
+
+def test_a_draft_on_the_targets_cores_slows_the_verify_beside_it():
+    """A shared-cores draft at 27 ms a forward beside the verify, a step line of 90 ms + 2 ms a
+    token: drafting ahead, a round pays the verify grown by the draft's share of the forwards
+    beside it, alone and, where the whole step pays it, under load; on hardware of its own the
+    forwards are hidden but for what outlasts the verify."""
+    own = StepCosts(draft_ms_per_token=27.0, verify_ms=[92.0] * 9, overhead_ms=1.0, reported_line=(90.0, 2.0))
+    shared = dataclasses.replace(own, draft_step_share=0.2)
+    assert own.round_ms(1, hit_probability=1.0) == pytest.approx(94.0 + 1.0)
+    assert shared.round_ms(1, hit_probability=1.0) == pytest.approx(94.0 + 0.2 * 2 * 27.0 + 1.0)
+    # K = 4's 5 forwards outlast the verify alone: the round waits for them either way
+    assert own.round_ms(4, hit_probability=1.0) == pytest.approx(5 * 27.0)
+    assert shared.round_ms(4, hit_probability=1.0) == pytest.approx(5 * 27.0)
+    # under load (30 other tokens: a 160 ms step) they run within the step and slow it
+    assert own.round_ms(4, others_tokens=30.0, hit_probability=1.0) == pytest.approx(160.0 + 1.0)
+    assert shared.round_ms(4, others_tokens=30.0, hit_probability=1.0) == pytest.approx(160.0 + 0.2 * 135.0 + 1.0)
+    assert shared.beside_draft_ms(4, 100.0, hit_probability=None) == 100.0  # nothing drafted ahead
+    # the step budget's price of a drafted token: its forward when not drafted ahead, its share on the cores
+    assert (own.draft_step_ms_per_token(False), own.draft_step_ms_per_token(True)) == (27.0, 0.0)
+    assert shared.draft_step_ms_per_token(True) == pytest.approx(0.2 * 27.0)
+
+
+def test_the_share_a_draft_slows_the_verify_by_is_learnt_beyond_the_step_line():
+    costs = StepCosts(draft_ms_per_token=27.0, verify_ms=[92.0] * 9, weight=0.5, draft_step_share=0.5)
+    costs.observe_step_share(excess_ms=30.0, beside_ms=120.0)
+    assert costs.draft_step_share == pytest.approx(0.5 + 0.5 * (0.25 - 0.5))
+    costs.observe_step_share(excess_ms=-10.0, beside_ms=120.0)  # faster than the line: no share, not less
+    assert costs.draft_step_share == pytest.approx(0.375 / 2)
+    costs.observe_step_share(excess_ms=30.0, beside_ms=0.0)  # nothing beside it: nothing learnt
+    assert costs.draft_step_share == pytest.approx(0.375 / 2)
+    own = StepCosts(draft_ms_per_token=27.0, verify_ms=[92.0] * 9)
+    own.observe_step_share(excess_ms=30.0, beside_ms=120.0)
+    assert own.draft_step_share is None  # hardware of its own: never priced
+
+
+def test_a_hit_on_the_targets_cores_teaches_the_draft_its_forwards_beside_the_verify():
+    hit = RoundRecord(
+        drafter="llama-cpp",
+        k=4,
+        num_drafted=4,
+        num_accepted=4,
+        draft_ms=15.0,
+        verify_ms=120.0,
+        wall_ms=137.0,
+        wire_bytes=0,
+        draft_ahead="hit",
+        ahead_compute_ms=5 * 30.0,
+    )
+    shared = StepCosts(draft_ms_per_token=20.0, verify_ms=[92.0] * 9, weight=0.5, draft_step_share=0.2)
+    shared.observe(hit, draft_call=True, drafts_ahead=True)
+    assert shared.draft_ms_per_token == pytest.approx(25.0)  # the 4 drafts and the bonus token's guess
+    own = dataclasses.replace(shared, draft_ms_per_token=20.0, draft_step_share=None)
+    own.observe(hit, draft_call=True, drafts_ahead=True)
+    assert own.draft_ms_per_token == 20.0  # on its own hardware a hit teaches nothing
