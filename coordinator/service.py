@@ -116,7 +116,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             probe_interval=settings.probe_interval,
             step_budget=settings.step_budget,
             service_line=clients.placements["verify"].step_line,
-            draft_shares_target_cores=settings.draft_shares_target_cores,
         )
         # the outputs of earlier and running requests, for suffix lookups, partitioned by cache salt
         # (raises ValueError for negative bounds)
@@ -252,7 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             resolved.num_speculative_tokens,
             {name: lengths[name] for name in self._lookup_names(resolved)},
             self._num_running - 1,
-            drafts_ahead=resolved.draft.drafts_ahead,
+            hidden_behind_verify=resolved.draft.hidden_behind_verify,
             owner=estimates_of,
         )
         return resolved, verify_info, policy

@@ -83,7 +83,7 @@ def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
     assert costs.draft_wait_ms(4, verify[4], hit_probability=1.0) == 0.0  # hidden behind the verify
     rates = AcceptanceModel([0.97] * 8)
     assert AdaptiveK(8, "llama-cpp", rates, {}, costs).next_round({}) == ("llama-cpp", 8)
-    assert AdaptiveK(8, "llama-cpp", rates, {}, costs, drafts_ahead=True).next_round({}) == ("llama-cpp", 5)
+    assert AdaptiveK(8, "llama-cpp", rates, {}, costs, hidden_behind_verify=True).next_round({}) == ("llama-cpp", 5)
     # it learns from the draft's time for the proposals asked for in a round, not from the wait:
     # a hit's wait is the excess alone and teaches nothing
     hit = RoundRecord(
@@ -97,42 +97,23 @@ def test_a_draft_that_drafts_ahead_is_priced_by_what_outlasts_the_verify():
         wire_bytes=0,
         draft_ahead="hit",
     )
-    costs.observe(hit, draft_call=True, drafts_ahead=True)
+    costs.observe(hit, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == 13.0
     miss = dataclasses.replace(hit, num_accepted=2, draft_ms=150.0, draft_ahead="miss", draft_compute_ms=8 * 15.0)
-    costs.observe(miss, draft_call=True, drafts_ahead=True)
+    costs.observe(miss, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(13.0 + 0.1 * (15.0 - 13.0))
     # a proposal that first fed the draft what was committed without it (a probe after plain
     # rounds) overstates a forward: it may lower the estimate, never raise it
     learnt = costs.draft_ms_per_token
     probe = dataclasses.replace(hit, k=2, num_drafted=2, draft_ahead="", draft_ms=300.0, draft_compute_ms=300.0)
-    costs.observe(probe, draft_call=True, drafts_ahead=True)
+    costs.observe(probe, draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == learnt
-    costs.observe(dataclasses.replace(probe, draft_compute_ms=2 * 3.0), draft_call=True, drafts_ahead=True)
+    costs.observe(dataclasses.replace(probe, draft_compute_ms=2 * 3.0), draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(learnt + 0.1 * (3.0 - learnt))
     # a draft paused mid-proposal (seconds for 8 tokens) raises it by one weight's share at most
     learnt = costs.draft_ms_per_token
-    costs.observe(dataclasses.replace(miss, draft_compute_ms=5000.0), draft_call=True, drafts_ahead=True)
+    costs.observe(dataclasses.replace(miss, draft_compute_ms=5000.0), draft_call=True, hidden_behind_verify=True)
     assert costs.draft_ms_per_token == pytest.approx(learnt * 1.1)
-
-
-def test_a_draft_on_the_targets_cores_learns_what_it_slows_the_verify_beside_it():
-    """A round's step is paired with the forwards drafted ahead beside it, which the next round's
-    record reports: the share is the step's time beyond the line over those forwards' time within
-    it. A round that drafted nothing ahead, or whose step ran a prefill chunk, teaches nothing."""
-    costs = StepCosts(
-        draft_ms_per_token=27.0, verify_ms=[92.0] * 9, reported_line=(90.0, 2.0), weight=1.0, draft_step_share=0.5
-    )
-    policy = AdaptiveK(8, "llama-cpp", AcceptanceModel([0.9] * 8), {}, costs, drafts_ahead=True)
-    beside = dataclasses.replace(record(4, 4, 4), batch_size=1, batched_tokens=5, step_ms=130.0, draft_ahead=HIT)
-    policy.observe(beside, {}, [1] * 5)  # its Propose ahead is answered with the next round
-    assert costs.draft_step_share == 0.5
-    policy.observe(dataclasses.replace(beside, ahead_compute_ms=150.0), {}, [1] * 5)
-    assert costs.draft_step_share == pytest.approx((130.0 - 100.0) / 130.0)
-    policy.observe(dataclasses.replace(record(0, 0, 0), ahead_compute_ms=0.0), {}, [1])  # plain: nothing ahead
-    policy.observe(dataclasses.replace(beside, ahead_compute_ms=150.0, step_ms=200.0, prefill_tokens=8), {}, [1] * 5)
-    policy.observe(dataclasses.replace(beside, ahead_compute_ms=150.0), {}, [1] * 5)
-    assert costs.draft_step_share == pytest.approx((130.0 - 100.0) / 130.0)
 
 
 def test_hybrid_prefers_a_free_ngram_match_when_it_pays():
@@ -385,20 +366,22 @@ def test_a_round_that_asks_for_a_proposal_pays_its_round_trip():
         draft_compute_ms=0.1,
         propose_call_ms=1.5,
     )
-    costs.observe(asked, draft_call=True, drafts_ahead=True)
+    costs.observe(asked, draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.75 and costs.overhead_ms == pytest.approx(1.0)  # 5.6 - 0.1 - 1.5 - 3.0
 
     def choice(costs: StepCosts) -> str:
-        return AdaptiveK(4, "switching", AcceptanceModel([0.01] * 4), {}, costs, drafts_ahead=True).next_round(None)[0]
+        return AdaptiveK(4, "switching", AcceptanceModel([0.01] * 4), {}, costs, hidden_behind_verify=True).next_round(
+            None
+        )[0]
 
     assert choice(costs) == PLAIN
     assert choice(dataclasses.replace(costs, propose_call_ms=0.0)) == "switching"
     # a round that took its proposal drafted ahead asked for none, but that Propose's round trip
     # teaches the link's all the same: a load that has gone is soon forgotten
     hit = dataclasses.replace(asked, draft_ahead=HIT, propose_call_ms=0.0, ahead_call_ms=0.25)
-    costs.observe(hit, draft_call=True, drafts_ahead=True)
+    costs.observe(hit, draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.5
-    costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, drafts_ahead=True)
+    costs.observe(dataclasses.replace(hit, ahead_call_ms=0.0), draft_call=True, hidden_behind_verify=True)
     assert costs.propose_call_ms == 0.5  # nothing drafted ahead: nothing learnt
 
 
@@ -612,7 +595,9 @@ def budgeted(rate: float, others: int, bids) -> AdaptiveK:
     """A drafting-ahead llama-cpp request at ``rate`` per position with ``others`` running besides it."""
     costs = StepCosts(draft_ms_per_token=2.0, verify_ms=list(FLAT), overhead_ms=2.0, batched_ms=dict(BATCHED))
     load = Load(others_seqs=others, others_tokens=others)
-    return AdaptiveK(4, "llama-cpp", AcceptanceModel([rate] * 4), {}, costs, load=load, bids=bids, drafts_ahead=True)
+    return AdaptiveK(
+        4, "llama-cpp", AcceptanceModel([rate] * 4), {}, costs, load=load, bids=bids, hidden_behind_verify=True
+    )
 
 
 def rounds_of(requests: list[AdaptiveK]) -> list[tuple[str, int]]:

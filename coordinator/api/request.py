@@ -25,6 +25,7 @@ def draft_plan(settings: CoordinatorSettings, sampling: SamplingParams, model_dr
     ahead, shares = settings.draft_ahead and model_drafter, settings.draft_shares_target_cores
     return DraftPlan(
         drafts_ahead=ahead,
+        hidden_behind_verify=ahead and not shares,
         branches=settings.draft_ahead_branches if ahead and sampling.greedy and not shares else 1,
         prefill_with_target=not shares or not sampling.greedy,
     )

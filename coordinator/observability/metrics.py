@@ -46,9 +46,8 @@ class RoundRecord:
     the branches besides the main one drafted ahead for this round; ``draft_compute_ms``: the
     draft service's ms for a proposal asked for in the round (0 for a hit, or no draft call), and
     ``propose_call_ms`` that call's round trip beyond them (gRPC, the streams' threads, the
-    network); ``ahead_compute_ms`` and ``ahead_call_ms``: the same of the Propose drafted ahead
-    for this round (0 without one), which ran beside the previous round's verify, off this round's
-    critical path;
+    network); ``ahead_call_ms``: the same of the Propose drafted ahead for this round (0 without
+    one), which ran beside the previous round's verify, off this round's critical path;
     ``decoded_ahead``: a plain round whose Decode was sent with the previous round's
     (:class:`coordinator.speculation.rounds.RequestRounds`), so its step followed that one's
     without waiting for a round trip."""
@@ -73,7 +72,6 @@ class RoundRecord:
     draft_compute_ms: float = 0.0
     prefill_tokens: int = 0
     propose_call_ms: float = 0.0
-    ahead_compute_ms: float = 0.0
     ahead_call_ms: float = 0.0
     decoded_ahead: bool = False
 

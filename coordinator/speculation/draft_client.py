@@ -161,9 +161,8 @@ class DraftProposal:
     the draft service's ms for a proposal asked for in the round (``compute_ms``; 0 for a hit,
     drafted during the previous round: a miss waits for both) and that call's round trip beyond them
     (``call_ms``: gRPC, the streams' threads, the network; 0 when the round asked for none), and the
-    same of the Propose drafted ahead for the round (``ahead_compute_ms`` and ``ahead_call_ms``,
-    hit or miss; off the round's critical path: its forwards ran beside the previous round's
-    verify, a measure of the draft and its link for :class:`StepCosts`)."""
+    same of the Propose drafted ahead for the round (``ahead_call_ms``, hit or miss; off the round's
+    critical path, a measure of the draft link for :class:`StepCosts`)."""
 
     response: draft_pb2.ProposeResponse | None = None
     wait_ms: float = 0.0
@@ -173,7 +172,6 @@ class DraftProposal:
     num_branches: int = 0
     compute_ms: float = 0.0
     call_ms: float = 0.0
-    ahead_compute_ms: float = 0.0
     ahead_call_ms: float = 0.0
 
 
@@ -459,16 +457,9 @@ class DraftSession:
         if ahead.round != round_number - 1:
             return DraftProposal(wire_bytes=wire_bytes)
         hit = ahead.hit(self.committed, response)
-        taken = DraftProposal(
-            ahead=MISS,
-            wire_bytes=wire_bytes,
-            num_branches=len(response.branches),
-            ahead_compute_ms=response.compute_ms,
-            ahead_call_ms=call_ms,
-        )
-        if hit is not None:
-            taken.response, taken.ahead, taken.branch = hit[0], HIT, hit[1]
-        return taken
+        if hit is None:
+            return DraftProposal(None, 0.0, MISS, wire_bytes, "", len(response.branches), ahead_call_ms=call_ms)
+        return DraftProposal(hit[0], 0.0, HIT, wire_bytes, hit[1], len(response.branches), ahead_call_ms=call_ms)
 
     def observe_verify(self, ms: float) -> None:
         """Learns how long a round's verify call took (an EMA), the time the next draft-ahead's

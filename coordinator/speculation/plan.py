@@ -22,11 +22,10 @@ class DraftPlan:
     resolved (:func:`coordinator.api.request.draft_plan`) and read by the round
     (:mod:`coordinator.speculation.rounds`), its draft client (:mod:`coordinator.speculation.draft_client`)
     and adaptive K. ``drafts_ahead``: a model drafter's proposal for the next round is asked for
-    with this round's Verify (``--draft-ahead``), so its forwards run while the target verifies:
-    adaptive K prices a round by what of them outlasts the verify
-    (:meth:`coordinator.speculation.policy.step_costs.StepCosts.draft_wait_ms`) and, where the
-    draft shares the target's cores, by what they slow the verify
-    (:meth:`~coordinator.speculation.policy.step_costs.StepCosts.beside_draft_ms`).
+    with this round's Verify (``--draft-ahead``). ``hidden_behind_verify``: that draft has
+    hardware of its own (not ``--draft-shares-target-cores``), so its forwards ahead overlap the
+    verify and adaptive K prices a round by what of them outlasts it (where it shares the
+    target's cores they slow the verify instead, and a round is priced at its K forwards).
     ``branches``: outcomes of each verification drafted ahead (``--draft-ahead-branches``; 1
     under sampling, where a branch is hit only when the sampled token is the draft's second
     choice, and where the draft shares the target's cores). ``prefill_with_target``: the draft
@@ -34,6 +33,7 @@ class DraftPlan:
     only once the first token shows the request will use it."""
 
     drafts_ahead: bool = False
+    hidden_behind_verify: bool = False
     branches: int = 1
     prefill_with_target: bool = True
 

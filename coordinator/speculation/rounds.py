@@ -131,7 +131,6 @@ def round_record(proposal: RoundProposal, verified: Verified, wall_ms: float) ->
         draft_ahead_branches=drafted.num_branches,
         draft_compute_ms=drafted.compute_ms,
         propose_call_ms=drafted.call_ms,
-        ahead_compute_ms=drafted.ahead_compute_ms,
         ahead_call_ms=drafted.ahead_call_ms,
         decoded_ahead=verified.decoded_ahead,
     )

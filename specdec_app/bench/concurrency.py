@@ -915,9 +915,8 @@ def service_settings(config: ConcurrencyConfig) -> dict[str, str]:
     until it retried); the draft service at niceness 19, as it runs
     on the target's cores (:attr:`draft_service.settings.DraftSettings.nice`: under load a draft
     prefill at the target's priority stalled its steps), and the coordinator told so
-    (``draft_shares_target_cores``: adaptive K prices the verify beside the draft's forwards ahead
-    as slowed by the share of them it measures, ``StepCosts.draft_step_share``, and so, under
-    load, stops probing a draft that could not win); the
+    (``draft_shares_target_cores``: adaptive K prices the draft's forwards as the round's wait, not
+    as hidden behind the verify, and so, under load, stops probing a draft that could not win); the
     coordinator's streams per client (the bench's clients are one client to it) and both services'
     sessions for :func:`max_in_flight` requests where that is above their defaults (32 and 64;
     sessions twice that plus 8, as a finished request's sessions are released while the client's

@@ -100,14 +100,13 @@ class AdaptiveK:
     probe_k: int = 2
     load: Load = field(default_factory=Load)
     forced: AcceptanceModel | None = None  # the forced-token lookup's, per position of its run
-    drafts_ahead: bool = False  # the model drafter drafts ahead while the target verifies (StepCosts.draft_wait_ms)
+    hidden_behind_verify: bool = False  # the model drafter drafts ahead on its own hardware (StepCosts.draft_wait_ms)
     bids: MutableMapping["AdaptiveK", Bid] | None = None  # the step budget's bids on this target (None: off)
     owner: str = ""  # whose warm starts it began from and blends into (AdaptiveState.remember)
     lookup_ledger: LookupLedger = field(default_factory=LookupLedger)
     shared: "AdaptiveState | None" = field(default=None, repr=False)  # the state that made it (None: alone)
     _rounds_without_drafter: int = 0
     _searched: bool = False  # the last answer of lookups_on: whether this round searched the lookups
-    _beside: tuple[float, float] | None = None  # the last round's step beside a draft ahead (_observe_beside)
 
     @property
     def k_limit(self) -> int:
@@ -151,7 +150,7 @@ class AdaptiveK:
         ``num_forced`` forced and ``k`` drafted tokens is the next round's, every token passing
         and the draft's guess of the bonus token right, taken as one more drafted position (None:
         no draft-ahead)."""
-        if not self.drafts_ahead:
+        if not self.hidden_behind_verify:
             return None
         assert self.acceptance is not None
         forced = self.forced.pass_probability(num_forced) if num_forced and self.forced is not None else 1.0
@@ -275,13 +274,13 @@ class AdaptiveK:
         """``k``, at most the request's share of the step budget (:mod:`coordinator.speculation.policy.step_budget`)
         among the coordinator's running requests on the target, their bids as of their last round.
         Each round first renews the request's bid: its ``drafter``'s pass probabilities (none for
-        plain decode), and what its draft's forwards add to the step per token
-        (:meth:`StepCosts.draft_step_ms_per_token`). Alone on the service (or no budget, or draft tokens free in the
+        plain decode), and its draft's ms per token where the draft neither drafts ahead nor has
+        hardware of its own. Alone on the service (or no budget, or draft tokens free in the
         step) ``k`` as chosen: the request's own pricing is exact there, draft-ahead's overlap
         included, which the budget's line is not."""
         if self.bids is None:
             return k
-        draft_ms = self.costs.draft_step_ms_per_token(self.drafts_ahead) if drafter == self.drafter else 0.0
+        draft_ms = self.costs.draft_ms_per_token if drafter == self.drafter and not self.hidden_behind_verify else 0.0
         self.bids[self] = Bid(self._passing(drafter, matches), draft_ms)
         intercept, slope = self.costs.line()
         if k == 0 or self.load.others_seqs < 1 or slope <= 0:
@@ -403,24 +402,8 @@ class AdaptiveK:
             self.lookup_ledger.credit(record.num_accepted)
         for _, match, model in self._lookup_models(matches):
             model.observe_tokens(match.tokens, committed)
-        self._observe_beside(record, draft_call)
-        self.costs.observe(record, draft_call, self.drafts_ahead)
+        self.costs.observe(record, draft_call, self.hidden_behind_verify)
         self.load.observe(record, len(committed))
-
-    def _observe_beside(self, record: RoundRecord, draft_call: bool) -> None:
-        """Where the draft shares the target's cores (``StepCosts.draft_step_share`` set): pairs the
-        previous round's verify step, how much longer than the step line it took, with the
-        forwards drafted ahead beside it (this round's ``ahead_compute_ms``; a round's Propose
-        ahead goes out with its Verify), for :meth:`StepCosts.observe_step_share`. Only steps of
-        decoding work: a prefill chunk's tokens cost less than the line's."""
-        if self.costs.draft_step_share is None:
-            return
-        if self._beside is not None and record.ahead_compute_ms > 0:
-            excess_ms, step_ms = self._beside
-            self.costs.observe_step_share(excess_ms, min(record.ahead_compute_ms, step_ms))
-        self._beside = None
-        if draft_call and self.drafts_ahead and record.step_ms > 0 and not record.prefill_tokens:
-            self._beside = (record.step_ms - self.costs.step_ms(record.batched_tokens), record.step_ms)
 
     def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
         """Learns the load the request's prefill met (:meth:`Load.observe_prefill`)."""

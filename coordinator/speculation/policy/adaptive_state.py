@@ -40,10 +40,7 @@ class AdaptiveState:
     tenant's requests can steer another's estimates (say, lower its K with requests whose drafts
     all fail; docs/security.md#tenants-and-the-caches). Step costs stay shared: they measure the
     services, which every request meets alike. ``service_line``: the verify service's newest
-    published step line (:attr:`StepCosts.service_line`; None: the coordinator's own only).
-    ``draft_shares_target_cores``: the model drafters run on the target's cores
-    (``--draft-shares-target-cores``), so the forwards they draft ahead slow the verify beside them
-    (:attr:`StepCosts.draft_step_share`, from ``step_share_prior``: half, until measured)."""
+    published step line (:attr:`StepCosts.service_line`; None: the coordinator's own only)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
@@ -55,8 +52,6 @@ class AdaptiveState:
     priors: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # by (source, target, owner)
     bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
     service_line: Callable[[], tuple[float, float] | None] | None = None
-    draft_shares_target_cores: bool = False
-    step_share_prior: float = 0.5
 
     def policy(
         self,
@@ -65,17 +60,17 @@ class AdaptiveState:
         k_max: int,
         lookups: Mapping[str, int],
         others: int = 0,
-        drafts_ahead: bool = False,
+        hidden_behind_verify: bool = False,
         owner: str = "",
     ) -> AdaptiveK:
         """A new request's :class:`AdaptiveK`, from the services' GetInfo replies. ``drafter``
         None: the lookups only (the request's drafter is ``ngram`` or ``suffix``). ``lookups``:
         the lookups that compete, each with its number of match-length estimates (the n-gram
         index's ``ngram_max``, SUFFIX_LENGTHS). ``others``: the requests running besides it, the
-        load it assumes until its first round reports the service's. ``drafts_ahead``: the
-        request's model drafter drafts ahead (:meth:`StepCosts.draft_wait_ms` prices its rounds,
-        and :meth:`StepCosts.beside_draft_ms` their verify where the draft shares the target's
-        cores). ``owner``: whose warm starts it uses."""
+        load it assumes until its first round reports the service's. ``hidden_behind_verify``: the
+        request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
+        prices its rounds; not where the draft shares the target's cores: its forwards ahead then
+        slow the verify they would hide behind). ``owner``: whose warm starts it uses."""
         name = drafter.name if drafter else None
         key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
@@ -89,7 +84,6 @@ class AdaptiveState:
                 batched_ms=batched,
                 draft_prefill_ms_per_token=draft_ms / TOKENS_PER_CATCH_UP_FORWARD,
                 service_line=self.service_line,
-                draft_step_share=self.step_share_prior if drafter and self.draft_shares_target_cores else None,
             )
         if target.load.step_intercept_ms or target.load.step_ms_per_token:  # the line as of this GetInfo
             self.costs[key].reported_line = (target.load.step_intercept_ms, target.load.step_ms_per_token)
@@ -111,7 +105,7 @@ class AdaptiveState:
             forced=self._warm_start(
                 FORCED, target.model, len(self.costs[key].verify_ms) - 1, self.forced_prior_rate, owner
             ),
-            drafts_ahead=drafts_ahead,
+            hidden_behind_verify=hidden_behind_verify,
             bids=self.bids.setdefault(target.model, weakref.WeakKeyDictionary()) if self.step_budget else None,
             owner=owner,
             shared=self,

@@ -4,8 +4,7 @@ A round's time (:class:`StepCosts`): the wait for the draft's K forwards + the v
 for K drafts + the rest of the round, where K = 0 is a plain decode step on the verify service
 (the fallback). A draft that drafts ahead works during the verify: a round waits only for the
 K + 1 forwards' excess over the verify, and for K more where the proposal drafted ahead misses
-(:meth:`StepCosts.draft_wait_ms`); where it shares the target's cores, the verify also takes
-longer by a share of the forwards beside it (:meth:`StepCosts.beside_draft_ms`).
+(:meth:`StepCosts.draft_wait_ms`).
 
 Under load (goodput, as in SmartSpec, Liu et al. 2024): the verify service batches every request's
 round into one step whose cost grows with its batched tokens, so a request's K + 1 tokens make
@@ -26,7 +25,7 @@ their steps count: :meth:`StepCosts.observe`). How the adaptive policy scores an
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.observability.metrics import HIT, MISS, RoundRecord
+from coordinator.observability.metrics import MISS, RoundRecord
 from coordinator.speculation.policy.acceptance_model import ema
 from specdec.engine.step_line import fit_line
 
@@ -58,10 +57,7 @@ class StepCosts:
     rounds by :meth:`observe` and from the draft's prefills by :meth:`observe_draft_prefill`.
     ``service_line``: the verify service's published step line (:meth:`line`), asked for at each
     pricing (the newest report, :meth:`coordinator.speculation.placement.Placement.step_line`);
-    ``reported_line``: the line its GetInfo answer carried, until a Step message brings a newer one.
-    ``draft_step_share``: where a draft that drafts ahead shares the target's cores, the ms a verify
-    step takes longer per ms of the draft's forwards beside it (0 to 1; learnt by
-    :meth:`observe_step_share`); None where it has hardware of its own."""
+    ``reported_line``: the line its GetInfo answer carried, until a Step message brings a newer one."""
 
     draft_ms_per_token: float
     verify_ms: list[float]
@@ -74,7 +70,6 @@ class StepCosts:
     missed_step_share: float = 0.0
     service_line: Callable[[], tuple[float, float] | None] | None = field(default=None, repr=False, compare=False)
     reported_line: tuple[float, float] | None = None
-    draft_step_share: float | None = None
     _line: tuple[float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def round_ms(
@@ -98,31 +93,8 @@ class StepCosts:
             verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
         else:
             verify_ms = self._verify_ms(k, others_tokens)
-        draft_ms = 0.0
-        if draft_call and k > 0:
-            verify_ms = self.beside_draft_ms(k - free, verify_ms, hit_probability)
-            draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability)
+        draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability) if draft_call and k > 0 else 0.0
         return draft_ms + verify_ms + self._overhead_ms(k)
-
-    def beside_draft_ms(self, drafted: int, verify_ms: float, hit_probability: float | None) -> float:
-        """A verify call's ``verify_ms`` with the ``drafted`` + 1 forwards of the next round's
-        proposal drafted ahead beside it (``hit_probability`` None: none are). On the target's
-        cores (``draft_step_share`` set) the step takes longer by that share of the forwards'
-        time within it: under load every sequence in the step pays it, which the draft's wait
-        alone leaves out (docs/profiles.md#a-draft-on-the-targets-cores-priced-by-its-hits)."""
-        if hit_probability is None or self.draft_step_share is None:
-            return verify_ms
-        forwards_ms = (drafted + 1) * self.draft_ms_per_token
-        return verify_ms + self.draft_step_share * min(forwards_ms, verify_ms)
-
-    def draft_step_ms_per_token(self, drafts_ahead: bool) -> float:
-        """What a drafted token adds to its round's step price in the step budget
-        (:class:`coordinator.speculation.policy.step_budget.Bid`): a forward where the draft does not
-        draft ahead; drafting ahead, nothing on hardware of its own, and ``draft_step_share`` of a
-        forward on the target's cores (:meth:`beside_draft_ms`)."""
-        if not drafts_ahead:
-            return self.draft_ms_per_token
-        return (self.draft_step_share or 0.0) * self.draft_ms_per_token
 
     def _overhead_ms(self, k: int) -> float:
         """The rest of a round of k drafts: a plain round's as learnt from plain rounds decoded
@@ -149,16 +121,6 @@ class StepCosts:
             return asked
         outlasting = max(0.0, asked + self.draft_ms_per_token - verify_ms - self.overhead_ms)
         return outlasting + (1.0 - hit_probability) * asked
-
-    def observe_step_share(self, excess_ms: float, beside_ms: float) -> None:
-        """Learns ``draft_step_share`` from a verify step that took ``excess_ms`` longer than the
-        step line prices it while ``beside_ms`` of the draft's forwards ahead ran beside it (the
-        least of their time and the step's), clipped to 0..1; nothing where it has hardware of its
-        own. Measured beyond the line, which the verify service also fits to steps slowed by a
-        draft: where most steps ran beside one, the line prices part of it already."""
-        if self.draft_step_share is not None and beside_ms > 0:
-            share = min(1.0, max(0.0, excess_ms / beside_ms))
-            self.draft_step_share = ema(self.draft_step_share, share, self.weight)
 
     def _observe_draft_forward(self, ms: float, miss: bool) -> None:
         """Learns a drafting-ahead draft's ms per forward from a proposal a round asked for (see
@@ -209,8 +171,8 @@ class StepCosts:
             weight = max(self.weight, 0.5)
             self.draft_prefill_ms_per_token = ema(self.draft_prefill_ms_per_token, ms / num_tokens, weight)
 
-    def observe(self, record: RoundRecord, draft_call: bool, drafts_ahead: bool = False) -> None:
-        """Learns from a finished round (``drafts_ahead``: its drafter's rounds are priced by
+    def observe(self, record: RoundRecord, draft_call: bool, hidden_behind_verify: bool = False) -> None:
+        """Learns from a finished round (``hidden_behind_verify``: its drafter's rounds are priced by
         :meth:`draft_wait_ms` with a hit probability). The verify costs take the forward time of
         the step that served it (``record.step_ms``; a service reporting no step: its handling
         time); the rest of the round (less the draft's time and its wait for that step,
@@ -224,11 +186,9 @@ class StepCosts:
         burst), which their steps count (W), not time the batch loses. Why both:
         docs/profiles.md#the-engine-loop-and-adaptive-k-under-load.
         The draft's ms per token counts the tokens it drafted, not those the grammar forced (they
-        cost it no forward). With ``drafts_ahead`` it learns from the draft service's time for the
+        cost it no forward). With ``hidden_behind_verify`` it learns from the draft service's time for the
         proposals a round asked for (``record.draft_compute_ms``), not from the wait: a hit's wait
-        is what outlasted the verify, a miss's also the rest of the work ahead; on the target's
-        cores also from a hit's forwards drafted ahead (``record.ahead_compute_ms``, the bonus
-        token's guess one more), the time they take beside the verify. A miss's proposal
+        is what outlasted the verify, a miss's also the rest of the work ahead. A miss's proposal
         feeds the draft at most K + 1 tokens first; any other round's (the first with the draft, a
         probe after plain rounds) first feeds it what was committed without it, which priced a
         forward at several times its cost after long prompts (docs/architecture.md#design-decisions),
@@ -239,12 +199,10 @@ class StepCosts:
         k = record.num_drafted
         if draft_call and k > record.num_forced:
             forwarded = k - record.num_forced
-            if not drafts_ahead:
+            if not hidden_behind_verify:
                 self.draft_ms_per_token = ema(self.draft_ms_per_token, record.draft_ms / forwarded, self.weight)
             elif record.draft_compute_ms > 0:
                 self._observe_draft_forward(record.draft_compute_ms / forwarded, record.draft_ahead == MISS)
-            elif self.draft_step_share is not None and record.draft_ahead == HIT and record.ahead_compute_ms > 0:
-                self._observe_draft_forward(record.ahead_compute_ms / (forwarded + 1), miss=True)
         verify_ms = record.step_ms if record.batch_size else record.verify_ms
         if record.batch_size > 1:
             if not record.prefill_tokens:  # see step_ms
