@@ -25,10 +25,11 @@ def test_observe_updates_only_the_observed_positions():
     assert model.rates == [0.875, 0.625, 0.5, 0.5]
 
 
-def test_positions_never_reached_count_the_deepest_observed_rate():
+def test_positions_rarely_reached_count_the_deepest_trusted_rate():
     """Optimism under uncertainty: rounds of K = 2 that always pass lift positions 3 and 4, which
-    no round reached, to position 2's rate, so that K grows; before any observation, and below
-    the deepest observed position's rate, the estimates count as they are."""
+    no round reached, to position 2's rate, so that K grows, and a position reached by fewer
+    rounds than the EMA's memory still counts it; before any observation, and below the deepest
+    trusted position's rate, the estimates count as they are."""
     model = AcceptanceModel([0.3] * 4, weight=0.5)
     assert model.expected_tokens(4) == pytest.approx(1 + 0.3 + 0.09 + 0.027 + 0.0081)
     for _ in range(4):
@@ -39,5 +40,11 @@ def test_positions_never_reached_count_the_deepest_observed_rate():
     costs = StepCosts(draft_ms_per_token=5.0, verify_ms=list(FLAT), overhead_ms=2.0)
     policy = AdaptiveK(4, "llama-cpp", model, {}, costs)
     assert policy.next_round({}) == ("llama-cpp", 4)
-    model.observe(drafted=4, accepted=2)  # position 3 rejected: now observed, and low
-    assert model.observed == 3 and model.expected_tokens(4) < 1 + rate + rate**2 + rate**3
+    # position 3 rejected once: observed, but by fewer rounds than the EMA's memory (1 / weight =
+    # 2), so it still counts position 2's rate; rejected again, its own
+    model.observe(drafted=4, accepted=2)
+    rate = model.rates[1]
+    assert model.observed == 3 and model.expected_tokens(4) == pytest.approx(sum(rate**i for i in range(5)))
+    model.observe(drafted=4, accepted=2)
+    rate = model.rates[1]
+    assert model.expected_tokens(4) < 1 + rate + rate**2 + rate**3

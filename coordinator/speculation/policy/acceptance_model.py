@@ -24,11 +24,14 @@ def ema(old: float, new: float, weight: float) -> float:
 class AcceptanceModel:
     """Per-position conditional acceptance probabilities ``rates[i]`` of draft position i + 1.
 
-    ``observed``: the leading positions this model has seen a round reach. A position past them
-    counts at least the deepest observed position's rate (optimism under uncertainty): positions
-    are only observed by rounds that draft that far, so with estimates kept as they started there,
-    a choice of K that stayed short (because the starting estimates were low) would never learn
-    that longer proposals pass too.
+    ``observed``: the leading positions this model has seen a round reach; ``counts[i]``: the
+    rounds that reached position i + 1. A position past the deepest one reached by 1 / ``weight``
+    rounds (the EMA's memory; before any has, the deepest reached) counts at least
+    that position's rate (optimism under uncertainty): positions are only observed by rounds that
+    draft that far, so with estimates kept as they started there, or as one rejection left them,
+    a choice of K that stayed short would never learn that longer proposals pass too (at batch 1
+    one rejection at position 5 held a request at K = 4 where position 5 passed 94% of the time:
+    docs/profiles.md#batch-1-on-an-avx2-host-where-the-tokens-a-round-went).
 
     What the policy asks of it every round, for every K (:meth:`passing`, :meth:`expected_tokens`,
     :meth:`pass_probability`), is computed once per change of the estimates (:meth:`observe`) and
@@ -37,6 +40,7 @@ class AcceptanceModel:
     rates: list[float]
     weight: float = 0.25
     observed: int = 0
+    counts: list[int] = field(default_factory=list)
     # (passing of every position, expected tokens of every K); None: to compute (see _tables)
     _cached: tuple[list[float], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -49,8 +53,10 @@ class AcceptanceModel:
         """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed
         (those it models: a draft that did not report its forced tokens may propose more)."""
         reached = min(accepted + 1, drafted, len(self.rates))
+        self.counts += [0] * (len(self.rates) - len(self.counts))
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
+            self.counts[i] += 1
         self.observed = max(self.observed, reached)
         self._cached = None
 
@@ -71,14 +77,21 @@ class AcceptanceModel:
         """:meth:`passing` of every position modelled, and its running sums plus one (the expected
         tokens of K = 0, 1, ...), computed once per change of the estimates."""
         if self._cached is None:
-            floor = self.rates[self.observed - 1] if self.observed else 0.0
+            floor_at = self._floor_position()
+            floor = self.rates[floor_at - 1] if floor_at else 0.0
             passing, probabilities, expected = 1.0, [], [1.0]
             for i, rate in enumerate(self.rates):
-                passing *= rate if i < self.observed else max(rate, floor)
+                passing *= rate if i < floor_at else max(rate, floor)
                 probabilities.append(passing)
                 expected.append(expected[-1] + passing)
             self._cached = probabilities, expected
         return self._cached
+
+    def _floor_position(self) -> int:
+        """The deepest position (1-based; 0: none) whose rate later positions count at least: the
+        deepest that 1 / ``weight`` rounds reached, else the deepest any round reached."""
+        trusted = round(1.0 / self.weight)
+        return next((i + 1 for i in reversed(range(len(self.counts))) if self.counts[i] >= trusted), self.observed)
 
 
 def drafted_outcome(record: RoundRecord) -> tuple[int, int]:
