@@ -30,7 +30,7 @@ class AcceptanceModel:
     that position's rate (optimism under uncertainty): positions are only observed by rounds that
     draft that far, so with estimates kept as they started there, or as one rejection left them,
     a choice of K that stayed short would never learn that longer proposals pass too (at batch 1
-    one rejection at position 5 held a request at K = 4 where position 5 passed 94% of the time:
+    one rejection at position 5 held a request at K = 4 where position 5 passed 88-94% of the time:
     docs/profiles.md#batch-1-on-an-avx2-host-where-the-tokens-a-round-went).
 
     What the policy asks of it every round, for every K (:meth:`passing`, :meth:`expected_tokens`,
