@@ -17,7 +17,7 @@ FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on
 
 def measure(model: AcceptanceModel, rate: float) -> None:
     """As if a request's rounds had observed every position of ``model`` at ``rate``."""
-    model.rates, model.observed = [rate] * len(model.rates), len(model.rates)
+    model.rates, model.counts = [rate] * len(model.rates), [1] * len(model.rates)
 
 
 def test_rounds_are_priced_by_the_verify_services_published_step_line():

@@ -24,11 +24,12 @@ def ema(old: float, new: float, weight: float) -> float:
 class AcceptanceModel:
     """Per-position conditional acceptance probabilities ``rates[i]`` of draft position i + 1.
 
-    ``observed``: the leading positions this model has seen a round reach; ``counts[i]``: the
-    rounds that reached position i + 1. A position past the deepest one reached by 1 / ``weight``
-    rounds (the EMA's memory; before any has, the deepest reached) counts at least
-    that position's rate (optimism under uncertainty): positions are only observed by rounds that
-    draft that far, so with estimates kept as they started there, or as one rejection left them,
+    ``counts[i]``: the rounds that reached position i + 1 (a round reaches the leading positions,
+    so the counts never grow with i); :attr:`observed`: the leading positions some round reached.
+    A position past the deepest one reached by 1 / ``weight`` rounds (the EMA's memory; before any
+    has, the deepest reached) counts at least that position's rate (optimism under uncertainty):
+    positions are only observed by rounds that draft that far, so with estimates kept as they
+    started there, or as one rejection left them,
     a choice of K that stayed short would never learn that longer proposals pass too (at batch 1
     one rejection at position 5 held a request at K = 4 where position 5 passed 88-94% of the time:
     docs/profiles.md#batch-1-on-an-avx2-host-where-the-tokens-a-round-went).
@@ -39,10 +40,17 @@ class AcceptanceModel:
 
     rates: list[float]
     weight: float = 0.25
-    observed: int = 0
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = field(init=False)
     # (passing of every position, expected tokens of every K); None: to compute (see _tables)
     _cached: tuple[list[float], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.rates)
+
+    @property
+    def observed(self) -> int:
+        """The leading positions some round reached."""
+        return self._reached_by(1)
 
     def observe_tokens(self, proposal: list[int], committed: list[int]) -> None:
         """Observes a proposal against the tokens the round committed after the same prefix."""
@@ -53,11 +61,9 @@ class AcceptanceModel:
         """Updates the positions a round of ``drafted`` proposals with ``accepted`` passes observed
         (those it models: a draft that did not report its forced tokens may propose more)."""
         reached = min(accepted + 1, drafted, len(self.rates))
-        self.counts += [0] * (len(self.rates) - len(self.counts))
         for i in range(reached):
             self.rates[i] = ema(self.rates[i], 1.0 if i < accepted else 0.0, self.weight)
             self.counts[i] += 1
-        self.observed = max(self.observed, reached)
         self._cached = None
 
     def expected_tokens(self, k: int) -> float:
@@ -77,7 +83,7 @@ class AcceptanceModel:
         """:meth:`passing` of every position modelled, and its running sums plus one (the expected
         tokens of K = 0, 1, ...), computed once per change of the estimates."""
         if self._cached is None:
-            floor_at = self._floor_position()
+            floor_at = self._reached_by(round(1.0 / self.weight)) or self.observed
             floor = self.rates[floor_at - 1] if floor_at else 0.0
             passing, probabilities, expected = 1.0, [], [1.0]
             for i, rate in enumerate(self.rates):
@@ -87,11 +93,9 @@ class AcceptanceModel:
             self._cached = probabilities, expected
         return self._cached
 
-    def _floor_position(self) -> int:
-        """The deepest position (1-based; 0: none) whose rate later positions count at least: the
-        deepest that 1 / ``weight`` rounds reached, else the deepest any round reached."""
-        trusted = round(1.0 / self.weight)
-        return next((i + 1 for i in reversed(range(len(self.counts))) if self.counts[i] >= trusted), self.observed)
+    def _reached_by(self, rounds: int) -> int:
+        """The leading positions at least ``rounds`` rounds reached (0: none)."""
+        return sum(count >= rounds for count in self.counts)
 
 
 def drafted_outcome(record: RoundRecord) -> tuple[int, int]:
