@@ -83,6 +83,7 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``long`` run only with --long (scripts/long_checks.sh): checks run before
     resolving a change to sessions, cancels, resume, memory or fault recovery, as deploy/smoke.sh
@@ -90,7 +91,8 @@ def pytest_collection_modifyitems(config, items):
     the files that use ``tiny_pipeline`` share one, so they run in one worker in the order they
     run alone: the services of that session fixture are shared, and in another order the tests
     that count the sessions left after a cut or cancelled stream (test_concurrency.py,
-    test_admission.py) met a session an earlier test had left to the idle timeout."""
+    test_admission.py) met a session an earlier test had left to the idle timeout. It runs before
+    xdist's own hook (tryfirst), which reads the groups into the test ids."""
     shared = {item.path for item in items if "tiny_pipeline" in item.fixturenames}
     for item in items:
         group = "tiny_pipeline" if item.path in shared else item.path.name
@@ -101,6 +103,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("long"):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist's controller, under ``--dist loadgroup``: stops the run if a worker's test id lacks its
+    group, rather than deal every test out alone (then a file's module fixtures, real models and
+    service clusters, start in both workers). pytest 9.2 ignores the group xdist 3.8 writes into the
+    id (pytest-xdist#1386), which is why pyproject.toml keeps pytest below it."""
+    lost = [nodeid for nodeid in ids if "@" not in nodeid]
+    if node.config.getoption("dist") == "loadgroup" and lost:
+        pytest.exit(
+            f"xdist's loadgroup lost the group of {len(lost)} tests (first: {lost[0]})",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 def pytest_sessionfinish(session):
