@@ -339,7 +339,8 @@ def test_a_request_stored_after_redis_returns(fleet, references, redis_server):
 def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references):
     """The coordinator serving a stream dies: the client gets UNAVAILABLE and, with the request id
     of the stream's first message, resumes on the second coordinator from the last position it
-    received: the concatenation equals the undisturbed run (seeded sampling), without gaps or
+    received: the concatenation equals the undisturbed run (seeded sampling; where the resumed
+    rounds ran without the draft, another exact sample of its length), without gaps or
     duplicates, and the sessions the dead coordinator left are released. (Greedy resumes: the
     soak test.) The first coordinator stays down: the tests after this one use the second."""
     first, second = fleet.coordinators
@@ -363,9 +364,16 @@ def test_coordinator_killed_mid_stream_resumes_on_another(fleet, references):
             recovery_s = recovery_s or time.monotonic() - killed_at
             rest.add(response)
     LONGEST_WAIT_S["coordinator killed, resumed on another: to the first resumed message"] = recovery_s
-    assert rest.token_ids and received.token_ids + rest.token_ids == reference.token_ids == references["sampled"]
-    assert received.text + rest.text == reference.text
-    assert rest.finish_reason == reference.finish_reason
+    assert reference.token_ids == references["sampled"]
+    assert rest.token_ids and received.token_ids == reference.token_ids[: len(received.token_ids)]
+    if rest.metrics.num_draft_failures:
+        # the resumed draft's held Prefill outlasted the first round's wait for it (a loaded host):
+        # rounds without the draft draw another exact sample, as in the fault matrix
+        assert len(received.token_ids + rest.token_ids) == MAX_NEW
+    else:
+        assert received.token_ids + rest.token_ids == reference.token_ids
+        assert received.text + rest.text == reference.text
+        assert rest.finish_reason == reference.finish_reason
     assert rest.metrics.num_resumed_tokens >= len(received.token_ids)
     assert_no_session_left(services, evicted_before)
 
