@@ -330,7 +330,7 @@ def test_request_reports_draft_ahead(tiny_pipeline):
     )
     used = _proactive_drafts_used(tiny_pipeline)
     completion = generate(tiny_pipeline.address, request, timeout_s=120)
-    assert _proactive_drafts_used(tiny_pipeline) > used  # the coordinator's defaults: draft-ahead with branches
+    assert _proactive_drafts_used(tiny_pipeline) > used  # the coordinator's defaults: draft-ahead, one branch
     plain = coordinator_pb2.GenerateRequest(text="Tell me a story.", max_new_tokens=MAX_NEW, num_speculative_tokens=0)
     assert completion.token_ids == generate(tiny_pipeline.address, plain, timeout_s=120).token_ids
     m = completion.metrics
