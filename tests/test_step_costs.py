@@ -4,6 +4,8 @@ the others a round's load counts."""
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.policy.step_costs import Load, StepCosts
@@ -120,3 +122,16 @@ def test_load_counts_every_running_sequence_not_only_those_in_the_step():
     )
     load.observe(record, committed=2)
     assert (load.others_seqs, load.others_tokens, load.round_tokens) == (15, 15 * 2.0, 2)
+
+
+@given(
+    verify_ms=st.lists(st.floats(1.0, 500.0), min_size=1, max_size=9),
+    batched=st.dictionaries(st.integers(2, 200), st.floats(1.0, 500.0), max_size=4),
+    others_tokens=st.sampled_from([0.0, 0.5, 3.0, 40.0]),
+)
+def test_a_plain_rounds_verify_is_the_cheapest_of_every_k(verify_ms, batched, others_tokens):
+    """round_ms(0) prices the verify at the cheapest of every K's (read at the line's ends, as
+    the line is straight in K), whatever the line's slope."""
+    costs = StepCosts(draft_ms_per_token=5.0, verify_ms=verify_ms, overhead_ms=1.0, batched_ms=batched)
+    cheapest = min(costs._verify_ms(j, others_tokens) for j in range(len(verify_ms)))
+    assert costs.round_ms(0, others_tokens=others_tokens) == pytest.approx(cheapest + costs._overhead_ms(0))

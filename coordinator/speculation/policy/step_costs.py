@@ -89,8 +89,9 @@ class StepCosts:
         keep a request from ever falling back, and plain rounds never run would never correct it;
         its overhead is that of plain rounds decoded ahead where some ran (:meth:`_overhead_ms`).
         """
-        if k == 0:
-            verify_ms = min(self._verify_ms(j, others_tokens) for j in range(len(self.verify_ms)))
+        if k == 0:  # past j = 0 the verify of j drafts is a line in j: its least is at an end
+            last = len(self.verify_ms) - 1
+            verify_ms = min(self._verify_ms(j, others_tokens) for j in {0, min(1, last), last})
         else:
             verify_ms = self._verify_ms(k, others_tokens)
         draft_ms = self.draft_wait_ms(k - free, verify_ms, hit_probability) if draft_call and k > 0 else 0.0
