@@ -108,9 +108,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """xdist's controller, under ``--dist loadgroup``: stops the run if a worker's test id lacks its
-    group, rather than deal every test out alone (then a file's module fixtures, real models and
-    service clusters, start in both workers). pytest 9.2 ignores the group xdist 3.8 writes into the
-    id (pytest-xdist#1386), which is why pyproject.toml keeps pytest below it."""
+    group, rather than deal every test out alone (why the groups can be lost: pyproject.toml's
+    pytest bound)."""
     lost = [nodeid for nodeid in ids if "@" not in nodeid]
     if node.config.getoption("dist") == "loadgroup" and lost:
         pytest.exit(
