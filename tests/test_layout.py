@@ -13,7 +13,6 @@ COVERED_BY = {
     "coordinator/api/client.py": "test_resume.py",  # the public client of Generate, its resume
     "coordinator/api/openai_schema.py": "test_http_api.py",  # the OpenAI API's schema, fuzzed by schemathesis
     "coordinator/api/output.py": "test_openai_logprobs.py",  # stream output and log-probabilities
-    "coordinator/api/request.py": "test_bad_input.py",  # request validation and its errors
     "coordinator/service.py": "test_e2e_real.py",  # the coordinator end to end on the real models
     "coordinator/api/grpc_auth.py": "test_grpc_edge.py",  # keys before the message, its deadline, the calls bound
     "coordinator/request_store/redis_client.py": "test_store.py",  # every store test on one Redis and on a cluster
