@@ -487,8 +487,10 @@ def test_json_nested_too_deep_is_a_400(api):
 
 
 def test_stop_strings_over_the_limits_are_refused_at_once_and_stall_nobody(api):
-    """A 1 MB stop string or 10,000 of them: 400 naming the setting within 100 ms, while /health
-    answers within 100 ms and a concurrent stream's tokens keep coming at their pace."""
+    """A 1 MB stop string or 10,000 of them: 400 naming the setting within 0.5 s (matching them
+    would take far longer), while /health answers within 0.5 s and a concurrent stream's tokens
+    keep coming at their pace. The bounds leave room for a loaded 2-core host: 100 ms failed once
+    at 112 ms there."""
     gaps: list[float] = []
 
     def read_stream() -> None:
@@ -515,10 +517,10 @@ def test_stop_strings_over_the_limits_are_refused_at_once_and_stall_nobody(api):
     ):
         started = time.perf_counter()
         status, got = call(api, "POST", "/v1/completions", {"model": api.model, "prompt": "hi", "stop": stop})
-        assert time.perf_counter() - started < 0.1 and status == 400, got
+        assert time.perf_counter() - started < 0.5 and status == 400, got
         assert got["error"]["param"] == "stop" and setting.replace("_", "-") in got["error"]["message"], got
         started = time.perf_counter()
-        assert call(api, "GET", "/health", key=None)[0] == 200 and time.perf_counter() - started < 0.1
+        assert call(api, "GET", "/health", key=None)[0] == 200 and time.perf_counter() - started < 0.5
     reader.join(60)
     assert gaps and max(gaps) < 1.0, max(gaps)
 
