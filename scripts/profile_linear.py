@@ -8,6 +8,10 @@ new tokens after it (rolled back after each), the two interleaved, for each n; p
 of ``--repeats`` in ms and the largest logit difference between the two after the context.
 
     .venv/bin/python scripts/profile_linear.py [--model smollm2] [--threads 2] [--tokens 1,2,3,5,9,17,99]
+
+With ``--layers``, times each distinct linear layer shape of the model alone instead, aten against
+packed (packed whatever its size), at ``--tokens`` rows: the microseconds a call behind
+:data:`specdec.engine.cpu_linear.MIN_PACKED_ELEMENTS` (fastest of ``--repeats`` runs of 50 calls).
 """
 
 import argparse
@@ -17,10 +21,10 @@ import time
 import torch
 
 from specdec.engine.batching import SequenceStep
-from specdec.engine.cpu_linear import pack_linears
+from specdec.engine.cpu_linear import PackedLinear, pack_linears
 from specdec.engine.models import load_causal_lm
 from specdec.engine.ragged_lm import RaggedLM
-from specdec.timing import ms_since
+from specdec.timing import min_ms, ms_since
 
 
 def forward_ms(lm: RaggedLM, seq_id: int, context: int, token_ids: list[int]) -> float:
@@ -31,6 +35,25 @@ def forward_ms(lm: RaggedLM, seq_id: int, context: int, token_ids: list[int]) ->
     return ms
 
 
+def layer_us(linear: torch.nn.Module, rows: int, repeats: int) -> float:
+    x = torch.randn(rows, linear.in_features)
+    linear(x)  # warm-up
+    return min_ms(lambda: [linear(x) for _ in range(50)], repeats) * 1000 / 50
+
+
+def print_layers(model: torch.nn.Module, counts: list[int], repeats: int) -> None:
+    """Per distinct (in, out) shape of ``model``'s linear layers, microseconds a call on aten and
+    packed, at each of ``counts`` rows."""
+    shapes = {(m.in_features, m.out_features): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    print("in x out | weights | rows | aten us | packed us | packed / aten")
+    with torch.inference_mode():
+        for (n_in, n_out), linear in sorted(shapes.items()):
+            packed = PackedLinear(linear)
+            for rows in counts:
+                aten_us, packed_us = layer_us(linear, rows, repeats), layer_us(packed, rows, repeats)
+                print(f"{n_in} x {n_out} | {n_in * n_out} | {rows} | {aten_us:.1f} | {packed_us:.1f} | {packed_us / aten_us:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -38,9 +61,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--tokens", default="1,2,3,5,9,17,99")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--layers", action="store_true", help="Time each linear layer shape alone.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.tokens.split(",")]
+    if args.layers:
+        print_layers(load_causal_lm(args.model, "float32")[0], counts, args.repeats)
+        return
     models = {"aten": load_causal_lm(args.model, "float32")[0], "oneDNN": load_causal_lm(args.model, "float32")[0]}
     pack_linears(models["oneDNN"])
     vocab = models["aten"].config.vocab_size

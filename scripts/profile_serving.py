@@ -5,7 +5,10 @@ Writes a near-free model (``specdec bench ceiling``'s, :func:`specdec_app.bench.
 a random 2-layer Llama, hidden 64, with SmolLM2's tokenizer; a forward costs almost nothing, so what
 is measured is the path around it), serves it with the three
 services as separate processes (verify: that model; draft: the transformers drafter on the same
-folder, so every draft token is accepted), sends N concurrent greedy streams (closed loop) and
+folder, so every draft token is accepted; every service with the ``SPECDEC_*`` settings
+``specdec bench ceiling`` gives it at N, :func:`specdec_app.bench.ceiling.configure`, where this
+environment does not set them: one torch thread each, the draft at niceness 0), sends N
+concurrent greedy streams (closed loop) and
 samples every process with py-spy (``--idle`` off: only frames that run on a CPU). Prints, per
 K and per process, the CPU ms per generated token (user + system time from /proc around the
 load) split by the share of py-spy's samples in each part of the path, and the tokens/s.
@@ -16,6 +19,7 @@ load) split by the share of py-spy's samples in each part of the path, and the t
 import argparse
 import asyncio
 import collections
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +30,8 @@ import grpc
 
 from specdec.rpc.server import GRPC_OPTIONS
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec_app.bench.ceiling import near_free_model
+from specdec_app.bench.ceiling import configure
+from specdec_app.bench.concurrency import ConcurrencyConfig, service_settings
 from specdec_app.bench.cpu_time import CpuClock, ms_per_token
 from specdec_app.launcher import LocalCluster, free_port
 
@@ -136,12 +141,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[0, 4], help="Fixed Ks; -1: adaptive K.")
     parser.add_argument("--raw-out", type=Path, help="Keep py-spy's raw stacks here (<process>-k<K>.txt).")
     args = parser.parse_args()
+    # the ceiling's config at N, for its service settings and model only: nothing reads its questions
+    ceiling = configure(ConcurrencyConfig(questions=Path(), out=Path(), command="", concurrency=[args.concurrency]))
+    os.environ.update({k: v for k, v in service_settings(ceiling).items() if k not in os.environ})
     with tempfile.TemporaryDirectory() as tmp:
-        model, out = near_free_model(), args.raw_out or Path(tmp) / "profiles"
+        model, out = ceiling.target, args.raw_out or Path(tmp) / "profiles"
         out.mkdir(parents=True, exist_ok=True)
         drafter = ["--drafters", "transformers", "--default-drafter", "transformers"]
-        # limits that let every stream join every step (one handler thread per call in flight)
-        limits = ["--max-sessions", str(2 * args.concurrency + 8), "--max-num-seqs", str(args.concurrency)]
+        # room for every stream's sessions (one handler thread per call in flight)
+        limits = ["--max-sessions", str(2 * args.concurrency + 8)]
         limits += ["--max-workers", str(2 * args.concurrency + 8)]
         cluster = LocalCluster(
             free_port(),

@@ -1,6 +1,7 @@
 """The target's linear layers on oneDNN (:mod:`specdec.engine.cpu_linear`): the same outputs as
-``torch.nn.Linear`` up to rounding, for any number of rows, and a model whose every linear layer
-is packed computes the same logits. bfloat16 packs only on a CPU that runs oneDNN's bfloat16 path:
+``torch.nn.Linear`` up to rounding, for any number of rows, only layers of at least
+``MIN_PACKED_ELEMENTS`` weights packed by default, and a model whose every linear layer is packed
+computes the same logits. bfloat16 packs only on a CPU that runs oneDNN's bfloat16 path:
 each test of it checks the choice made on the host it runs on (an AVX2-only CPU takes the other
 branch; ``qemu-x86_64 -cpu EPYC-Rome`` plays one on an AVX-512 host)."""
 
@@ -54,7 +55,7 @@ def test_pack_linears_in_bfloat16_packs_where_the_cpu_runs_it_else_says_so_once(
     packed = copy.deepcopy(model)
     cpu_linear._log_cpu_cannot.cache_clear()
     with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):
-        num_packed = [pack_linears(packed), pack_linears(copy.deepcopy(model))]
+        num_packed = [pack_linears(packed, min_elements=0), pack_linears(copy.deepcopy(model), min_elements=0)]
     warnings = [r.getMessage() for r in caplog.records if r.name == cpu_linear.__name__]
     if bfloat16_runs_here():
         assert num_packed[0] == num_packed[1] == 2 * 7 + 1 and warnings == []
@@ -67,11 +68,22 @@ def test_pack_linears_in_bfloat16_packs_where_the_cpu_runs_it_else_says_so_once(
     assert torch.allclose(logits, expected, atol=0.1, rtol=0.05)
 
 
+def test_pack_linears_packs_only_layers_of_at_least_min_elements_weights():
+    """The tiny model's LM head (49,152 x 64 weights) is packed; its layers' (at most 128 x 64)
+    stay on aten, unless the bound is lowered."""
+    model = tiny_llama(seed=0)
+    assert pack_linears(model) == 1
+    assert isinstance(model.lm_head, PackedLinear)
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == 2 * 7  # q, k, v, o, gate, up, down
+    assert pack_linears(model, min_elements=0) == 2 * 7
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
 def test_pack_linears_keeps_the_logits():
     model = tiny_llama(seed=0)
     packed = copy.deepcopy(model)
     num_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert pack_linears(packed) == num_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert pack_linears(packed, min_elements=0) == num_linears == 2 * 7 + 1  # 7 a layer; the head
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
     with torch.inference_mode():

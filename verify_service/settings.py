@@ -24,7 +24,8 @@ class VerifySettings(SessionServiceSettings):
     )
     pack_linear_weights: bool = Field(
         True,
-        description="On a CPU: run the target's linear layers on oneDNN with their weights packed once at load "
+        description="On a CPU: run the target's linear layers of at least 2^18 weights on oneDNN with their "
+        "weights packed once at load "
         "(a verify step of 9 tokens about 2x faster on SmolLM2, see specdec/engine/cpu_linear.py); "
         "off: transformers' own (aten). No effect on a GPU, nor on bfloat16 weights where the CPU lacks "
         "AVX-512 BW/VL/DQ and AVX-NE-CONVERT (logged once).",

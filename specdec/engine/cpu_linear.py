@@ -16,6 +16,12 @@ docs/profiles.md#the-targets-linear-layers-on-a-cpu). Greedy output then equals 
 decoding except where the top two logits are within that rounding, the same kind of difference as a batched step's
 (invariant *batch independence*, docs/architecture.md#invariants).
 
+Small weights stay on aten (:data:`MIN_PACKED_ELEMENTS`): oneDNN's call costs a fixed 30-35 us
+more than aten's (``scripts/profile_linear.py --layers``; 64 x 64 at one row: 36 us against 7 on
+the AVX2 EPYC of docs/profiles.md#small-linear-layers-stay-on-aten), more than packing saves on a
+layer of under 2^18 weights at any row count there; a near-free model's layers (hidden size 64)
+ran 3-4x slower packed.
+
 Memory: each packed weight replaces the layer's own, so the model's size does not change, except
 where a weight is shared (an LM head tied to the input embedding, as SmolLM2's): the embedding
 keeps the original and the packed copy is extra (vocabulary x hidden x the dtype's bytes).
@@ -28,6 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
+MIN_PACKED_ELEMENTS = 2**18  # in_features x out_features; smaller layers stay on aten (module docstring)
 
 
 def cpu_runs(dtype: torch.dtype) -> bool:
@@ -89,10 +96,11 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replaces every ``torch.nn.Linear`` of ``model`` by a :class:`PackedLinear` of its weight, in
-    place; returns how many. Does nothing (returns 0) where :func:`available` is False, and says so
-    once (a warning) where only the CPU stands in the way."""
+def pack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> int:
+    """Replaces every ``torch.nn.Linear`` of ``model`` with at least ``min_elements`` weights
+    (in_features x out_features) by a :class:`PackedLinear` of its weight, in place; returns how
+    many. Does nothing (returns 0) where :func:`available` is False, and says so once (a warning)
+    where only the CPU stands in the way."""
     dtype = _packable_dtype(model)
     if dtype is None:
         return 0
@@ -103,7 +111,7 @@ def pack_linears(model: torch.nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, torch.nn.Linear)
+        if isinstance(child, torch.nn.Linear) and child.in_features * child.out_features >= min_elements
     ]
     for parent, name, child in linears:
         setattr(parent, name, PackedLinear(child))
