@@ -17,10 +17,10 @@ decoding except where the top two logits are within that rounding, the same kind
 (invariant *batch independence*, docs/architecture.md#invariants).
 
 Small weights stay on aten (:data:`MIN_PACKED_ELEMENTS`): oneDNN's call costs a fixed 30-35 us
-more than aten's (``scripts/profile_linear.py --layers``; 64 x 64 at one row: 36 us against 7 on
+more than aten's (``scripts/profile_linear.py --layers``; 64 x 64 at one row: 35 us against 7 on
 the AVX2 EPYC of docs/profiles.md#small-linear-layers-stay-on-aten), more than packing saves on a
 layer of under 2^18 weights at any row count there; a near-free model's layers (hidden size 64)
-ran 3-4x slower packed.
+ran 1.3-5x slower packed, from 320 rows to one.
 
 Memory: each packed weight replaces the layer's own, so the model's size does not change, except
 where a weight is shared (an LM head tied to the input embedding, as SmolLM2's): the embedding
