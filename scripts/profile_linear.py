@@ -50,8 +50,8 @@ def print_layers(model: torch.nn.Module, counts: list[int], repeats: int) -> Non
         for (n_in, n_out), linear in sorted(shapes.items()):
             packed = PackedLinear(linear)
             for rows in counts:
-                aten_us, packed_us = layer_us(linear, rows, repeats), layer_us(packed, rows, repeats)
-                print(f"{n_in} x {n_out} | {n_in * n_out} | {rows} | {aten_us:.1f} | {packed_us:.1f} | {packed_us / aten_us:.2f}")
+                aten, oned = layer_us(linear, rows, repeats), layer_us(packed, rows, repeats)
+                print(f"{n_in} x {n_out} | {n_in * n_out} | {rows} | {aten:.1f} | {oned:.1f} | {oned / aten:.2f}")
 
 
 def main() -> None:
