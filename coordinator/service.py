@@ -54,6 +54,7 @@ from coordinator.speculation.policy.k_policy import KPolicy, Learnt
 from coordinator.speculation.rounds import RequestRounds
 from coordinator.speculation.upstream import ProposeDeadline, Service, ServiceClients
 from coordinator.speculation.verify_client import VerifyClient
+from specdec import startup_heap
 from specdec.background import BackgroundTasks
 from specdec.engine.model_files import load_tokenizer
 from specdec.engine.vocab import tokenizer_fingerprint
@@ -635,4 +636,12 @@ def _internal_tls(settings: CoordinatorSettings) -> Reloading[grpc.ChannelCreden
 
 
 def main(settings: CoordinatorSettings) -> None:
-    asyncio.run(serve(settings))
+    """Serves until SIGINT or SIGTERM (:func:`serve`), the start-up heap frozen once the servers
+    listen (:mod:`specdec.startup_heap`)."""
+
+    async def serve_frozen() -> None:
+        ready = asyncio.get_running_loop().create_future()
+        ready.add_done_callback(lambda _: startup_heap.freeze())
+        await serve(settings, ready)
+
+    asyncio.run(serve_frozen())
