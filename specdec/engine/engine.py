@@ -360,18 +360,20 @@ class Engine:
         self._give_up(err, f"the {self.name} engine loop")
 
     def _give_up(self, err: BaseException, what: str) -> None:
-        """Stops the engine for good after ``what`` failed with ``err``: its queued calls fail
-        with UNAVAILABLE, later ones at once, and the handler of :meth:`watch` is called."""
+        """Stops the engine for good after ``what`` failed with ``err``: the handler of
+        :meth:`watch` is called (the service reports NOT_SERVING), then its queued calls fail with
+        UNAVAILABLE, later ones at once; so a caller that sees UNAVAILABLE finds the service
+        already not serving."""
         with self._cond:
             if self._died is not None:  # given up already (the loop died while hung, or the reverse)
                 return
             self._stopped, self._died, on_fatal = True, err, self._on_fatal
             self._stop_reason = f"{what} died ({err!r}): the service is restarting; retry later"
             queued, self._queue, self._num_waiting = self._queue, [], 0
-        for entry in queued:
-            self._hand(entry, Unavailable(self._stop_reason))
         if on_fatal is not None:
             on_fatal(what, err)
+        for entry in queued:
+            self._hand(entry, Unavailable(self._stop_reason))
 
     def _loop(self) -> None:
         while True:
