@@ -362,8 +362,8 @@ class Engine:
     def _give_up(self, err: BaseException, what: str) -> None:
         """Stops the engine for good after ``what`` failed with ``err``: the handler of
         :meth:`watch` is called (the service reports NOT_SERVING), then its queued calls fail with
-        UNAVAILABLE, later ones at once; so a caller that sees UNAVAILABLE finds the service
-        already not serving."""
+        UNAVAILABLE, later ones at once; so a queued caller that sees UNAVAILABLE finds the
+        service already not serving (one arriving while the handler runs may not)."""
         with self._cond:
             if self._died is not None:  # given up already (the loop died while hung, or the reverse)
                 return
