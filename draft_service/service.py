@@ -12,7 +12,6 @@ from prometheus_client import Counter
 from draft_service.drafters.contract import Drafter, DraftSession, Proposal
 from draft_service.drafters.model_drafting import ModelDraftSession
 from draft_service.settings import DRAFTERS, DraftSettings
-from specdec import startup_heap
 from specdec.engine import host_memory
 from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc.delay_hook import delayed_starters, parse_delays
@@ -305,14 +304,12 @@ def _lost(session: DraftSession) -> str | None:
 
 
 def main(settings: DraftSettings) -> None:
-    """Serves until SIGINT or SIGTERM, at ``settings.nice``, the start-up heap frozen once the
-    drafters are loaded and the server started (:mod:`specdec.startup_heap`); then stops the engines
-    and frees the models' native state (:func:`close_engines`), so that the process exits with code 0."""
+    """Serves until SIGINT or SIGTERM, at ``settings.nice``; then stops the engines and frees the
+    models' native state (:func:`close_engines`), so that the process exits with code 0."""
     if settings.nice:
         lower_priority(settings.nice)
     service = build(settings)
     assert isinstance(service.servicer, DraftServicer)
-    startup_heap.freeze()
     service.serve_until_signal()
     close_engines(service.servicer)
 

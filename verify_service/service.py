@@ -6,7 +6,6 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from specdec import startup_heap
 from specdec.engine import host_memory
 from specdec.engine.engine import StepStats
 from specdec.engine.ragged_lm import OverBudget
@@ -239,8 +238,4 @@ def build(settings: VerifySettings, target: Target | None = None) -> RunningServ
 
 
 def main(settings: VerifySettings) -> None:
-    """Serves until SIGINT or SIGTERM, the start-up heap frozen once the target is loaded and the
-    server started (:mod:`specdec.startup_heap`)."""
-    service = build(settings)
-    startup_heap.freeze()
-    service.serve_until_signal()
+    build(settings).serve_until_signal()

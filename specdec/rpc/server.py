@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import startup_heap
 from specdec.observability.prometheus import ServiceMetrics
 from specdec.rpc import tls
 from specdec.rpc.decoding import AioRejectUndecodable, RejectUndecodable
@@ -236,10 +237,13 @@ class RunningService:
         self.servicer.metrics.close()
 
     def serve_until_signal(self) -> None:
-        """Blocks until SIGTERM or SIGINT, then stops accepting calls and lets in-flight ones
-        finish (up to SHUTDOWN_GRACE_S seconds). Should a thread the service depends on die
-        (:class:`Liveness`), stops within FATAL_GRACE_S instead and ends the process with
-        EXIT_FATAL (``os._exit``: a handler thread left waiting on a dead engine must not keep it)."""
+        """The service's process from the end of its start-up: freezes the start-up heap
+        (:mod:`specdec.startup_heap`), then blocks until SIGTERM or SIGINT, then stops accepting
+        calls and lets in-flight ones finish (up to SHUTDOWN_GRACE_S seconds). Should a thread the
+        service depends on die (:class:`Liveness`), stops within FATAL_GRACE_S instead and ends the
+        process with EXIT_FATAL (``os._exit``: a handler thread left waiting on a dead engine must
+        not keep it)."""
+        startup_heap.freeze()
 
         def on_signal(signum, _frame):
             log.info("signal %d: shutting down", signum)
