@@ -1,12 +1,15 @@
-"""The lookup ledger: a request's lookups that do not pay are turned off; those that pay stay on."""
+"""The lookup ledger: a request's lookups that do not pay are turned off; those that pay stay on.
+The lookup memory: new requests under load skip lookups that recent requests never chose."""
 
 from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel
 from coordinator.speculation.policy.adaptive import AdaptiveK
-from coordinator.speculation.policy.lookup_ledger import IDLE_SEARCHES, LookupLedger
+from coordinator.speculation.policy.adaptive_state import AdaptiveState
+from coordinator.speculation.policy.lookup_ledger import IDLE_REQUESTS, IDLE_SEARCHES, TRIAL_EVERY, LookupLedger
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
 from specdec.lookups.ngram import NgramMatch
+from specdec.v1 import draft_pb2, verify_pb2
 
 FLAT = [60.0, 70.0, 75.0, 80.0, 85.0]  # verify ms for K = 0..4, like SmolLM2 on 2 CPU cores
 
@@ -105,3 +108,43 @@ def test_a_chosen_lookup_starts_the_idle_count_again():
     assert ledger.paid
     ledger.searched(chosen=False)
     assert not ledger.paid
+
+
+def idle_ledger() -> LookupLedger:
+    """The ledger of a request whose lookups went idle under load, never chosen."""
+    ledger = LookupLedger()
+    for _ in range(IDLE_SEARCHES):
+        ledger.searched(chosen=False)
+    return ledger
+
+
+def hybrid_request(state: AdaptiveState, others: int, owner: str = "") -> AdaptiveK:
+    """A new request with a model drafter and the n-gram lookup beside it."""
+    drafter = draft_pb2.DrafterInfo(name="llama-cpp", step_ms=7.0)
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=list(FLAT))
+    return state.policy(drafter, target, k_max=4, lookups={NGRAM: 2}, others=others, owner=owner)
+
+
+def test_requests_under_load_skip_lookups_that_recent_requests_never_chose():
+    """After IDLE_REQUESTS requests in a row whose lookups went idle, a request that starts under
+    load has none (one in TRIAL_EVERY still tries them), one that starts alone has them, and so
+    does another owner's, and one whose drafter is the lookup; a request that chose its lookups
+    gives them back to every request."""
+    state = AdaptiveState()
+    for _ in range(IDLE_REQUESTS):
+        request = hybrid_request(state, others=7)
+        assert request.lookups
+        request.lookup_ledger = idle_ledger()
+        request.end()
+    started = [hybrid_request(state, others=7) for _ in range(2 * TRIAL_EVERY)]
+    assert [bool(request.lookups) for request in started].count(True) == 2
+    assert hybrid_request(state, others=0).lookups and hybrid_request(state, others=7, owner="b").lookups
+    target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=list(FLAT))
+    assert state.policy(None, target, k_max=4, lookups={NGRAM: 2}, others=7).lookups  # its drafter: the lookup
+    for request in started:
+        request.end()  # ended without a verdict: skipped, or before their lookups went idle
+    assert not all(hybrid_request(state, others=7).lookups for _ in range(TRIAL_EVERY))
+    trial = next(request for request in iter(lambda: hybrid_request(state, others=7), None) if request.lookups)
+    trial.lookup_ledger.charge(2, 0.5)  # a lookup chosen once
+    trial.end()
+    assert all(hybrid_request(state, others=7).lookups for _ in range(TRIAL_EVERY))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel, ema
 from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.lookup_ledger import LookupMemory
 from coordinator.speculation.policy.step_budget import Bid
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
@@ -40,7 +41,9 @@ class AdaptiveState:
     tenant's requests can steer another's estimates (say, lower its K with requests whose drafts
     all fail; docs/security.md#tenants-and-the-caches). Step costs stay shared: they measure the
     services, which every request meets alike. ``service_line``: the verify service's newest
-    published step line (:attr:`StepCosts.service_line`; None: the coordinator's own only)."""
+    published step line (:attr:`StepCosts.service_line`; None: the coordinator's own only).
+    ``lookup_memory``: per target and owner, whether new requests under load start with the hybrid
+    lookups beside their model drafter (:class:`LookupMemory`)."""
 
     probe_interval: int = 16
     prior_rate: float = 0.8
@@ -52,6 +55,7 @@ class AdaptiveState:
     priors: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # by (source, target, owner)
     bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
     service_line: Callable[[], tuple[float, float] | None] | None = None
+    lookup_memory: dict[tuple[str, str], LookupMemory] = field(default_factory=dict)  # by (target, owner)
 
     def policy(
         self,
@@ -70,8 +74,13 @@ class AdaptiveState:
         load it assumes until its first round reports the service's. ``hidden_behind_verify``: the
         request's model drafter drafts ahead on hardware of its own (:meth:`StepCosts.draft_wait_ms`
         prices its rounds; not where the draft shares the target's cores: its forwards ahead then
-        slow the verify they would hide behind). ``owner``: whose warm starts it uses."""
+        slow the verify they would hide behind). ``owner``: whose warm starts it uses. A request with
+        a model drafter starts without ``lookups`` where its owner's recent requests under load
+        never chose theirs (:class:`LookupMemory`); a request whose drafter is a lookup keeps it."""
         name = drafter.name if drafter else None
+        memory = self.lookup_memory.setdefault((target.model, owner), LookupMemory())
+        if name and lookups and not memory.with_lookups(others):
+            lookups = {}
         key = (name or "+".join(lookups), target.model)
         if key not in self.costs:
             measured = list(target.verify_ms) or [1.0]  # unmeasured: every round costs the same
@@ -122,6 +131,12 @@ class AdaptiveState:
         its rounds observed: :meth:`remember`)."""
         for source, rates in priors.items():
             self.priors[(source, target, owner)] = list(rates)
+
+    def remember_lookups(self, policy: AdaptiveK) -> None:
+        """Tells the lookup memory of an ended request's target and owner what its lookups did
+        (:meth:`LookupMemory.ended`; its :meth:`AdaptiveK.end` calls it)."""
+        if policy.lookups:
+            self.lookup_memory[(policy.target, policy.owner)].ended(policy.lookup_ledger)
 
     def remember(self, policy: AdaptiveK) -> dict[str, list[float]]:
         """Blends an ended request's acceptance estimates into its owner's warm starts, at the

@@ -1,5 +1,6 @@
 """Whether a request's own n-gram and suffix lookups pay for the verify tokens they take, and, under
-load, for their search."""
+load, for their search; and what the coordinator's ended requests found of theirs, so that new
+requests under load skip lookups that recent ones never chose."""
 
 from dataclasses import dataclass
 
@@ -9,6 +10,10 @@ LOOKUP_TRIAL_TOKENS = 8  # a request's lookups draft this many tokens before the
 # took the coordinator from 0.25 to 0.43 ms of CPU a token in rounds that all decoded plainly
 # (docs/benchmark.md#current-result-ceiling).
 IDLE_SEARCHES = 16
+# Ended requests in a row whose lookups went idle under load (IDLE_SEARCHES), after which the
+# coordinator's new requests under load start without them, all but one in TRIAL_EVERY.
+IDLE_REQUESTS = 4
+TRIAL_EVERY = 8
 
 
 @dataclass
@@ -55,3 +60,41 @@ class LookupLedger:
         chosen within the last ``idle_searches`` searches under load."""
         drafts_pay = self.drafted < self.trial_tokens or self.gained >= self.owed
         return drafts_pay and self.searched_idle < self.idle_searches
+
+
+@dataclass
+class LookupMemory:
+    """What the coordinator's ended requests on one target (of one owner) found of their lookups
+    under load, for the requests that start after them. Each request learns alone that its lookups
+    never win (:class:`LookupLedger`'s ``idle_searches``), having paid first for indexing its prompt
+    and for the searches: at the near-free ceiling's 64 streams, 5% and 3% of the coordinator's CPU
+    samples, in rounds that all decoded plainly (docs/profiles.md#lookups-that-recent-requests-never-chose).
+    Once ``idle_requests`` ended in a row with their lookups idle, a request that starts under load
+    (others running besides it) starts without lookups, neither indexing its prompt nor searching,
+    except one in ``trial_every``, which tries them as before: the first of those whose lookups are
+    chosen (its text repeats, say) starts every request with them again. A request that starts
+    alone always has them: alone a search costs a sliver of its round.
+
+    Per owner, like the acceptance estimates' warm starts (:class:`AdaptiveState`), so that no
+    tenant's requests turn off another's lookups."""
+
+    idle_requests: int = IDLE_REQUESTS
+    trial_every: int = TRIAL_EVERY
+    idle_in_a_row: int = 0  # the last ended requests whose lookups went idle under load, never chosen
+    started_without: int = 0  # requests that started under load since the lookups were last chosen
+
+    def with_lookups(self, others: int) -> bool:
+        """Whether a request starting with ``others`` requests running besides it gets lookups."""
+        if others < 1 or self.idle_in_a_row < self.idle_requests:
+            return True
+        self.started_without += 1
+        return self.started_without % self.trial_every == 0
+
+    def ended(self, ledger: LookupLedger) -> None:
+        """Learns from an ended request's ledger: its lookups chosen at least once (the memory
+        forgets: every request has them again), idle under load, or neither (it had none, or ended
+        before either: no change)."""
+        if ledger.drafted:
+            self.idle_in_a_row = self.started_without = 0
+        elif ledger.searched_idle >= ledger.idle_searches:
+            self.idle_in_a_row += 1
