@@ -11,7 +11,7 @@ from coordinator.api.client import generate
 from coordinator.observability.metrics import HIT, MISS, PLAIN, RoundRecord
 from coordinator.settings import CoordinatorSettings
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel, drafted_outcome
-from coordinator.speculation.policy.adaptive import AdaptiveK
+from coordinator.speculation.policy.adaptive import PRICE_EVERY, AdaptiveK
 from coordinator.speculation.policy.adaptive_state import AdaptiveState
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from specdec.lookups.ngram import DRAFTER_NAME as NGRAM
@@ -275,6 +275,29 @@ def test_plain_rounds_decode_ahead_until_a_probe_is_due():
             policy.observe(dataclasses.replace(record(0, 0, 0), decoded_ahead=True), None, [1])
     assert ahead[:3] == [True] * 3 and not ahead[-1]  # a free draft: a probe is due after 4 x 1.24 rounds
     assert policy.next_round(None)[0] == "llama-cpp"
+
+
+def test_under_load_a_plain_stretch_is_priced_every_few_rounds():
+    """Beside 15 others, a round that decodes ahead with its lookups off answers for the
+    PRICE_EVERY - 1 rounds after it: when the load is gone (the drafter would win alone) the
+    stretch goes on until its next priced round, which ends it; a forced token's match is priced
+    at once."""
+    costs = StepCosts(0.0, list(FLAT), 2.0, batched_ms={16: 400.0, 32: 800.0})
+    policy = AdaptiveK(4, "llama-cpp", AcceptanceModel([0.9] * 4), {NGRAM: [AcceptanceModel([0.9] * 4)]}, costs)
+    policy.load = Load(others_seqs=15, others_tokens=15)
+    assert not policy.lookups_on and policy.decodes_ahead({})
+    policy.observe(dataclasses.replace(record(0, 0, 0), decoded_ahead=True), {}, [1])
+    policy.load = Load()  # alone: the drafter wins
+    ahead = []
+    for _ in range(PRICE_EVERY):
+        ahead.append((policy.lookups_on, policy.decodes_ahead({})))
+        policy.observe(dataclasses.replace(record(0, 0, 0), decoded_ahead=True), {}, [1])
+    assert ahead == [(False, True)] * (PRICE_EVERY - 1) + [(True, False)]
+    policy.load = Load(others_seqs=15, others_tokens=15)
+    assert not policy.lookups_on and policy.decodes_ahead({})
+    policy.observe(dataclasses.replace(record(0, 0, 0), decoded_ahead=True), {}, [1])
+    policy.load = Load()
+    assert not policy.decodes_ahead({FORCED: ForcedMatch([5, 6])})
 
 
 def test_a_stretch_decoded_ahead_under_load_is_left_only_for_more_than_the_steps_it_misses():

@@ -101,20 +101,21 @@ def test_alone_lookups_are_searched_whether_chosen_or_not():
 def test_a_chosen_lookup_starts_the_idle_count_again():
     ledger = LookupLedger()
     for _ in range(IDLE_SEARCHES - 1):
-        ledger.searched(chosen=False)
-    ledger.searched(chosen=True)
+        ledger.under_load(searched=True, chosen=False)
+    ledger.under_load(searched=True, chosen=True)
     for _ in range(IDLE_SEARCHES - 1):
-        ledger.searched(chosen=False)
+        ledger.under_load(searched=True, chosen=False)
     assert ledger.paid
-    ledger.searched(chosen=False)
+    ledger.under_load(searched=True, chosen=False)
     assert not ledger.paid
 
 
-def idle_ledger() -> LookupLedger:
-    """The ledger of a request whose lookups went idle under load, never chosen."""
+def idle_ledger(searched: bool) -> LookupLedger:
+    """The ledger of a request whose lookups were never chosen in IDLE_SEARCHES rounds under load,
+    ``searched`` or not."""
     ledger = LookupLedger()
     for _ in range(IDLE_SEARCHES):
-        ledger.searched(chosen=False)
+        ledger.under_load(searched=searched, chosen=False)
     return ledger
 
 
@@ -126,15 +127,15 @@ def hybrid_request(state: AdaptiveState, others: int, owner: str = "") -> Adapti
 
 
 def test_requests_under_load_skip_lookups_that_recent_requests_never_chose():
-    """After IDLE_REQUESTS requests in a row whose lookups went idle, a request that starts under
-    load has none (one in TRIAL_EVERY still tries them), one that starts alone has them, and so
-    does another owner's, and one whose drafter is the lookup; a request that chose its lookups
-    gives them back to every request."""
+    """After IDLE_REQUESTS requests in a row whose lookups were never chosen under load (searched
+    or not), a request that starts under load has none (one in TRIAL_EVERY still tries them), one
+    that starts alone has them, and so do another owner's and one whose drafter is the lookup; a
+    request that chose its lookups gives them back to every request."""
     state = AdaptiveState()
-    for _ in range(IDLE_REQUESTS):
+    for i in range(IDLE_REQUESTS):
         request = hybrid_request(state, others=7)
         assert request.lookups
-        request.lookup_ledger = idle_ledger()
+        request.lookup_ledger = idle_ledger(searched=i % 2 == 0)
         request.end()
     started = [hybrid_request(state, others=7) for _ in range(2 * TRIAL_EVERY)]
     assert [bool(request.lookups) for request in started].count(True) == 2
@@ -142,7 +143,7 @@ def test_requests_under_load_skip_lookups_that_recent_requests_never_chose():
     target = verify_pb2.VerifyServiceGetInfoResponse(model="t", verify_ms=list(FLAT))
     assert state.policy(None, target, k_max=4, lookups={NGRAM: 2}, others=7).lookups  # its drafter: the lookup
     for request in started:
-        request.end()  # ended without a verdict: skipped, or before their lookups went idle
+        request.end()  # no verdict: skipped, or ended before IDLE_SEARCHES rounds
     assert not all(hybrid_request(state, others=7).lookups for _ in range(TRIAL_EVERY))
     trial = next(request for request in iter(lambda: hybrid_request(state, others=7), None) if request.lookups)
     trial.lookup_ledger.charge(2, 0.5)  # a lookup chosen once

@@ -76,6 +76,11 @@ if TYPE_CHECKING:
     from coordinator.speculation.policy.adaptive_state import AdaptiveState
 
 
+# Under load, a plain stretch decoded ahead whose lookups are off is priced every PRICE_EVERY-th
+# round; the rounds between keep its answer (docs/profiles.md#adaptive-k-at-the-ceiling-priced-every-round).
+PRICE_EVERY = 4
+
+
 @dataclass(eq=False)  # by identity: a request's policy keys its bid in the step budget
 class AdaptiveK:
     """One request's choice of drafter and K. Each round's options: plain decode, the model
@@ -107,6 +112,7 @@ class AdaptiveK:
     shared: "AdaptiveState | None" = field(default=None, repr=False)  # the state that made it (None: alone)
     _rounds_without_drafter: int = 0
     _searched: bool = False  # the last answer of lookups_on: whether this round searched the lookups
+    _priced_plain: int = 0  # rounds left that keep the last priced plain stretch's answers (PRICE_EVERY)
 
     @property
     def k_limit(self) -> int:
@@ -231,11 +237,21 @@ class AdaptiveK:
         the verify engine steps without the request (:meth:`missed_steps`): its next round and
         the plain round after it each turn around, and each misses a step. So the other options
         are priced with those steps here (two whole ones: a lookup must then commit more than 3
-        tokens where plain decode commits 1 a step)."""
+        tokens where plain decode commits 1 a step).
+
+        Under load, a round that decodes ahead with no matches and its lookups off is priced for
+        the ``PRICE_EVERY`` - 1 rounds after it too: they keep its answers here and in
+        :attr:`lookups_on` unless a match turns up (a forced token), so that a plain stretch
+        checks for a probe or a change of load every ``PRICE_EVERY``-th round, not every round."""
+        if self._priced_plain and not matches:
+            return True
         drafter, _ = self._best(matches, draft_available, missed_steps=2.0 * self.missed_steps())
         if drafter != PLAIN:
             return False
-        return not (self.drafter and draft_available and self._probe_due() and self._could_win(matches))
+        ahead = not (self.drafter and draft_available and self._probe_due() and self._could_win(matches))
+        if ahead and not matches and not self._searched and self.load.others_seqs >= 1:
+            self._priced_plain = PRICE_EVERY
+        return ahead
 
     def missed_steps(self) -> float:
         """Steps a round that turns around misses under load (not decoded ahead: it waits for the
@@ -255,8 +271,9 @@ class AdaptiveK:
         of the coordinator's CPU at the near-free ceiling's 64 streams, every round plain); their
         next call indexes the tokens committed meanwhile. The round reads it once, before its
         choice; the answer is kept for its :meth:`observe`, which would otherwise price the load
-        again."""
-        self._searched = self.lookup_ledger.paid and self._lookup_could_win()
+        again, and by the rounds of a priced plain stretch (:meth:`decodes_ahead`)."""
+        if not self._priced_plain:
+            self._searched = self.lookup_ledger.paid and self._lookup_could_win()
         return self._searched
 
     def _lookup_could_win(self) -> bool:
@@ -389,10 +406,12 @@ class AdaptiveK:
 
     def observe(self, record: RoundRecord, matches: Matches | None, committed: list[int]) -> None:
         """Learns from a finished round: its record, the lookups' matches looked up before it
-        (used or not) and the tokens it committed. Under load, a round that searched the lookups
-        (:attr:`lookups_on`, read before the round) tells the ledger whether one was chosen."""
-        if self._searched and self.lookups and self.load.others_seqs >= 1:
-            self.lookup_ledger.searched(chosen=record.drafter in self.lookups)
+        (used or not) and the tokens it committed. Under load, every round tells the ledger
+        whether it searched the lookups (:attr:`lookups_on`, read before the round) and whether one
+        was chosen."""
+        if self.lookups and self.load.others_seqs >= 1:
+            self.lookup_ledger.under_load(searched=self._searched, chosen=record.drafter in self.lookups)
+        self._priced_plain = max(0, self._priced_plain - 1)
         draft_call = bool(self.drafter) and record.drafter == self.drafter
         if record.decoded_ahead:  # chosen by the round before (decodes_ahead), not by next_round
             self._rounds_without_drafter += 1

@@ -10,8 +10,9 @@ LOOKUP_TRIAL_TOKENS = 8  # a request's lookups draft this many tokens before the
 # took the coordinator from 0.25 to 0.43 ms of CPU a token in rounds that all decoded plainly
 # (docs/benchmark.md#current-result-ceiling).
 IDLE_SEARCHES = 16
-# Ended requests in a row whose lookups went idle under load (IDLE_SEARCHES), after which the
-# coordinator's new requests under load start without them, all but one in TRIAL_EVERY.
+# Ended requests in a row whose lookups were never chosen in IDLE_SEARCHES rounds or more under
+# load, after which the coordinator's new requests under load start without them, all but one in
+# TRIAL_EVERY.
 IDLE_REQUESTS = 4
 TRIAL_EVERY = 8
 
@@ -39,6 +40,7 @@ class LookupLedger:
     owed: float = 0.0
     gained: int = 0
     searched_idle: int = 0  # rounds in a row under load whose search chose no lookup
+    rounds_under_load: int = 0
 
     def charge(self, k: int, break_even: float) -> None:
         """Records a lookup round of ``k`` draft tokens whose break-even is ``break_even`` tokens."""
@@ -49,10 +51,12 @@ class LookupLedger:
         """Records the draft tokens a lookup round had accepted."""
         self.gained += accepted
 
-    def searched(self, chosen: bool) -> None:
-        """Records a round under load that searched the lookups: ``chosen``, whether it proposed a
-        lookup's match."""
-        self.searched_idle = 0 if chosen else self.searched_idle + 1
+    def under_load(self, searched: bool, chosen: bool) -> None:
+        """Records a round under load: ``searched``, whether it searched the lookups; ``chosen``,
+        whether it proposed a lookup's match."""
+        self.rounds_under_load += 1
+        if searched:
+            self.searched_idle = 0 if chosen else self.searched_idle + 1
 
     @property
     def paid(self) -> bool:
@@ -65,22 +69,24 @@ class LookupLedger:
 @dataclass
 class LookupMemory:
     """What the coordinator's ended requests on one target (of one owner) found of their lookups
-    under load, for the requests that start after them. Each request learns alone that its lookups
-    never win (:class:`LookupLedger`'s ``idle_searches``), having paid first for indexing its prompt
-    and for the searches: at the near-free ceiling's 64 streams, 5% and 3% of the coordinator's CPU
-    samples, in rounds that all decoded plainly (docs/profiles.md#lookups-that-recent-requests-never-chose).
-    Once ``idle_requests`` ended in a row with their lookups idle, a request that starts under load
-    (others running besides it) starts without lookups, neither indexing its prompt nor searching,
-    except one in ``trial_every``, which tries them as before: the first of those whose lookups are
-    chosen (its text repeats, say) starts every request with them again. A request that starts
-    alone always has them: alone a search costs a sliver of its round.
+    under load, for the requests that start after them. Each request indexes its prompt in its
+    lookups while the target prefills it, and under load learns only afterwards that they never win:
+    at the near-free ceiling's 16 streams no round of any request searched them (even a sure
+    proposal lost to plain decode at that load), so indexing the Spec-Bench prompts was all they
+    did (docs/profiles.md#lookups-that-recent-requests-never-chose). Once ``idle_requests`` ended
+    in a row without choosing their lookups in ``idle_searches`` rounds or more under load
+    (:class:`LookupLedger`: searched and not chosen, or not searched at all), a request that starts
+    under load (others running besides it) starts without lookups, neither indexing its prompt nor
+    searching, except one in ``trial_every``, which has them as before: the first of those whose
+    lookups are chosen (its text repeats, say) starts every request with them again. A request
+    that starts alone always has them: alone a search costs a sliver of its round.
 
     Per owner, like the acceptance estimates' warm starts (:class:`AdaptiveState`), so that no
     tenant's requests turn off another's lookups."""
 
     idle_requests: int = IDLE_REQUESTS
     trial_every: int = TRIAL_EVERY
-    idle_in_a_row: int = 0  # the last ended requests whose lookups went idle under load, never chosen
+    idle_in_a_row: int = 0  # the last ended requests whose lookups were never chosen under load
     started_without: int = 0  # requests that started under load since the lookups were last chosen
 
     def with_lookups(self, others: int) -> bool:
@@ -92,9 +98,9 @@ class LookupMemory:
 
     def ended(self, ledger: LookupLedger) -> None:
         """Learns from an ended request's ledger: its lookups chosen at least once (the memory
-        forgets: every request has them again), idle under load, or neither (it had none, or ended
-        before either: no change)."""
+        forgets: every request has them again), never chosen in ``ledger.idle_searches`` rounds or
+        more under load, or neither (it ran alone, or too short: no change)."""
         if ledger.drafted:
             self.idle_in_a_row = self.started_without = 0
-        elif ledger.searched_idle >= ledger.idle_searches:
+        elif ledger.rounds_under_load >= ledger.idle_searches:
             self.idle_in_a_row += 1
