@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 
 # Under load, a plain stretch decoded ahead whose lookups are off is priced every PRICE_EVERY-th
-# round; the rounds between keep its answer (docs/profiles.md#adaptive-k-at-the-ceiling-priced-every-round).
+# round; the rounds between keep its answer (docs/profiles.md#adaptive-ks-coordinator-at-the-ceiling).
 PRICE_EVERY = 4
 
 

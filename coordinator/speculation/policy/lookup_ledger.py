@@ -73,7 +73,7 @@ class LookupMemory:
     lookups while the target prefills it, and under load learns only afterwards that they never win:
     at the near-free ceiling's 16 streams no round of any request searched them (even a sure
     proposal lost to plain decode at that load), so indexing the Spec-Bench prompts was all they
-    did (docs/profiles.md#lookups-that-recent-requests-never-chose). Once ``idle_requests`` ended
+    did (docs/profiles.md#adaptive-ks-coordinator-at-the-ceiling). Once ``idle_requests`` ended
     in a row without choosing their lookups in ``idle_searches`` rounds or more under load
     (:class:`LookupLedger`: searched and not chosen, or not searched at all), a request that starts
     under load (others running besides it) starts without lookups, neither indexing its prompt nor
