@@ -499,7 +499,9 @@ def test_a_key_on_two_coordinators_gets_no_more_than_a_key_on_one(tiny_pipeline,
     """Two sessions of room on the verify service; key A sends from two clients to each of two
     coordinators, key B from two clients to one of them, short requests back to back for 10 s.
     The verify service keeps the room that appears for the key holding fewer sessions, so A is
-    admitted about as often as B, not about twice as often (each coordinator's queue is its own)."""
+    admitted about as often as B, not about twice as often (each coordinator's queue is its own).
+    The bound sits between the two, at 1.6x: on a slow host each key completes 11-16 requests in
+    the 10 s, and A read 1.45x B once from that noise alone."""
     one = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
     two = coordinator(tiny_models, small_verify, tiny_pipeline.draft_address)
     request = coordinator_pb2.GenerateRequest(text="Hi.", max_new_tokens=24, ignore_eos=True, num_speculative_tokens=0)
@@ -526,7 +528,7 @@ def test_a_key_on_two_coordinators_gets_no_more_than_a_key_on_one(tiny_pipeline,
         one.stop()
         two.stop()
     assert not errors, errors
-    assert done["b"] >= 10 and done["a"] <= 1.4 * done["b"], done
+    assert done["b"] >= 10 and done["a"] <= 1.6 * done["b"], done
 
 
 def test_a_rebuilt_session_waits_its_turn_behind_those_waiting(
