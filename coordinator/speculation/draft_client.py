@@ -233,7 +233,7 @@ class DraftSession:
         one: every replica) failed to answer in the draft service's ``down_s``."""
         return time.monotonic() < self.retry_at or self.service.down(replica)
 
-    def open(self, around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+    def open(self) -> None:
         """Starts the session's prefill in the background, unless the request uses no draft, the
         session is open or opening, or the draft failed recently; rounds go on without it. A
         session whose missed Propose got no late answer within ``retry_s`` is released first (what
@@ -243,7 +243,7 @@ class DraftSession:
             self._release_open()
         closed = self.session_id is None and self._prefill is None
         if self.uses_draft and closed and not self._failed_recently():
-            self._prefill = asyncio.ensure_future(self._open_around(around))
+            self._prefill = asyncio.ensure_future(self._open_or_fail())
 
     async def wait_for_prefill(self) -> None:
         """Waits for the background prefill, if any, at most as long as a Propose of its size may
@@ -308,10 +308,6 @@ class DraftSession:
         if self.num_cached_tokens is None:
             self.num_cached_tokens = response.num_cached_tokens
         return seen - response.num_cached_tokens, ms_since(start)
-
-    async def _open_around(self, around: Callable[[], contextlib.AbstractContextManager[None]]) -> tuple[int, float] | None:
-        with around():
-            return await self._open_or_fail()
 
     async def _open_or_fail(self) -> tuple[int, float] | None:
         try:

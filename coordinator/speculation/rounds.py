@@ -235,13 +235,12 @@ class RequestRounds:
         completion only if the same rounds use the draft whatever the timing."""
         opened = self.request.draft.prefill_with_target and self.draft.opens_at_once(policy)
         if opened:
-            self.draft.open(policy.prefilling)
+            self.draft.open()
         decode = len(self.committed) == len(self.request.prompt_ids)
         indexing = asyncio.ensure_future(self._index_lookups(list(self.committed)))
 
-        async def open_verify() -> verify_pb2.VerifyServicePrefillResponse:
-            with policy.prefilling():
-                return await self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
+        def open_verify() -> Awaitable[verify_pb2.VerifyServicePrefillResponse]:
+            return self.verify.open(time.monotonic() + self.verify.failover_timeout_s, decode=decode)
 
         self.verify.admit = admit
         try:
@@ -254,7 +253,7 @@ class RequestRounds:
             running = max(response.step.num_running_seqs, self.running_requests())
             policy.observe_prefill(response.step.num_seqs, running)
         if not opened and self.draft.opens_at_once(policy):  # with the load the prefill met
-            self.draft.open(policy.prefilling)
+            self.draft.open()
         return first, self._logprobs(response, first)
 
     async def _index_lookups(self, context: list[int]) -> None:
@@ -335,7 +334,7 @@ class RequestRounds:
         """The round's proposer and K, ``policy``'s choice, which may first open the draft session
         (:meth:`KPolicy.wants_drafter`)."""
         if not self.draft.available() and policy.wants_drafter(matches, len(self.committed), max_k + 1):
-            self.draft.open(policy.prefilling)
+            self.draft.open()
         proposer, k = policy.next_round(matches, self.draft.available())
         return proposer, min(k, max_k)
 

@@ -59,7 +59,6 @@ sampling), and the choice only decides who proposes and how many (``--grammar-aw
 off: neither half).
 """
 
-import contextlib
 import dataclasses
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -69,15 +68,12 @@ from coordinator.observability.metrics import PLAIN, RoundRecord
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel, drafted_outcome
 from coordinator.speculation.policy.k_policy import Learnt, Match, Matches
 from coordinator.speculation.policy.lookup_ledger import LookupLedger
-from coordinator.speculation.policy.regime import TOGETHER
 from coordinator.speculation.policy.step_budget import Bid, allocate
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from specdec.sampling.grammar import FORCED
 
 if TYPE_CHECKING:
     from coordinator.speculation.policy.adaptive_state import AdaptiveState
-
-ALONE = Load()  # the load a request prices its options at when the requests choose together (never changed)
 
 
 # Under load, a plain stretch decoded ahead whose lookups are off is priced every PRICE_EVERY-th
@@ -123,17 +119,6 @@ class AdaptiveK:
         """The largest K of any round: the verify service's; forced tokens may take a round past
         ``k_max`` drafted tokens up to it."""
         return len(self.costs.verify_ms) - 1
-
-    @property
-    def priced_load(self) -> Load:
-        """The load the options are priced at: the one the request's rounds see, or none where the
-        coordinator's requests on the target choose together now
-        (:mod:`coordinator.speculation.policy.regime`): each then chooses as if alone."""
-        return ALONE if self._together() else self.load
-
-    def _together(self) -> bool:
-        """Whether the coordinator's requests on the target choose together now (:mod:`coordinator.speculation.policy.regime`)."""
-        return self.shared is not None and self.shared.regime(self.target) == TOGETHER
 
     def _lookup_models(self, matches: Matches | None) -> list[tuple[str, Match, AcceptanceModel]]:
         """This round's lookup matches with the acceptance model of each (the forced-token
@@ -193,8 +178,7 @@ class AdaptiveK:
         ``missed_steps``: steps the request misses choosing anything but plain decode, in which
         the others commit their work without it (see :meth:`decodes_ahead`)."""
         k_max = min(self.k_max, self.k_limit)
-        load = self.priced_load
-        others, others_tokens = load.others_work(), load.others_tokens
+        others, others_tokens = self.load.others_work(), self.load.others_tokens
         missed_ms = missed_steps * self.costs.step_ms(others_tokens + 1) if missed_steps else 0.0
         missed_tokens = missed_steps * others  # the others' work in the steps the request misses
 
@@ -259,8 +243,6 @@ class AdaptiveK:
         the ``PRICE_EVERY`` - 1 rounds after it too: they keep its answers here and in
         :attr:`lookups_on` unless a match turns up (a forced token), so that a plain stretch
         checks for a probe or a change of load every ``PRICE_EVERY``-th round, not every round."""
-        if self.drafter and self._together():  # its next round opens the draft (RequestRounds._choose)
-            return False
         if self._priced_plain and not matches:
             return True
         drafter, _ = self._best(matches, draft_available, missed_steps=2.0 * self.missed_steps())
@@ -278,7 +260,7 @@ class AdaptiveK:
         rounds waited (``StepCosts.missed_step_share``); 0 alone. Leaving a stretch decoded ahead
         costs two such rounds (:meth:`decodes_ahead`); any other choice than plain decode one
         more than plain decode (:meth:`next_round`: the plain round after it turns around too)."""
-        return self.costs.missed_step_share if self.priced_load.others_seqs >= 1 else 0.0
+        return self.costs.missed_step_share if self.load.others_seqs >= 1 else 0.0
 
     @property
     def lookups_on(self) -> bool:
@@ -291,7 +273,7 @@ class AdaptiveK:
         choice; the answer is kept for its :meth:`observe`, which would otherwise price the load
         again, and by the rounds of a priced plain stretch (:meth:`decodes_ahead`)."""
         if not self._priced_plain:
-            self._searched = self.lookup_ledger.paid and not self._together() and self._lookup_could_win()
+            self._searched = self.lookup_ledger.paid and self._lookup_could_win()
         return self._searched
 
     def _lookup_could_win(self) -> bool:
@@ -300,7 +282,7 @@ class AdaptiveK:
         and costs; alone, True. Where a verify step's cost grows with every token (a CPU target
         under load) even that loses to plain decode, and the lookups are not searched; where it
         barely grows (an accelerator) they always are."""
-        if self.priced_load.others_seqs < 1 or not self.lookups:
+        if self.load.others_seqs < 1 or not self.lookups:
             return True
         plain = self._plain_goodput()
         return any(k > self._break_even(k, plain) for k in range(1, min(self.k_max, self.k_limit) + 1))
@@ -318,10 +300,9 @@ class AdaptiveK:
         draft_ms = self.costs.draft_ms_per_token if drafter == self.drafter and not self.hidden_behind_verify else 0.0
         self.bids[self] = Bid(self._passing(drafter, matches), draft_ms)
         intercept, slope = self.costs.line()
-        load = self.priced_load
-        if k == 0 or load.others_seqs < 1 or slope <= 0:
+        if k == 0 or self.load.others_seqs < 1 or slope <= 0:
             return k
-        others = max(0.0, load.others_work() - (len(self.bids) - 1))
+        others = max(0.0, self.load.others_work() - (len(self.bids) - 1))
         return min(k, allocate(self.bids, intercept + self.costs.overhead_ms, slope, others)[self])
 
     def _passing(self, drafter: str, matches: Matches | None) -> list[float]:
@@ -341,15 +322,13 @@ class AdaptiveK:
 
     def _plain_goodput(self) -> float:
         """The whole batch's tokens per ms of a plain round at the current load (:meth:`options`' measure)."""
-        load = self.priced_load
-        return (1.0 + load.others_work()) / self.costs.round_ms(0, False, load.others_tokens)
+        return (1.0 + self.load.others_work()) / self.costs.round_ms(0, False, self.load.others_tokens)
 
     def _break_even(self, k: int, plain_goodput: float) -> float:
         """The tokens beyond one that a lookup round of ``k`` drafts must commit to make
         ``plain_goodput`` (:meth:`_plain_goodput`) at the current load."""
-        load = self.priced_load
-        round_ms = self.costs.round_ms(k, False, load.others_tokens)
-        return max(0.0, plain_goodput * round_ms - load.others_work() - 1.0)
+        round_ms = self.costs.round_ms(k, False, self.load.others_tokens)
+        return max(0.0, plain_goodput * round_ms - self.load.others_work() - 1.0)
 
     def opens_draft_at_prefill(self, context_tokens: int, remaining: int) -> bool:
         """Whether a greedy request opens its draft beside the target's prefill: only if the first
@@ -371,8 +350,6 @@ class AdaptiveK:
         (docs/profiles.md#the-engine-loop-and-adaptive-k-under-load)."""
         if not self.drafter:
             return False
-        if self._together():  # every request drafts: its opening is the regime's, measured with it
-            return True
         open_ms = context_tokens * self.costs.draft_prefill_ms_per_token
         drafter, _ = self._best(matches, True, open_ms / remaining if remaining > 0 else 0.0)
         probe_due = (
@@ -399,7 +376,7 @@ class AdaptiveK:
         measures the draft's cost, whose start-up measurement
         can read several times too high (taken while the other services load), and a request
         alone is where that estimate is put right."""
-        if self.priced_load.others_seqs < 1:
+        if self.load.others_seqs < 1:
             return True
         assert self.acceptance is not None
         always_right = AcceptanceModel([1.0] * len(self.acceptance.rates))
@@ -423,7 +400,7 @@ class AdaptiveK:
         load, ``open_ms`` (its share of opening the draft session) included: probing a slow draft,
         one on a loaded service or one that must first prefill a long context then costs no larger
         share of the fallback's time than probing a cheap one."""
-        others = self.priced_load.others_tokens
+        others = self.load.others_tokens
         probe = self.costs.round_ms(min(self.probe_k, self.k_max), True, others) + open_ms
         return self.probe_interval * max(1.0, probe / self.costs.round_ms(0, False, others))
 
@@ -432,7 +409,7 @@ class AdaptiveK:
         (used or not) and the tokens it committed. Under load, every round tells the ledger
         whether it searched the lookups (:attr:`lookups_on`, read before the round) and whether one
         was chosen."""
-        if self.lookups and self.priced_load.others_seqs >= 1:
+        if self.lookups and self.load.others_seqs >= 1:
             self.lookup_ledger.under_load(searched=self._searched, chosen=record.drafter in self.lookups)
         self._priced_plain = max(0, self._priced_plain - 1)
         draft_call = bool(self.drafter) and record.drafter == self.drafter
@@ -446,17 +423,10 @@ class AdaptiveK:
             model.observe_tokens(match.tokens, committed)
         self.costs.observe(record, draft_call, self.hidden_behind_verify)
         self.load.observe(record, len(committed))
-        if self.shared is not None:
-            self.shared.committed(self.target, len(committed))
 
     def observe_prefill(self, num_seqs: int, num_running_seqs: int) -> None:
         """Learns the load the request's prefill met (:meth:`Load.observe_prefill`)."""
         self.load.observe_prefill(num_seqs, num_running_seqs)
-
-    def prefilling(self) -> contextlib.AbstractContextManager[None]:
-        """Around the request's prefill: stops the clock of the trials of the ways to choose K
-        (:meth:`AdaptiveState.prefilling`)."""
-        return self.shared.prefilling(self.target) if self.shared is not None else contextlib.nullcontext()
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         """Learns what opening the draft session cost: a Prefill of ``num_tokens`` in ``ms``
@@ -474,7 +444,6 @@ class AdaptiveK:
         if self.shared is None:
             return None
         self.shared.remember_lookups(self)
-        self.shared.ended(self)
         priors = self.shared.remember(self)
         return Learnt(self.owner, priors) if priors else None
 

@@ -1,9 +1,7 @@
 """What the coordinator's adaptive requests share per target: step costs per drafter, warm starts
-of their acceptance estimates per owner, the step budget's bids and the trials of the two ways to
-choose K under load; and the factory of each new request's
-:class:`~coordinator.speculation.policy.adaptive.AdaptiveK`."""
+of their acceptance estimates per owner, and the step budget's bids; and the factory of each new
+request's :class:`~coordinator.speculation.policy.adaptive.AdaptiveK`."""
 
-import contextlib
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -11,7 +9,6 @@ from dataclasses import dataclass, field
 from coordinator.speculation.policy.acceptance_model import AcceptanceModel, ema
 from coordinator.speculation.policy.adaptive import AdaptiveK
 from coordinator.speculation.policy.lookup_ledger import LookupMemory
-from coordinator.speculation.policy.regime import PER_REQUEST, RegimeTrials
 from coordinator.speculation.policy.step_budget import Bid
 from coordinator.speculation.policy.step_costs import Load, StepCosts
 from coordinator.speculation.upstream import TOKENS_PER_CATCH_UP_FORWARD
@@ -59,9 +56,6 @@ class AdaptiveState:
     bids: dict[str, MutableMapping[AdaptiveK, Bid]] = field(default_factory=dict)
     service_line: Callable[[], tuple[float, float] | None] | None = None
     lookup_memory: dict[tuple[str, str], LookupMemory] = field(default_factory=dict)  # by (target, owner)
-    regime_trials: bool = True
-    trials: dict[str, RegimeTrials] = field(default_factory=dict)  # by target model
-    running: dict[str, "weakref.WeakSet[AdaptiveK]"] = field(default_factory=dict)  # by target model
 
     def policy(
         self,
@@ -102,7 +96,7 @@ class AdaptiveState:
             )
         if target.load.step_intercept_ms or target.load.step_ms_per_token:  # the line as of this GetInfo
             self.costs[key].reported_line = (target.load.step_intercept_ms, target.load.step_ms_per_token)
-        policy = AdaptiveK(
+        return AdaptiveK(
             k_max,
             name,
             self._warm_start(name, target.model, k_max, self.prior_rate, owner) if name else None,
@@ -125,31 +119,6 @@ class AdaptiveState:
             owner=owner,
             shared=self,
         )
-        if self.regime_trials:
-            self.trials.setdefault(target.model, RegimeTrials())
-        self.running.setdefault(target.model, weakref.WeakSet()).add(policy)
-        return policy
-
-    def regime(self, target: str) -> str:
-        """How the requests on ``target`` choose K now (:meth:`RegimeTrials.regime`, at the number
-        of them running); per request without trials."""
-        trials = self.trials.get(target)
-        return trials.regime(len(self.running.get(target, ()))) if trials is not None else PER_REQUEST
-
-    def committed(self, target: str, num_tokens: int) -> None:
-        """Counts a round's ``num_tokens`` committed tokens in the trials of ``target``."""
-        if (trials := self.trials.get(target)) is not None:
-            trials.committed(num_tokens)
-
-    def prefilling(self, target: str) -> contextlib.AbstractContextManager[None]:
-        """Around a prefill of a request on ``target``: the trials' clock stops
-        (:meth:`RegimeTrials.prefilling`)."""
-        trials = self.trials.get(target)
-        return trials.prefilling() if trials is not None else contextlib.nullcontext()
-
-    def ended(self, policy: AdaptiveK) -> None:
-        """Stops counting ``policy``'s request as running (one never ended stops once collected)."""
-        self.running.get(policy.target, weakref.WeakSet()).discard(policy)
 
     def _warm_start(self, source: str, target: str, k_max: int, prior_rate: float, owner: str) -> AcceptanceModel:
         prior = self.priors.setdefault((source, target, owner), [])

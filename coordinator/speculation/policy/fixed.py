@@ -1,7 +1,6 @@
 """The K policy of a request whose K is fixed: the one it asked for, or the coordinator's
 ``num_speculative_tokens`` with adaptive K off."""
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -56,9 +55,6 @@ class FixedK:
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         pass
-
-    def prefilling(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
     def end(self) -> Learnt | None:
         return None

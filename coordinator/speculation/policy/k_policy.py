@@ -3,7 +3,6 @@
 <coordinator.speculation.policy.adaptive.AdaptiveK>` implement, so that every request has a policy
 object and the round (:mod:`coordinator.speculation.rounds`) reads the same whichever it has."""
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,9 +79,6 @@ class KPolicy(Protocol):
 
     def observe_draft_prefill(self, num_tokens: int, ms: float) -> None:
         """Learns what opening the draft session cost: a Prefill of ``num_tokens`` in ``ms``."""
-
-    def prefilling(self) -> contextlib.AbstractContextManager[None]:
-        """Around the request's prefill on the verify service."""
 
     def end(self) -> Learnt | None:
         """Called once, when the request ends: hands what the policy learnt to the estimates the
