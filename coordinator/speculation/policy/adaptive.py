@@ -434,16 +434,14 @@ class AdaptiveK:
         self.costs.observe_draft_prefill(num_tokens, ms)
 
     def end(self) -> Learnt | None:
-        """Takes the request's bid out of the step budget, tells ``shared``'s lookup memory what
-        its lookups did (:meth:`AdaptiveState.remember_lookups`) and blends what its rounds observed
-        into the warm starts of ``shared`` (:meth:`AdaptiveState.remember`). Returns the warm starts
+        """Takes the request's bid out of the step budget and blends what its rounds observed into
+        the warm starts and the lookup memory of ``shared`` (:meth:`AdaptiveState.remember`). Returns the warm starts
         that changed, its ``owner``'s; None without ``shared``, or when its rounds observed no
         acceptance (say, a request of plain rounds alone without lookup matches)."""
         if self.bids is not None:
             self.bids.pop(self, None)
         if self.shared is None:
             return None
-        self.shared.remember_lookups(self)
         priors = self.shared.remember(self)
         return Learnt(self.owner, priors) if priors else None
 

@@ -132,19 +132,16 @@ class AdaptiveState:
         for source, rates in priors.items():
             self.priors[(source, target, owner)] = list(rates)
 
-    def remember_lookups(self, policy: AdaptiveK) -> None:
-        """Tells the lookup memory of an ended request's target and owner what its lookups did
-        (:meth:`LookupMemory.ended`; its :meth:`AdaptiveK.end` calls it)."""
-        if policy.lookups:
-            self.lookup_memory[(policy.target, policy.owner)].ended(policy.lookup_ledger)
-
     def remember(self, policy: AdaptiveK) -> dict[str, list[float]]:
         """Blends an ended request's acceptance estimates into its owner's warm starts, at the
         positions its rounds observed (its :meth:`AdaptiveK.end` calls it). Returns those warm
         starts, by source (drafter, ``ngram/<n>``, ``forced``), for the request store: the ones
         it changed alone. Every other warm start of this replica holds what it last loaded from the
         store, or the default prior of a source it never loaded, and writing that back would
-        overwrite what another replica's requests measured since."""
+        overwrite what another replica's requests measured since. Also tells the lookup memory of
+        the request's target and owner what its lookups did (:meth:`LookupMemory.ended`)."""
+        if policy.lookups:
+            self.lookup_memory[(policy.target, policy.owner)].ended(policy.lookup_ledger)
         learnt = {}
         for source, model in policy.acceptance_models().items():
             prior = self.priors[(source, policy.target, policy.owner)]

@@ -90,7 +90,9 @@ class LookupMemory:
     started_without: int = 0  # requests that started under load since the lookups were last chosen
 
     def with_lookups(self, others: int) -> bool:
-        """Whether a request starting with ``others`` requests running besides it gets lookups."""
+        """Whether a request starting with ``others`` requests running besides it gets lookups;
+        one that starts under load while the memory is on is counted (every ``trial_every``-th
+        gets them)."""
         if others < 1 or self.idle_in_a_row < self.idle_requests:
             return True
         self.started_without += 1
